@@ -1,0 +1,79 @@
+"""Sampler benchmark: our KV-cache sampler vs transformers' `generate()` on the same weights.
+
+Both sample 64 sequences x 64 image tokens with the same settings (temperature, top-k, image tokens
+only), with CFG off and on; `generate()` runs on the exported `LlamaForCausalLM` and does CFG its own
+way (`guidance_scale` with `negative_prompt_ids`, a second model call per step). A teacher-forced
+forward pass over the same rows is the ceiling: it computes the same logits in one batched pass, as
+fast as those logits can be had. Runs are interleaved so that machine noise hits all of them alike;
+the median of `repeats` is reported. Speed targets are checked here, never in timed tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.sampling import SamplingParams, sample
+
+BENCH_WORDS = "a an on of left right above below small large red green blue yellow purple orange " \
+              "circle square triangle white black gray background".split()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repeats: int = 3,
+                  cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 100,
+                  dtype: str = "float32") -> dict:
+    torch.manual_seed(0)
+    policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval()
+    policy = policy.to(getattr(torch, dtype))  # both implementations run on the same weights
+    c, N = policy.cfg, policy.num_image_tokens
+    hf = policy.to_hf_llama()
+    cond = policy.encode_prompts(["a small red circle left of a blue square"] * batch)  # [B, L]
+    null = policy.null_condition(cond[:1])  # [1, L]
+    seeds = list(range(batch))
+    gen_kwargs = dict(max_new_tokens=N, min_new_tokens=N, do_sample=True, temperature=temperature,
+                      top_k=top_k or None, top_p=None, suppress_tokens=list(range(c.image_offset)),
+                      pad_token_id=0, eos_token_id=None)
+
+    def ours(scale):
+        return lambda: sample(policy, cond, seeds, SamplingParams(scale, temperature, top_k))
+
+    def theirs(scale):
+        extra = dict(guidance_scale=scale, negative_prompt_ids=null.expand_as(cond)) if scale != 1 else {}
+        return lambda: hf.generate(cond, attention_mask=torch.ones_like(cond), **gen_kwargs, **extra)
+
+    tokens = torch.randint(0, c.codebook_size, (batch, N))
+
+    def ceiling(scale):
+        rows, toks = (cond, tokens) if scale == 1 else (torch.cat([cond, cond]), tokens.repeat(2, 1))
+        return lambda: policy.image_logits(rows, toks)
+
+    runs = {f"{name}_{tag}": make(scale) for tag, scale in (("cfg_off", 1.0), ("cfg_on", cfg_scale))
+            for name, make in (("ours", ours), ("generate", theirs), ("teacher_forced", ceiling))}
+    times = {name: [] for name in runs}
+    with torch.no_grad():
+        for fn in runs.values():  # warm-up
+            fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                times[name].append(_timed(fn))
+    tps = {name: batch * N / statistics.median(t) for name, t in times.items()}
+    result = {
+        "batch": batch, "image_tokens": N, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "dtype": dtype,
+        "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
+        "repeats": repeats, "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+    }
+    for tag in ("cfg_off", "cfg_on"):
+        result[f"speedup_vs_generate_{tag}"] = round(tps[f"ours_{tag}"] / tps[f"generate_{tag}"], 2)
+        result[f"fraction_of_ceiling_{tag}"] = round(tps[f"ours_{tag}"] / tps[f"teacher_forced_{tag}"], 3)
+    result["targets_met"] = all(result[f"speedup_vs_generate_{t}"] >= 3 and result[f"fraction_of_ceiling_{t}"] >= 0.4
+                                for t in ("cfg_off", "cfg_on"))
+    return result

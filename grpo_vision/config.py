@@ -1,0 +1,313 @@
+"""Typed configuration: nested dataclasses, YAML files and dotted command-line overrides.
+
+Every knob is one typed field with a one-line doc (cleanrl style), and the defaults run. Loading is
+strict: an unknown key, a value of the wrong type or a malformed YAML file raises `ConfigError` that
+names the key and what was expected, so a typo never silently falls back to a default.
+
+    cfg = load_config("configs/shapes.yaml", ["train.lr=1e-5", "sample.group_size=16"])
+    sizes = derived_sizes(cfg, num_processes=2)   # checks divisibility, prints with format_sizes()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and how to fix it."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "shapes_grpo"  # run directory name, created under out_dir
+    out_dir: str = "runs"  # parent folder of run directories
+    seed: int = 0  # seeds prompts order, sampling and initialisation
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
+
+
+@dataclass
+class PolicyConfig:
+    kind: Literal["shapes", "llama", "janus"] = "shapes"  # which ImagePolicy adapter loads `path`
+    path: str = "worlds/shapes"  # policy checkpoint: a ShapesWorld dir, a policy dir or a Janus dir
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
+
+
+@dataclass
+class SampleConfig:
+    prompts_per_step: int = 8  # distinct prompts per training step (B)
+    group_size: int = 8  # images sampled per prompt (G); advantages are normalised within a group
+    cfg_scale: float = 3.0  # classifier-free guidance: logits = uncond + s * (cond - uncond); 1 = off
+    temperature: float = 1.0  # softmax temperature of image-token sampling
+    top_k: int = 0  # keep the k most likely image tokens; 0 = all
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set with this much mass; 1 = all
+    logprob_mode: Literal["guided", "conditional"] = "guided"  # distribution used by ratio and KL
+    batch_size: int = 64  # sequences per sampler call (CFG doubles the rows internally)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # training steps; one step = one rollout of B*G images plus its updates
+    lr: float = 1e-5  # AdamW peak learning rate
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # decay after warmup
+    warmup_steps: int = 0  # linear warmup, in optimizer updates
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
+    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
+    num_iterations: int = 1  # update passes over each rollout (mu), old log-probs cached
+    minibatches_per_pass: int = 1  # optimizer updates per pass; each averages its micro-batches
+    micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation unit)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast dtype for forward passes
+    beta: float = 0.0  # weight of the k3 KL penalty against the reference policy
+    epsilon_low: float = 0.2  # ratio clip below: 1 - epsilon_low
+    epsilon_high: float = 0.28  # ratio clip above: 1 + epsilon_high (DAPO "clip higher")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "bnpo"  # loss normalisation, see grpo.py
+    adv_scale: Literal["group", "batch", "none"] = "group"  # divide advantages by this std
+    reference: Literal["frozen", "lora", "none"] = "frozen"  # where reference log-probs come from
+    ref_sync_every: int = 0  # copy the policy into the reference every N steps; 0 = never
+    lora_rank: int = 16  # LoRA rank when reference == "lora"
+    lora_alpha: float = 32.0  # LoRA scaling numerator when reference == "lora"
+    lora_targets: list[str] = field(  # module names that receive LoRA adapters
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(  # reward name -> weight in the trained total
+        default_factory=lambda: {"clip": 1.0, "aesthetic": 1.0}
+    )
+    monitor: list[str] = field(default_factory=lambda: ["shapes_exact"])  # logged, not trained
+    clip_model: str = ""  # open_clip architecture name; "" = the world's tiny CLIP
+    clip_checkpoint: str = ""  # local open_clip checkpoint file; "" = the world's tiny CLIP
+    aesthetic_checkpoint: str = ""  # LAION-style head weights; "" = the world's aesthetic head
+    batch_size: int = 64  # images per reward-model call
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = ""  # prompts file (text or JSONL); "" = the world's seen prompts
+    eval_prompts: str = ""  # held-out prompts for evaluation; "" = the world's held-out prompts
+
+
+@dataclass
+class LogConfig:
+    log_every: int = 1  # write metrics every N steps
+    sample_every: int = 25  # save a policy-vs-reference sample grid every N steps; 0 = never
+    checkpoint_every: int = 50  # write a checkpoint every N steps; 0 = only at the end
+    eval_images: int = 4  # images per held-out prompt in the final report
+    tensorboard: bool = True  # also write TensorBoard events
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ---------------------------------------------------------------- loading and type checking
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file at `path`, then `overrides` like ``train.lr=1e-5``."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with open(path) as stream:  # a stream, so YAML errors name the file and line
+                raw = yaml.safe_load(stream) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    cfg = from_dict(Config, raw, where=str(path) if path else "config")
+    for item in overrides or []:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(_unknown_key(f"{prefix}{key}", str(key), names, where))
+        if dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = from_dict(hints[key], value or {}, where, f"{prefix}{key}.")
+        else:
+            kwargs[key] = coerce(value, hints[key], f"{prefix}{key}", where)
+    return cls(**kwargs)
+
+
+def apply_override(cfg: Config, item: str) -> None:
+    """Apply one ``section.key=value`` override; the value is parsed for the field's type."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like section.key=value, e.g. train.lr=1e-5")
+    dotted, text = item.split("=", 1)
+    *parents, leaf = dotted.strip().split(".")
+    node, prefix = cfg, ""
+    for part in parents:
+        names = [f.name for f in dataclasses.fields(node)]
+        if part not in names or not dataclasses.is_dataclass(getattr(node, part)):
+            raise ConfigError(_unknown_key(prefix + part, part, names, "command line"))
+        node, prefix = getattr(node, part), f"{prefix}{part}."
+    names = [f.name for f in dataclasses.fields(node)]
+    if leaf not in names or dataclasses.is_dataclass(getattr(node, leaf)):
+        raise ConfigError(_unknown_key(prefix + leaf, leaf, names, "command line"))
+    hint = typing.get_type_hints(type(node))[leaf]
+    value = text if hint is str else _parse_text(text)
+    setattr(node, leaf, coerce(value, hint, dotted, "command line"))
+
+
+def _parse_text(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
+    """Check `value` against type `hint`; convert the lossless cases (int -> float, "1e-5" -> float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(f"{where}: '{key}' expects {expected}, got {value!r} ({type(value).__name__})")
+
+    if origin is Literal:
+        if value not in args:
+            raise fail("one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(value, inner[0], key, where)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail("a boolean (true or false)")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail("an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise fail("a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise fail("a string")
+    if origin is list:
+        if not isinstance(value, list):
+            raise fail(f"a list of {args[0].__name__}")
+        return [coerce(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise fail(f"a mapping of {args[0].__name__} to {args[1].__name__}")
+        return {coerce(k, args[0], key, where): coerce(v, args[1], f"{key}.{k}", where) for k, v in value.items()}
+    raise TypeError(f"unsupported config type {hint} for {key}")  # a bug in this file, not user input
+
+
+def _unknown_key(full: str, key: str, names: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, names, n=1)
+    section = full.rsplit(".", 1)[0] if "." in full else "the top level"
+    hint = f" (did you mean '{full[:-len(key)]}{close[0]}'?)" if close else ""
+    return f"{where}: unknown key '{full}'{hint}; valid keys in {section}: {', '.join(names)}"
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that types alone cannot express."""
+    s, t = cfg.sample, cfg.train
+    checks = [
+        (s.group_size >= 2, "sample.group_size must be >= 2: GRPO normalises rewards within a group, "
+                            "and a group of one has no spread to learn from"),
+        (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
+        (s.batch_size >= 1, "sample.batch_size must be >= 1"),
+        (s.cfg_scale >= 0, "sample.cfg_scale must be >= 0 (1 turns guidance off)"),
+        (s.temperature > 0, "sample.temperature must be > 0"),
+        (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),
+        (0 < s.top_p <= 1, "sample.top_p must be in (0, 1]"),
+        (t.steps >= 1, "train.steps must be >= 1"),
+        (t.lr > 0, "train.lr must be > 0"),
+        (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
+        (t.minibatches_per_pass >= 1, "train.minibatches_per_pass must be >= 1"),
+        (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (t.beta >= 0, "train.beta must be >= 0"),
+        (0 <= t.epsilon_low < 1, "train.epsilon_low must be in [0, 1)"),
+        (t.epsilon_high >= 0, "train.epsilon_high must be >= 0"),
+        (t.ref_sync_every >= 0, "train.ref_sync_every must be >= 0"),
+        (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
+        (not (t.beta > 0 and t.reference == "none"),
+         "train.beta > 0 needs a reference policy: set train.reference to frozen or lora, or beta to 0"),
+        (bool(cfg.reward.weights), "reward.weights must name at least one reward, e.g. {clip: 1.0}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+# ---------------------------------------------------------------- derived sizes
+
+
+def derived_sizes(cfg: Config, num_processes: int = 1) -> dict[str, int]:
+    """The batch arithmetic, checked: whole groups stay on one process, micro-batches tile a minibatch."""
+    s, t = cfg.sample, cfg.train
+    if s.prompts_per_step % num_processes:
+        raise ConfigError(
+            f"sample.prompts_per_step={s.prompts_per_step} must be divisible by the number of processes "
+            f"({num_processes}) so that every group of {s.group_size} images stays on one process")
+    images_per_process = s.prompts_per_step // num_processes * s.group_size
+    per_update = t.minibatches_per_pass * t.micro_batch_size
+    if images_per_process % per_update:
+        raise ConfigError(
+            f"images per process per step ({images_per_process} = prompts_per_step {s.prompts_per_step} / "
+            f"{num_processes} processes x group_size {s.group_size}) must be divisible by "
+            f"train.minibatches_per_pass x train.micro_batch_size = {per_update}")
+    return {
+        "processes": num_processes,
+        "images_per_step": s.prompts_per_step * s.group_size,
+        "images_per_process": images_per_process,
+        "micro_batch_size": t.micro_batch_size,
+        "micro_batches_per_update": images_per_process // per_update,
+        "updates_per_step": t.num_iterations * t.minibatches_per_pass,
+        "steps": t.steps,
+        "total_updates": t.steps * t.num_iterations * t.minibatches_per_pass,
+        "total_images": t.steps * s.prompts_per_step * s.group_size,
+    }
+
+
+def format_sizes(sizes: dict[str, int]) -> str:
+    return "  ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

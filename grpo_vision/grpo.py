@@ -1,0 +1,207 @@
+"""GRPO math: group-relative advantages, the clipped surrogate, the k3 KL and the loss.
+
+Every function here is pure: tensors and floats in, tensors out. Shapes: `B*G` sequences (B prompts
+times a group of G samples each, groups contiguous), `N` image tokens per sequence.
+
+Advantages (GRPO, DeepSeekMath arXiv 2402.03300; TRL GRPOTrainer): each sample is scored against
+its own group, A_i = (R_i - mean_group(R)) / (std + eps). The divisor is the group's std ("group"),
+the whole batch's std ("batch", TRL's `scale_rewards="batch"`) or nothing ("none", Dr. GRPO
+arXiv 2503.20783, which argues that dividing by the std over-weights near-uniform groups). A NaN
+reward means "does not apply to this sample": it is left out of the statistics and gets A = 0.
+
+Loss (PPO-clip applied per token, with the sequence's advantage on every token):
+
+    r_t = exp(logp_t - old_logp_t)
+    l_t = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) - beta * k3_t
+    k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (Schulman, "Approximating KL divergence")
+    loss = -aggregate(l)
+
+`eps_high > eps_low` is DAPO's clip-higher (arXiv 2503.14476). The aggregation is TRL's
+`loss_type`: "grpo" averages each sequence's tokens then the sequences; "bnpo" averages all
+unmasked tokens in the batch (DAPO's token-level loss); "dr_grpo" divides the token sum by a
+constant, sequences * max_tokens (Dr. GRPO), so no sequence's length re-weights its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SCALES = ("group", "batch", "none")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over entries where `mask` is true; 0 where nothing is unmasked.
+
+    `torch.where`, not `x * mask`, so that NaN/inf in masked entries cannot leak (NaN * 0 = NaN).
+    """
+    mask = mask.bool()
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim)  # [] or x.shape without dim
+    count = mask.sum(dim).clamp(min=1)  # [] or x.shape without dim
+    return total / count
+
+
+def _group_view(rewards: Tensor, group_size: int) -> Tensor:
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 (advantages are relative to the group), got {group_size}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B*G], got shape {tuple(rewards.shape)}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"len(rewards)={rewards.numel()} is not divisible by group_size={group_size}"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.float()
+    return rewards.view(-1, group_size)  # [B, G]
+
+
+def _constant_groups(r: Tensor) -> Tensor:
+    """True for groups whose non-NaN rewards are all equal (or that have no non-NaN reward).
+
+    Tested with max == min rather than std == 0: the float mean of equal values can be off by an
+    ulp, which would turn "no signal" into a tiny nonzero advantage.
+    """
+    valid = ~r.isnan()  # [B, G]
+    hi = torch.where(valid, r, torch.full_like(r, -torch.inf)).amax(dim=1)  # [B]
+    lo = torch.where(valid, r, torch.full_like(r, torch.inf)).amin(dim=1)  # [B]
+    return (hi == lo) | ~valid.any(dim=1)  # [B]
+
+
+def _nanstd(r: Tensor, dim: int | None = None) -> Tensor:
+    """Unbiased (Bessel) std over non-NaN entries, like TRL's `nanstd`; 0 with fewer than 2."""
+    valid = ~r.isnan()
+    mean = masked_mean(r, valid, dim)  # [] or [B]
+    mean = mean.unsqueeze(dim) if dim is not None else mean
+    sq = torch.where(valid, r - mean, torch.zeros_like(r)) ** 2  # r.shape
+    count = valid.sum(dim)  # [] or [B]
+    return (sq.sum(dim) / (count - 1).clamp(min=1)).sqrt()  # [] or [B]
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
+) -> Tensor:
+    """Group-relative advantages `[B*G]` from rewards `[B*G]` (groups are contiguous runs).
+
+    NaN rewards are excluded from the group mean/std and get advantage 0; an all-NaN group and a
+    group whose rewards are all equal get exactly 0 (no learning signal, never NaN).
+    """
+    if scale not in SCALES:
+        raise ValueError(f"unknown scale {scale!r}; choose one of {SCALES}")
+    r = _group_view(rewards, group_size)  # [B, G]
+    valid = ~r.isnan()  # [B, G]
+    mean = masked_mean(r, valid, dim=1)  # [B]
+    centered = r - mean[:, None]  # [B, G]
+    if scale == "group":
+        centered = centered / (_nanstd(r, dim=1)[:, None] + eps)  # [B, G]
+    elif scale == "batch":
+        # Group mean, batch std: TRL `scale_rewards="batch"` (std of the raw rewards of the batch).
+        centered = centered / (_nanstd(r) + eps)  # [B, G]
+    zero = ~valid | _constant_groups(r)[:, None]  # [B, G]
+    adv = torch.where(zero, torch.zeros_like(centered), centered)  # [B, G]
+    return adv.reshape(-1)  # [B*G]
+
+
+def frac_zero_std(rewards: Tensor, group_size: int) -> float:
+    """Fraction of groups with zero reward std (all non-NaN rewards equal): metric `adv/frac_zero_std`.
+
+    These groups give zero advantage, so they contribute nothing to the policy gradient.
+    """
+    return _constant_groups(_group_view(rewards, group_size)).float().mean().item()
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimate of KL(policy || ref): exp(d) - d - 1 with d = ref - logp.
+
+    Unbiased for samples from the policy and always >= 0 (Schulman, "Approximating KL
+    divergence", 2020); the estimator TRL GRPOTrainer uses for its `beta` term. Written as
+    expm1(d) - d, the same number, because exp(d) - d - 1 rounds to small negatives near d = 0.
+    """
+    d = ref_logprobs - logprobs  # same shape as inputs
+    return torch.expm1(d) - d  # same shape as inputs
+
+
+def _aggregate(x: Tensor, mask: Tensor, loss_type: str, max_tokens: int | None) -> Tensor:
+    """Reduce per-token values `[B*G, N]` to a scalar the way TRL's `loss_type` does."""
+    x = torch.where(mask, x, torch.zeros_like(x))  # [B*G, N]
+    if loss_type == "grpo":
+        per_seq = x.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B*G]
+        return per_seq.mean()
+    if loss_type == "bnpo":
+        return x.sum() / mask.sum().clamp(min=1)
+    n_max = x.shape[1] if max_tokens is None else max_tokens
+    return x.sum() / (x.shape[0] * n_max)  # dr_grpo
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    loss_type: str = "grpo",
+    max_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped GRPO loss (scalar, to minimise) and detached 0-d metrics.
+
+    logprobs/old_logprobs/ref_logprobs/mask: `[B*G, N]`; advantages: `[B*G]`. Masked tokens never
+    reach the loss or its gradient, even when their inputs are NaN/inf. old_logprobs and
+    ref_logprobs are constants. ref_logprobs may be None only when beta == 0.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs (the KL term is measured against the reference)")
+    if old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"mask {tuple(mask.shape)} must have the same shape [B*G, N]"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [B*G]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
+    mask = mask.bool()  # [B*G, N]
+    zeros = torch.zeros_like(logprobs)  # [B*G, N]
+    # Replace masked entries before any arithmetic: where() sends them no gradient and no NaN.
+    logp = torch.where(mask, logprobs, zeros)  # [B*G, N]
+    old = torch.where(mask, old_logprobs.detach(), zeros)  # [B*G, N]
+    adv = advantages.detach().to(logp.dtype)[:, None]  # [B*G, 1]
+
+    # old is detached, so at logp == old the ratio is 1 with d ratio / d logp = 1: the
+    # exp(x - x.detach()) identity, giving the plain policy-gradient A * grad(logp).
+    ratio = (logp - old).exp()  # [B*G, N]
+    unclipped = ratio * adv  # [B*G, N]
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv  # [B*G, N]
+    surrogate = torch.minimum(unclipped, clipped)  # [B*G, N]
+
+    if ref_logprobs is not None:
+        ref = torch.where(mask, ref_logprobs.detach(), zeros)  # [B*G, N]
+        kl = k3_kl(logp, ref)  # [B*G, N]
+    else:
+        kl = zeros  # [B*G, N]
+    per_token = surrogate - beta * kl  # [B*G, N]
+    loss = -_aggregate(per_token, mask, loss_type, max_tokens)
+
+    with torch.no_grad():
+        # The min picks the clipped (constant, zero-gradient) term only on one side per sign of A:
+        # A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low. Elsewhere r*A is the min.
+        clip_low = (adv < 0) & (ratio < 1 - epsilon_low)  # [B*G, N]
+        clip_high = (adv > 0) & (ratio > 1 + epsilon_high)  # [B*G, N]
+        any_token = mask.any()
+        inf = torch.full_like(ratio, torch.inf)  # [B*G, N]
+        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        metrics = {
+            "kl": masked_mean(kl, mask),
+            "clip_frac_low": masked_mean(clip_low.to(ratio.dtype), mask),
+            "clip_frac_high": masked_mean(clip_high.to(ratio.dtype), mask),
+            "clip_frac": masked_mean((clip_low | clip_high).to(ratio.dtype), mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            # With no unmasked token at all, report the neutral ratio 1 rather than +-inf.
+            "ratio_max": torch.where(any_token, torch.where(mask, ratio, -inf).amax(), one),
+            "ratio_min": torch.where(any_token, torch.where(mask, ratio, inf).amin(), one),
+            "policy_loss": -_aggregate(surrogate, mask, loss_type, max_tokens),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}

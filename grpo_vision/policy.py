@@ -1,0 +1,47 @@
+"""The `ImagePolicy` protocol: what the sampler and the trainer need from an image-token model.
+
+A policy turns captions into condition token ids, and gives logits over its image codebook, either
+step by step with a KV cache (sampling) or for a whole token sequence at once (teacher forcing, for
+training log-probs). Logits are always over the codebook only (`[..., codebook_size]`), so the
+sampler never has to know where image tokens sit in a model's vocabulary.
+
+The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling.py`. Adapters:
+`llama_policy.LlamaImagePolicy` (built in, LlamaGen-style) and, later, a Janus-Pro adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ImagePolicy(Protocol):
+    num_image_tokens: int  # tokens per image, h * w of the tokenizer's grid
+    codebook_size: int  # K: image-token logits have this last dimension
+    image_grid: tuple[int, int]  # (h, w) of the token grid, for the VQ decoder
+
+    def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        """Condition ids `[B, L]` for captions (all rows of one call share L)."""
+        ...
+
+    def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        """The unconditional rows for classifier-free guidance, same shape as `cond`."""
+        ...
+
+    def new_cache(self, batch_size: int) -> Any:
+        """An empty KV cache for `batch_size` rows, sized for condition + image tokens."""
+        ...
+
+    def prefill(self, cond: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Run the condition `[B, L]` into `cache`; return logits `[B, K]` of image token 0."""
+        ...
+
+    def decode(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Append image tokens `[B]` (codebook ids) to `cache`; return logits `[B, K]` of the next."""
+        ...
+
+    def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits `[B, N, K]` for image tokens `[B, N]`, one forward pass, with grad."""
+        ...

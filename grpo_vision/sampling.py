@@ -1,0 +1,184 @@
+"""Sampling owns the distribution: CFG, temperature, top-k/top-p, and the log-probs GRPO uses.
+
+Rollouts (`sample`) prefill the condition into a preallocated KV cache and decode one image token
+at a time (LlamaGen's `generate.py` pattern). Classifier-free guidance doubles the batch: rows
+`[cond; null]` share one forward pass and `logits = uncond + s * (cond - uncond)`.
+
+Which log-probs go into the policy ratio and the KL (`logprob_mode`):
+
+* ``guided`` (default): the log-prob of the distribution the token was actually drawn from,
+  `log softmax(filter(guided / T))`. The objective then is the deployed sampler itself, gradients
+  flow through both CFG branches, and importance ratios are exact. Published recipes that use
+  guided log-probs: Janus-Pro-R1 (guided / s), ddpo-pytorch, Flow-GRPO.
+* ``conditional``: `log softmax(cond / T)`, the conditional branch alone, with no top-k/top-p
+  (a filter of the conditional branch could exclude a token drawn from the guided one). This is
+  what T2I-R1 and AR-GRPO do while sampling with CFG; cheaper (no null rows in training), but
+  the ratio is then a ratio of a different distribution than the one sampled.
+
+Top-k/top-p in guided mode are applied as masks on the guided logits. When scoring a token that is
+known (teacher forcing), that token is always kept in the support: at the first update this is
+exactly the rollout distribution (the drawn token was in it), and after updates it keeps log-probs
+finite when the token drifts out of the top-k, instead of -inf ratios and infinite KL.
+
+Randomness is per image: each row gets a seed and its own stream of uniforms, and tokens are drawn
+by inverse-CDF sampling, so an image depends on (prompt, seed) and not on what else was in the
+batch. That is what lets the demo show policy and reference for the same seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from grpo_vision.policy import ImagePolicy
+
+LOGPROB_MODES = ("guided", "conditional")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    cfg_scale: float = 1.0  # 1 = no guidance (no null rows)
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    logprob_mode: str = "guided"  # "guided" | "conditional", see module docstring
+
+    def __post_init__(self):
+        if self.logprob_mode not in LOGPROB_MODES:
+            raise ValueError(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @property
+    def guided(self) -> bool:
+        return self.cfg_scale != 1.0
+
+
+@dataclass
+class Rollout:
+    tokens: torch.Tensor  # [B, N] int64 codebook ids
+    logprobs: torch.Tensor  # [B, N] float32, per `logprob_mode`
+    entropy: torch.Tensor  # [B, N] float32, entropy of the sampling distribution at each step
+
+
+# ---------------------------------------------------------------------------- the distribution
+
+
+def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest value along the last dim, `[..., 1]` (no gradient: it is a threshold)."""
+    if x.device.type == "cpu":  # numpy's introselect is ~10x faster than torch.topk on CPU (torch 2.15)
+        i = x.shape[-1] - k
+        a = np.partition(x.detach().float().numpy(), i, axis=-1)[..., i:i + 1]
+        return torch.from_numpy(a).to(x.dtype)
+    return torch.topk(x, k, dim=-1).values[..., -1:]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask logits `[..., K]` outside the top-k / top-p set with -inf; `keep` `[...]` always survives."""
+    remove = torch.zeros_like(logits, dtype=torch.bool)  # [..., K]
+    if 0 < top_k < logits.shape[-1]:
+        kth = kth_largest(logits, top_k)  # [..., 1]
+        remove |= logits < kth
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits.masked_fill(remove, float("-inf")), dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)  # [..., K]
+        mass_before = probs.cumsum(-1) - probs  # [..., K]
+        outside = mass_before >= top_p  # [..., K] sorted order; keeps the smallest set reaching top_p
+        remove |= torch.zeros_like(outside).scatter(-1, order, outside)
+    if keep is not None:
+        remove.scatter_(-1, keep.unsqueeze(-1), False)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def guided_logits(cond: torch.Tensor, uncond: torch.Tensor | None, cfg_scale: float) -> torch.Tensor:
+    return cond if uncond is None else uncond + cfg_scale * (cond - uncond)  # [..., K]
+
+
+def token_logprobs(cond: torch.Tensor, uncond: torch.Tensor | None, tokens: torch.Tensor,
+                   params: SamplingParams) -> torch.Tensor:
+    """Log-probs `[...]` of known `tokens` under `params.logprob_mode`; the one formula for both paths."""
+    cond, uncond = cond.float(), None if uncond is None else uncond.float()
+    if params.logprob_mode == "conditional":
+        logits = cond / params.temperature  # [..., K]
+    else:
+        logits = guided_logits(cond, uncond, params.cfg_scale) / params.temperature  # [..., K]
+        logits = filter_logits(logits, params.top_k, params.top_p, keep=tokens)
+    return logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+
+
+def sample_token(cond: torch.Tensor, uncond: torch.Tensor | None, u: torch.Tensor, params: SamplingParams):
+    """Draw one token per row from logits `[B, K]` with uniforms `u` `[B]`; return (token, logp, entropy)."""
+    cond, uncond = cond.float(), None if uncond is None else uncond.float()
+    logits = guided_logits(cond, uncond, params.cfg_scale) / params.temperature  # [B, K]
+    logp = filter_logits(logits, params.top_k, params.top_p).log_softmax(-1)  # [B, K], -inf outside
+    probs = logp.exp()  # [B, K]
+    cdf = probs.cumsum(-1)  # [B, K]
+    # Inverse CDF with v in (0, total]: zero-probability tokens are never drawn.
+    v = (1.0 - u).unsqueeze(-1) * cdf[:, -1:]  # [B, 1]
+    token = torch.searchsorted(cdf, v).clamp_max(cdf.shape[-1] - 1).squeeze(-1)  # [B]
+    entropy = -(probs * logp.masked_fill(probs == 0, 0.0)).sum(-1)  # [B]
+    if params.logprob_mode == "conditional":
+        logp = (cond / params.temperature).log_softmax(-1)
+    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def seeded_uniforms(seeds: Sequence[int] | torch.Tensor, n: int, device) -> torch.Tensor:
+    """`[B, n]` uniforms, row i from its own generator seeded with seeds[i]."""
+    rows = [torch.rand(n, generator=torch.Generator().manual_seed(int(s))) for s in seeds]
+    return torch.stack(rows).to(device)
+
+
+# ---------------------------------------------------------------------------- rollouts
+
+
+@torch.no_grad()  # not inference_mode: rollout tensors are reused by autograd in training
+def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch.Tensor,
+           params: SamplingParams) -> Rollout:
+    """Sample N image tokens for each condition row `[B, L]`, row i from seed `seeds[i]`."""
+    B, N = cond.shape[0], policy.num_image_tokens
+    if len(seeds) != B:
+        raise ValueError(f"got {len(seeds)} seeds for {B} condition rows; pass one seed per image")
+    u = seeded_uniforms(seeds, N, cond.device)  # [B, N]
+    rows = torch.cat([cond, policy.null_condition(cond)]) if params.guided else cond  # [B or 2B, L]
+    cache = policy.new_cache(rows.shape[0])
+    tokens = torch.empty(B, N, dtype=torch.long, device=cond.device)
+    logprobs = torch.empty(B, N, device=cond.device)
+    entropy = torch.empty(B, N, device=cond.device)
+    logits = policy.prefill(rows, cache)  # [B or 2B, K]
+    for i in range(N):
+        c, un = (logits[:B], logits[B:]) if params.guided else (logits, None)
+        tokens[:, i], logprobs[:, i], entropy[:, i] = sample_token(c, un, u[:, i], params)
+        if i + 1 < N:
+            step = tokens[:, i].repeat(2) if params.guided else tokens[:, i]  # [B or 2B]
+            logits = policy.decode(step, cache)
+    return Rollout(tokens, logprobs, entropy)
+
+
+def sample_batched(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int], params: SamplingParams,
+                   batch_size: int) -> Rollout:
+    """`sample` in chunks of `batch_size` rows (the results do not depend on the chunking)."""
+    parts = [sample(policy, cond[i:i + batch_size], seeds[i:i + batch_size], params)
+             for i in range(0, cond.shape[0], batch_size)]
+    return Rollout(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "logprobs", "entropy")))
+
+
+# ---------------------------------------------------------------------------- training log-probs
+
+
+def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor,
+                      params: SamplingParams) -> torch.Tensor:
+    """Teacher-forced log-probs `[B, N]` of `tokens` `[B, N]`, with gradients, in one forward pass.
+
+    Equal to `sample(...).logprobs` for the same policy weights (a test checks ratio == 1).
+    """
+    B = cond.shape[0]
+    if params.guided and params.logprob_mode == "guided":
+        rows = torch.cat([cond, policy.null_condition(cond)])  # [2B, L]
+        logits = policy.image_logits(rows, tokens.repeat(2, 1))  # [2B, N, K]
+        c, un = logits[:B], logits[B:]
+    else:  # conditional mode needs the conditional branch only
+        c, un = policy.image_logits(cond, tokens), None  # [B, N, K]
+    return token_logprobs(c, un, tokens, params)  # [B, N]

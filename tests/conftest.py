@@ -1,0 +1,20 @@
+import pytest
+import torch
+
+from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
+
+WORDS = "a red blue circle square left of".split()
+
+
+@pytest.fixture
+def tiny_policy() -> LlamaImagePolicy:
+    """A tiny random policy with grouped-query attention and non-trivial (not near-uniform) logits."""
+    torch.manual_seed(0)
+    cfg = LlamaPolicyConfig(words=WORDS, max_caption_words=8, codebook_size=32, image_grid=(3, 4),
+                            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)
+    policy = LlamaImagePolicy(cfg).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.ndim > 1:
+                p.mul_(4.0)  # std 0.08: peaked enough that top-k/top-p cut real mass
+    return policy

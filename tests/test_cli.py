@@ -1,0 +1,43 @@
+"""The real `grpo-vision` entry point, run as a user would run it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_config_prints_resolved_values_and_sizes():
+    out = run_cli("config", "configs/shapes.yaml", "train.lr=2e-5", "--num-processes", "2")
+    assert out.returncode == 0, out.stderr
+    assert "lr: 2.0e-05" in out.stdout
+    assert "images_per_step=64" in out.stdout and "images_per_process=32" in out.stdout
+
+
+def test_config_errors_exit_2_and_name_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sample:\n  group_siz: 8\n")
+    for args, needle in [
+        (("config", str(bad)), "unknown key 'sample.group_siz' (did you mean 'sample.group_size'?)"),
+        (("config", "configs/shapes.yaml", "train.lr=fast"), "'train.lr' expects a number, got 'fast'"),
+        (("config", "configs/shapes.yaml", "sample.group_size=1"), "sample.group_size must be >= 2"),
+    ]:
+        out = run_cli(*args)
+        assert out.returncode == 2 and needle in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_bench_sampler_prints_json(tmp_path):
+    out = run_cli("bench", "sampler", "--json", "--batch", "2", "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    runs = {f"{n}_{t}" for n in ("ours", "generate", "teacher_forced") for t in ("cfg_off", "cfg_on")}
+    assert set(result["tokens_per_s"]) == runs
+    assert all(v > 0 for v in result["tokens_per_s"].values())
+    assert result["speedup_vs_generate_cfg_on"] > 0 and isinstance(result["targets_met"], bool)

@@ -1,0 +1,113 @@
+"""Config loading is strict: every error names the key and what was expected."""
+
+from pathlib import Path
+
+import pytest
+
+from grpo_vision.config import Config, ConfigError, derived_sizes, load_config, save_config
+
+CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+    derived_sizes(cfg)  # divisibility holds for one process
+
+
+def test_configs_folder_is_not_empty():
+    assert len(CONFIGS) >= 2
+
+
+def test_defaults_run_and_overrides_apply():
+    cfg = load_config(None, ["train.lr=1e-5", "sample.group_size=16", "reward.weights={clip: 2}",
+                             "train.lora_targets=[q_proj]", "sample.logprob_mode=conditional"])
+    assert cfg.train.lr == 1e-5 and isinstance(cfg.train.lr, float)  # YAML 1.1 reads 1e-5 as a string
+    assert cfg.sample.group_size == 16
+    assert cfg.reward.weights == {"clip": 2.0}
+    assert cfg.train.lora_targets == ["q_proj"]
+    assert cfg.sample.logprob_mode == "conditional"
+
+
+def test_yaml_values_override_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 3.0e-6\n  steps: 7\nsample:\n  top_k: 50\n")
+    cfg = load_config(path)
+    assert (cfg.train.lr, cfg.train.steps, cfg.sample.top_k) == (3e-6, 7, 50)
+    assert cfg.train.beta == Config().train.beta  # untouched keys keep their defaults
+
+
+def test_save_and_reload_round_trip(tmp_path):
+    cfg = load_config(None, ["train.beta=0.04", "run.name=x"])
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("train:\n  lrr: 1.0\n", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
+    ("trian:\n  lr: 1.0\n", "unknown key 'trian' (did you mean 'train'?)"),
+    ("train:\n  lr: fast\n", "'train.lr' expects a number, got 'fast'"),
+    ("train:\n  steps: 1.5\n", "'train.steps' expects an integer"),
+    ("train:\n  loss_type: ppo\n", "'train.loss_type' expects one of 'grpo', 'bnpo', 'dr_grpo'"),
+    ("log:\n  tensorboard: 1\n", "'log.tensorboard' expects a boolean"),
+    ("reward:\n  weights: [clip]\n", "'reward.weights' expects a mapping"),
+    ("train: 3\n", "'train' must be a mapping"),
+    ("- a\n- b\n", "top level must be a mapping"),
+    ("train:\n  lr: [1\n", "is not valid YAML"),
+])
+def test_bad_files_name_the_key(tmp_path, text, needle):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.lrr=1", "unknown key 'train.lrr'"),
+    ("nope.lr=1", "unknown key 'nope'"),
+    ("sample.group_size=abc", "'sample.group_size' expects an integer, got 'abc'"),
+    ("sample.group_size=1", "sample.group_size must be >= 2"),
+    ("train.beta=0.1", None),  # valid
+    ("train.lr", "must look like section.key=value"),
+    ("train=3", "unknown key 'train'"),
+])
+def test_bad_overrides_name_the_key(override, needle):
+    if needle is None:
+        load_config(None, [override])
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_beta_needs_a_reference():
+    with pytest.raises(ConfigError, match="needs a reference policy"):
+        load_config(None, ["train.beta=0.1", "train.reference=none"])
+
+
+def test_derived_sizes_arithmetic():
+    cfg = load_config(None, ["sample.prompts_per_step=8", "sample.group_size=8", "train.micro_batch_size=8",
+                             "train.minibatches_per_pass=2", "train.num_iterations=3", "train.steps=10"])
+    sizes = derived_sizes(cfg, num_processes=2)
+    # 8 prompts x 8 images = 64 per step; 32 per process; 2 minibatches of 16 = 2 micro-batches of 8 each.
+    assert sizes["images_per_step"] == 64
+    assert sizes["images_per_process"] == 32
+    assert sizes["micro_batches_per_update"] == 2
+    assert sizes["updates_per_step"] == 6
+    assert sizes["total_updates"] == 60
+
+
+def test_derived_sizes_refuse_split_groups_and_ragged_micro_batches():
+    cfg = load_config(None, ["sample.prompts_per_step=3"])
+    with pytest.raises(ConfigError, match="divisible by the number of processes"):
+        derived_sizes(cfg, num_processes=2)
+    cfg = load_config(None, ["sample.prompts_per_step=2", "sample.group_size=6", "train.micro_batch_size=8"])
+    with pytest.raises(ConfigError, match="must be divisible by"):
+        derived_sizes(cfg)

@@ -1,0 +1,299 @@
+"""GRPO math checked against numbers worked out by hand (working in the comments)."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean
+
+EPS = 1e-4
+NAN = float("nan")
+F64 = torch.float64
+
+
+def t(x, dtype=F64):
+    return torch.tensor(x, dtype=dtype)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def test_group_scale_worked_example():
+    # Group 1 [1,2,3]: mean 2, centered [-1,0,1], unbiased std sqrt((1+0+1)/2) = 1
+    #   -> [-1,0,1] / (1 + 1e-4). Group 2 [5,5,5]: all equal -> exactly 0.
+    adv = group_advantages(t([1, 2, 3, 5, 5, 5]), group_size=3)
+    assert_close(adv, t([-1, 0, 1, 0, 0, 0]) / t([1 + EPS] * 3 + [1] * 3))
+    assert torch.equal(adv[3:], torch.zeros(3, dtype=F64))
+
+
+def test_batch_scale_uses_batch_std():
+    # Batch mean 21/6 = 3.5; squared deviations 6.25+2.25+0.25+3*2.25 = 15.5; /5 -> var 3.1.
+    # Group mean is still subtracted per group: [-1,0,1] / (sqrt(3.1) + 1e-4); group 2 -> 0.
+    adv = group_advantages(t([1, 2, 3, 5, 5, 5]), group_size=3, scale="batch")
+    assert_close(adv, t([-1, 0, 1, 0, 0, 0]) / (math.sqrt(3.1) + EPS))
+
+
+def test_none_scale_is_dr_grpo_centering():
+    # Dr. GRPO: no division. [1,2,4] mean 7/3 -> [-4/3, -1/3, 5/3]; [5,5,5] -> 0.
+    adv = group_advantages(t([1, 2, 4, 5, 5, 5]), group_size=3, scale="none")
+    assert_close(adv, t([-4 / 3, -1 / 3, 5 / 3, 0, 0, 0]))
+
+
+def test_nan_reward_is_excluded_and_gets_zero():
+    # Group 1 [1,NaN,3]: stats over [1,3]: mean 2, std sqrt((1+1)/1) = sqrt 2
+    #   -> [-1/(sqrt2+eps), 0, 1/(sqrt2+eps)].
+    # Group 2 [0,4,8]: mean 4, std sqrt((16+0+16)/2) = 4 -> [-4/(4+eps), 0, 4/(4+eps)].
+    # Group 3 all NaN -> 0; group 4 one valid reward -> 0 (no one to compare with).
+    r = t([1, NAN, 3, 0, 4, 8, NAN, NAN, NAN, NAN, NAN, 7])
+    adv = group_advantages(r, group_size=3)
+    s2 = math.sqrt(2) + EPS
+    assert_close(adv, t([-1 / s2, 0, 1 / s2, -4 / (4 + EPS), 0, 4 / (4 + EPS)] + [0] * 6))
+    assert not adv.isnan().any()
+
+
+def test_equal_rewards_exactly_zero_in_every_scale():
+    # In float32, mean([0.9]*3) - 0.9 = -6e-8, not 0: a std-based test would leave a tiny
+    # nonzero advantage there (-6e-8 / (7e-8 + 1e-4) with scale="group"). It must be exactly 0.
+    r = t([0.9, 0.9, 0.9, 0.7, 0.7, 0.7], dtype=torch.float32)
+    assert r[:3].mean() != r[0]  # the case this test is about
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(r, group_size=3, scale=scale)
+        assert torch.equal(adv, torch.zeros(6))
+        assert adv.dtype == torch.float32
+
+
+def test_dtypes():
+    assert group_advantages(t([1, 2]), 2).dtype == F64
+    assert group_advantages(torch.tensor([1, 2]), 2).dtype == torch.float32
+
+
+def test_advantage_errors():
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(t([1, 2, 3]), group_size=1)
+    with pytest.raises(ValueError, match=r"5.*2"):
+        group_advantages(t([1, 2, 3, 4, 5]), group_size=2)
+    with pytest.raises(ValueError, match="group.*batch.*none"):
+        group_advantages(t([1, 2]), group_size=2, scale="rank")
+
+
+def test_frac_zero_std():
+    assert frac_zero_std(t([1, 2, 3, 5, 5, 5]), 3) == 0.5
+    # constant / varied / all-NaN (no signal) / [NaN,4,4] constant over valid -> 3 of 4.
+    r = t([0.1, 0.1, 0.1, 1, 2, 3, NAN, NAN, NAN, NAN, 4, 4])
+    assert frac_zero_std(r, 3) == 0.75
+
+
+# ---------------------------------------------------------------- loss helpers
+
+
+def ratios_to_logprobs(ratios):
+    """logprobs with old_logprobs = 0, so r = exp(logp - 0) = the given ratio."""
+    return t(ratios).log().requires_grad_(), torch.zeros(len(ratios), len(ratios[0]), dtype=F64)
+
+
+def hand_batch():
+    # seq 0: r = [1.0, 1.5, 0.5], A = +1 -> terms 1 (r=1), min(1.5,1.2)=1.2, min(0.5,0.8)=0.5
+    # seq 1: r = [0.5, 1.5, (masked)], A = -1 -> min(-0.5,-0.8)=-0.8, min(-1.5,-1.2)=-1.5
+    logp, old = ratios_to_logprobs([[1.0, 1.5, 0.5], [0.5, 1.5, 100.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    return logp, old, t([1.0, -1.0]), mask
+
+
+# ---------------------------------------------------------------- loss values
+
+
+@pytest.mark.parametrize(
+    "loss_type, kwargs, expected",
+    [
+        # per-seq means 2.7/3 = 0.9 and -2.3/2 = -1.15; mean -0.125; loss = +0.125
+        ("grpo", {}, 0.125),
+        # token sum 2.7 - 2.3 = 0.4 over 5 unmasked tokens = 0.08; loss = -0.08
+        ("bnpo", {}, -0.08),
+        # 0.4 / (2 seqs * N=3) = 1/15; loss = -1/15
+        ("dr_grpo", {}, -1 / 15),
+        # 0.4 / (2 seqs * 4) = 0.05; loss = -0.05
+        ("dr_grpo", {"max_tokens": 4}, -0.05),
+    ],
+)
+def test_loss_types_hand_example(loss_type, kwargs, expected):
+    logp, old, adv, mask = hand_batch()
+    loss, m = grpo_loss(logp, old, None, adv, mask, loss_type=loss_type, **kwargs)
+    assert_close(loss, t(expected))
+    assert_close(m["policy_loss"], t(expected))  # beta = 0: no KL term
+    # clipped: seq0 tok1 (A>0, r=1.5>1.2) high; seq1 tok0 (A<0, r=0.5<0.8) low; 1 of 5 each.
+    assert_close(m["clip_frac_high"], t(0.2))
+    assert_close(m["clip_frac_low"], t(0.2))
+    assert_close(m["clip_frac"], t(0.4))
+    # (1 + 1.5 + 0.5 + 0.5 + 1.5) / 5 = 1; the masked r = 100 is ignored by max.
+    assert_close(m["ratio_mean"], t(1.0))
+    assert_close(m["ratio_max"], t(1.5))
+    assert_close(m["ratio_min"], t(0.5))
+    assert m["kl"].item() == 0.0
+    assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
+
+
+def test_grpo_gradient_hand_example():
+    # dl/dlogp = A*r where the unclipped term is the min, 0 where the clipped one is.
+    # grpo weight 1/(n_i * S): seq0 1/(3*2) = 1/6, seq1 1/(2*2) = 1/4; loss is -l.
+    # seq0: A*r = [1, (clipped) 0, 0.5] -> [-1/6, 0, -1/12]
+    # seq1: [(clipped) 0, A*r = -1.5, masked] -> [0, 1.5/4 = 0.375, 0]
+    logp, old, adv, mask = hand_batch()
+    loss, _ = grpo_loss(logp, old, None, adv, mask)
+    loss.backward()
+    assert_close(logp.grad, t([[-1 / 6, 0, -1 / 12], [0, 0.375, 0]]))
+
+
+def one_token(r, a, **kwargs):
+    """Surrogate term l for a single token with ratio r and advantage a, plus metrics and grad."""
+    logp, old = ratios_to_logprobs([[r]])
+    loss, m = grpo_loss(logp, old, None, t([a]), torch.ones(1, 1, dtype=torch.bool), **kwargs)
+    loss.backward()
+    return -loss.item(), m, logp.grad.item()
+
+
+@pytest.mark.parametrize(
+    "r, a, term, side, grad",
+    [
+        (1.5, +1, 1.2, "high", 0.0),  # min(1.5, 1.2) = 1.2: clipped, no gradient
+        (1.5, -1, -1.5, None, 1.5),  # min(-1.5, -1.2) = -1.5: unclipped, d(-l)/dlogp = -A*r = 1.5
+        (0.5, -1, -0.8, "low", 0.0),  # min(-0.5, -0.8) = -0.8: clipped, no gradient
+        (0.5, +1, 0.5, None, -0.5),  # min(0.5, 0.8) = 0.5: unclipped, -A*r = -0.5
+    ],
+)
+def test_clip_sides(r, a, term, side, grad):
+    value, m, g = one_token(r, a)
+    assert value == pytest.approx(term)
+    assert m["clip_frac_high"].item() == (side == "high")
+    assert m["clip_frac_low"].item() == (side == "low")
+    assert g == pytest.approx(grad)
+
+
+@pytest.mark.parametrize(
+    "r, a, term_dapo, term_swapped",
+    [
+        # eps_low=0.2, eps_high=0.28 (DAPO clip-higher) vs the sides swapped (0.28, 0.2):
+        (1.5, +1, 1.28, 1.2),  # clipped at 1 + eps_high
+        (1.25, +1, 1.25, 1.2),  # inside [0.8, 1.28] but above 1.2
+        (0.75, -1, -0.8, -0.75),  # below 1 - 0.2 = 0.8 -> -0.8; above 0.72 -> unclipped -0.75
+        (0.5, -1, -0.8, -0.72),  # clipped at 1 - eps_low
+    ],
+)
+def test_asymmetric_epsilons(r, a, term_dapo, term_swapped):
+    for (lo, hi), term in (((0.2, 0.28), term_dapo), ((0.28, 0.2), term_swapped)):
+        value, m, _ = one_token(r, a, epsilon_low=lo, epsilon_high=hi)
+        assert value == pytest.approx(term)
+        # clipped exactly when the term is not r*A; the side is the sign of A
+        clipped = value != pytest.approx(r * a)
+        assert m["clip_frac_high"].item() == (clipped and a > 0)
+        assert m["clip_frac_low"].item() == (clipped and a < 0)
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_k3_hand_value_and_in_loss():
+    # ref - logp = ln 2 -> k3 = 2 - ln 2 - 1 = 1 - ln 2 ~= 0.30685.
+    # r = 1, A = 0.5, beta = 0.1: l = 0.5 - 0.1 * 0.30685 = 0.469315 on both tokens -> loss -0.469315.
+    # dk3/dlogp = -exp(ln 2) + 1 = -1, so dl/dlogp = A + beta = 0.6; grpo over 2 tokens -> -0.3.
+    k3 = 1 - math.log(2)
+    logp = torch.zeros(1, 2, dtype=F64, requires_grad=True)
+    ref = torch.full((1, 2), math.log(2), dtype=F64)
+    loss, m = grpo_loss(logp, logp.detach(), ref, t([0.5]), torch.ones(1, 2), beta=0.1)
+    loss.backward()
+    assert_close(loss, t(-(0.5 - 0.1 * k3)))
+    assert_close(m["kl"], t(k3))
+    assert_close(m["policy_loss"], t(-0.5))
+    assert_close(logp.grad, t([[-0.3, -0.3]]))
+    assert_close(k3_kl(torch.zeros(1, dtype=F64), t([math.log(2)])), t([k3]))
+
+
+def test_k3_nonnegative_and_zero_at_ref():
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(1000, generator=g) * 3
+    ref = logp + torch.randn(1000, generator=g) * torch.logspace(-10, 1, 1000)
+    assert (k3_kl(logp, ref) >= 0).all()
+    assert torch.equal(k3_kl(logp, logp), torch.zeros(1000))
+
+
+# ---------------------------------------------------------------- masking and gradients
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def test_masked_tokens_change_nothing(loss_type):
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(3, 4, generator=g)
+    old, ref, adv = base + 0.1 * torch.randn(3, 4, generator=g), base - 0.2, torch.randn(3, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
+
+    def run(fill_logp, fill_old, fill_ref):
+        logp = torch.where(mask, base, fill_logp).requires_grad_()
+        loss, m = grpo_loss(
+            logp, torch.where(mask, old, fill_old), torch.where(mask, ref, fill_ref), adv, mask,
+            beta=0.05, loss_type=loss_type,
+        )
+        loss.backward()
+        return loss, m, logp.grad
+
+    loss0, m0, g0 = run(0.0, 0.0, 0.0)
+    loss1, m1, g1 = run(NAN, math.inf, -math.inf)
+    assert torch.isfinite(loss0) and torch.isfinite(g0).all()
+    assert torch.equal(loss0, loss1) and torch.equal(g0, g1)
+    assert torch.equal(g1[~mask], torch.zeros(int((~mask).sum())))
+    for k in m0:
+        assert torch.equal(m0[k], m1[k]), k
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def test_gradient_at_ratio_one_is_weighted_advantage(loss_type):
+    # r = 1: d loss / d logp_ij = -A_i * w_ij with w = 1/(n_i*S) (grpo), 1/sum(n) (bnpo),
+    # 1/(S*N) (dr_grpo). Here S = 3, N = 4, n = [4, 2, 1], sum(n) = 7.
+    logp = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    adv = t([0.5, -2.0, 1.5])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0], [0, 0, 1, 0]], dtype=torch.bool)
+    loss, m = grpo_loss(logp, logp.detach(), None, adv, mask, loss_type=loss_type)
+    loss.backward()
+    w = {"grpo": 1 / (t([4, 2, 1]) * 3), "bnpo": t([1 / 7] * 3), "dr_grpo": t([1 / 12] * 3)}[loss_type]
+    expected = torch.where(mask, (-adv * w)[:, None].expand(3, 4), t(0.0))
+    assert_close(logp.grad, expected)
+    assert m["ratio_mean"].item() == 1.0 and m["clip_frac"].item() == 0.0
+
+
+def test_equal_reward_groups_give_zero_loss_and_gradient():
+    adv = group_advantages(t([5, 5, 5, 1, 1, 1]), group_size=3)  # [0]*6
+    logp = torch.randn(6, 5, dtype=F64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    old = logp.detach() + 0.3  # r != 1, so only A = 0 makes it vanish
+    loss, _ = grpo_loss(logp, old, None, adv, torch.ones(6, 5))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert torch.equal(logp.grad, torch.zeros(6, 5, dtype=F64))
+
+
+def test_empty_sequences_do_not_nan():
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    for loss_type in ("grpo", "bnpo", "dr_grpo"):
+        loss, m = grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(2), mask, beta=0.1,
+                            loss_type=loss_type)
+        assert loss.item() == 0.0
+        assert all(torch.isfinite(v) for v in m.values())
+
+
+def test_constants_are_detached_and_masked_mean():
+    logp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.zeros(1, 2, requires_grad=True)
+    ref = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = grpo_loss(logp, old, ref, torch.ones(1), torch.ones(1, 2), beta=0.1)
+    loss.backward()
+    assert old.grad is None and ref.grad is None and logp.grad is not None
+    # (1 + 3) / 2 = 2 over the unmasked entries; the NaN is masked out.
+    assert masked_mean(torch.tensor([1.0, NAN, 3.0]), torch.tensor([1, 0, 1])).item() == 2.0
+
+
+def test_loss_errors():
+    logp, old, adv, mask = hand_batch()
+    with pytest.raises(ValueError, match="grpo.*bnpo.*dr_grpo"):
+        grpo_loss(logp, old, None, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        grpo_loss(logp, old, None, adv, mask, beta=0.04)

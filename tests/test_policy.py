@@ -1,0 +1,92 @@
+"""The built-in Llama policy: KV-cache decoding, transformers interop, save/load."""
+
+import pytest
+import torch
+
+from grpo_vision.llama_policy import BOI, BOS, NULL, PAD, UNK, LlamaImagePolicy
+from grpo_vision.policy import ImagePolicy
+
+
+def decode_all(policy, cond, tokens):
+    """Prefill + decode step by step: logits [B, N, K] for every image position."""
+    cache = policy.new_cache(cond.shape[0])
+    logits = [policy.prefill(cond, cache)]
+    for i in range(tokens.shape[1] - 1):
+        logits.append(policy.decode(tokens[:, i], cache))
+    return torch.stack(logits, dim=1)
+
+
+def test_satisfies_the_protocol(tiny_policy):
+    assert isinstance(tiny_policy, ImagePolicy)
+    assert tiny_policy.num_image_tokens == 12 and tiny_policy.codebook_size == 32
+    assert tiny_policy.image_grid == (3, 4)
+
+
+def test_kv_cache_decode_equals_full_forward(tiny_policy):
+    cond = tiny_policy.encode_prompts(["a red circle", "a blue square left of a red circle"])
+    tokens = torch.randint(0, 32, (2, 12))
+    with torch.no_grad():
+        full = tiny_policy.image_logits(cond, tokens)  # [2, 12, 32]
+        stepped = decode_all(tiny_policy, cond, tokens)
+    assert full.shape == (2, 12, 32)
+    torch.testing.assert_close(stepped, full, atol=1e-5, rtol=0)
+
+
+def test_condition_layout_and_null_condition(tiny_policy):
+    cond = tiny_policy.encode_prompts(["a red circle", "A  Red   Circle"])
+    w = tiny_policy.word_ids
+    assert cond[0].tolist() == [PAD, PAD, PAD, PAD, PAD, BOS, w["a"], w["red"], w["circle"], BOI]  # left-padded
+    assert torch.equal(cond[0], cond[1])  # case and spacing are normalised
+    assert tiny_policy.encode_prompts(["a green circle"])[0, -3].item() == UNK
+    null = tiny_policy.null_condition(cond)
+    assert null.shape == cond.shape and null[:, -2].eq(NULL).all() and null[:, -1].eq(BOI).all()
+
+
+def test_too_long_caption_is_refused_with_its_text(tiny_policy):
+    with pytest.raises(ValueError, match="'a red circle left of a blue square on the left' has 11 words.*at most 8"):
+        tiny_policy.encode_prompts(["a red circle left of a blue square on the left"])
+
+
+def test_image_logits_cover_the_codebook_rows_only(tiny_policy):
+    cond = tiny_policy.encode_prompts(["a red circle"])
+    tokens = torch.randint(0, 32, (1, 12))
+    h_full = tiny_policy.to_hf_llama()(torch.cat([cond, tokens[:, :-1] + tiny_policy.cfg.image_offset], 1)).logits
+    off = tiny_policy.cfg.image_offset
+    with torch.no_grad():
+        ours = tiny_policy.image_logits(cond, tokens)
+    # Ours equals the transformers logits restricted to the codebook slice of the vocabulary.
+    torch.testing.assert_close(ours, h_full[:, cond.shape[1] - 1:, off:off + 32], atol=1e-5, rtol=0)
+
+
+def test_export_to_transformers_and_back_gives_identical_logits(tiny_policy):
+    hf = tiny_policy.to_hf_llama()
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    assert set(hf.state_dict()) - {"model.rotary_emb.inv_freq"} == set(tiny_policy.state_dict())
+    back = LlamaImagePolicy.from_hf_llama(hf, tiny_policy.cfg)
+    cond = tiny_policy.encode_prompts(["a blue square"])
+    tokens = torch.randint(0, 32, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(back.image_logits(cond, tokens), tiny_policy.image_logits(cond, tokens))
+
+
+def test_save_and_load_round_trip(tiny_policy, tmp_path):
+    tiny_policy.save_pretrained(tmp_path / "p")
+    loaded = LlamaImagePolicy.from_pretrained(tmp_path / "p")
+    assert loaded.cfg == tiny_policy.cfg
+    cond = tiny_policy.encode_prompts(["a red circle"])
+    tokens = torch.randint(0, 32, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded.image_logits(cond, tokens), tiny_policy.image_logits(cond, tokens))
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nowhere has no policy_config.json"):
+        LlamaImagePolicy.from_pretrained(tmp_path / "nowhere")
+
+
+def test_gradients_reach_every_parameter(tiny_policy):
+    cond = tiny_policy.encode_prompts(["a red circle"])
+    tokens = torch.randint(0, 32, (1, 12))
+    tiny_policy.image_logits(cond, tokens).logsumexp(-1).sum().backward()
+    no_grad = [n for n, p in tiny_policy.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert no_grad == []
