@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from pathlib import Path
 
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
+from grpo_vision.prompts import PromptsError
+from grpo_vision.rewards import RewardError
+from grpo_vision.shapes.scene import CaptionError
+from grpo_vision.shapes.world import WorldError
 
 
 def cmd_config(args) -> None:
@@ -17,6 +23,56 @@ def cmd_config(args) -> None:
     sizes = derived_sizes(cfg, args.num_processes)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("# derived: " + format_sizes(sizes))
+
+
+def cmd_train(args) -> None:
+    from grpo_vision.train import resume_config, train
+
+    overrides = list(args.overrides)
+    if args.resume:
+        if args.config and "=" not in args.config:
+            raise ConfigError("give either a config file or --resume RUN_DIR (a run resumes with its own "
+                              "config.yaml; add key=value overrides to change it)")
+        cfg = resume_config(args.resume, ([args.config] if args.config else []) + overrides)
+    else:
+        if not args.config:
+            raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")
+        cfg = load_config(args.config, overrides)
+    try:
+        run_dir = train(cfg, resume=args.resume or None)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    print(f"[train] done: {run_dir / 'report.md'}")
+
+
+def cmd_sample(args) -> None:
+    from grpo_vision.evaluate import load_run, reference_sampler, sampling_params, write_samples
+    from grpo_vision.prompts import load_prompts
+
+    run = load_run(args.run, args.step)
+    model, ctx = (reference_sampler(run.policy, run.reference, run.cfg) if args.reference
+                  else (run.policy, contextlib.nullcontext()))
+    with ctx:
+        index = write_samples(model, run.bundle.tokenizer, load_prompts(args.prompts), Path(args.out), args.n,
+                              args.seed, sampling_params(run.cfg), "reference" if args.reference else "policy",
+                              run.step)
+    print(f"wrote {len(index)} images and index.jsonl to {args.out}")
+
+
+def cmd_eval(args) -> None:
+    from grpo_vision.evaluate import evaluate, load_run, sampling_params
+    from grpo_vision.prompts import load_prompts
+    from grpo_vision.rewards import CompositeReward, RewardContext
+
+    run = load_run(args.run, args.step)
+    r = run.cfg.reward
+    ctx = RewardContext(batch_size=r.batch_size, clip_model=r.clip_model, clip_checkpoint=r.clip_checkpoint,
+                        aesthetic_checkpoint=r.aesthetic_checkpoint, world=run.bundle.world)
+    entries = load_prompts(args.prompts)
+    rewards = CompositeReward(r.weights, r.monitor, ctx)
+    result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n,
+                      sampling_params(run.cfg), run.cfg, seed=args.seed)
+    print(json.dumps({"run": str(args.run), "step": run.step, **result}, indent=2))
 
 
 def cmd_bench_sampler(args) -> None:
@@ -36,6 +92,21 @@ def cmd_bench_sampler(args) -> None:
             print(f"{k}: {v}")
 
 
+def cmd_world_build(args) -> None:
+    from grpo_vision.shapes.world import build_world
+
+    info = build_world(args.out or f"worlds/shapes{'_micro' if args.preset == 'micro' else ''}", args.preset,
+                       args.seed)
+    print(json.dumps(info["quality"], indent=2))
+
+
+def cmd_world_render(args) -> None:
+    from grpo_vision.shapes.render_prompts import render_prompts
+
+    index = render_prompts(args.prompts, args.out, n=args.n, seed=args.seed)
+    print(f"wrote {len(index)} images and index.jsonl to {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-vision", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -45,6 +116,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
     p.add_argument("--num-processes", type=int, default=1, help="check divisibility for this many processes")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run)")
+    p.add_argument("config", nargs="?", default="", help="YAML config, e.g. configs/shapes.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5 sample.group_size=16")
+    p.add_argument("--resume", default="", metavar="RUN_DIR", help="continue a run exactly where it stopped")
+    p.set_defaults(func=cmd_train)
+
+    for name, help_text in (("sample", "write PNGs from a run's policy or reference"),
+                            ("eval", "JSON: each reward's mean and 95%% interval, policy vs reference")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("run", help="run directory")
+        p.add_argument("--prompts", required=True, help="plain text (one prompt per line) or JSONL with 'prompt'")
+        p.add_argument("--n", type=int, default=4, help="images per prompt")
+        p.add_argument("--seed", type=int, default=0, help="image j of each prompt uses seed + j")
+        p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+        if name == "sample":
+            p.add_argument("--out", required=True, help="output directory")
+            p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")
+        p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="what", required=True)
     p = bench.add_parser("sampler", help="our sampler vs transformers generate() vs teacher forcing")
@@ -56,6 +146,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=100, help="top-k of all runs (0 = off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
     p.set_defaults(func=cmd_bench_sampler)
+
+    world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
+        dest="what", required=True)
+    p = world.add_parser("build", help="train the world's tokenizer, CLIP, aesthetic head and base policy")
+    p.add_argument("--preset", default="default", choices=["micro", "default"], help="micro: seconds, for tests")
+    p.add_argument("--out", default="", help="world directory (default: worlds/shapes or worlds/shapes_micro)")
+    p.add_argument("--seed", type=int, default=0, help="seeds every stage; the build is deterministic")
+    p.set_defaults(func=cmd_world_build)
+    p = world.add_parser("render", help="ground-truth renders for the captions of a prompts file")
+    p.add_argument("--prompts", required=True, help="plain text (one caption per line) or JSONL with 'prompt'")
+    p.add_argument("--out", required=True, help="output directory for PNGs and index.jsonl")
+    p.add_argument("--n", type=int, default=1, help="images per prompt")
+    p.add_argument("--seed", type=int, default=0, help="base seed; image j of a prompt uses seed + j")
+    p.set_defaults(func=cmd_world_render)
     return parser
 
 
@@ -63,9 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"grpo-vision: error: {e}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError, PromptsError, CaptionError, WorldError, KeyError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"grpo-vision: error: {message}", file=sys.stderr)
         sys.exit(2)
+    except RewardError as e:
+        print(f"grpo-vision: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ class RunConfig:
 
 @dataclass
 class PolicyConfig:
-    kind: Literal["shapes", "llama", "janus"] = "shapes"  # which ImagePolicy adapter loads `path`
-    path: str = "worlds/shapes"  # policy checkpoint: a ShapesWorld dir, a policy dir or a Janus dir
+    kind: Literal["shapes", "llama"] = "shapes"  # "shapes": `path` is a ShapesWorld; "llama": a policy dir
+    path: str = "worlds/shapes"  # a ShapesWorld directory, or a LlamaImagePolicy directory
+    tokenizer: str = ""  # VQ tokenizer directory (diffusers VQModel) when kind is "llama"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
 
 

@@ -81,6 +81,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin  # [B, H, T, head_dim]
 
 
+def effective_weight(layer: nn.Module) -> torch.Tensor:
+    """The `[out, in]` matrix a bias-free linear layer applies, also when it is wrapped (a peft LoRA
+    layer computes W x + scale * B A x; applying it to the identity reads off W + scale * B A, with
+    the adapter's current enabled/disabled state)."""
+    if type(layer) is nn.Linear:
+        return layer.weight
+    w = layer.base_layer.weight if hasattr(layer, "base_layer") else layer.weight
+    return layer(torch.eye(w.shape[1], dtype=w.dtype, device=w.device)).t()
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaPolicyConfig):
         super().__init__()
@@ -203,8 +213,9 @@ class LlamaImagePolicy(nn.Module):
         c, w = self.cfg, self.lm_head.weight
         shape = (c.n_layers, batch_size, c.n_kv_heads, c.cond_len + c.num_image_tokens, c.dim // c.n_heads)
         with torch.no_grad():
-            fused = [(torch.cat([b.self_attn.q_proj.weight, b.self_attn.k_proj.weight, b.self_attn.v_proj.weight]),
-                      torch.cat([b.mlp.gate_proj.weight, b.mlp.up_proj.weight])) for b in self.model.layers]
+            a, m = [b.self_attn for b in self.model.layers], [b.mlp for b in self.model.layers]
+            fused = [(torch.cat([effective_weight(x.q_proj), effective_weight(x.k_proj), effective_weight(x.v_proj)]),
+                      torch.cat([effective_weight(y.gate_proj), effective_weight(y.up_proj)])) for x, y in zip(a, m)]
         return KVCache(torch.empty(shape, dtype=w.dtype, device=w.device),
                        torch.empty(shape, dtype=w.dtype, device=w.device), fused)
 
@@ -234,6 +245,9 @@ class LlamaImagePolicy(nn.Module):
             x = x + layer.mlp.down_proj(F.silu(gate) * up)  # [B, dim]
         cache.pos += 1
         return self._image_head(self.model.norm(x))  # [B, K]
+
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.image_logits(cond, tokens)
 
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<boi>) .. L+N-2 predict image tokens 0 .. N-1; the last token is never input.

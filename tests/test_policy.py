@@ -90,3 +90,22 @@ def test_gradients_reach_every_parameter(tiny_policy):
     tiny_policy.image_logits(cond, tokens).logsumexp(-1).sum().backward()
     no_grad = [n for n, p in tiny_policy.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert no_grad == []
+
+
+def test_lora_adapters_are_used_by_kv_cache_decode(tiny_policy):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_policy, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    with torch.no_grad():  # make the adapters non-zero (lora_B starts at zero)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    cond = model.encode_prompts(["a red circle", "a blue square"])
+    tokens = torch.randint(0, 32, (2, 12))
+    with torch.no_grad():
+        full = model.image_logits(cond, tokens)
+        torch.testing.assert_close(decode_all(model, cond, tokens), full, atol=1e-5, rtol=0)
+        with model.disable_adapter():
+            base = model.image_logits(cond, tokens)
+            torch.testing.assert_close(decode_all(model, cond, tokens), base, atol=1e-5, rtol=0)
+    assert (full - base).abs().max() > 1e-2  # the adapters really change the logits

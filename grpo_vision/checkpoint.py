@@ -1,0 +1,100 @@
+"""Checkpoints, written atomically: a step directory is complete or absent, never half-written.
+
+    run/checkpoints/step_000050/
+      policy.safetensors      trainable policy weights (the full policy, or only LoRA adapters)
+      reference.safetensors   the reference's weights when it was synced from the policy
+      optimizer.pt            AdamW and LR-scheduler state
+      trainer_state.json      step, counters, and the config's fingerprint
+      rng.pt                  torch / numpy / python RNG states
+    run/checkpoints/latest    name of the newest complete step directory
+
+Everything is written into `step_N.tmp/` first and then renamed; `latest` is replaced atomically last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters that train (LoRA adapters only under LoRA), detached and contiguous."""
+    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, reference_state: dict | None,
+                    state: dict) -> Path:
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:06d}"
+    tmp, final = root / f"{name}.tmp", root / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(trainable_state(policy), tmp / "policy.safetensors")
+    if reference_state is not None:
+        save_file({k: v.contiguous().cpu() for k, v in reference_state.items()}, tmp / "reference.safetensors")
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+               tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / "latest.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / "latest")
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    path = pointer.parent / pointer.read_text().strip()
+    return path if (path / "trainer_state.json").is_file() else None
+
+
+def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
+    """The checkpoint of `step` (or the latest); FileNotFoundError naming what exists otherwise."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run_dir}")
+    if step is None:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint yet (no checkpoints/latest)")
+        return path
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    if not (path / "trainer_state.json").is_file():
+        steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
+        raise FileNotFoundError(f"{run_dir} has no checkpoint for step {step}; available: {', '.join(steps) or 'none'}")
+    return path
+
+
+def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple[dict, dict | None]:
+    """Load weights (and optimizer state when given); returns (trainer_state, reference_state or None)."""
+    path = Path(path)
+    weights = load_file(path / "policy.safetensors")
+    own = dict(policy.named_parameters())
+    unknown = set(weights) - set(own)
+    if unknown:
+        raise ValueError(f"checkpoint {path} does not match this policy: unknown weights {sorted(unknown)[:3]}")
+    with torch.no_grad():
+        for name, value in weights.items():
+            own[name].copy_(value)
+    if optimizer is not None:
+        opt = torch.load(path / "optimizer.pt", weights_only=False)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+        rng = torch.load(path / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+    ref = path / "reference.safetensors"
+    return json.loads((path / "trainer_state.json").read_text()), (load_file(ref) if ref.is_file() else None)

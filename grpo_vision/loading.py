@@ -1,0 +1,57 @@
+"""Load what a run needs from config: the policy, its image tokenizer, and the prompt sets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo_vision.config import Config, ConfigError, PolicyConfig
+from grpo_vision.prompts import PromptEntry, PromptsError, load_prompts
+
+WORLD_TRAIN_PROMPTS = 512  # seen-split captions a ShapesWorld run trains on
+WORLD_EVAL_PROMPTS = 32  # held-out-composition captions it is evaluated on
+
+
+@dataclass
+class Bundle:
+    policy: torch.nn.Module  # an ImagePolicy
+    tokenizer: torch.nn.Module  # an ImageTokenizer
+    world: Path | None  # the ShapesWorld directory, when the policy comes from one
+
+
+def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
+    if pcfg.kind == "shapes":
+        from grpo_vision.shapes.world import load_world
+
+        world = load_world(pcfg.path, device)
+        return Bundle(world.policy, world.tokenizer, world.path)
+    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.tokenizer import VQTokenizer
+
+    if not pcfg.tokenizer:
+        raise ConfigError("policy.kind 'llama' needs policy.tokenizer: the directory of its VQ tokenizer")
+    policy = LlamaImagePolicy.from_pretrained(pcfg.path, device).to(getattr(torch, pcfg.dtype))
+    return Bundle(policy, VQTokenizer.from_pretrained(pcfg.tokenizer, device), None)
+
+
+def train_and_eval_prompts(cfg: Config, bundle: Bundle) -> tuple[list[PromptEntry], list[PromptEntry]]:
+    """Prompts files from `data.*`, or the world's seen / held-out captions by default."""
+    def world_prompts(split: str, n: int, seed: int) -> list[PromptEntry]:
+        if bundle.world is None:
+            raise ConfigError(f"data.{'train' if split == 'train' else 'eval'}_prompts is required when the "
+                              "policy does not come from a ShapesWorld (policy.kind 'shapes')")
+        from grpo_vision.shapes.scene import prompt_list
+        return [PromptEntry(p) for p in prompt_list(split, n, seed)]
+
+    d = cfg.data
+    train = load_prompts(d.train_prompts) if d.train_prompts else world_prompts("train", WORLD_TRAIN_PROMPTS, cfg.run.seed)
+    evals = load_prompts(d.eval_prompts) if d.eval_prompts else world_prompts("heldout", WORLD_EVAL_PROMPTS, cfg.run.seed + 1)
+    for entries, source in ((train, d.train_prompts or "world"), (evals, d.eval_prompts or "world")):
+        for e in entries:  # fail before training starts, naming the prompt and its line
+            try:
+                bundle.policy.encode_prompts([e.prompt])
+            except ValueError as err:
+                raise PromptsError(f"{source}, line {e.line}: {err}") from None
+    return train, evals

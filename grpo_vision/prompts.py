@@ -1,0 +1,68 @@
+"""Prompts files: plain text (one caption per line) or JSONL with a `prompt` field per line.
+
+A JSONL entry may also carry its own reward weights and metadata, which route rewards per entry:
+
+    {"prompt": "a red circle", "rewards": {"clip": 1.0, "shapes_exact": 0.5}, "metadata": {"tag": "x"}}
+
+Blank lines and lines starting with `#` are skipped in text files. Errors name the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class PromptsError(ValueError):
+    """A prompts file problem; the message names the file and the line."""
+
+
+@dataclass
+class PromptEntry:
+    prompt: str
+    rewards: dict[str, float] | None = None  # per-entry reward weights; None = the config's weights
+    metadata: dict = field(default_factory=dict)  # passed to reward functions as-is
+    line: int = 0  # line number in its file, for error messages
+
+
+def load_prompts(path: str | Path) -> list[PromptEntry]:
+    path = Path(path)
+    if not path.is_file():
+        raise PromptsError(f"prompts file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise PromptsError(f"{path} is not UTF-8 text ({e}); a prompts file is plain text or JSONL") from None
+    jsonl = path.suffix in (".jsonl", ".json") or any(ln.lstrip().startswith("{") for ln in lines[:5])
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if not text or (not jsonl and text.startswith("#")):
+            continue
+        entries.append(_parse_jsonl_line(text, path, number) if jsonl else PromptEntry(text, line=number))
+    if not entries:
+        raise PromptsError(f"{path} holds no prompts: write one caption per line, or JSONL with a 'prompt' field")
+    return entries
+
+
+def _parse_jsonl_line(text: str, path: Path, number: int) -> PromptEntry:
+    where = f"{path}, line {number}"
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PromptsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+        raise PromptsError(f"{where}: each JSONL line must be an object with a non-empty string 'prompt'")
+    unknown = set(row) - {"prompt", "rewards", "metadata"}
+    if unknown:
+        raise PromptsError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: prompt, rewards, metadata")
+    rewards = row.get("rewards")
+    if rewards is not None and (not isinstance(rewards, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in rewards.items())):
+        raise PromptsError(f"{where}: 'rewards' must map reward names to numbers, e.g. {{\"clip\": 1.0}}")
+    metadata = row.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise PromptsError(f"{where}: 'metadata' must be an object")
+    return PromptEntry(row["prompt"].strip(), {k: float(v) for k, v in rewards.items()} if rewards else None,
+                       metadata, number)

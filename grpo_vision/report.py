@@ -1,0 +1,106 @@
+"""The end-of-run report: `eval.json`, plots, and `report.md` that says what RL changed and what it cost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from grpo_vision.evaluate import evaluate, save_sample_grid
+
+
+def load_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.is_file() else []
+
+
+def plot_curves(metrics: list[dict], out: Path) -> None:
+    """One panel per reward (mean per step), plus the KL to the reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({k for m in metrics for k in m if k.startswith("reward/") and k.endswith("/mean")})
+    keys.append("loss/kl")
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
+    steps = [m["step"] for m in metrics]
+    for ax, key in zip(axes[0], keys):
+        values = [m.get(key) for m in metrics]
+        ax.plot(steps, [float("nan") if v is None else v for v in values], lw=1)
+        ax.set_title(key.replace("/mean", ""), fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_checker(result: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k, v in result["models"]["policy"]["checker"].items() if v["mean"] is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 2.8))
+    for offset, model in ((-0.2, "reference"), (0.2, "policy")):
+        table = result["models"][model]["checker"]
+        ax.bar([i + offset for i in range(len(names))], [table[n]["mean"] for n in names], width=0.4, label=model)
+    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("checker accuracy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(entry: dict) -> str:
+    if entry["mean"] is None:
+        return "n/a"
+    lo, hi = entry["ci95"] if entry["ci95"] else (float("nan"), float("nan"))
+    return f"{entry['mean']:.4f} [{lo:.4f}, {hi:.4f}]"
+
+
+def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle) -> dict:
+    run_dir = Path(run_dir)
+    print(f"[report] evaluating on {len(eval_prompts)} held-out prompts x {cfg.log.eval_images} images", flush=True)
+    policy.eval()
+    result = evaluate(policy, reference, tokenizer, rewards, eval_prompts, cfg.log.eval_images, params, cfg,
+                      seed=cfg.run.seed + 99)
+    (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+    metrics = load_metrics(run_dir)
+    plot_curves(metrics, run_dir / "curves.png")
+    save_sample_grid(policy, reference, tokenizer, eval_prompts[:8], params, run_dir / "final_samples.png")
+    last = metrics[-1] if metrics else {}
+    lines = [f"# GRPO report: {run_dir.name}", "",
+             f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "
+             f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
+             f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
+             f"Evaluation: {result['prompts']} held-out prompts (not used in training) x "
+             f"{result['images_per_prompt']} images, the same seeds for policy and reference; "
+             "mean [95% interval].", "",
+             "## Rewards", "", "| reward | reference | policy | change |", "|---|---|---|---|"]
+    for name, diff in result["difference"].items():
+        ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
+        lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | {diff:+.4f} |" if diff is not None
+                     else f"| {name} | {_fmt(ref)} | {_fmt(pol)} | n/a |")
+    if result["models"]["policy"]["checker"]:
+        plot_checker(result, run_dir / "checker.png")
+        lines += ["", "## Exact checker (ShapesWorld), per attribute", "",
+                  "| attribute | reference | policy | change |", "|---|---|---|---|"]
+        for name, diff in result["checker_difference"].items():
+            ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
+            lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | "
+                         f"{'n/a' if diff is None else f'{100 * diff:+.1f} pts'} |")
+        lines += ["", "![checker accuracy](checker.png)"]
+    kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
+    lines += ["", "## What it cost", "",
+              f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",
+              f"Skipped updates (non-finite loss): {last.get('train/skipped_updates', 0)}.",
+              f"Wall time: {sum(m.get('perf/step_s', 0) for m in metrics) / 60:.1f} min of steps.", "",
+              "![training curves](curves.png)", "", "## Samples (held-out prompts): policy | reference", "",
+              "![samples](final_samples.png)", ""]
+    (run_dir / "report.md").write_text("\n".join(lines))
+    print(f"[report] {run_dir / 'report.md'}", flush=True)
+    return result

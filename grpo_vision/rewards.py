@@ -1,0 +1,188 @@
+"""Rewards: a registry of short names mapped to factories of plain callables.
+
+Every reward has one signature (ddpo-pytorch's contract):
+
+    reward(images: Tensor[B, 3, H, W] in [0, 1], prompts: list[str], metadata: list[dict]) -> Tensor[B]
+
+and NaN means "does not apply to this sample". A factory takes a `RewardContext` (device, config,
+world paths) and returns the callable; models load lazily inside the factory, from local paths.
+
+    @register_reward("my_reward")
+    def my_reward(ctx): return lambda images, prompts, metadata: images.mean(dim=(1, 2, 3))
+
+Users pick rewards by name in YAML (`reward.weights: {clip: 1.0, aesthetic: 0.5}`), or point at
+their own callable with `python:package.module:function` (the function is the reward itself).
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
+REGISTRY: dict[str, Callable[["RewardContext"], RewardFn]] = {}
+
+
+class RewardError(RuntimeError):
+    """A reward failed; `name` says which one."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"reward '{name}' failed: {message}")
+        self.name = name
+
+
+@dataclass
+class RewardContext:
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    batch_size: int = 64  # images per model call
+    clip_model: str = ""  # open_clip architecture name ("" = the world's)
+    clip_checkpoint: str = ""  # local checkpoint file ("" = the world's)
+    aesthetic_checkpoint: str = ""  # aesthetic head file or directory ("" = the world's)
+    world: Path | None = None  # a ShapesWorld directory, source of the defaults above
+
+
+def register_reward(name: str):
+    def wrap(factory):
+        REGISTRY[name] = factory
+        return factory
+    return wrap
+
+
+def available_rewards() -> list[str]:
+    return sorted(REGISTRY) + ["python:<module>:<function>"]
+
+
+def make_reward(name: str, ctx: RewardContext) -> RewardFn:
+    if name.startswith("python:"):
+        return _import_callable(name)
+    if name not in REGISTRY:
+        raise KeyError(f"unknown reward {name!r}; registered rewards: {', '.join(available_rewards())}")
+    return REGISTRY[name](ctx)
+
+
+def _import_callable(spec: str) -> RewardFn:
+    parts = spec.split(":")
+    if len(parts) != 3 or not all(parts[1:]):
+        raise KeyError(f"reward {spec!r} must look like python:package.module:function")
+    try:
+        fn = getattr(importlib.import_module(parts[1]), parts[2])
+    except (ImportError, AttributeError) as e:
+        raise KeyError(f"reward {spec!r}: cannot import {parts[2]} from {parts[1]} ({e})") from None
+    if not callable(fn):
+        raise KeyError(f"reward {spec!r}: {parts[2]} is not callable")
+    return fn
+
+
+def batched(fn: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], batch_size: int, device) -> RewardFn:
+    """Run `fn(images, prompts)` in chunks of `batch_size` on `device`; results on the CPU, float32."""
+    def reward(images, prompts, metadata):
+        out = [fn(images[i:i + batch_size].to(device), list(prompts[i:i + batch_size])).float().cpu()
+               for i in range(0, len(prompts), batch_size)]
+        return torch.cat(out)
+    return reward
+
+
+# ---------------------------------------------------------------------------- composite
+
+
+@dataclass
+class RewardOutput:
+    total: torch.Tensor  # [B] weighted sum over the rewards that apply (NaN when none applies)
+    raw: dict[str, torch.Tensor]  # name -> [B] unweighted values (NaN = does not apply)
+
+
+class CompositeReward:
+    """A weighted sum of named rewards, with optional per-sample weights from a prompts file.
+
+    `monitor` rewards are computed and logged but carry no weight (train on one reward, watch the
+    others for reward hacking). A sample whose prompt entry has its own `rewards` mapping uses those
+    weights instead of the defaults: that is how per-entry routing works.
+    """
+
+    def __init__(self, weights: dict[str, float], monitor: Sequence[str], ctx: RewardContext):
+        self.weights = dict(weights)
+        self.names = list(dict.fromkeys([*weights, *monitor]))
+        self.fns: dict[str, RewardFn] = {name: make_reward(name, ctx) for name in self.names}
+
+    def add(self, names: Sequence[str], ctx: RewardContext) -> None:
+        """Make sure rewards named by per-entry weights are loaded too."""
+        for name in names:
+            if name not in self.fns:
+                self.fns[name] = make_reward(name, ctx)
+                self.names.append(name)
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
+                 entry_weights: Sequence[dict[str, float] | None] | None = None) -> RewardOutput:
+        raw = {}
+        for name, fn in self.fns.items():
+            try:
+                value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).flatten().cpu()
+            except Exception as e:  # any failure inside a reward stops the run, naming the reward
+                raise RewardError(name, f"{type(e).__name__}: {e}") from e
+            if value.shape[0] != len(prompts):
+                raise RewardError(name, f"returned {value.shape[0]} values for {len(prompts)} images")
+            raw[name] = value
+        B = len(prompts)
+        w = torch.zeros(B, len(self.names))  # [B, R]
+        for i in range(B):
+            weights = (entry_weights[i] if entry_weights and entry_weights[i] is not None else self.weights)
+            for j, name in enumerate(self.names):
+                w[i, j] = weights.get(name, 0.0)
+        values = torch.stack([raw[n] for n in self.names], dim=1)  # [B, R]
+        applies = ~values.isnan() & (w != 0)  # [B, R]
+        total = torch.where(applies, values * w, torch.zeros_like(values)).sum(1)  # [B]
+        total = torch.where(applies.any(1), total, torch.full_like(total, math.nan))
+        return RewardOutput(total, raw)
+
+
+# ---------------------------------------------------------------------------- built-in rewards
+
+
+def _jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
+    from PIL import Image
+
+    arr = images.clamp(0, 1).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    sizes = []
+    for a in arr:
+        buffer = io.BytesIO()
+        Image.fromarray(a).save(buffer, format="JPEG", quality=quality)
+        sizes.append(buffer.tell() / 1000)
+    return torch.tensor(sizes)
+
+
+@register_reward("jpeg_compressibility")
+def jpeg_compressibility(ctx: RewardContext) -> RewardFn:
+    """Minus the JPEG size in kB at quality 95 (ddpo-pytorch's compressibility reward)."""
+    return lambda images, prompts, metadata: -_jpeg_sizes_kb(images)
+
+
+@register_reward("jpeg_incompressibility")
+def jpeg_incompressibility(ctx: RewardContext) -> RewardFn:
+    """The JPEG size in kB at quality 95."""
+    return lambda images, prompts, metadata: _jpeg_sizes_kb(images)
+
+
+@register_reward("shapes_exact")
+def shapes_exact(ctx: RewardContext) -> RewardFn:
+    """1 when ShapesWorld's exact checker accepts the image for its caption, else 0; NaN for
+    captions outside the ShapesWorld grammar (the reward does not apply to them)."""
+    from grpo_vision.shapes.checker import check
+    from grpo_vision.shapes.scene import CaptionError
+
+    def reward(images, prompts, metadata):
+        arr = images.clamp(0, 1).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        out = []
+        for a, prompt in zip(arr, prompts):
+            try:
+                out.append(float(check(np.ascontiguousarray(a), prompt).correct))
+            except CaptionError:
+                out.append(math.nan)
+        return torch.tensor(out)
+    return reward

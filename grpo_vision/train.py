@@ -1,0 +1,284 @@
+"""GRPO training: one loop, read top to bottom. SAMPLING -> REWARD -> ADVANTAGE -> UPDATE -> LOG.
+
+All randomness of a step is derived from (run.seed, step): which prompts, each image's sampling seed
+and the update order. A resumed run therefore continues exactly: it only needs the weights, the
+optimizer and scheduler state and the step, which every checkpoint holds.
+
+Processes (accelerate) each take whole groups; rewards are gathered so that every process computes
+the same advantages as a one-process run, and gradients are averaged before each optimizer update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
+from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss
+from grpo_vision.loading import load_bundle, train_and_eval_prompts
+from grpo_vision.reference import Reference, add_lora
+from grpo_vision.rewards import CompositeReward, RewardContext, RewardError
+from grpo_vision.sampling import SamplingParams, sample_batched, sequence_logprobs
+
+
+@dataclass
+class StepBatch:  # what one step hands from sampling to the update, on this process
+    cond: torch.Tensor  # [n, L] condition ids, n = images on this process
+    tokens: torch.Tensor  # [n, N] sampled image tokens
+    old_logprobs: torch.Tensor  # [n, N] log-probs of the sampling policy (cached for every pass)
+    ref_logprobs: torch.Tensor | None  # [n, N] reference log-probs (None without a reference)
+    advantages: torch.Tensor  # [n] group-relative advantages
+
+
+def step_seed(seed: int, step: int, salt: int) -> int:
+    return int(np.random.default_rng([seed, step, salt]).integers(2**62))
+
+
+def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
+    from accelerate import Accelerator
+
+    # ------------------------------------------------------------------ set-up
+    device = cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision)
+    sizes = derived_sizes(cfg, acc.num_processes)
+    run_dir = Path(resume) if resume else Path(cfg.run.out_dir) / cfg.run.name
+    main = acc.is_main_process
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}", flush=True)
+    s, t = cfg.sample, cfg.train
+    params = SamplingParams(s.cfg_scale, s.temperature, s.top_k, s.top_p, s.logprob_mode)
+    bundle = load_bundle(cfg.policy, acc.device)
+    policy, tokenizer = bundle.policy, bundle.tokenizer
+    if t.reference == "lora":
+        policy = add_lora(policy, t.lora_rank, t.lora_alpha, t.lora_targets)
+    reference = Reference(policy, t.reference)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
+    ctx = RewardContext(acc.device, cfg.reward.batch_size, cfg.reward.clip_model, cfg.reward.clip_checkpoint,
+                        cfg.reward.aesthetic_checkpoint, bundle.world)
+    train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
+    rewards = CompositeReward(cfg.reward.weights, cfg.reward.monitor, ctx)
+    rewards.add(sorted({n for e in train_prompts if e.rewards for n in e.rewards}), ctx)
+    start, counters = 0, {"skipped_updates": 0}
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            state, ref_state = load_checkpoint(ckpt, policy, optimizer, scheduler)
+            if ref_state is not None:
+                reference.load_state_dict(policy, ref_state)
+            start, counters = state["step"], state["counters"]
+    logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
+    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
+
+    def checkpoint(step: int) -> None:
+        if main:
+            save_checkpoint(run_dir, step, policy, optimizer, scheduler, reference.state_dict(policy),
+                            {"counters": counters})
+        acc.wait_for_everyone()
+
+    step = start
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            # ---------------------------------------------------------- SAMPLING
+            # Every process draws the same global prompt list and keeps its own whole groups.
+            rng = np.random.default_rng([cfg.run.seed, step])
+            chosen = rng.choice(len(train_prompts), s.prompts_per_step, replace=len(train_prompts) < s.prompts_per_step)
+            per_proc = s.prompts_per_step // acc.num_processes
+            mine = chosen[acc.process_index * per_proc:(acc.process_index + 1) * per_proc]
+            entries = [train_prompts[i] for i in mine for _ in range(s.group_size)]
+            prompts = [e.prompt for e in entries]
+            first = acc.process_index * per_proc * s.group_size  # global index of this process's first image
+            seeds = [step_seed(cfg.run.seed, step, first + j) for j in range(len(prompts))]
+            policy.eval()
+            cond = policy.encode_prompts(prompts)  # [n, L]
+            rollout = sample_batched(policy, cond, seeds, params, s.batch_size)
+            with torch.no_grad():
+                images = torch.cat([tokenizer.decode(rollout.tokens[i:i + s.batch_size])
+                                    for i in range(0, len(prompts), s.batch_size)])  # [n, 3, H, W]
+            t_sample = time.perf_counter() - t0
+            # ---------------------------------------------------------- REWARD
+            out = rewards(images, prompts, [e.metadata for e in entries], [e.rewards for e in entries])
+            total = acc.gather(out.total.to(acc.device)).cpu()  # [B*G] global, in group order
+            raw = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.raw.items()}
+            # ---------------------------------------------------------- ADVANTAGE
+            adv_all = group_advantages(total, s.group_size, t.adv_scale)  # [B*G], identical on every process
+            n = len(prompts)
+            adv = adv_all[first:first + n].to(acc.device)
+            old = old_logprobs(policy, cond, rollout, params, acc, t.micro_batch_size)
+            ref = reference.logprobs(policy, cond, rollout.tokens, params, t.micro_batch_size) \
+                if t.reference != "none" else None
+            batch = StepBatch(cond, rollout.tokens, old, ref, adv)
+            # ---------------------------------------------------------- UPDATE
+            policy.train()
+            t1 = time.perf_counter()
+            losses = update(policy, trainable, optimizer, scheduler, batch, params, cfg, sizes, acc, step, counters)
+            t_update = time.perf_counter() - t1
+            if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
+                reference.sync(policy)
+            # ---------------------------------------------------------- LOG / CHECKPOINT
+            metrics = {f"reward/{k}/mean": _nanmean(v) for k, v in raw.items()}
+            metrics |= {f"reward/{k}/std": _nanstd(v) for k, v in raw.items()}
+            metrics |= {"reward/total/mean": _nanmean(total), "reward/total/std": _nanstd(total),
+                        "adv/frac_zero_std": frac_zero_std(total, s.group_size), **losses,
+                        "policy/entropy": acc.reduce(rollout.entropy.mean().to(acc.device), "mean").item(),
+                        "perf/step_s": time.perf_counter() - t0, "perf/sample_s": t_sample, "perf/update_s": t_update,
+                        "perf/sample_tokens_per_s": n * policy.num_image_tokens / t_sample,
+                        "lr": scheduler.get_last_lr()[0], "train/skipped_updates": counters["skipped_updates"]}
+            if main:
+                logger.log(step + 1, metrics)
+                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
+                if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == start):
+                    from grpo_vision.evaluate import save_sample_grid
+                    save_sample_grid(policy, reference, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
+                                     run_dir / "samples" / f"step_{step + 1:06d}.png")
+            if cfg.log.checkpoint_every and (step + 1) % cfg.log.checkpoint_every == 0:
+                checkpoint(step + 1)
+        step = t.steps
+        checkpoint(step)
+    except KeyboardInterrupt:
+        checkpoint(step)
+        print(f"\n[train] interrupted: saved a checkpoint at step {step}; continue with --resume {run_dir}",
+              file=sys.stderr)
+        raise
+    except RewardError as e:
+        checkpoint(step)
+        raise RewardError(e.name, f"{e} (checkpoint saved at step {step} in {run_dir})") from e
+    finally:
+        if logger:
+            logger.close()
+    if main:
+        from grpo_vision.report import final_report
+
+        final_report(run_dir, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle)
+    return run_dir
+
+
+def lr_factor(update: int, cfg: Config, total_updates: int) -> float:
+    """Warmup then constant / cosine / linear decay, in optimizer updates."""
+    t = cfg.train
+    if update < t.warmup_steps:
+        return (update + 1) / t.warmup_steps
+    frac = (update - t.warmup_steps) / max(1, total_updates - t.warmup_steps)
+    return {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1 - frac}[t.lr_schedule]
+
+
+@torch.no_grad()
+def old_logprobs(policy, cond, rollout, params, acc, micro: int) -> torch.Tensor:
+    """The rollout's own log-probs, or, under mixed precision, a teacher-forced pass with the same
+    autocast as the update, so that the first pass's ratio is exactly 1 (as TRL does)."""
+    if acc.mixed_precision == "no":
+        return rollout.logprobs
+    with acc.autocast():
+        return torch.cat([sequence_logprobs(policy, cond[i:i + micro], rollout.tokens[i:i + micro], params)
+                          for i in range(0, cond.shape[0], micro)])
+
+
+def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, sizes: dict, acc,
+           step: int, counters: dict) -> dict:
+    """`num_iterations` passes over the step's rollouts, `minibatches_per_pass` optimizer updates each."""
+    t, n = cfg.train, batch.tokens.shape[0]
+    mask = torch.ones_like(batch.tokens, dtype=torch.bool)  # image sequences have a fixed length
+    sums, count = {}, 0
+    for it in range(t.num_iterations):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 2**31 + it)))
+        for minibatch in order.view(t.minibatches_per_pass, -1):
+            micro_batches = minibatch.view(-1, t.micro_batch_size)
+            for idx in micro_batches:
+                with acc.autocast():
+                    logp = sequence_logprobs(policy, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
+                ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
+                loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if t.beta > 0 else None,
+                                    batch.advantages[idx], mask[idx], beta=t.beta, epsilon_low=t.epsilon_low,
+                                    epsilon_high=t.epsilon_high, loss_type=t.loss_type,
+                                    max_tokens=batch.tokens.shape[1])
+                if ref is not None and t.beta == 0:  # still report the KL it cost
+                    m["kl"] = ((ref - logp.detach().float()).exp() - (ref - logp.detach().float()) - 1).mean()
+                (loss / len(micro_batches)).backward()
+                for k, v in {"loss": loss, **m}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach())
+                count += 1
+            grad_norm = sync_and_clip(trainable, acc, t.max_grad_norm)
+            if math.isfinite(grad_norm):
+                optimizer.step()
+            else:  # a non-finite loss or gradient skips this update; the run goes on
+                counters["skipped_updates"] += 1
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+    means = {k: acc.reduce(torch.tensor(v / count, device=acc.device), "mean").item() for k, v in sums.items()}
+    return {"loss/total": means["loss"], "loss/policy": means["policy_loss"], "loss/kl": means["kl"],
+            "loss/clip_frac_low": means["clip_frac_low"], "loss/clip_frac_high": means["clip_frac_high"],
+            "loss/ratio_mean": means["ratio_mean"], "train/grad_norm": grad_norm}
+
+
+def sync_and_clip(params: list[torch.Tensor], acc, max_norm: float) -> float:
+    """Average gradients across processes, clip their global norm; returns the norm before clipping."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    if acc.num_processes > 1:
+        flat = torch.cat([g.flatten() for g in grads])
+        flat = acc.reduce(flat, "mean")
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return float(norm)
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    return float(x.nanmean()) if (~x.isnan()).any() else float("nan")
+
+
+def _nanstd(x: torch.Tensor) -> float:
+    v = x[~x.isnan()]
+    return float(v.std()) if v.numel() > 1 else 0.0
+
+
+class MetricsLogger:
+    """metrics.jsonl (one line per step; on resume, lines past the checkpoint are dropped) and TensorBoard."""
+
+    def __init__(self, run_dir: Path, start: int, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        if self.path.exists():
+            keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+            self.path.write_text("".join(ln + "\n" for ln in keep))
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({"step": step, **{k: _finite(v) for k, v in metrics.items()}}) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb:
+            self.tb.close()
+
+
+def _finite(v: float):
+    return v if math.isfinite(v) else None
+
+
+def resume_config(run_dir: str | Path, overrides: list[str]) -> Config:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"cannot resume: {path} not found (is {run_dir} a run directory?)")
+    return load_config(path, overrides)

@@ -1,0 +1,50 @@
+"""Prompts files: text or JSONL, per-entry reward routing, errors that name the line."""
+
+import pytest
+
+from grpo_vision.prompts import PromptsError, load_prompts
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_plain_text_skips_blanks_and_comments(tmp_path):
+    path = write(tmp_path, "p.txt", "# seen prompts\na red circle\n\n  a blue square  \n")
+    entries = load_prompts(path)
+    assert [e.prompt for e in entries] == ["a red circle", "a blue square"]
+    assert [e.line for e in entries] == [2, 4]
+    assert entries[0].rewards is None and entries[0].metadata == {}
+
+
+def test_jsonl_carries_reward_weights_and_metadata(tmp_path):
+    path = write(tmp_path, "p.jsonl", '{"prompt": "a red circle", "rewards": {"clip": 1, "shapes_exact": 0.5},'
+                                      ' "metadata": {"tag": "x"}}\n{"prompt": "a blue square"}\n')
+    a, b = load_prompts(path)
+    assert a.rewards == {"clip": 1.0, "shapes_exact": 0.5} and a.metadata == {"tag": "x"}
+    assert b.rewards is None and b.line == 2
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"prompt": "a"}\n{"prompt": "b"\n', "line 2: not valid JSON"),
+    ('{"prompt": ""}\n', "line 1: each JSONL line must be an object with a non-empty string 'prompt'"),
+    ('{"prompt": "a", "weights": {}}\n', "line 1: unknown field(s) ['weights']"),
+    ('{"prompt": "a", "rewards": {"clip": "high"}}\n', "line 1: 'rewards' must map reward names to numbers"),
+    ('{"prompt": "a", "metadata": [1]}\n', "line 1: 'metadata' must be an object"),
+    ("", "holds no prompts"),
+])
+def test_corrupt_files_name_the_line(tmp_path, text, needle):
+    with pytest.raises(PromptsError) as err:
+        load_prompts(write(tmp_path, "p.jsonl", text))
+    assert needle in str(err.value) and "p.jsonl" in str(err.value)
+
+
+def test_missing_and_binary_files(tmp_path):
+    with pytest.raises(PromptsError, match="prompts file not found: .*nope.txt"):
+        load_prompts(tmp_path / "nope.txt")
+    path = tmp_path / "bin.txt"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(PromptsError, match="is not UTF-8 text"):
+        load_prompts(path)
