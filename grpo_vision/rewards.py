@@ -186,3 +186,45 @@ def shapes_exact(ctx: RewardContext) -> RewardFn:
                 out.append(math.nan)
         return torch.tensor(out)
     return reward
+
+
+def _world_info(ctx: RewardContext) -> dict:
+    import json
+
+    return json.loads((ctx.world / "world.json").read_text()) if ctx.world else {}
+
+
+def _clip_from_context(ctx: RewardContext):
+    """The open_clip model named by the config, or the world's tiny CLIP; loaded once per context."""
+    from grpo_vision.shapes.train_clip import load_clip
+
+    if ctx.clip_checkpoint:
+        name = ctx.clip_model or "ViT-L-14"
+        checkpoint = ctx.clip_checkpoint
+    elif ctx.world is not None:
+        name = ctx.clip_model or _world_info(ctx).get("clip_model_name", "shapes_clip")
+        checkpoint = str(ctx.world / "clip" / "clip.safetensors")
+    else:
+        raise KeyError("reward 'clip' needs reward.clip_checkpoint (a local open_clip checkpoint file) "
+                       "and reward.clip_model (its architecture name), or a ShapesWorld policy")
+    key = (name, checkpoint, str(ctx.device))
+    if key not in _CLIP_CACHE:
+        _CLIP_CACHE[key] = load_clip(name, checkpoint, device=str(ctx.device))
+    return _CLIP_CACHE[key]
+
+
+_CLIP_CACHE: dict = {}
+
+
+@register_reward("clip")
+def clip_reward(ctx: RewardContext) -> RewardFn:
+    """Cosine similarity of open_clip's normalised image and text embeddings, per sample."""
+    from grpo_vision.shapes.train_clip import clip_scores
+
+    model, _, tokenizer = _clip_from_context(ctx)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        return clip_scores(model, tokenizer, images, prompts)
+
+    return batched(score, ctx.batch_size, ctx.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -88,6 +89,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                             {"counters": counters})
         acc.wait_for_everyone()
 
+    stop = GracefulStop()
     step = start
     try:
         for step in bar:
@@ -144,19 +146,20 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                     from grpo_vision.evaluate import save_sample_grid
                     save_sample_grid(policy, reference, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
                                      run_dir / "samples" / f"step_{step + 1:06d}.png")
+            if stop.requested:
+                checkpoint(step + 1)
+                print(f"\n[train] interrupted: saved a checkpoint at step {step + 1}; continue with "
+                      f"--resume {run_dir}", file=sys.stderr)
+                raise KeyboardInterrupt
             if cfg.log.checkpoint_every and (step + 1) % cfg.log.checkpoint_every == 0:
                 checkpoint(step + 1)
         step = t.steps
         checkpoint(step)
-    except KeyboardInterrupt:
-        checkpoint(step)
-        print(f"\n[train] interrupted: saved a checkpoint at step {step}; continue with --resume {run_dir}",
-              file=sys.stderr)
-        raise
     except RewardError as e:
         checkpoint(step)
         raise RewardError(e.name, f"{e} (checkpoint saved at step {step} in {run_dir})") from e
     finally:
+        stop.restore()
         if logger:
             logger.close()
     if main:
@@ -164,6 +167,32 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
 
         final_report(run_dir, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle)
     return run_dir
+
+
+class GracefulStop:
+    """The first Ctrl-C lets the current step finish, so the checkpoint holds a whole step and a resumed
+    run is exact; a second Ctrl-C stops at once (without a checkpoint)."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self._handle) if _main_thread() else None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\n[train] Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def lr_factor(update: int, cfg: Config, total_updates: int) -> float:

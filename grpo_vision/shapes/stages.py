@@ -1,0 +1,132 @@
+"""The stages of a ShapesWorld build (see world.py): each trains one model and saves it into `tmp`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo_vision.shapes.scene import HELD_OUT, IMAGE_SIZE, all_words
+
+EVAL_SEED_OFFSET = 10_000  # evaluation renders never share a seed with training renders
+
+
+def build_vq(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
+    from grpo_vision.shapes.train_vq import evaluate_vq, train_vq
+
+    tok, info = train_vq(preset, seed=seed, progress=progress)
+    tok.save_pretrained(tmp)
+    return info | evaluate_vq(tok, n=64 if preset == "micro" else 512, seed=seed + EVAL_SEED_OFFSET)
+
+
+def build_clip(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
+    import open_clip
+
+    from grpo_vision.shapes.train_clip import MODEL_NAME, evaluate_clip, save_clip, train_clip
+
+    model, info = train_clip(preset, seed=seed, progress=progress)
+    save_clip(model, tmp)
+    tokenizer = open_clip.get_tokenizer(MODEL_NAME)
+    return info | evaluate_clip(model, tokenizer, n=64 if preset == "micro" else 1000, seed=seed + EVAL_SEED_OFFSET)
+
+
+def build_aesthetic(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
+    from grpo_vision.shapes.train_aesthetic import evaluate_aesthetic, train_aesthetic
+    from grpo_vision.shapes.train_clip import MODEL_NAME, load_clip
+
+    clip, _, _ = load_clip(MODEL_NAME, world / "clip" / "clip.safetensors")
+    head, info = train_aesthetic(clip, preset, seed=seed, progress=progress)
+    head.save_pretrained(tmp)
+    return info | evaluate_aesthetic(clip, head, n=64 if preset == "micro" else 1000, seed=seed + EVAL_SEED_OFFSET)
+
+
+def build_policy(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
+    from grpo_vision.shapes.train_policy import train_policy
+    from grpo_vision.tokenizer import VQTokenizer
+
+    tok = VQTokenizer.from_pretrained(world / "vq")
+    policy, info = train_policy(tok, preset, seed=seed, progress=progress)
+    policy.save_pretrained(tmp)
+    return info
+
+
+def evaluate_world(world: Path, preset: str, seed: int, progress: bool) -> dict:
+    """Every quality figure of world.json, from the saved stages (so they describe what loads)."""
+    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.shapes.train_policy import DEFAULT_SAMPLING, evaluate_policy
+    from grpo_vision.tokenizer import VQTokenizer
+
+    micro = preset == "micro"
+    figures = checker_figures(n=50 if micro else 500, seed=seed + EVAL_SEED_OFFSET)
+    for name in ("vq", "clip", "aesthetic", "policy"):
+        stage = json.loads((world / "stages" / f"{name}.json").read_text())
+        figures |= {k: v for k, v in stage.items() if k not in ("preset", "seed", "seconds", "curve")}
+    tok = VQTokenizer.from_pretrained(world / "vq")
+    policy = LlamaImagePolicy.from_pretrained(world / "policy").float().eval()
+    figures |= evaluate_policy(policy, tok, n_prompts=8 if micro else 96, per_prompt=2 if micro else 4,
+                               seed=seed + EVAL_SEED_OFFSET, sampling=DEFAULT_SAMPLING)
+    return figures
+
+
+def checker_figures(n: int, seed: int) -> dict:
+    """The checker on clean renders of every caption form, and on captions with one attribute changed."""
+    from grpo_vision.shapes.checker import check
+    from grpo_vision.shapes.scene import FORMS, render, sample_scene
+    from grpo_vision.shapes.train_clip import hard_negatives
+
+    rng = np.random.default_rng(seed)
+    correct, rejected, negatives = [], 0, 0
+    for form in FORMS:
+        for _ in range(n):
+            scene, caption = sample_scene(rng, form=form, split="all", aesthetic=False)
+            image = render(scene)
+            correct.append(check(image, caption).correct)
+            for negative in (n for group in hard_negatives(caption).values() for n in group):
+                negatives += 1
+                rejected += not check(image, negative).correct
+    return {"checker_acc_clean": round(float(np.mean(correct)), 4),
+            "checker_reject_altered": round(rejected / max(1, negatives), 4)}
+
+
+def world_constants(world: Path) -> dict:
+    from grpo_vision.shapes.train_clip import MODEL_NAME
+    from grpo_vision.shapes.train_policy import DEFAULT_SAMPLING
+
+    return {"image_size": IMAGE_SIZE, "words": all_words(), "held_out": sorted(map(list, HELD_OUT)),
+            "sampling": DEFAULT_SAMPLING, "clip_model_name": MODEL_NAME}
+
+
+@torch.no_grad()
+def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
+    """Rows: renders, their VQ reconstructions, base-policy samples for the same captions."""
+    from PIL import Image, ImageDraw
+
+    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.sampling import SamplingParams, sample
+    from grpo_vision.shapes.data import render_batch, to_tensor, to_uint8
+    from grpo_vision.shapes.train_policy import DEFAULT_SAMPLING
+    from grpo_vision.tokenizer import VQTokenizer
+
+    tok = VQTokenizer.from_pretrained(world / "vq")
+    policy = LlamaImagePolicy.from_pretrained(world / "policy").float().eval()
+    batch = render_batch(np.random.default_rng(seed + 2 * EVAL_SEED_OFFSET), n, split="all")
+    x = to_tensor(batch.images)
+    recon = to_uint8(tok.decode(tok.encode(x)))
+    rollout = sample(policy, policy.encode_prompts(batch.captions), list(range(n)), SamplingParams(**DEFAULT_SAMPLING))
+    samples = to_uint8(tok.decode(rollout.tokens))
+    scale, label_h, cell = 2, 28, IMAGE_SIZE * 2
+    sheet = Image.new("RGB", (n * (cell + 4), label_h + 3 * (cell + 14)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for row, (title, images) in enumerate([("render", batch.images), ("VQ reconstruction", recon),
+                                           ("base policy sample", samples)]):
+        y = label_h + row * (cell + 14)
+        draw.text((2, y - 12), title, fill="black")
+        for i, img in enumerate(images):
+            sheet.paste(Image.fromarray(img).resize((cell, cell), Image.NEAREST), (i * (cell + 4), y))
+    for i, caption in enumerate(batch.captions):
+        words = caption.split()
+        draw.text((i * (cell + 4), 0), " ".join(words[:4]), fill="black")
+        draw.text((i * (cell + 4), 12), " ".join(words[4:]), fill="black")
+    sheet.save(out)

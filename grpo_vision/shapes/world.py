@@ -1,0 +1,150 @@
+"""Build, validate and load a ShapesWorld directory: tokenizer, tiny CLIP, aesthetic head, base policy.
+
+    worlds/shapes/
+      vq/          diffusers VQModel (config.json + safetensors)
+      clip/        open_clip checkpoint (clip.safetensors) + its model config
+      aesthetic/   LAION-style aesthetic head (safetensors + config)
+      policy/      base policy (policy_config.json + policy.safetensors)
+      stages/      one JSON per finished stage: preset, seed, figures
+      world.json   every quality figure; written last, so its presence means the world is complete
+      contact_sheet.png
+
+The build is a chain of stages. Each stage writes into `<name>.tmp/` and renames it into place
+(atomic), then writes its marker; a stage whose marker matches the preset and seed is skipped, so an
+interrupted build resumes where it stopped. `load_world` refuses an incomplete directory and says
+which part is missing and the command that finishes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+WORLD_VERSION = 1
+STAGES = ("vq", "clip", "aesthetic", "policy")
+
+
+class WorldError(RuntimeError):
+    """A missing or incomplete world directory; the message says how to build it."""
+
+
+@dataclass
+class World:
+    path: Path
+    info: dict  # world.json
+    tokenizer: Any  # grpo_vision.tokenizer.VQTokenizer
+    policy: Any  # grpo_vision.llama_policy.LlamaImagePolicy
+
+    @property
+    def sampling(self) -> dict:
+        return self.info["sampling"]
+
+    @property
+    def clip_model_name(self) -> str:
+        return self.info["clip_model_name"]
+
+    @property
+    def clip_checkpoint(self) -> Path:
+        return self.path / "clip" / "clip.safetensors"
+
+    @property
+    def aesthetic_dir(self) -> Path:
+        return self.path / "aesthetic"
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic: write a temporary file, then rename over the target."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def stage_done(world: Path, name: str, preset: str, seed: int) -> dict | None:
+    marker = world / "stages" / f"{name}.json"
+    if not marker.is_file() or not (world / name).is_dir():
+        return None
+    info = json.loads(marker.read_text())
+    return info if (info.get("preset"), info.get("seed")) == (preset, seed) else None
+
+
+def run_stage(world: Path, name: str, preset: str, seed: int, build: Callable[[Path], dict], log) -> dict:
+    """Run `build(tmp_dir) -> figures` unless already done; move tmp_dir into place atomically."""
+    done = stage_done(world, name, preset, seed)
+    if done is not None:
+        log(f"[world] {name}: already built ({preset}, seed {seed}), skipping")
+        return done
+    tmp, final = world / f"{name}.tmp", world / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    log(f"[world] {name}: building ({preset}, seed {seed})")
+    start = time.monotonic()
+    figures = build(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    info = {"preset": preset, "seed": seed, "seconds": round(time.monotonic() - start, 1), **figures}
+    (world / "stages").mkdir(exist_ok=True)
+    write_json(world / "stages" / f"{name}.json", info)
+    return info
+
+
+def build_world(out: str | Path, preset: str = "default", seed: int = 0, progress: bool = True,
+                log: Callable[[str], None] = print) -> dict:
+    """Build every missing stage of the world at `out`, evaluate it, and write world.json."""
+    from grpo_vision.shapes import stages
+
+    if preset not in ("micro", "default"):
+        raise ValueError(f"preset must be 'micro' or 'default', got {preset!r}")
+    world = Path(out)
+    try:
+        info = check_world_dir(world)
+        if (info.get("preset"), info.get("seed")) == (preset, seed):
+            log(f"[world] {world} is complete ({preset}, seed {seed}); nothing to build")
+            return info
+    except WorldError:
+        pass
+    world.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    (world / "world.json").unlink(missing_ok=True)  # the world is incomplete until the end
+    infos = {}
+    for name in STAGES:
+        build = getattr(stages, f"build_{name}")
+        infos[name] = run_stage(world, name, preset, seed, lambda tmp: build(world, tmp, preset, seed, progress), log)
+    log("[world] evaluating")
+    figures = stages.evaluate_world(world, preset, seed, progress)
+    stages.contact_sheet(world, world / "contact_sheet.png", seed)
+    info = {"version": WORLD_VERSION, "preset": preset, "seed": seed, "stages": infos, "quality": figures,
+            **stages.world_constants(world)}
+    write_json(world / "world.json", info)
+    log(f"[world] done: {world / 'world.json'}")
+    return info
+
+
+def check_world_dir(path: str | Path) -> dict:
+    """world.json of a complete world, or WorldError naming what is missing and how to finish it."""
+    world = Path(path)
+    fix = f"build it with: grpo-vision world build --out {world}"
+    if not world.is_dir():
+        raise WorldError(f"world directory not found: {world}; {fix}")
+    missing = [n for n in STAGES if not (world / n).is_dir() or not (world / "stages" / f"{n}.json").is_file()]
+    if missing or not (world / "world.json").is_file():
+        what = f"stage(s) {', '.join(missing)}" if missing else "world.json (the build did not finish)"
+        raise WorldError(f"world at {world} is incomplete: missing {what}; {fix} (finished stages are kept)")
+    return json.loads((world / "world.json").read_text())
+
+
+def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
+    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.tokenizer import VQTokenizer
+
+    info = check_world_dir(path)
+    world = Path(path)
+    tokenizer = VQTokenizer.from_pretrained(world / "vq", device=device)
+    policy = LlamaImagePolicy.from_pretrained(world / "policy", device=device).float().eval()
+    return World(world, info, tokenizer, policy)

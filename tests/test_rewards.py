@@ -1,0 +1,95 @@
+"""Rewards: the registry, the weighted composite with per-entry routing, and the built-in rewards."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, available_rewards, make_reward
+from grpo_vision.shapes.data import to_tensor
+from grpo_vision.shapes.scene import render, scene_for_caption
+
+CTX = RewardContext()
+
+
+def constant(images, prompts, metadata):  # used as python:tests.test_rewards:constant
+    return torch.full((len(prompts),), 2.0)
+
+
+def not_applicable_to_odd(images, prompts, metadata):
+    return torch.tensor([1.0 if i % 2 == 0 else math.nan for i in range(len(prompts))])
+
+
+def broken(images, prompts, metadata):
+    raise RuntimeError("model exploded")
+
+
+def test_unknown_name_lists_the_registered_rewards():
+    with pytest.raises(KeyError) as err:
+        make_reward("clipp", CTX)
+    message = str(err.value)
+    assert "unknown reward 'clipp'" in message
+    for name in ("jpeg_compressibility", "shapes_exact", "python:<module>:<function>"):
+        assert name in message
+    assert set(available_rewards()) >= {"jpeg_compressibility", "jpeg_incompressibility", "shapes_exact"}
+
+
+def test_python_rewards_import_a_users_callable():
+    fn = make_reward("python:tests.test_rewards:constant", CTX)
+    assert fn(torch.zeros(3, 3, 8, 8), ["a"] * 3, [{}] * 3).tolist() == [2.0, 2.0, 2.0]
+    with pytest.raises(KeyError, match="cannot import nope from tests.test_rewards"):
+        make_reward("python:tests.test_rewards:nope", CTX)
+    with pytest.raises(KeyError, match="must look like python:package.module:function"):
+        make_reward("python:tests.test_rewards", CTX)
+
+
+def test_composite_weights_raw_values_and_nan_means_does_not_apply():
+    reward = CompositeReward({"python:tests.test_rewards:constant": 0.5,
+                              "python:tests.test_rewards:not_applicable_to_odd": 2.0}, [], CTX)
+    out = reward(torch.zeros(4, 3, 8, 8), ["p"] * 4, [{}] * 4)
+    # Even samples: 0.5 * 2 + 2 * 1 = 3; odd samples: the second reward does not apply -> 0.5 * 2 = 1.
+    assert out.total.tolist() == [3.0, 1.0, 3.0, 1.0]
+    assert out.raw["python:tests.test_rewards:constant"].tolist() == [2.0] * 4
+    assert math.isnan(out.raw["python:tests.test_rewards:not_applicable_to_odd"][1])
+
+
+def test_per_entry_weights_route_rewards_and_monitors_carry_no_weight():
+    reward = CompositeReward({"python:tests.test_rewards:constant": 1.0}, ["jpeg_compressibility"], CTX)
+    reward.add(["python:tests.test_rewards:not_applicable_to_odd"], CTX)
+    entry = [None, {"python:tests.test_rewards:not_applicable_to_odd": 1.0}, None,
+             {"python:tests.test_rewards:not_applicable_to_odd": 1.0}]
+    out = reward(torch.rand(4, 3, 16, 16), ["p"] * 4, [{}] * 4, entry)
+    # Rows 0, 2 use the defaults (constant 2.0); row 1 routes to a reward that does not apply -> NaN;
+    # row 3 would too, as its only weighted reward is NaN for odd indices.
+    assert out.total[0].item() == 2.0 and out.total[2].item() == 2.0
+    assert math.isnan(out.total[1]) and math.isnan(out.total[3])
+    assert "jpeg_compressibility" in out.raw  # monitored: logged, weight 0
+
+
+def test_a_failing_reward_is_named():
+    reward = CompositeReward({"python:tests.test_rewards:broken": 1.0}, [], CTX)
+    with pytest.raises(RewardError, match="reward 'python:tests.test_rewards:broken' failed: RuntimeError: model exploded"):
+        reward(torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
+
+
+def test_jpeg_rewards_prefer_flat_images():
+    flat = torch.full((1, 3, 64, 64), 0.5)
+    noise = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    comp = make_reward("jpeg_compressibility", CTX)
+    incomp = make_reward("jpeg_incompressibility", CTX)
+    images = torch.cat([flat, noise])
+    c, i = comp(images, ["a", "b"], [{}, {}]), incomp(images, ["a", "b"], [{}, {}])
+    assert c[0] > c[1] and i[1] > i[0]
+    torch.testing.assert_close(c, -i)
+
+
+def test_shapes_exact_scores_renders_and_skips_foreign_captions():
+    rng = np.random.default_rng(0)
+    captions = ["a red circle", "a large blue square", "a green triangle on a black background"]
+    images = to_tensor(np.stack([render(scene_for_caption(c, rng)) for c in captions]))
+    fn = make_reward("shapes_exact", CTX)
+    assert fn(images, captions, [{}] * 3).tolist() == [1.0, 1.0, 1.0]
+    wrong = ["a blue circle", "a small blue square", "a photo of a cat"]
+    out = fn(images, wrong, [{}] * 3)
+    assert out[:2].tolist() == [0.0, 0.0] and math.isnan(out[2])
