@@ -228,3 +228,31 @@ def clip_reward(ctx: RewardContext) -> RewardFn:
         return clip_scores(model, tokenizer, images, prompts)
 
     return batched(score, ctx.batch_size, ctx.device)
+
+
+@register_reward("aesthetic")
+def aesthetic_reward(ctx: RewardContext) -> RewardFn:
+    """LAION improved-aesthetic-predictor: an MLP on the L2-normalised CLIP image embedding.
+
+    With reward.aesthetic_checkpoint set (e.g. sac+logos+ava1-l14-linearMSE.pth) the CLIP is the one
+    named by reward.clip_model / clip_checkpoint (OpenAI ViT-L-14, QuickGELU, for the real weights);
+    otherwise the world's tiny CLIP and head.
+    """
+    from grpo_vision.aesthetic import load_aesthetic
+    from grpo_vision.shapes.train_clip import image_embeddings
+
+    if ctx.aesthetic_checkpoint:
+        head_path = Path(ctx.aesthetic_checkpoint)
+    elif ctx.world is not None:
+        head_path = ctx.world / "aesthetic"
+    else:
+        raise KeyError("reward 'aesthetic' needs reward.aesthetic_checkpoint (a local head .pth/.safetensors) "
+                       "and a CLIP (reward.clip_model + reward.clip_checkpoint), or a ShapesWorld policy")
+    head = load_aesthetic(head_path).to(ctx.device)
+    model, _, _ = _clip_from_context(ctx)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        return head(image_embeddings(model, images).float())
+
+    return batched(score, ctx.batch_size, ctx.device)

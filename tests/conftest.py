@@ -18,3 +18,13 @@ def tiny_policy() -> LlamaImagePolicy:
             if p.ndim > 1:
                 p.mul_(4.0)  # std 0.08: peaked enough that top-k/top-p cut real mass
     return policy
+
+
+@pytest.fixture(scope="session")
+def micro_world(tmp_path_factory):
+    """A micro ShapesWorld built once per test session (about a minute on 2 cores)."""
+    from grpo_vision.shapes.world import build_world
+
+    path = tmp_path_factory.mktemp("worlds") / "shapes_micro"
+    build_world(path, preset="micro", seed=0, progress=False, log=lambda _: None)
+    return path

@@ -33,12 +33,13 @@ def build_clip(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -
 
 
 def build_aesthetic(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
+    from grpo_vision.aesthetic import save_aesthetic
     from grpo_vision.shapes.train_aesthetic import evaluate_aesthetic, train_aesthetic
     from grpo_vision.shapes.train_clip import MODEL_NAME, load_clip
 
     clip, _, _ = load_clip(MODEL_NAME, world / "clip" / "clip.safetensors")
-    head, info = train_aesthetic(clip, preset, seed=seed, progress=progress)
-    head.save_pretrained(tmp)
+    head, info = train_aesthetic(clip, preset, seed=seed)
+    save_aesthetic(head, tmp)
     return info | evaluate_aesthetic(clip, head, n=64 if preset == "micro" else 1000, seed=seed + EVAL_SEED_OFFSET)
 
 

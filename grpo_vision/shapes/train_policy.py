@@ -40,7 +40,7 @@ class PolicyPreset:
 
 
 POLICY_PRESETS = {
-    "micro": PolicyPreset(64, 2, 4, 2, 128, 512, 32, 3e-3, 30),
+    "micro": PolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20),
     "default": PolicyPreset(256, 4, 8, 2, 688, 60000, 64, 1e-3, 3000),
 }
 

@@ -1,0 +1,99 @@
+"""The LAION improved-aesthetic-predictor v2 head: an MLP on the L2-normalised CLIP image embedding.
+
+Layer for layer the model of christophschuhmann/improved-aesthetic-predictor (`simple_inference.py`,
+`train_predictor.py`), so its released weights load with strict=True:
+
+    layers = Sequential(Linear(768, 1024), Dropout(0.2), Linear(1024, 128), Dropout(0.2),
+                        Linear(128, 64), Dropout(0.1), Linear(64, 16), Linear(16, 1))
+
+- `sac+logos+ava1-l14-linearMSE.pth` (the default everyone uses, e.g. ddpo-pytorch): no
+  activations (the ReLUs are commented out upstream), so the head is affine; keys
+  `layers.{0,2,4,6,7}.{weight,bias}`.
+- `ava+logos-l14-reluMSE.pth` (`relu=True`): a ReLU after each of the first four Linears. The
+  ReLUs take Sequential slots, so the Linears sit at `layers.{0,3,6,9,11}` (upstream
+  `avaclipmlp_inf_wds-relu.py` builds exactly this Sequential and loads that file into it).
+
+The input is the L2-normalised image embedding of the CLIP the head was trained on (OpenAI
+ViT-L/14 for the released files, 768-d); ShapesWorld's tiny CLIP has 64-d embeddings, so its head
+scales the widths (`SHAPES_HIDDEN`). The output is an unbounded regression of a ~1..10 rating.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAION_HIDDEN = (1024, 128, 64, 16)  # released v2 widths, input 768
+LAION_DROPOUT = (0.2, 0.2, 0.1)  # after the first three Linears
+SHAPES_HIDDEN = (96, 48, 32, 16)  # for the 64-d ShapesWorld CLIP: 768/64 = 12x narrower input
+WEIGHTS_NAME = "aesthetic.safetensors"
+CONFIG_NAME = "aesthetic_config.json"
+
+
+class AestheticMLP(nn.Module):
+    def __init__(self, input_dim: int = 768, hidden: tuple[int, ...] = LAION_HIDDEN,
+                 dropout: tuple[float, ...] = LAION_DROPOUT, relu: bool = False):
+        super().__init__()
+        if len(hidden) != 4 or len(dropout) != 3:
+            raise ValueError(f"the v2 layout has 4 hidden widths and 3 dropouts, got {hidden}, {dropout}")
+        self.config = {"input_dim": input_dim, "hidden": list(hidden), "dropout": list(dropout), "relu": relu}
+        widths = (input_dim, *hidden)
+        mods: list[nn.Module] = []
+        for i in range(4):
+            mods.append(nn.Linear(widths[i], widths[i + 1]))
+            if relu:
+                mods.append(nn.ReLU())
+            if i < 3:
+                mods.append(nn.Dropout(dropout[i]))
+        mods.append(nn.Linear(hidden[-1], 1))
+        self.layers = nn.Sequential(*mods)
+
+    def forward(self, embedding: torch.Tensor) -> torch.Tensor:
+        """Score `[B]` of L2-normalised CLIP image embeddings `[B, input_dim]`."""
+        return self.layers(embedding).squeeze(-1)
+
+    def score(self, clip_embedding: torch.Tensor) -> torch.Tensor:
+        """Score `[B]` of raw CLIP image embeddings `[B, input_dim]` (normalised here, as upstream)."""
+        return self(F.normalize(clip_embedding.float(), dim=-1))
+
+
+def save_aesthetic(head: AestheticMLP, directory: str | Path) -> Path:
+    """Write `directory/aesthetic.safetensors` and `aesthetic_config.json` (rebuild with load_aesthetic(dir))."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(d / WEIGHTS_NAME))
+    (d / CONFIG_NAME).write_text(json.dumps(head.config, indent=2) + "\n")
+    return d / WEIGHTS_NAME
+
+
+def load_aesthetic(path: str | Path, input_dim: int | None = None, hidden: tuple[int, ...] | None = None,
+                   dropout: tuple[float, ...] | None = None, relu: bool | None = None) -> AestheticMLP:
+    """An AestheticMLP in eval mode from a `.pth` state dict (torch.load weights_only=True, e.g. the
+    LAION files), a `.safetensors` file, or a directory written by save_aesthetic. Architecture:
+    the arguments given, else `aesthetic_config.json` beside the weights, else the LAION v2 defaults."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / WEIGHTS_NAME
+    if not p.is_file():
+        raise FileNotFoundError(f"aesthetic head weights not found: {p}")
+    cfg = {"input_dim": 768, "hidden": LAION_HIDDEN, "dropout": LAION_DROPOUT, "relu": False}
+    if (p.parent / CONFIG_NAME).is_file() and p.suffix == ".safetensors":
+        cfg.update(json.loads((p.parent / CONFIG_NAME).read_text()))
+    given = {"input_dim": input_dim, "hidden": hidden, "dropout": dropout, "relu": relu}
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        sd = load_file(str(p))
+    else:
+        sd = torch.load(p, map_location="cpu", weights_only=True)
+        sd = sd.get("state_dict", sd)
+    head = AestheticMLP(cfg["input_dim"], tuple(cfg["hidden"]), tuple(cfg["dropout"]), cfg["relu"])
+    head.load_state_dict(sd, strict=True)
+    return head.eval()

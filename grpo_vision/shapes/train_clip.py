@@ -1,0 +1,459 @@
+"""Train ShapesWorld's tiny CLIP: a stock open_clip model at a custom size, contrastive with hard negatives.
+
+The model is an open_clip `CLIP` built from `shapes_clip.json` (registered with open_clip's own
+`add_model_config`), tokenised with open_clip's bundled BPE, saved as a plain state dict and loaded
+back through `create_model_and_transforms(name, pretrained=<file>)`: the CLIP reward runs the same
+code for this model as for a real checkpoint such as ViT-L-14.
+
+Recipe, and what each part bought (measured on this 2-core CPU, one thread, with another job
+holding both cores; numbers are evaluate_clip accuracies):
+
+1. Image tower: open_clip's ModifiedResNet (the CLIP RN50 family, `layers` [1,1,1,1], width 16),
+   not a ViT. At 64 px a patch-8 ViT learnt shape slowly: supervised shape classification reached
+   78% after 400 steps (92 s), the ResNet 97% after 200 steps (74 s, bf16 autocast, which uses
+   AMX for the convs; it gave nothing for the ViT's small matmuls); contrastively the ViT was at
+   shape 0.69 after 700 steps.
+2. Symmetric InfoNCE (Radford et al. 2021, arXiv 2103.00020) with hard negatives, captions that
+   change exactly one attribute of the true one, in each image's softmax (NegCLIP, Yuksekgonul et
+   al. 2023, arXiv 2210.01936), plus a pairwise logistic term on (positive, hard negative), which
+   is the comparison evaluate_clip counts.
+3. Captions repeat and overlap ("a red circle" is also true of the image captioned "a small red
+   circle"), so every text that is true of an image, other than its own caption, is masked out of
+   its softmax, by exact truth from the scene (`holds_matrix`), in both directions.
+4. Relations are a binding problem on both towers, and InfoNCE sits at a symmetric saddle: while
+   neither tower binds, "A left of B" and "A right of B" images push the text the same way. With
+   hard negatives and 1000+ steps it stayed at chance (opposite 0.50, swap 0.54, while
+   horizontal-vs-vertical was 0.98). Fix: a curriculum. For the first `canonical_frac` of the run
+   relation captions are rewritten to the same fact with "left of"/"above" ("B right of A" ->
+   "A left of B"), so the first-named object is always left or top: position-by-slot features
+   solve it, and both towers learn them like colour. Then the natural captions. Relation went
+   0.59 -> 0.99 in the same budget. Each relation image also comes with a "twin" image of its
+   swapped caption (so a batch has pairs that differ only in arrangement).
+5. An auxiliary linear probe on the normalised image embedding regresses the aesthetic factors
+   (noise level, clipped, cornered), which no caption mentions: without it the aesthetic head on
+   the frozen embedding reached Spearman 0.11 (train_aesthetic.py); the probe is dropped after
+   training, so the checkpoint is a stock open_clip state dict.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from grpo_vision.shapes.data import Batch, to_tensor
+from grpo_vision.shapes.scene import (
+    BACKGROUNDS, COLORS, FORMS, NOISE_LEVELS, SHAPES, SIZES, CaptionError, CaptionSpec, Scene,
+    format_caption, is_held_out, parse_caption, render, sample_scene, scene_for_caption,
+)
+
+MODEL_NAME = "shapes_clip"
+CONFIG_PATH = Path(__file__).with_name("shapes_clip.json")  # registered name = file stem
+CHECKPOINT_NAME = "clip.safetensors"
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+ATTRIBUTES = ("color", "shape", "size", "background", "relation")  # what a hard negative changes
+_OBJ_ID = {(c, s): i for i, (c, s) in enumerate((c, s) for c in COLORS for s in SHAPES)}
+_REL_ID = {"left of": 0, "right of": 1, "above": 2, "below": 3}  # opposite = id ^ 1
+_SIZE_ID, _BG_ID = {z: i for i, z in enumerate(SIZES)}, {b: i for i, b in enumerate(BACKGROUNDS)}
+
+
+# ---------------------------------------------------------------- model: register, load, save
+
+
+def register_shapes_clip() -> None:
+    """Add shapes_clip.json to open_clip's model registry (idempotent: adds the path once)."""
+    import open_clip
+    from open_clip import factory
+
+    if MODEL_NAME not in open_clip.list_models():
+        open_clip.add_model_config(CONFIG_PATH)
+    elif CONFIG_PATH not in factory._MODEL_CONFIG_PATHS:  # pragma: no cover - name taken by another file
+        raise RuntimeError(f"an open_clip config named {MODEL_NAME!r} exists that is not {CONFIG_PATH}")
+
+
+def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu"):
+    """(model, preprocess, tokenizer) for an open_clip model from a local checkpoint file, through
+    `open_clip.create_model_and_transforms(model_name, pretrained=checkpoint)`, in eval mode."""
+    import open_clip
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"CLIP checkpoint not found: {path}")
+    if model_name == MODEL_NAME:
+        register_shapes_clip()
+    model, _, preprocess = open_clip.create_model_and_transforms(model_name, pretrained=str(path), device=device)
+    return model.eval(), preprocess, open_clip.get_tokenizer(model_name)
+
+
+def save_clip(model: torch.nn.Module, directory: str | Path, half: bool = True) -> Path:
+    """Write `directory/clip.safetensors`: the state dict (fp16 when `half`; load_state_dict casts
+    it back into the fp32 model, see tests/test_shapes_clip.py for the tolerance)."""
+    from safetensors.torch import save_file
+
+    path = Path(directory) / CHECKPOINT_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sd = {k: (v.half() if half and v.is_floating_point() else v).contiguous() for k, v in model.state_dict().items()}
+    save_file(sd, str(path))
+    return path
+
+
+def new_clip():
+    """A randomly initialised shapes_clip (model, tokenizer)."""
+    import open_clip
+
+    register_shapes_clip()
+    model = open_clip.create_model(MODEL_NAME, pretrained=None)
+    return model, open_clip.get_tokenizer(MODEL_NAME)
+
+
+def image_transform(model):
+    """open_clip's eval preprocess for `model` (Resize, CenterCrop, Normalize), applied to float
+    `[B, 3, H, W]` tensors in [0, 1]; at image_size 64 the resize and crop leave 64x64 input as is."""
+    import open_clip
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    return image_transform_v2(PreprocessCfg(**open_clip.get_model_preprocess_cfg(model)), is_train=False)
+
+
+def image_embeddings(model, images: torch.Tensor) -> torch.Tensor:
+    """L2-normalised image embeddings `[B, embed_dim]` of float images `[B, 3, H, W]` in [0, 1]."""
+    return model.encode_image(image_transform(model)(images), normalize=True)
+
+
+def clip_scores(model, tokenizer, images: torch.Tensor, captions: list[str]) -> torch.Tensor:
+    """Per-sample cosine similarity `[B]` between image b and caption b."""
+    img = image_embeddings(model, images)  # [B, D]
+    txt = model.encode_text(tokenizer(captions).to(images.device), normalize=True)  # [B, D]
+    return (img * txt).sum(-1)
+
+
+# ---------------------------------------------------------------- captions: truth and hard negatives
+
+
+def caption_holds(scene: Scene, caption: str | CaptionSpec) -> bool:
+    """Exact truth of a caption for a sampled scene, from the scene's data (no pixels): the
+    number of objects, their colour and shape, and the named size, background and relation.
+    "A left of B" also holds as "B right of A"; the four relations exclude each other."""
+    spec = parse_caption(caption) if isinstance(caption, str) else caption
+    objs = [(o.color, o.shape) for o in scene.objects]
+    if len(objs) != len(spec.objects):
+        return False
+    if spec.form == "relation":
+        fwd = (spec.objects[0], spec.objects[1], spec.relation)
+        return fwd in {(objs[0], objs[1], scene.relation), (objs[1], objs[0], OPPOSITE[scene.relation])}
+    return (
+        objs[0] == spec.objects[0]
+        and spec.size in (None, scene.objects[0].size)
+        and spec.background in (None, scene.background)
+    )
+
+
+def _replace_obj(spec: CaptionSpec, i: int, color: str | None = None, shape: str | None = None) -> CaptionSpec:
+    objs = list(spec.objects)
+    objs[i] = (color or objs[i][0], shape or objs[i][1])
+    return CaptionSpec(spec.form, tuple(objs), spec.size, spec.background, spec.relation)
+
+
+def hard_negatives(caption: str, perpendicular: bool = False) -> dict[str, list[str]]:
+    """Captions that change exactly one attribute the caption names, by attribute:
+    color / shape of each named object, size, background, and for relation captions the opposite
+    relation and the two objects swapped ("a red circle left of a blue square" -> "a blue square
+    left of a red circle"). Never "B right of A", which says the same as "A left of B". Captions
+    the grammar forbids (two identical objects) are skipped. Each is false for every scene the
+    caption is true of. `perpendicular` adds the two relations at right angles to the named one
+    ("left of" -> "above", "below") to "relation"; those are false too (the contract's four
+    relations exclude each other) but easier, so evaluate_clip leaves them out."""
+    spec = parse_caption(caption)
+    out: dict[str, list[CaptionSpec]] = {a: [] for a in ATTRIBUTES}
+    for i, (c, s) in enumerate(spec.objects):
+        out["color"] += [_replace_obj(spec, i, color=c2) for c2 in COLORS if c2 != c]
+        out["shape"] += [_replace_obj(spec, i, shape=s2) for s2 in SHAPES if s2 != s]
+    if spec.size is not None:
+        out["size"] = [CaptionSpec(spec.form, spec.objects, size=z) for z in SIZES if z != spec.size]
+    if spec.background is not None:
+        out["background"] = [CaptionSpec(spec.form, spec.objects, background=b) for b in BACKGROUNDS
+                             if b != spec.background]
+    if spec.relation is not None:
+        a, b = spec.objects
+        out["relation"] = [CaptionSpec(spec.form, (a, b), relation=OPPOSITE[spec.relation]),
+                           CaptionSpec(spec.form, (b, a), relation=spec.relation)]
+        if perpendicular:
+            out["relation"] += [CaptionSpec(spec.form, (a, b), relation=r) for r in _REL_ID
+                                if r not in (spec.relation, OPPOSITE[spec.relation])]
+    texts = {}
+    for attr, specs in out.items():
+        texts[attr] = []
+        for sp in specs:
+            try:
+                texts[attr].append(format_caption(sp))
+            except CaptionError:  # two identical objects: not a caption
+                pass
+    return texts
+
+
+def _codes(objs, size, background, relation) -> list[int]:
+    """[n_objects, obj0, obj1, size, background, relation] as ints, -1 where absent."""
+    ids = [_OBJ_ID[o] for o in objs] + [-1] * (2 - len(objs))
+    return [len(objs), *ids, _SIZE_ID.get(size, -1), _BG_ID.get(background, -1), _REL_ID.get(relation, -1)]
+
+
+def holds_matrix(scenes: list[Scene], captions: list[str]) -> np.ndarray:
+    """bool `[len(scenes), len(captions)]`: caption_holds for every pair, vectorised (the slow
+    reference is caption_holds; tests compare the two)."""
+    s = np.array([_codes([(o.color, o.shape) for o in sc.objects], sc.objects[0].size, sc.background,
+                         sc.relation) for sc in scenes])[:, None, :]  # [S, 1, 6]
+    specs = [parse_caption(c) for c in captions]
+    t = np.array([_codes(sp.objects, sp.size, sp.background, sp.relation) for sp in specs])[None]  # [1, T, 6]
+    n, o0, o1, size, bg, rel = (t[..., k] for k in range(6))  # each [1, T]
+    sn, so0, so1, ssize, sbg, srel = (s[..., k] for k in range(6))  # each [S, 1]
+    one = (n == 1) & (sn == 1) & (o0 == so0) & ((size < 0) | (size == ssize)) & ((bg < 0) | (bg == sbg))
+    fwd = (o0 == so0) & (o1 == so1) & (rel == srel)
+    rev = (o0 == so1) & (o1 == so0) & (rel == (srel ^ 1))
+    two = (n == 2) & (sn == 2) & (fwd | rev)
+    return one | two
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def clip_loss(img: torch.Tensor, txt: torch.Tensor, pos: torch.Tensor, holds: torch.Tensor,
+              hard: torch.Tensor, scale: torch.Tensor, hn_weight: float) -> tuple[torch.Tensor, dict]:
+    """Symmetric InfoNCE with caption-truth masking and hard negatives.
+
+    img `[B, D]`, txt `[T, D]` L2-normalised; pos `[B]` index of image b's caption in txt;
+    holds `[B, T]` bool, text t is true of image b; hard `[B, T]` float, > 0 where text t is one of
+    image b's hard negatives (its weight in the pairwise term); scale = logit_scale.exp().
+    image->text: softmax over every text false for the image (batch captions and all hard
+    negatives in the batch) plus its own caption. text->image: image b's caption against every
+    image it is false for, plus image b. Hard-negative term: sum of hard * softplus(s_neg - s_pos)
+    over the hard pairs / their number, a logistic loss on the comparison evaluate_clip counts.
+    """
+    B = img.shape[0]
+    arange = torch.arange(B)
+    logits = scale * img @ txt.T  # [B, T]
+    own = F.one_hot(pos, txt.shape[0]).bool()  # [B, T]
+    i2t = F.cross_entropy(logits.masked_fill(holds & ~own, float("-inf")), pos)
+    t2i_logits = logits[:, pos].T  # [B captions, B images]: row b = caption of image b vs images
+    t2i_mask = holds[:, pos].T & ~torch.eye(B, dtype=torch.bool)  # caption b true of image k != b
+    t2i = F.cross_entropy(t2i_logits.masked_fill(t2i_mask, float("-inf")), arange)
+    margin = logits - logits[arange, pos][:, None]  # [B, T] s_t - s_pos, scaled
+    is_hard = hard > 0
+    hn = (hard * F.softplus(margin)).sum() / is_hard.sum().clamp_min(1)
+    loss = (i2t + t2i) / 2 + hn_weight * hn
+    acc = (margin[is_hard] < 0).float().mean().item() if is_hard.any() else float("nan")
+    return loss, {"loss/i2t": i2t.item(), "loss/t2i": t2i.item(), "loss/hard": hn.item(), "hard_acc": acc}
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class ClipPreset:
+    batch_size: int  # images per step
+    lr: float  # peak AdamW learning rate
+    weight_decay: float  # AdamW decoupled weight decay on matrices (open_clip excludes gains/biases)
+    warmup_steps: int  # linear warmup, then cosine to 0 over the run
+    max_steps: int  # step cap
+    seconds: float  # wall-clock budget; the schedule follows whichever of steps/seconds runs out first
+    hn_weight: float  # weight of the pairwise hard-negative loss
+    attr_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)  # per ATTRIBUTES, inside the pairwise loss
+    form_weights: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0)  # caption forms (plain, size, background, relation)
+    canonical_frac: float = 0.0  # first part of the run with relation captions as "left of"/"above" only
+    aux_weight: float = 0.0  # weight of the auxiliary aesthetic-factor probe on image embeddings
+    relation_twins: bool = False  # pair each relation image with a twin of its swapped caption
+    amp: bool = True  # bf16 autocast for the image tower (convs: ~2x on CPUs with AMX; text is faster in fp32)
+
+
+CLIP_PRESETS = {
+    # a smoke run: colour and background, a few dozen steps
+    "micro": ClipPreset(32, 3e-3, 0.1, 5, 40, 20.0, 2.0, (1, 1, 1, 1, 2), (1, 1, 1.5, 2), 0.4, 1.0, True),
+    # ~1200 steps fit 600 s on one contended core (1500 on a free one, in ~5 min)
+    "default": ClipPreset(64, 2e-3, 0.1, 50, 1500, 600.0, 2.0, (1, 1, 1, 1, 4), (1, 1, 1.5, 2), 0.5, 1.5, True),
+}
+
+def _batch_texts(captions: list[str]) -> tuple[list[str], list[int], list[dict[str, list[str]]]]:
+    """Unique texts of a step (captions, then their train-split hard negatives), each image's
+    caption index, and each image's hard negatives. Negatives naming a held-out (colour, shape)
+    pair are dropped, so held-out compositions stay unseen (evaluate_clip tests them)."""
+    index: dict[str, int] = {}
+    pos = [index.setdefault(c, len(index)) for c in captions]
+    negs = []
+    for c in captions:
+        n = {a: [t for t in ts if not is_held_out(t)] for a, ts in hard_negatives(c, perpendicular=True).items()}
+        for ts in n.values():
+            for t in ts:
+                index.setdefault(t, len(index))
+        negs.append(n)
+    return list(index), pos, negs
+
+
+def aesthetic_factors(scene: Scene) -> list[float]:
+    """[noise level 0 / 0.5 / 1, clipped, cornered] of a scene, the targets of the auxiliary probe."""
+    return [NOISE_LEVELS.index(scene.noise) / (len(NOISE_LEVELS) - 1), float(scene.clipped), float(scene.cornered)]
+
+
+def canonical_relation(caption: str) -> str:
+    """The same fact with the relation "left of" or "above": "B right of A" -> "A left of B"."""
+    spec = parse_caption(caption)
+    if spec.relation not in ("right of", "below"):
+        return caption
+    a, b = spec.objects
+    return format_caption(CaptionSpec("relation", (b, a), relation=OPPOSITE[spec.relation]))
+
+
+def _train_batch(rng: np.random.Generator, n: int, form_weights, twins: bool, canonical: bool) -> Batch:
+    """Like data.render_batch(rng, n, "train", aesthetic=True), with caption forms drawn by weight.
+    `twins`: each relation scene "A r B" comes with a twin scene of "B r A" (same objects, sides
+    swapped), so the batch holds image pairs that differ only in the arrangement."""
+    w = np.asarray(form_weights, float)
+    forms = rng.choice(len(FORMS), size=n, p=w / w.sum())
+    pairs = []
+    for f in forms:
+        if len(pairs) == n:
+            break
+        scene, caption = sample_scene(rng, FORMS[f], "train", aesthetic=True)
+        pairs.append((scene, caption))
+        if twins and FORMS[f] == "relation" and len(pairs) < n:
+            swapped = hard_negatives(caption)["relation"][1]  # "B r A"
+            pairs.append((scene_for_caption(swapped, rng, aesthetic=True), swapped))
+    captions = [canonical_relation(c) if canonical else c for _, c in pairs]
+    return Batch(np.stack([render(s) for s, _ in pairs]), captions, [s for s, _ in pairs])
+
+
+def _targets(scenes: list[Scene], texts: list[str], negs: list[dict[str, list[str]]],
+             attr_weights: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """holds `[B, T]` bool (text true of the scene) and hard `[B, T]` (weight of each of image
+    b's hard negatives, by attribute; 0 elsewhere)."""
+    holds = torch.from_numpy(holds_matrix(scenes, texts))
+    hard = torch.zeros(holds.shape)
+    col = {t: j for j, t in enumerate(texts)}
+    for b, n in enumerate(negs):
+        for attr, w in zip(ATTRIBUTES, attr_weights):
+            hard[b, [col[t] for t in n[attr]]] = w
+    return holds, hard
+
+
+def train_clip(preset: str | ClipPreset = "default", seed: int = 0, progress: bool = True, eval_every: int = 0):
+    """Train shapes_clip from scratch on fresh TRAIN-split renders; returns (model in eval mode,
+    info). `eval_every` > 0 adds evaluate_clip(n=200) every that many steps to info["curve"]
+    (not counted in the time budget)."""
+    p = CLIP_PRESETS[preset] if isinstance(preset, str) else preset
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model, tokenizer = new_clip()
+    model.train()
+    normalize = image_transform(model)
+    ids: dict[str, torch.Tensor] = {}  # caption -> [L] token ids (the caption set is finite)
+    # open_clip's recipe (training/main.py): no weight decay on gains, biases and logit_scale
+    nodecay = [q for n, q in model.named_parameters() if q.ndim < 2 or "logit_scale" in n]
+    decay = [q for n, q in model.named_parameters() if not (q.ndim < 2 or "logit_scale" in n)]
+    # Auxiliary probe: the aesthetic factors, linearly from the normalised image embedding, so the
+    # embedding keeps them (the captions never mention them); dropped after training.
+    aux = torch.nn.Linear(model.text_projection.shape[1], 3)
+    decay.append(aux.weight)
+    nodecay.append(aux.bias)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": p.weight_decay},
+                             {"params": nodecay, "weight_decay": 0.0}], lr=p.lr, betas=(0.9, 0.98), eps=1e-6)
+    start, step, log, curve = time.monotonic(), 0, {}, []
+    bar = tqdm(total=p.max_steps, desc="clip", disable=not progress, leave=False)
+    while step < p.max_steps and (elapsed := time.monotonic() - start) < p.seconds:
+        frac = max(step / p.max_steps, elapsed / p.seconds)  # progress through the run, 0..1
+        lr = p.lr * min(1.0, (step + 1) / p.warmup_steps) * 0.5 * (1 + math.cos(math.pi * frac))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        # SAMPLE: fresh train-split renders; relation captions canonical early in the run
+        batch = _train_batch(rng, p.batch_size, p.form_weights, p.relation_twins, frac < p.canonical_frac)
+        texts, pos, negs = _batch_texts(batch.captions)
+        holds, hard = _targets(batch.scenes, texts, negs, p.attr_weights)  # [B, T] each
+        for t in texts:
+            if t not in ids:
+                ids[t] = tokenizer([t])[0]
+        # FORWARD
+        x = normalize(to_tensor(batch.images))  # [B, 3, 64, 64]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.amp):
+            img = model.encode_image(x)  # [B, D]
+        txt = model.encode_text(torch.stack([ids[t] for t in texts]))  # [T, D]
+        img, txt = F.normalize(img.float(), dim=-1), F.normalize(txt.float(), dim=-1)
+        # LOSS
+        loss, log = clip_loss(img, txt, torch.tensor(pos), holds, hard, model.logit_scale.exp(), p.hn_weight)
+        if p.aux_weight:
+            factors = torch.tensor([aesthetic_factors(s) for s in batch.scenes])  # [B, 3]
+            aux_loss = F.mse_loss(aux(img), factors)
+            loss = loss + p.aux_weight * aux_loss
+            log["loss/aux"] = aux_loss.item()
+        # UPDATE
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))  # CLIP's cap on the temperature
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", hard=f"{log['hard_acc']:.2f}", texts=len(texts))
+        if eval_every and step % eval_every == 0:
+            t0 = time.monotonic()
+            curve.append({"step": step, **evaluate_clip(model.eval(), tokenizer, n=200)})
+            model.train()
+            start += time.monotonic() - t0
+            if progress:
+                tqdm.write(str(curve[-1]))
+    bar.close()
+    info = {"clip_steps": step, "clip_seconds": round(time.monotonic() - start, 1),
+            "clip_final_loss": round(loss.item(), 4), "clip_final_hard_acc": round(log["hard_acc"], 4),
+            "clip_final_aux_mse": round(log.get("loss/aux", float("nan")), 4)}
+    if curve:
+        info["curve"] = curve
+    return model.eval(), info
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate_clip(model, tokenizer, n: int = 400, seed: int = 4321) -> dict:
+    """How often an image's true caption outscores the same caption with one attribute changed,
+    per attribute (all of hard_negatives), on fresh renders of TRAIN-split captions (`clip_acc_*`)
+    and of held-out compositions (`clip_acc_*_heldout`); n images per split, n/4 per form."""
+    out = {}
+    for split, suffix in (("train", ""), ("heldout", "_heldout")):
+        rng = np.random.default_rng(seed)
+        pairs = [sample_scene(rng, form, split, aesthetic=True) for form in FORMS for _ in range(n // 4)]
+        x = to_tensor(np.stack([render(s) for s, _ in pairs]))
+        img = torch.cat([image_embeddings(model, x[i:i + 256]) for i in range(0, len(x), 256)])  # [n, D]
+        negs = [hard_negatives(c) for _, c in pairs]
+        texts = sorted({c for _, c in pairs} | {t for d in negs for ts in d.values() for t in ts})
+        col = {t: j for j, t in enumerate(texts)}
+        tok = tokenizer(texts)
+        txt = torch.cat([model.encode_text(tok[i:i + 512], normalize=True) for i in range(0, len(tok), 512)])
+        sims = img @ txt.T  # [n, T]
+        for attr in ATTRIBUTES:
+            wins = [(sims[b, col[c]] > sims[b, col[t]]).item() for b, (_, c) in enumerate(pairs) for t in negs[b][attr]]
+            out[f"clip_acc_{attr}{suffix}"] = round(float(np.mean(wins)), 4)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m grpo_vision.shapes.train_clip --preset default --out DIR: train, evaluate, save."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--preset", default="default", choices=sorted(CLIP_PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="directory for clip.safetensors and clip_metrics.json")
+    args = ap.parse_args(argv)
+    model, info = train_clip(args.preset, args.seed)
+    info.update(evaluate_clip(model, new_clip()[1]))
+    path = save_clip(model, args.out)
+    (path.parent / "clip_metrics.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(json.dumps(info, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""GRPO end to end on the micro world: the real CLI, exact resume, two processes, faults."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grpo_vision.config import load_config
+from grpo_vision.rewards import RewardError
+from grpo_vision.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def micro_cfg(world, out, *overrides):
+    return load_config(ROOT / "configs" / "shapes_micro.yaml",
+                       [f"policy.path={world}", f"run.out_dir={out}", "log.sample_every=0", "log.eval_images=1",
+                        *overrides])
+
+
+def inf_reward(images, prompts, metadata):  # python:tests.test_train:inf_reward
+    # One infinite reward per group of 4: the group mean is inf, its advantages NaN, the loss NaN.
+    return torch.tensor([math.inf if i % 4 == 0 else float(i) for i in range(len(prompts))])
+
+
+def raising_reward(images, prompts, metadata):  # python:tests.test_train:raising_reward
+    raise ValueError("scorer offline")
+
+
+def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
+                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "shapes_micro"
+    before = load_file(micro_world / "policy" / "policy.safetensors")
+    after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
+    assert set(after) == set(before)
+    assert max((after[k].float() - before[k].float()).abs().max().item() for k in after) > 0
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    required = {"reward/clip/mean", "reward/clip/std", "reward/aesthetic/mean", "reward/shapes_exact/mean",
+                "reward/total/mean", "adv/frac_zero_std", "loss/policy", "loss/kl", "loss/clip_frac_low",
+                "loss/clip_frac_high", "policy/entropy", "perf/step_s", "perf/sample_tokens_per_s", "lr"}
+    for m in lines:
+        assert required <= set(m)
+        assert all(v is not None and math.isfinite(v) for v in m.values()), m
+    for name in ("report.md", "eval.json", "curves.png", "config.yaml", "samples/step_000001.png"):
+        assert (run / name).exists(), name
+    assert "Exact checker" in (run / "report.md").read_text()
+
+
+def test_resume_is_exact(micro_world, tmp_path):
+    straight = train(micro_cfg(micro_world, tmp_path, "run.name=straight", "train.steps=4",
+                               "train.lr_schedule=cosine"), progress=False)
+    half = train(micro_cfg(micro_world, tmp_path, "run.name=half", "train.steps=4", "train.lr_schedule=cosine",
+                           "log.checkpoint_every=2"), progress=False)
+    # Simulate a stop after step 2: drop the later checkpoint and resume from step 2.
+    (half / "checkpoints" / "latest").write_text("step_000002")
+    resumed = train(load_config(half / "config.yaml"), resume=half, progress=False)
+    a = load_file(straight / "checkpoints" / "step_000004" / "policy.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_000004" / "policy.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+    la = [json.loads(ln) for ln in (straight / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(ln) for ln in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lb] == [1, 2, 3, 4]
+    assert [m["loss/total"] for m in la] == [m["loss/total"] for m in lb]
+
+
+def test_two_processes_match_one(micro_world, tmp_path):
+    one = train(micro_cfg(micro_world, tmp_path, "run.name=one", "train.steps=1"), progress=False)
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu",
+                          "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={micro_world}",
+                          f"run.out_dir={tmp_path}", "run.name=two", "train.steps=1", "log.sample_every=0",
+                          "log.eval_images=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m1 = json.loads((one / "metrics.jsonl").read_text().splitlines()[0])
+    m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
+    for key in m1:
+        if key.startswith(("reward/", "loss/", "adv/")):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+
+
+def test_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp_path):
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=inf", "reward.weights={python:tests.test_train:inf_reward: 1.0}",
+                          "reward.monitor=[]"), progress=False)
+    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["step"] == 2 and lines[-1]["train/skipped_updates"] == 4  # 2 steps x 2 passes
+    before = load_file(Path(micro_world) / "policy" / "policy.safetensors")
+    after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
+    assert all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in after)
+
+
+def test_a_raising_reward_stops_with_its_name_and_a_checkpoint(micro_world, tmp_path):
+    cfg = micro_cfg(micro_world, tmp_path, "run.name=raise", "reward.weights={python:tests.test_train:raising_reward: 1.0}",
+                    "reward.monitor=[]")
+    with pytest.raises(RewardError, match=r"reward 'python:tests.test_train:raising_reward' failed: ValueError: "
+                                          r"scorer offline.*checkpoint saved at step 0"):
+        train(cfg, progress=False)
+    assert (tmp_path / "raise" / "checkpoints" / "step_000000" / "policy.safetensors").is_file()
+
+
+def test_bad_input_is_named(micro_world, tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+
+    base = ["train", "configs/shapes_micro.yaml", f"policy.path={micro_world}", f"run.out_dir={tmp_path}"]
+    out = cli(*base, "reward.weights={clipp: 1.0}")
+    assert out.returncode == 2 and "unknown reward 'clipp'; registered rewards:" in out.stderr
+    assert "shapes_exact" in out.stderr and "Traceback" not in out.stderr
+    out = cli("train", "configs/shapes_micro.yaml", f"policy.path={tmp_path / 'no_world'}")
+    assert out.returncode == 2 and f"world directory not found: {tmp_path / 'no_world'}" in out.stderr
+    out = cli(*base, "sample.group_size=1")
+    assert out.returncode == 2 and "sample.group_size must be >= 2" in out.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a red circle"}\n{"prompt": \n')
+    out = cli(*base, f"data.train_prompts={bad}")
+    assert out.returncode == 2 and "bad.jsonl, line 2: not valid JSON" in out.stderr
+    out = cli("eval", str(tmp_path / "missing_run"), "--prompts", str(bad))
+    assert out.returncode == 2 and "missing_run is not a run directory" in out.stderr
+
+
+def test_ctrl_c_finishes_the_step_saves_and_resumes(micro_world, tmp_path):
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={micro_world}",
+           f"run.out_dir={tmp_path}", "train.steps=50", "log.sample_every=0", "log.checkpoint_every=0"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "shapes_micro" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    done = len(metrics.read_text().splitlines())
+    assert f"saved a checkpoint at step {done}" in err
+    assert (tmp_path / "shapes_micro" / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(tmp_path / "shapes_micro"),
+                          f"train.steps={done + 1}", "log.eval_images=1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == list(range(1, done + 2))
