@@ -62,7 +62,8 @@ class AestheticMLP(nn.Module):
 
 
 def save_aesthetic(head: AestheticMLP, directory: str | Path) -> Path:
-    """Write `directory/aesthetic.safetensors` and `aesthetic_config.json` (rebuild with load_aesthetic(dir))."""
+    """Write `directory/aesthetic.safetensors` and `aesthetic_config.json`; load_aesthetic(directory)
+    rebuilds the head from them."""
     from safetensors.torch import save_file
 
     d = Path(directory)

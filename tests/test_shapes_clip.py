@@ -151,8 +151,9 @@ def test_relation_negatives_worked_example():
 def test_holds_matrix_matches_the_scalar_reference():
     pairs = _scenes(20, seed=3) + _scenes(5, seed=4, split="heldout")
     scenes = [s for s, _ in pairs]
-    texts = sorted({c for _, c in pairs} | {t for _, c in pairs for ts in hard_negatives(c).values() for t in ts}
-                   | {"a red circle", "a small red circle", "a red circle on a gray background"})
+    negs = {t for _, c in pairs for ts in hard_negatives(c).values() for t in ts}
+    extra = {"a red circle", "a small red circle", "a red circle on a gray background"}
+    texts = sorted({c for _, c in pairs} | negs | extra)
     fast = holds_matrix(scenes, texts)
     slow = np.array([[caption_holds(s, t) for t in texts] for s in scenes])
     assert fast.shape == (len(scenes), len(texts)) and (fast == slow).all()
@@ -210,5 +211,5 @@ def test_micro_training_beats_chance_on_colour():
     model, info = train_clip("micro", seed=0, progress=False)
     _, tok = new_clip()
     acc = evaluate_clip(model, tok, n=64, seed=11)
-    assert info["clip_steps"] > 0
-    assert acc["clip_acc_color"] > 0.75, (acc, info)  # chance is 0.5
+    assert info["clip_steps"] >= 30  # 60 unless the 30 s safety budget ran out first
+    assert acc["clip_acc_color"] > 0.75, (acc, info)  # chance is 0.5; measured 0.88

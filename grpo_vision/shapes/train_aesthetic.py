@@ -87,7 +87,8 @@ def fit_aesthetic(emb: torch.Tensor, labels: torch.Tensor, epochs: int = 30, bat
     return head.eval(), {"aesthetic_val_mse": round(best_mse, 4)}
 
 
-def train_aesthetic(clip_model, preset: str | AestheticPreset = "default", seed: int = 0) -> tuple[AestheticMLP, dict]:
+def train_aesthetic(clip_model, preset: str | AestheticPreset = "default",
+                    seed: int = 0) -> tuple[AestheticMLP, dict]:
     """Embed fresh renders with the frozen `clip_model` and fit the head; returns (head, info)."""
     p = AESTHETIC_PRESETS[preset] if isinstance(preset, str) else preset
     start = time.monotonic()
@@ -106,7 +107,7 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate_aesthetic(clip_model, head: AestheticMLP, n: int = 1024, seed: int = 999) -> dict:
+def evaluate_aesthetic(clip_model, head: AestheticMLP, n: int = 2048, seed: int = 999) -> dict:
     """Spearman correlation of the head's score with aesthetic_label on n fresh renders (seed
     distinct from training's)."""
     emb, labels = embed_renders(clip_model, n, seed)
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clip", required=True, help="shapes_clip checkpoint (clip.safetensors)")
     ap.add_argument("--preset", default="default", choices=sorted(AESTHETIC_PRESETS))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True, help="directory for aesthetic.safetensors + aesthetic_config.json")
+    ap.add_argument("--out", required=True, help="directory for the weights and aesthetic_config.json")
     args = ap.parse_args(argv)
     clip_model, _, _ = load_clip(MODEL_NAME, args.clip)
     head, info = train_aesthetic(clip_model, args.preset, args.seed)
