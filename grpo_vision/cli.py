@@ -75,6 +75,17 @@ def cmd_eval(args) -> None:
     print(json.dumps({"run": str(args.run), "step": run.step, **result}, indent=2))
 
 
+def cmd_demo(args) -> None:
+    from grpo_vision.demo import DemoRun, serve
+
+    run = DemoRun(args.run)  # loads the latest checkpoint and the rewards now: a bad run fails before serving
+    try:
+        serve(run, host=args.host, port=args.port)
+    except OSError as e:  # the port is taken or the address is not this machine's
+        raise ConfigError(f"cannot listen on {args.host}:{args.port or '7860+'} ({e}); "
+                          "choose another --port or --host") from None
+
+
 def cmd_bench_sampler(args) -> None:
     from grpo_vision.bench import bench_sampler
 
@@ -135,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, help="output directory")
             p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")
         p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
+
+    p = sub.add_parser("demo", help="Gradio app: two checkpoints (or the reference) side by side on the same seeds")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
+    p.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="what", required=True)
     p = bench.add_parser("sampler", help="our sampler vs transformers generate() vs teacher forcing")

@@ -123,8 +123,8 @@ def _diff(result: dict, table: str, key: str):
 
 
 @torch.no_grad()
-def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[PromptEntry], params: SamplingParams,
-                     path: Path, seeds_per_prompt: int = 2, cfg: Config | None = None) -> None:
+def save_sample_grid(policy, reference: Reference, cfg: Config, tokenizer, entries: list[PromptEntry],
+                     params: SamplingParams, path: Path, seeds_per_prompt: int = 2) -> None:
     """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right."""
     from PIL import Image, ImageDraw
 
@@ -133,13 +133,9 @@ def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[Prom
     prompts = [e.prompt for e in entries for _ in range(seeds_per_prompt)]
     seeds = [j for _ in entries for j in range(seeds_per_prompt)]
     pol = to_uint8(generate(policy, tokenizer, prompts, seeds, params))
-    if reference.mode == "frozen":
-        ref = to_uint8(generate(reference.model, tokenizer, prompts, seeds, params))
-    elif reference.mode == "lora":
-        with policy.disable_adapter():
-            ref = to_uint8(generate(policy, tokenizer, prompts, seeds, params))
-    else:
-        ref = np.zeros_like(pol)
+    model, context = reference_sampler(policy, reference, cfg)
+    with context:
+        ref = to_uint8(generate(model, tokenizer, prompts, seeds, params))
     k, size, text_w = seeds_per_prompt, pol.shape[1], 230
     sheet = Image.new("RGB", (text_w + 2 * k * (size + 2) + 10, 16 + len(entries) * (size + 2)), "white")
     draw = ImageDraw.Draw(sheet)

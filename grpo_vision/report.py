@@ -71,7 +71,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     metrics = load_metrics(run_dir)
     plot_curves(metrics, run_dir / "curves.png")
-    save_sample_grid(policy, reference, tokenizer, eval_prompts[:8], params, run_dir / "final_samples.png")
+    save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:8], params, run_dir / "final_samples.png")
     last = metrics[-1] if metrics else {}
     lines = [f"# GRPO report: {run_dir.name}", "",
              f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "

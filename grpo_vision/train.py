@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
-from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss
+from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean
 from grpo_vision.loading import load_bundle, train_and_eval_prompts
 from grpo_vision.reference import Reference, add_lora
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError
@@ -144,7 +144,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
                 if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == start):
                     from grpo_vision.evaluate import save_sample_grid
-                    save_sample_grid(policy, reference, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
+                    save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
                                      run_dir / "samples" / f"step_{step + 1:06d}.png")
             if stop.requested:
                 checkpoint(step + 1)
@@ -234,7 +234,7 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
                                     epsilon_high=t.epsilon_high, loss_type=t.loss_type,
                                     max_tokens=batch.tokens.shape[1])
                 if ref is not None and t.beta == 0:  # still report the KL it cost
-                    m["kl"] = ((ref - logp.detach().float()).exp() - (ref - logp.detach().float()) - 1).mean()
+                    m["kl"] = masked_mean(k3_kl(logp.detach().float(), ref), mask[idx])
                 (loss / len(micro_batches)).backward()
                 for k, v in {"loss": loss, **m}.items():
                     sums[k] = sums.get(k, 0.0) + float(v.detach())

@@ -1,0 +1,260 @@
+"""The Gradio demo: pure functions by hand, the app through gradio_client, and a real headless browser."""
+
+import math
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from grpo_vision.config import load_config
+from grpo_vision.demo import (MAX_IMAGES, DemoInputError, Side, build_app, check_run_dir, clean_prompt,
+                              curves_figure, grid_png, sampling_request, summary_rows)
+from grpo_vision.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "a red circle left of a blue square"
+
+
+@pytest.fixture(scope="module")
+def demo_run(micro_world, tmp_path_factory):
+    """Two GRPO steps on the micro world, a checkpoint after each (about 15 s)."""
+    from grpo_vision.train import train
+
+    out = tmp_path_factory.mktemp("demo_runs")
+    cfg = load_config(ROOT / "configs" / "shapes_micro.yaml",
+                      [f"policy.path={micro_world}", f"run.out_dir={out}", "log.sample_every=0", "log.eval_images=1"])
+    return train(cfg, progress=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(demo_run, tmp_path_factory):
+    """The app in this process on a free port: (url, port)."""
+    app = build_app(demo_run, out_dir=tmp_path_factory.mktemp("grids"))
+    port = free_port()
+    app.launch(prevent_thread_lock=True, server_port=port, quiet=True)
+    yield f"http://127.0.0.1:{port}/", port
+    app.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from gradio_client import Client
+
+    return Client(served[0], verbose=False)
+
+
+def generate(client, prompt=PROMPT, seed=0, n=4, left="step 2", right="reference", cfg_scale=2.0, top_k=0):
+    return client.predict(prompt, seed, n, cfg_scale, 1.0, top_k, left, right, api_name="/generate")
+
+
+def pixels(gallery) -> list[np.ndarray]:
+    return [np.asarray(Image.open(item["image"]).convert("RGB")) for item in gallery]
+
+
+# ---------------------------------------------------------------------------- pure functions
+
+
+def side(rewards: dict, checks: list, label="x") -> Side:
+    n = len(checks)
+    return Side(label, torch.rand(n, 3, 8, 8), {k: torch.tensor(v) for k, v in rewards.items()}, checks)
+
+
+def test_summary_means_skip_nan_and_subtract():
+    ok = {"count": True, "size": None, "correct": True}
+    bad = {"count": False, "size": None, "correct": False}
+    left = side({"clip": [0.2, math.nan, 0.4], "exact": [math.nan] * 3}, [ok, bad, ok])
+    right = side({"clip": [0.1, 0.1, 0.4], "exact": [math.nan] * 3}, [bad, bad, ok])
+    rows = summary_rows(left, right)
+    # clip: left (0.2 + 0.4) / 2 = 0.3 (NaN skipped), right 0.6 / 3 = 0.2, difference 0.1.
+    # exact applies nowhere: no means. count: 2/3 vs 1/3; size never applies, so it has no row.
+    assert rows == [["clip", 0.3, 0.2, 0.1], ["exact", None, None, None],
+                    ["checker: count", 0.66667, 0.33333, 0.33333], ["checker: correct", 0.66667, 0.33333, 0.33333]]
+
+
+def test_grid_png_places_each_image_upscaled_under_its_side(tmp_path):
+    left = side({"clip": [0.1] * 6}, [None] * 6, "step 2")
+    right = side({"clip": [0.2] * 6}, [None] * 6, "reference")
+    path = grid_png(left, right, "a red circle", list(range(10, 16)), tmp_path / "g.png")
+    sheet = np.asarray(Image.open(path).convert("RGB"))
+    cell_w, size = 8 * 2 + 6, 8 * 2  # GRID_SCALE 2, 4 columns, 2 rows of cells
+    assert sheet.shape[1] == 2 * 4 * cell_w + 24 + 8
+    img = (right.images[5].clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    x, y = 4 + 4 * cell_w + 24 + 1 * cell_w, 34 + 1 * (size + 11 * 3 + 6)  # right side, row 1, column 1
+    assert np.array_equal(sheet[y:y + size, x:x + size], img.repeat(2, 0).repeat(2, 1))
+
+
+def test_curves_figure_plots_each_reward_and_kl_per_step():
+    metrics = [{"step": 1, "reward/clip/mean": 0.1, "reward/total/mean": 1.0, "loss/kl": 0.0},
+               {"step": 2, "reward/clip/mean": 0.3, "reward/total/mean": 2.0, "loss/kl": 0.01}]
+    fig = curves_figure(metrics)
+    assert [ax.get_title() for ax in fig.axes] == ["reward/clip", "reward/total", "loss/kl"]
+    assert list(fig.axes[0].lines[0].get_ydata()) == [0.1, 0.3]
+    assert list(fig.axes[2].lines[0].get_xdata()) == [1, 2]
+    assert not curves_figure([]).axes  # no metrics yet: a note, no empty panels
+
+
+def test_sampling_request_seeds_and_bounds():
+    base = SamplingParams(3.0, 1.0, 0, 0.9, "conditional")
+    seeds, params = sampling_request(7, 3, 2.5, 0.8, 10, base)
+    assert seeds == [7, 8, 9]
+    assert params == SamplingParams(2.5, 0.8, 10, 0.9, "conditional")  # top-p and mode come from the run
+    for args, needle in [((0, 0, 2.0, 1.0, 0), "number of images must be a whole number from 1 to 16, got 0"),
+                         ((0, MAX_IMAGES + 1, 2.0, 1.0, 0), "from 1 to 16, got 17"),
+                         ((0, 2.5, 2.0, 1.0, 0), "got 2.5"),
+                         ((-1, 4, 2.0, 1.0, 0), "seed must be a whole number"),
+                         ((0, 4, math.nan, 1.0, 0), "CFG scale must be a number >= 0"),
+                         ((0, 4, 2.0, 0.0, 0), "temperature must be > 0")]:
+        with pytest.raises(DemoInputError, match=needle):
+            sampling_request(*args, base)
+
+
+def test_clean_prompt_normalises_and_names_the_problem(tiny_policy):
+    assert clean_prompt("  A  Red   circle ", tiny_policy, shapes=True) == "a red circle"
+    for prompt, needle in [("   ", "Enter a prompt"), ("a red circle " * 30, "389 characters; at most 200"),
+                           ("a pink circle", "Not ShapesWorld words: 'pink'"),
+                           ("a red circle a", "outside the ShapesWorld grammar")]:
+        with pytest.raises(DemoInputError, match=needle):
+            clean_prompt(prompt, tiny_policy, shapes=True)
+    with pytest.raises(DemoInputError, match="at most 8"):  # outside ShapesWorld: the policy's own limit
+        clean_prompt("a red circle left of a blue square now", tiny_policy, shapes=False)
+
+
+def test_run_directory_errors_name_the_path_and_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"run directory not found: {tmp_path / 'nope'}; .*grpo-vision train"):
+        check_run_dir(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="not a run directory \\(no config.yaml\\)"):
+        check_run_dir(tmp_path)
+    (tmp_path / "config.yaml").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="has no checkpoint yet"):
+        check_run_dir(tmp_path)
+
+
+def test_cli_and_script_exit_2_with_a_message_for_a_missing_run(tmp_path):
+    for cmd in ([sys.executable, "-m", "grpo_vision.cli", "demo", str(tmp_path / "missing")],
+                [sys.executable, "demo/app.py", str(tmp_path / "missing"), "--port", "7999"]):
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert f"grpo-vision: error: run directory not found: {tmp_path / 'missing'}" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------------------- the app through its API
+
+
+def test_api_same_seed_same_images_new_seed_new_images(client):
+    left, right, summary, grid, status, details = generate(client, seed=5, n=3)
+    assert len(left) == len(right) == 3
+    a = pixels(left)
+    assert all(x.shape == (64, 64, 3) for x in a)
+    for s in ("left", "right"):
+        assert all(math.isfinite(v) for vals in details[s]["rewards"].values() for v in vals), details[s]
+        assert details[s]["seeds"] == [5, 6, 7] and len(details[s]["checker"]) == 3
+    assert details["right"]["label"] == "reference (a frozen copy of the base policy)"
+    for row in summary["data"]:  # each mean is the mean of the per-image scores
+        if not row[0].startswith("checker"):
+            assert row[1] == pytest.approx(np.mean(details["left"]["rewards"][row[0]]), abs=1e-5)
+            assert row[3] == pytest.approx(row[1] - row[2], abs=2e-5)
+    assert "clip" in left[0]["caption"] and "count" in left[0]["caption"]
+    assert Image.open(grid).size[0] > 2 * 3 * 128
+    assert "seeds 5..7" in status
+
+    again = pixels(generate(client, seed=5, n=3)[0])
+    assert all(np.array_equal(x, y) for x, y in zip(a, again))
+    shifted = pixels(generate(client, seed=6, n=2)[0])  # image i has seed + i, whatever the batch
+    assert all(np.array_equal(x, y) for x, y in zip(a[1:], shifted))
+    other = pixels(generate(client, seed=500, n=3)[0])
+    assert all(not np.array_equal(x, y) for x, y in zip(a, other))
+
+
+def test_api_compares_any_two_checkpoints(client, micro_world):
+    from grpo_vision.evaluate import generate as sample_images
+    from grpo_vision.shapes.data import to_uint8
+    from grpo_vision.shapes.world import load_world
+
+    left, right, _, _, _, details = generate(client, n=2, left="step 1", right="step 1")
+    assert details["left"]["label"] == details["right"]["label"] == "step 1"
+    assert all(np.array_equal(x, y) for x, y in zip(pixels(left), pixels(right)))  # same weights, same seeds
+    # The run's reference is a frozen copy of the base policy: the world's policy, on the same seeds.
+    reference = pixels(generate(client, n=2, right="reference")[1])
+    world = load_world(micro_world, "cpu")
+    base = to_uint8(sample_images(world.policy.eval(), world.tokenizer, [PROMPT] * 2, [0, 1],
+                                  SamplingParams(2.0, 1.0, 0)))
+    assert all(np.array_equal(x, y) for x, y in zip(reference, base))
+    left_pick, right_pick, _ = client.predict("step 1", "step 7", api_name="/refresh")
+    assert [c[0] for c in left_pick["choices"]] == ["step 2", "step 1", "reference"]
+    assert (left_pick["value"], right_pick["value"]) == ("step 1", "reference")  # a pick that is gone resets
+
+
+def test_api_bad_input_gives_a_message(client):
+    from gradio_client.exceptions import AppError
+
+    for kwargs, needle in [({"prompt": ""}, "Enter a prompt"),
+                           ({"prompt": "a red circle " * 30}, "at most 200 are accepted"),
+                           ({"prompt": "a pink unicorn"}, "Not ShapesWorld words: 'pink', 'unicorn'"),
+                           ({"prompt": "circle red a"}, "outside the ShapesWorld grammar"),
+                           ({"n": 0}, "number of images must be a whole number from 1 to 16"),
+                           ({"n": 40}, "got 40"),
+                           ({"left": "step 9"}, "no checkpoint for step 9; available: step_000001, step_000002")]:
+        with pytest.raises(AppError, match=needle):
+            generate(client, **kwargs)
+
+
+def test_four_images_per_side_within_five_seconds(client):
+    generate(client, n=4)  # warm
+    start = time.perf_counter()
+    generate(client, n=4, seed=11)
+    assert time.perf_counter() - start < 5.0
+
+
+def test_busy_port_exits_2(demo_run, served, capsys):
+    from grpo_vision.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", str(demo_run), "--port", str(served[1])])
+    assert exit_info.value.code == 2
+    assert f"cannot listen on 127.0.0.1:{served[1]}" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- a real browser
+
+
+def test_browser_types_a_prompt_and_sees_both_galleries(request, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is missing: pip install -e '.[dev]'")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium on PATH: install Debian's package (apt-get install chromium); .ci/run does")
+    url = request.getfixturevalue("served")[0]  # only now: a skip does not build the run
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1200})
+            page.goto(url)
+            page.locator("#prompt textarea").fill(PROMPT)
+            page.locator("#generate").click()
+            page.wait_for_function("""() => ['left', 'right'].every(s => {
+                const imgs = [...document.querySelectorAll(`#gallery-${s} img`)];
+                return imgs.length >= 4 && imgs.every(i => i.complete && i.naturalWidth > 0); })""", timeout=60_000)
+            assert "4 images each" in page.locator("#status").inner_text()
+            page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
+            page.locator("#prompt textarea").fill("a pink circle")
+            page.locator("#generate").click()
+            page.get_by_text("Not ShapesWorld words: 'pink'").first.wait_for(timeout=30_000)
+        finally:
+            browser.close()
+    artifacts = ROOT / "test-artifacts"
+    artifacts.mkdir(exist_ok=True)
+    shutil.copy(tmp_path / "demo.png", artifacts / "demo.png")
+    assert Image.open(artifacts / "demo.png").size[0] >= 1000
