@@ -94,8 +94,12 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    train_prompts: str = ""  # prompts file (text or JSONL); "" = the world's seen prompts
+    train_prompts: str = ""  # prompts file (text or JSONL); "" = the world's captions (world_train_split)
     eval_prompts: str = ""  # held-out prompts for evaluation; "" = the world's held-out prompts
+    # Without train_prompts on a ShapesWorld: "train" = captions of the base policy's training split
+    # only; "all" = both splits, minus every eval prompt (RL may then teach compositions the base
+    # model never saw, and the eval prompts stay unseen by both)
+    world_train_split: Literal["train", "all"] = "train"
 
 
 @dataclass

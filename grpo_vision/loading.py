@@ -46,8 +46,13 @@ def train_and_eval_prompts(cfg: Config, bundle: Bundle) -> tuple[list[PromptEntr
         return [PromptEntry(p) for p in prompt_list(split, n, seed)]
 
     d = cfg.data
-    train = load_prompts(d.train_prompts) if d.train_prompts else world_prompts("train", WORLD_TRAIN_PROMPTS, cfg.run.seed)
     evals = load_prompts(d.eval_prompts) if d.eval_prompts else world_prompts("heldout", WORLD_EVAL_PROMPTS, cfg.run.seed + 1)
+    if d.train_prompts:
+        train = load_prompts(d.train_prompts)
+    else:
+        train = world_prompts(d.world_train_split, WORLD_TRAIN_PROMPTS, cfg.run.seed)
+        unseen = {e.prompt for e in evals}
+        train = [e for e in train if e.prompt not in unseen]  # eval prompts are never trained on
     for entries, source in ((train, d.train_prompts or "world"), (evals, d.eval_prompts or "world")):
         for e in entries:  # fail before training starts, naming the prompt and its line
             try:
