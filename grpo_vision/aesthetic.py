@@ -73,21 +73,30 @@ def save_aesthetic(head: AestheticMLP, directory: str | Path) -> Path:
     return d / WEIGHTS_NAME
 
 
+def architecture_of(state_dict: dict[str, torch.Tensor]) -> dict:
+    """input_dim, hidden widths and relu of an AestheticMLP state dict, read off its Linear weights:
+    the LAION files need no config (layers.{0,2,4,6,7} = linear head, layers.{0,3,6,9,11} = ReLU)."""
+    linears = sorted(int(k.split(".")[1]) for k, v in state_dict.items()
+                     if k.startswith("layers.") and k.endswith(".weight") and v.ndim == 2)
+    if len(linears) != 5:
+        raise ValueError(f"an aesthetic head has 5 Linear layers (layers.N.weight), this state dict has "
+                         f"{len(linears)}: {sorted(state_dict)[:12]}")
+    shapes = [state_dict[f"layers.{i}.weight"].shape for i in linears]  # (out, in) each
+    return {"input_dim": shapes[0][1], "hidden": [s[0] for s in shapes[:4]], "relu": linears[1] - linears[0] == 3}
+
+
 def load_aesthetic(path: str | Path, input_dim: int | None = None, hidden: tuple[int, ...] | None = None,
                    dropout: tuple[float, ...] | None = None, relu: bool | None = None) -> AestheticMLP:
     """An AestheticMLP in eval mode from a `.pth` state dict (torch.load weights_only=True, e.g. the
-    LAION files), a `.safetensors` file, or a directory written by save_aesthetic. Architecture:
-    the arguments given, else `aesthetic_config.json` beside the weights, else the LAION v2 defaults."""
+    LAION files, also inside a `{"state_dict": ...}` wrapper), a `.safetensors` file, or a directory
+    written by save_aesthetic. Architecture: the arguments given, else `aesthetic_config.json` beside
+    `.safetensors` weights, else read off the weights (architecture_of); dropout (inactive in eval)
+    defaults to LAION's."""
     p = Path(path)
     if p.is_dir():
         p = p / WEIGHTS_NAME
     if not p.is_file():
         raise FileNotFoundError(f"aesthetic head weights not found: {p}")
-    cfg = {"input_dim": 768, "hidden": LAION_HIDDEN, "dropout": LAION_DROPOUT, "relu": False}
-    if (p.parent / CONFIG_NAME).is_file() and p.suffix == ".safetensors":
-        cfg.update(json.loads((p.parent / CONFIG_NAME).read_text()))
-    given = {"input_dim": input_dim, "hidden": hidden, "dropout": dropout, "relu": relu}
-    cfg.update({k: v for k, v in given.items() if v is not None})
     if p.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -95,6 +104,11 @@ def load_aesthetic(path: str | Path, input_dim: int | None = None, hidden: tuple
     else:
         sd = torch.load(p, map_location="cpu", weights_only=True)
         sd = sd.get("state_dict", sd)
+    cfg = {"dropout": LAION_DROPOUT, **architecture_of(sd)}
+    if (p.parent / CONFIG_NAME).is_file() and p.suffix == ".safetensors":
+        cfg.update(json.loads((p.parent / CONFIG_NAME).read_text()))
+    given = {"input_dim": input_dim, "hidden": hidden, "dropout": dropout, "relu": relu}
+    cfg.update({k: v for k, v in given.items() if v is not None})
     head = AestheticMLP(cfg["input_dim"], tuple(cfg["hidden"]), tuple(cfg["dropout"]), cfg["relu"])
     head.load_state_dict(sd, strict=True)
     return head.eval()

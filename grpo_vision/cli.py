@@ -66,8 +66,7 @@ def cmd_eval(args) -> None:
 
     run = load_run(args.run, args.step)
     r = run.cfg.reward
-    ctx = RewardContext(batch_size=r.batch_size, clip_model=r.clip_model, clip_checkpoint=r.clip_checkpoint,
-                        aesthetic_checkpoint=r.aesthetic_checkpoint, world=run.bundle.world)
+    ctx = RewardContext.from_config(r, world=run.bundle.world)
     entries = load_prompts(args.prompts)
     rewards = CompositeReward(r.weights, r.monitor, ctx)
     result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n,

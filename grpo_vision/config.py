@@ -35,9 +35,9 @@ class RunConfig:
 
 @dataclass
 class PolicyConfig:
-    kind: Literal["shapes", "llama"] = "shapes"  # "shapes": `path` is a ShapesWorld; "llama": a policy dir
-    path: str = "worlds/shapes"  # a ShapesWorld directory, or a LlamaImagePolicy directory
-    tokenizer: str = ""  # VQ tokenizer directory (diffusers VQModel) when kind is "llama"
+    kind: Literal["shapes", "llama", "janus"] = "shapes"  # what `path` holds: ShapesWorld, policy dir, Janus-Pro
+    path: str = "worlds/shapes"  # a ShapesWorld, a LlamaImagePolicy or a transformers Janus-Pro model directory
+    tokenizer: str = ""  # VQ tokenizer directory (diffusers VQModel) when kind is "llama"; Janus ships its own
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
 
 
@@ -86,9 +86,13 @@ class RewardConfig:
         default_factory=lambda: {"clip": 1.0, "aesthetic": 1.0}
     )
     monitor: list[str] = field(default_factory=lambda: ["shapes_exact"])  # logged, not trained
-    clip_model: str = ""  # open_clip architecture name; "" = the world's tiny CLIP
-    clip_checkpoint: str = ""  # local open_clip checkpoint file; "" = the world's tiny CLIP
-    aesthetic_checkpoint: str = ""  # LAION-style head weights; "" = the world's aesthetic head
+    clip_model: str = ""  # open_clip architecture or JSON config of clip_checkpoint; "" = ViT-L-14-quickgelu
+    clip_checkpoint: str = ""  # local open_clip checkpoint file (clip, aesthetic); "" = the world's tiny CLIP
+    aesthetic_checkpoint: str = ""  # LAION-style head weights (.pth/.safetensors/dir); "" = the world's head
+    pickscore_path: str = ""  # PickScore: a transformers CLIPModel directory (save_pretrained)
+    pickscore_processor: str = ""  # its CLIPProcessor directory; "" = pickscore_path
+    hpsv2_checkpoint: str = ""  # HPS v2 / v2.1 checkpoint file ({"state_dict": ...}, e.g. HPS_v2.1_compressed.pt)
+    hpsv2_model: str = "ViT-H-14"  # open_clip architecture (or JSON config path) of hpsv2_checkpoint
     batch_size: int = 64  # images per reward-model call
 
 

@@ -97,8 +97,7 @@ class DemoRun:
         latest = self.load(self.latest)
         self.cfg, self.bundle = latest.cfg, latest.bundle
         r = self.cfg.reward
-        ctx = RewardContext(batch_size=r.batch_size, clip_model=r.clip_model, clip_checkpoint=r.clip_checkpoint,
-                            aesthetic_checkpoint=r.aesthetic_checkpoint, world=self.bundle.world)
+        ctx = RewardContext.from_config(r, world=self.bundle.world)
         self.rewards = CompositeReward(r.weights, r.monitor, ctx)
         self.examples = run_examples(self.cfg, self.bundle)
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)

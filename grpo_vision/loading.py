@@ -27,6 +27,14 @@ def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
 
         world = load_world(pcfg.path, device)
         return Bundle(world.policy, world.tokenizer, world.path)
+    if pcfg.kind == "janus":
+        from grpo_vision.janus_policy import JanusImagePolicy
+
+        if pcfg.tokenizer:
+            raise ConfigError("policy.tokenizer is not used with policy.kind 'janus': its VQ model is part of the "
+                              "Janus checkpoint in policy.path; leave policy.tokenizer empty")
+        policy = JanusImagePolicy.from_pretrained(pcfg.path, device, pcfg.dtype)
+        return Bundle(policy, policy.image_tokenizer(), None)  # the tokenizer shares the policy's VQ model
     from grpo_vision.llama_policy import LlamaImagePolicy
     from grpo_vision.tokenizer import VQTokenizer
 

@@ -6,7 +6,7 @@ training log-probs). Logits are always over the codebook only (`[..., codebook_s
 sampler never has to know where image tokens sit in a model's vocabulary.
 
 The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling.py`. Adapters:
-`llama_policy.LlamaImagePolicy` (built in, LlamaGen-style) and, later, a Janus-Pro adapter.
+`llama_policy.LlamaImagePolicy` (built in, LlamaGen-style) and `janus_policy.JanusImagePolicy` (Janus-Pro through transformers).
 """
 
 from __future__ import annotations

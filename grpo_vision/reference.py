@@ -13,6 +13,7 @@ the base weights and starting fresh adapters, so the reference (adapters off) eq
 from __future__ import annotations
 
 import copy
+import re
 
 import torch
 
@@ -26,6 +27,9 @@ def add_lora(policy, rank: int, alpha: float, targets: list[str]):
     if not set(targets) <= allowed:
         raise ValueError(f"train.lora_targets {sorted(set(targets) - allowed)} not supported; "
                          f"choose from {sorted(allowed)}")
+    scope = getattr(policy, "lora_scope", None)  # module prefix a policy confines adapters to (Janus: its LM)
+    if scope:  # a string target is a regex that peft full-matches against each module name
+        targets = rf"{re.escape(scope)}\..*\.({'|'.join(targets)})"
     return get_peft_model(policy, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
 
 

@@ -5,7 +5,8 @@ Every reward has one signature (ddpo-pytorch's contract):
     reward(images: Tensor[B, 3, H, W] in [0, 1], prompts: list[str], metadata: list[dict]) -> Tensor[B]
 
 and NaN means "does not apply to this sample". A factory takes a `RewardContext` (device, config,
-world paths) and returns the callable; models load lazily inside the factory, from local paths.
+world paths) and returns the callable; it checks its config at once and loads its model from local
+paths at the first call (reward_models.py: clip, aesthetic, pickscore, hpsv2).
 
     @register_reward("my_reward")
     def my_reward(ctx): return lambda images, prompts, metadata: images.mean(dim=(1, 2, 3))
@@ -19,7 +20,7 @@ from __future__ import annotations
 import importlib
 import io
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -40,12 +41,25 @@ class RewardError(RuntimeError):
 
 @dataclass
 class RewardContext:
+    """What reward factories may read: the device, the reward section's paths, the world. The path
+    fields mirror config.RewardConfig, whose comments document them; from_config copies them."""
+
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     batch_size: int = 64  # images per model call
-    clip_model: str = ""  # open_clip architecture name ("" = the world's)
+    clip_model: str = ""  # open_clip architecture name ("" = the world's, or ViT-L-14-quickgelu)
     clip_checkpoint: str = ""  # local checkpoint file ("" = the world's)
     aesthetic_checkpoint: str = ""  # aesthetic head file or directory ("" = the world's)
     world: Path | None = None  # a ShapesWorld directory, source of the defaults above
+    pickscore_path: str = ""  # transformers CLIPModel directory
+    pickscore_processor: str = ""  # CLIPProcessor directory ("" = pickscore_path)
+    hpsv2_checkpoint: str = ""  # HPS v2 / v2.1 checkpoint file
+    hpsv2_model: str = "ViT-H-14"  # open_clip architecture of hpsv2_checkpoint
+
+    @classmethod
+    def from_config(cls, reward_cfg, device: torch.device | str = "cpu", world: Path | None = None) -> RewardContext:
+        """The context for a config.RewardConfig: every field the two share, plus device and world."""
+        shared = {f.name: getattr(reward_cfg, f.name) for f in fields(cls) if hasattr(reward_cfg, f.name)}
+        return cls(**{**shared, "device": torch.device(device), "world": world})
 
 
 def register_reward(name: str):
@@ -188,71 +202,5 @@ def shapes_exact(ctx: RewardContext) -> RewardFn:
     return reward
 
 
-def _world_info(ctx: RewardContext) -> dict:
-    import json
-
-    return json.loads((ctx.world / "world.json").read_text()) if ctx.world else {}
-
-
-def _clip_from_context(ctx: RewardContext):
-    """The open_clip model named by the config, or the world's tiny CLIP; loaded once per context."""
-    from grpo_vision.shapes.train_clip import load_clip
-
-    if ctx.clip_checkpoint:
-        name = ctx.clip_model or "ViT-L-14"
-        checkpoint = ctx.clip_checkpoint
-    elif ctx.world is not None:
-        name = ctx.clip_model or _world_info(ctx).get("clip_model_name", "shapes_clip")
-        checkpoint = str(ctx.world / "clip" / "clip.safetensors")
-    else:
-        raise KeyError("reward 'clip' needs reward.clip_checkpoint (a local open_clip checkpoint file) "
-                       "and reward.clip_model (its architecture name), or a ShapesWorld policy")
-    key = (name, checkpoint, str(ctx.device))
-    if key not in _CLIP_CACHE:
-        _CLIP_CACHE[key] = load_clip(name, checkpoint, device=str(ctx.device))
-    return _CLIP_CACHE[key]
-
-
-_CLIP_CACHE: dict = {}
-
-
-@register_reward("clip")
-def clip_reward(ctx: RewardContext) -> RewardFn:
-    """Cosine similarity of open_clip's normalised image and text embeddings, per sample."""
-    from grpo_vision.shapes.train_clip import clip_scores
-
-    model, _, tokenizer = _clip_from_context(ctx)
-
-    @torch.no_grad()
-    def score(images, prompts):
-        return clip_scores(model, tokenizer, images, prompts)
-
-    return batched(score, ctx.batch_size, ctx.device)
-
-
-@register_reward("aesthetic")
-def aesthetic_reward(ctx: RewardContext) -> RewardFn:
-    """LAION improved-aesthetic-predictor: an MLP on the L2-normalised CLIP image embedding.
-
-    With reward.aesthetic_checkpoint set (e.g. sac+logos+ava1-l14-linearMSE.pth) the CLIP is the one
-    named by reward.clip_model / clip_checkpoint (OpenAI ViT-L-14, QuickGELU, for the real weights);
-    otherwise the world's tiny CLIP and head.
-    """
-    from grpo_vision.aesthetic import load_aesthetic
-    from grpo_vision.shapes.train_clip import image_embeddings
-
-    if ctx.aesthetic_checkpoint:
-        head_path = Path(ctx.aesthetic_checkpoint)
-    elif ctx.world is not None:
-        head_path = ctx.world / "aesthetic"
-    else:
-        raise KeyError("reward 'aesthetic' needs reward.aesthetic_checkpoint (a local head .pth/.safetensors) "
-                       "and a CLIP (reward.clip_model + reward.clip_checkpoint), or a ShapesWorld policy")
-    head = load_aesthetic(head_path).to(ctx.device)
-    model, _, _ = _clip_from_context(ctx)
-
-    @torch.no_grad()
-    def score(images, prompts):
-        return head(image_embeddings(model, images).float())
-
-    return batched(score, ctx.batch_size, ctx.device)
+# the model-backed rewards (clip, aesthetic, pickscore, hpsv2) register themselves on import
+from grpo_vision import reward_models  # noqa: E402,F401

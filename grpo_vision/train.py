@@ -67,8 +67,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
-    ctx = RewardContext(acc.device, cfg.reward.batch_size, cfg.reward.clip_model, cfg.reward.clip_checkpoint,
-                        cfg.reward.aesthetic_checkpoint, bundle.world)
+    ctx = RewardContext.from_config(cfg.reward, acc.device, bundle.world)
     train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
     rewards = CompositeReward(cfg.reward.weights, cfg.reward.monitor, ctx)
     rewards.add(sorted({n for e in train_prompts if e.rewards for n in e.rewards}), ctx)

@@ -56,6 +56,24 @@ def test_pth_round_trip_gives_identical_scores(tmp_path):
     assert not loaded.training
 
 
+def test_pth_architecture_is_read_off_the_weights(tmp_path):
+    # The LAION files carry no config: the linear head, the ReLU variant (layers.{0,3,6,9,11}) and a
+    # head for another CLIP width all load from the state dict alone, also inside {"state_dict": ...}.
+    torch.manual_seed(0)
+    heads = {"linear.pth": AestheticMLP(768), "relu.pth": AestheticMLP(768, relu=True),
+             "small.pth": AestheticMLP(64, SHAPES_HIDDEN, relu=True)}
+    for name, head in heads.items():
+        head.eval()
+        torch.save(head.state_dict() if name != "small.pth" else {"state_dict": head.state_dict()}, tmp_path / name)
+        loaded = load_aesthetic(tmp_path / name)
+        assert loaded.config == head.config
+        x = F.normalize(torch.randn(3, head.config["input_dim"]), dim=-1)
+        assert torch.equal(head(x), loaded(x))
+    torch.save({"fc.weight": torch.zeros(1, 768)}, tmp_path / "other.pth")
+    with pytest.raises(ValueError, match="5 Linear layers"):
+        load_aesthetic(tmp_path / "other.pth")
+
+
 def test_safetensors_directory_round_trip_rebuilds_the_small_head(tmp_path):
     torch.manual_seed(0)
     head = AestheticMLP(64, SHAPES_HIDDEN, relu=True).eval()

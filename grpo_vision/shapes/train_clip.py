@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+# the open_clip helpers live in grpo_vision.clip (the rewards use them too); re-exported here
+from grpo_vision.clip import clip_scores, image_embeddings, image_transform, load_clip, register_config  # noqa: F401
 from grpo_vision.shapes.data import Batch, to_tensor
 from grpo_vision.shapes.scene import (
     BACKGROUNDS, COLORS, FORMS, NOISE_LEVELS, SHAPES, SIZES, CaptionError, CaptionSpec, Scene,
@@ -78,28 +80,7 @@ _SIZE_ID, _BG_ID = {z: i for i, z in enumerate(SIZES)}, {b: i for i, b in enumer
 
 def register_shapes_clip() -> None:
     """Add shapes_clip.json to open_clip's model registry (idempotent: adds the path once)."""
-    import open_clip
-    from open_clip import factory
-
-    if MODEL_NAME not in open_clip.list_models():
-        open_clip.add_model_config(CONFIG_PATH)
-    elif CONFIG_PATH not in factory._MODEL_CONFIG_PATHS:  # pragma: no cover - name taken by another file
-        raise RuntimeError(f"an open_clip config named {MODEL_NAME!r} exists that is not {CONFIG_PATH}")
-
-
-def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu"):
-    """(model, preprocess, tokenizer) for an open_clip model from a local checkpoint file, through
-    `open_clip.create_model_and_transforms(model_name, pretrained=checkpoint)`, in eval mode."""
-    import open_clip
-
-    path = Path(checkpoint)
-    if not path.is_file():
-        raise FileNotFoundError(f"CLIP checkpoint not found: {path}")
-    if model_name == MODEL_NAME:
-        register_shapes_clip()
-    model, _, preprocess = open_clip.create_model_and_transforms(model_name, pretrained=str(path),
-                                                                 device=device)
-    return model.eval(), preprocess, open_clip.get_tokenizer(model_name)
+    register_config(CONFIG_PATH)
 
 
 def save_clip(model: torch.nn.Module, directory: str | Path, half: bool = True) -> Path:
@@ -122,28 +103,6 @@ def new_clip():
     register_shapes_clip()
     model = open_clip.create_model(MODEL_NAME, pretrained=None)
     return model, open_clip.get_tokenizer(MODEL_NAME)
-
-
-def image_transform(model):
-    """open_clip's eval preprocess for `model` (Resize, CenterCrop, Normalize), applied to float
-    `[B, 3, H, W]` tensors in [0, 1]; at image_size 64 the resize and crop leave 64x64 input as is."""
-    import open_clip
-    from open_clip.transform import PreprocessCfg, image_transform_v2
-
-    return image_transform_v2(PreprocessCfg(**open_clip.get_model_preprocess_cfg(model)), is_train=False)
-
-
-def image_embeddings(model, images: torch.Tensor) -> torch.Tensor:
-    """L2-normalised image embeddings `[B, embed_dim]` of float images `[B, 3, H, W]` in [0, 1]."""
-    return model.encode_image(image_transform(model)(images), normalize=True)
-
-
-def clip_scores(model, tokenizer, images: torch.Tensor, captions: list[str]) -> torch.Tensor:
-    """Per-sample cosine similarity `[B]` between image b and caption b (model in eval mode: the
-    ResNet tower has BatchNorm)."""
-    img = image_embeddings(model, images)  # [B, D]
-    txt = model.encode_text(tokenizer(captions).to(images.device), normalize=True)  # [B, D]
-    return (img * txt).sum(-1)
 
 
 # ---------------------------------------------------------------- captions: truth and hard negatives

@@ -1,0 +1,173 @@
+"""CLIP models from local files: open_clip checkpoints and transformers `CLIPModel` directories.
+
+Used by the rewards (clip, aesthetic, pickscore, hpsv2) and by ShapesWorld's tiny CLIP. Images are
+float `[B, 3, H, W]` tensors in [0, 1] on the model's device; each model's own eval preprocessing
+(resize, centre crop, normalise) runs on them as tensors, with no PIL round trip.
+
+open_clip architectures are named as open_clip names them (`open_clip.list_models()`: `ViT-L-14`,
+`ViT-L-14-quickgelu`, `ViT-H-14`, ...), by the path of a JSON config file (`{"embed_dim", "vision_cfg",
+"text_cfg"}`, registered under its file stem, as open_clip's `add_model_config` does), or by a
+project config name (`shapes_clip`). Checkpoints are local files in any format open_clip reads:
+a state dict (`.safetensors`, `.bin`, `.pt`), one wrapped as `{"state_dict": ...}` (HPS v2), or
+OpenAI's TorchScript archives (`ViT-L-14.pt` from `clip.load`).
+
+OpenAI's CLIP weights were trained with QuickGELU, and nothing in a checkpoint says so: loaded into
+`ViT-L-14` (GELU) they run without error and give wrong embeddings. Use `ViT-L-14-quickgelu`;
+load_clip warns when a checkpoint looks like OpenAI's and the architecture is not QuickGELU.
+"""
+
+from __future__ import annotations
+
+import warnings
+import zipfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# configs that live in this repository, registered with open_clip on first use
+PROJECT_CONFIGS = {"shapes_clip": Path(__file__).parent / "shapes" / "shapes_clip.json"}
+
+
+class ClipLoadError(RuntimeError):
+    """A checkpoint that does not fit its architecture, or an architecture open_clip does not know."""
+
+
+# ---------------------------------------------------------------- open_clip
+
+
+def register_config(path: str | Path) -> str:
+    """Add a JSON model config to open_clip's registry (idempotent); return its name, the file stem."""
+    import open_clip
+    from open_clip import factory
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"open_clip model config not found: {path}")
+    if path.stem not in open_clip.list_models():
+        open_clip.add_model_config(path)
+    elif path not in factory._MODEL_CONFIG_PATHS:
+        raise ClipLoadError(f"an open_clip config named {path.stem!r} exists that is not {path}; rename the file")
+    return path.stem
+
+
+def resolve_model_name(model_name: str) -> str:
+    """The open_clip name for `model_name`: a JSON config path is registered, as are project configs."""
+    if model_name.endswith(".json"):
+        return register_config(model_name)
+    if model_name in PROJECT_CONFIGS:
+        register_config(PROJECT_CONFIGS[model_name])
+    return model_name
+
+
+def is_torchscript(path: str | Path) -> bool:
+    """True for a TorchScript archive (OpenAI's CLIP release format): a zip holding constants.pkl."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith("/constants.pkl") for n in z.namelist())
+
+
+def _uses_quick_gelu(model_name: str) -> bool:
+    import open_clip
+
+    return bool((open_clip.get_model_config(model_name) or {}).get("quick_gelu", False))
+
+
+def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu"):
+    """(model, preprocess, tokenizer) for an open_clip architecture and a local checkpoint file,
+    through `open_clip.create_model_and_transforms(name, pretrained=checkpoint)` (strict loading), in
+    eval mode. With a file path open_clip applies no pretrained tag, so preprocessing is the config's
+    (default: OpenAI mean/std, bicubic resize of the shortest side, centre crop)."""
+    import open_clip
+
+    path = Path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"CLIP checkpoint not found: {path}")
+    name = resolve_model_name(model_name)
+    if name not in open_clip.list_models():
+        raise ClipLoadError(f"unknown open_clip architecture {model_name!r}: give a name from "
+                            "open_clip.list_models() (e.g. ViT-L-14-quickgelu, ViT-H-14) or a JSON config file")
+    torchscript = is_torchscript(path)
+    if (torchscript or "openai" in str(path).lower()) and not _uses_quick_gelu(name):
+        warnings.warn(f"{path} looks like OpenAI CLIP weights, which need QuickGELU, but open_clip architecture "
+                      f"{name!r} uses GELU: the embeddings will be wrong. Use the '-quickgelu' variant "
+                      f"(e.g. ViT-L-14-quickgelu).", stacklevel=2)
+    try:
+        # weights_only=False only for TorchScript: torch.load then dispatches to torch.jit.load,
+        # which runs no pickled Python; open_clip takes the archive's state dict.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*TorchScript archive")
+            warnings.filterwarnings("ignore", message="`torch.jit.load` is deprecated")
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                name, pretrained=str(path), device=device, weights_only=not torchscript)
+    except Exception as e:  # shape mismatches, missing keys, a file that is no checkpoint at all
+        raise ClipLoadError(f"cannot load {path} into open_clip architecture {name!r} "
+                            f"(is it the checkpoint's architecture?): {type(e).__name__}: {e}") from e
+    return model.eval(), preprocess, open_clip.get_tokenizer(name)
+
+
+def image_transform(model):
+    """open_clip's eval preprocess for `model` (Resize, CenterCrop, Normalize), applied to float
+    `[B, 3, H, W]` tensors in [0, 1]; at the model's own image size the resize and crop are no-ops."""
+    import open_clip
+    from open_clip.transform import PreprocessCfg, image_transform_v2
+
+    return image_transform_v2(PreprocessCfg(**open_clip.get_model_preprocess_cfg(model)), is_train=False)
+
+
+def image_embeddings(model, images: torch.Tensor) -> torch.Tensor:
+    """L2-normalised image embeddings `[B, embed_dim]` of float images `[B, 3, H, W]` in [0, 1]."""
+    return model.encode_image(image_transform(model)(images), normalize=True)
+
+
+def clip_scores(model, tokenizer, images: torch.Tensor, captions: Sequence[str]) -> torch.Tensor:
+    """Per-sample cosine similarity `[B]` between image b and caption b (model in eval mode: the
+    ResNet tower has BatchNorm)."""
+    img = image_embeddings(model, images)  # [B, D]
+    txt = model.encode_text(tokenizer(list(captions)).to(images.device), normalize=True)  # [B, D]
+    return (img * txt).sum(-1)
+
+
+# ---------------------------------------------------------------- transformers CLIPModel
+
+
+@lru_cache(maxsize=None)
+def load_hf_clip(model_dir: str, processor_dir: str, device: str = "cpu"):
+    """(CLIPModel in eval mode, CLIPProcessor) from local `save_pretrained` directories; cached, so
+    rewards that share a model share one copy."""
+    from transformers import CLIPModel, CLIPProcessor
+
+    for d in (model_dir, processor_dir):
+        if not Path(d).is_dir():
+            raise FileNotFoundError(f"transformers CLIP directory not found: {d}")
+    try:
+        model = CLIPModel.from_pretrained(model_dir).to(device).eval()
+        processor = CLIPProcessor.from_pretrained(processor_dir)
+    except (OSError, ValueError) as e:  # no config.json / weights / tokenizer files in the directory
+        raise ClipLoadError(f"cannot load a CLIPModel from {model_dir} and a CLIPProcessor from "
+                            f"{processor_dir}: {e}") from e
+    return model, processor
+
+
+def _pooled(features) -> torch.Tensor:
+    """transformers 5 returns a BaseModelOutputWithPooling from get_*_features, 4.x a tensor."""
+    return features if isinstance(features, torch.Tensor) else features.pooler_output
+
+
+def hf_clip_scores(model, processor, images: torch.Tensor, captions: Sequence[str]) -> torch.Tensor:
+    """PickScore's formula `[B]`: logit_scale.exp() * cosine(image b, caption b).
+
+    The processor's own resize / crop / normalise run on the tensors where they are (`do_rescale`
+    off: the images are already in [0, 1], not 0..255); text is padded and truncated to the model's
+    context, as in PickScore's README (`padding=True, truncation=True, max_length=77`).
+    """
+    pixels = processor.image_processor(images=images, do_rescale=False, return_tensors="pt").pixel_values
+    context = model.config.text_config.max_position_embeddings
+    text = processor.tokenizer(list(captions), padding=True, truncation=True, max_length=context,
+                               return_tensors="pt").to(images.device)
+    img = F.normalize(_pooled(model.get_image_features(pixel_values=pixels.to(images.device))), dim=-1)  # [B, D]
+    txt = F.normalize(_pooled(model.get_text_features(**text)), dim=-1)  # [B, D]
+    return model.logit_scale.exp() * (img * txt).sum(-1)

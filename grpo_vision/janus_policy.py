@@ -1,0 +1,209 @@
+"""Janus-Pro as an `ImagePolicy`: transformers' `JanusForConditionalGeneration` on its image path.
+
+Janus (arXiv 2410.13848, Janus-Pro arXiv 2501.17811) generates images with the same Llama backbone
+it reads text with, but through separate image modules (`transformers/models/janus/modeling_janus.py`):
+
+    caption ids --embed_tokens--> [text embeddings] --+
+    code ids --generation_embeddings--generation_aligner--> [image embeddings] --+--> language_model
+    last hidden state --generation_head--> logits over the VQ codebook (K = 16384 for Janus-Pro)
+    codes --vqmodel.decode--> image in [-1, 1]
+
+A condition is the chat-formatted caption followed by `<begin_of_image>` (Janus's generation prompt:
+`<|User|>: {caption}\\n\\n<|Assistant|>:<begin_of_image>`, empty system prompt), tokenized by the
+model's own processor. Rows are left-padded; padding positions hold `NO_TOKEN` (-1), so the
+condition tensor alone carries its attention mask. The unconditional rows for CFG follow
+`JanusForConditionalGeneration.generate(generation_mode="image")`: every token that is not BOS or
+`<begin_of_image>` becomes the pad token, attended as a token, under the same padding mask.
+
+Sampling runs the language model with a transformers `StaticCache` sized condition + image tokens
+(as `generate` does), so the sampler's logits equal `generate`'s (a test compares them step by
+step). Only the generation path trains: the understanding-only modules (SigLIP `vision_model`,
+`aligner`), the VQ model and the text embedding table (tied to the text `lm_head`) are frozen, which
+also keeps them out of checkpoints and the optimizer. `lora_scope` confines LoRA adapters to the
+language model (its projections share names with the SigLIP tower's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
+SFT_FORMAT = "<|User|>: {}\n\n<|Assistant|>:"  # Janus's "deepseek" SFT template, empty system prompt
+
+
+@dataclass
+class JanusCache:
+    kv: object = None  # transformers StaticCache, allocated by `prefill` once the condition length is known
+    mask: torch.Tensor | None = None  # [B, L + N] 1 = attended, 0 = left padding
+    pos: int = 0  # positions written (a Python int: reading the cache's own counter would sync the GPU)
+
+
+class JanusImagePolicy(nn.Module):
+    """Caption-conditioned image-token sampling and scoring with a Janus-Pro model; implements
+    `policy.ImagePolicy`."""
+
+    lora_scope = "model.model.language_model"  # module prefix that LoRA adapters are confined to
+
+    def __init__(self, model, processor):
+        super().__init__()
+        self.model = model  # JanusForConditionalGeneration
+        self.processor = processor  # JanusProcessor: chat template and text tokenizer
+        gen, tok = model.generation_config, processor.tokenizer
+        self.bos_id = gen.bos_token_id if gen.bos_token_id is not None else tok.bos_token_id
+        self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else tok.pad_token_id
+        self.boi_id = tok.convert_tokens_to_ids(processor.image_start_token)
+        stored_boi = (gen.generation_kwargs or {}).get("boi_token_id")
+        if None in (self.bos_id, self.pad_id) or self.boi_id == tok.unk_token_id:
+            raise ValueError(f"Janus model needs BOS, pad and {processor.image_start_token} token ids; got bos "
+                             f"{self.bos_id}, pad {self.pad_id}, boi {self.boi_id}")
+        if stored_boi is not None and stored_boi != self.boi_id:
+            raise ValueError(f"generation_config boi_token_id {stored_boi} differs from the tokenizer's "
+                             f"{processor.image_start_token} id {self.boi_id}")
+        h, w = model.model.vqmodel.quantize.quant_state_dims
+        if model.config.vision_config.num_image_tokens != h * w:
+            raise ValueError(f"Janus config: num_image_tokens {model.config.vision_config.num_image_tokens} != "
+                             f"VQ grid {h}x{w}")
+        m = model.model
+        for frozen in (m.vision_model, m.aligner, m.vqmodel, m.language_model.embed_tokens, model.lm_head):
+            frozen.requires_grad_(False)
+
+    # ------------------------------------------------------------------ ImagePolicy
+    @property
+    def num_image_tokens(self) -> int:
+        return self.model.config.vision_config.num_image_tokens
+
+    @property
+    def codebook_size(self) -> int:
+        return self.model.config.vq_config.num_embeddings
+
+    @property
+    def image_grid(self) -> tuple[int, int]:
+        return tuple(self.model.model.vqmodel.quantize.quant_state_dims)
+
+    def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        texts = []
+        for prompt in prompts:
+            if not prompt.strip():
+                raise ValueError("empty prompt")
+            if self.processor.chat_template is None:  # a processor saved without a template
+                texts.append(SFT_FORMAT.format(prompt.strip()))
+            else:
+                chat = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+                texts.append(self.processor.apply_chat_template(chat, add_generation_prompt=True))
+        # generation_mode="image" appends <begin_of_image>; the processor pads on the left.
+        enc = self.processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
+        cond = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, NO_TOKEN)  # [B, L]
+        return cond.to(self.model.device)
+
+    def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        keep = (cond == self.bos_id) | (cond == self.boi_id) | (cond == NO_TOKEN)  # [B, L]
+        return cond.masked_fill(~keep, self.pad_id)  # [B, L]
+
+    def new_cache(self, batch_size: int) -> JanusCache:
+        return JanusCache()  # the StaticCache needs the condition length, so `prefill` allocates it
+
+    def prefill(self, cond: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        from transformers import StaticCache
+
+        ids, mask = self._ids_and_mask(cond)  # [B, L] each
+        B, L = cond.shape
+        cache.kv = StaticCache(config=self.model.config.text_config, max_cache_len=L + self.num_image_tokens)
+        cache.mask = torch.cat([mask, mask.new_ones(B, self.num_image_tokens)], dim=1)  # [B, L+N]
+        h = self._language_model(self._embed_text(ids), cache.mask[:, :L], cache.kv)  # [B, L, D]
+        cache.pos = L
+        return self.model.model.generation_head(h[:, -1])  # [B, K]
+
+    def decode(self, tokens: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        x = self.model.prepare_embeddings_for_image_generation(tokens.unsqueeze(1))  # [B, 1, D]
+        h = self._language_model(x, cache.mask[:, :cache.pos + 1], cache.kv)  # [B, 1, D]
+        cache.pos += 1
+        return self.model.model.generation_head(h[:, -1])  # [B, K]
+
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.image_logits(cond, tokens)
+
+    def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        # Positions L-1 (<begin_of_image>) .. L+N-2 predict image tokens 0 .. N-1; the last is never input.
+        ids, mask = self._ids_and_mask(cond)  # [B, L] each
+        images = self.model.prepare_embeddings_for_image_generation(tokens[:, :-1])  # [B, N-1, D]
+        text = self._embed_text(ids)  # [B, L, D]
+        x = torch.cat([text, images.to(text.dtype)], dim=1)  # [B, L+N-1, D] (autocast may differ the dtypes)
+        mask = torch.cat([mask, mask.new_ones(tokens[:, :-1].shape)], dim=1)  # [B, L+N-1]
+        h = self._language_model(x, mask, None)  # [B, L+N-1, D]
+        return self.model.model.generation_head(h[:, cond.shape[1] - 1:])  # [B, N, K]
+
+    # ------------------------------------------------------------------ internals
+    def _ids_and_mask(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = (cond != NO_TOKEN).long()  # [B, L]
+        return cond.masked_fill(mask == 0, self.pad_id), mask
+
+    def _embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)  # [B, L, D]
+
+    def _language_model(self, x: torch.Tensor, mask: torch.Tensor, kv) -> torch.Tensor:
+        """Last hidden states `[B, T, D]`; positions are 0, 1, ... including padding, as in `generate`
+        (RoPE is relative, so left padding does not change the logits)."""
+        out = self.model.model.language_model(inputs_embeds=x, attention_mask=mask, past_key_values=kv,
+                                              use_cache=kv is not None)
+        return out.last_hidden_state
+
+    # ------------------------------------------------------------------ tokenizer, save / load
+    def image_tokenizer(self) -> "JanusVQTokenizer":
+        return JanusVQTokenizer(self.model.model.vqmodel)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """A transformers-format Janus directory (model, generation config, processor)."""
+        self.model.save_pretrained(str(directory))
+        self.processor.save_pretrained(str(directory))
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu",
+                        dtype: str = "float32") -> "JanusImagePolicy":
+        from transformers import JanusForConditionalGeneration, JanusProcessor
+
+        directory = Path(directory)
+        missing = [n for n in ("config.json", "processor_config.json") if not (directory / n).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"Janus model directory {directory} has no {', '.join(missing)}; expected a transformers-format "
+                "Janus-Pro checkpoint with its processor, e.g. deepseek-community/Janus-Pro-1B downloaded there "
+                "(the deepseek-ai/Janus-Pro-* repos use the original format and need converting first)")
+        model = JanusForConditionalGeneration.from_pretrained(str(directory), dtype=getattr(torch, dtype),
+                                                              local_files_only=True)
+        processor = JanusProcessor.from_pretrained(str(directory), local_files_only=True)
+        return cls(model.to(device).eval(), processor)
+
+
+class JanusVQTokenizer(nn.Module):
+    """`tokenizer.ImageTokenizer` over Janus's VQ model (LlamaGen VQ-16: 16x downsample, 8-d codes).
+
+    `encode` compares L2-normalised latents with L2-normalised codes, as the original Janus / LlamaGen
+    quantizer does (`codebook_l2_norm=True`) and as `decode` (`get_codebook_entry`) assumes;
+    transformers' `JanusVQVAEVectorQuantizer.forward` uses raw distances instead.
+    """
+
+    def __init__(self, vq):
+        super().__init__()
+        self.vq = vq  # transformers JanusVQVAE
+        self.grid = tuple(vq.quantize.quant_state_dims)
+
+    @property
+    def codebook_size(self) -> int:
+        return self.vq.config.num_embeddings
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        w = self.vq.quantize.embedding.weight  # [K, D]
+        z = self.vq.quant_conv(self.vq.encoder(images.to(w.dtype) * 2 - 1))  # [B, D, h, w]
+        z = F.normalize(z.permute(0, 2, 3, 1).reshape(-1, z.shape[1]).float(), dim=-1)  # [B*h*w, D]
+        return (z @ F.normalize(w.float(), dim=-1).t()).argmax(-1).view(images.shape[0], -1)  # [B, h*w]
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return ((self.vq.decode(codes).float() + 1) / 2).clamp(0, 1)  # [B, 3, H, W]

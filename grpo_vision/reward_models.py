@@ -1,0 +1,178 @@
+"""Model-backed rewards, from local files only: clip, aesthetic, pickscore, hpsv2.
+
+    reward     model                                    score per image           keys (reward.*)
+    clip       any open_clip CLIP                       cosine                    clip_model, clip_checkpoint
+    aesthetic  LAION v2 head on a CLIP image embedding  ~1..10 rating             aesthetic_checkpoint + clip's
+    pickscore  PickScore_v1, a transformers CLIPModel   logit_scale.exp() * cos   pickscore_path, pickscore_processor
+    hpsv2      HPS v2 / v2.1 on open_clip ViT-H-14      cosine                    hpsv2_checkpoint, hpsv2_model
+
+Without reward.clip_checkpoint (and aesthetic_checkpoint) a ShapesWorld policy supplies its own tiny
+CLIP and aesthetic head. A factory checks its keys and paths at once (ConfigError naming the key,
+which the CLI prints as a one-line error) and builds its model at the reward's first call; models
+are cached per (path, device), so clip and aesthetic share one CLIP. Scoring runs in chunks of
+reward.batch_size on the policy's device, each model's own preprocessing applied to the tensors.
+
+Formulas: PickScore's README (yuvalkirstain/PickScore) and HPSv2's `img_score.py` (tgxs002/HPSv2,
+which normalises both embeddings and takes the diagonal, no logit scale). HPS's own transform pads
+non-square images to a square after resizing the longest side; open_clip's (used here) resizes the
+shortest side and centre-crops, the same thing for the square images a policy samples.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from grpo_vision.clip import (
+    ClipLoadError, clip_scores, hf_clip_scores, image_embeddings, load_clip, load_hf_clip, resolve_model_name,
+)
+from grpo_vision.config import ConfigError
+from grpo_vision.rewards import RewardContext, RewardFn, batched, register_reward
+
+DEFAULT_CLIP = "ViT-L-14-quickgelu"  # OpenAI's ViT-L/14: the aesthetic head's CLIP, torchmetrics' default
+
+
+def _local_path(value: str, key: str, reward: str, what: str, directory: bool = False) -> Path:
+    """`value` as an existing local path, else a ConfigError naming the reward, the key and the path."""
+    if not value:
+        raise ConfigError(f"reward '{reward}' needs {key}: {what}")
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"reward '{reward}': {key}={value} does not exist (expected {what})")
+    if directory and not path.is_dir():
+        raise ConfigError(f"reward '{reward}': {key}={value} is not a directory (expected {what})")
+    return path
+
+
+def _architecture(name: str, key: str, reward: str) -> str:
+    """The open_clip name for `name` (a JSON config path is registered), checked against open_clip's list."""
+    import open_clip
+
+    try:
+        resolved = resolve_model_name(name)
+    except (FileNotFoundError, ClipLoadError) as e:
+        raise ConfigError(f"reward '{reward}': {key}: {e}") from None
+    if resolved not in open_clip.list_models():
+        close = difflib.get_close_matches(name, open_clip.list_models(), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"reward '{reward}': {key}={name!r} is not an open_clip architecture{hint}; "
+                          "give a name from open_clip.list_models() or the path of a JSON model config")
+    return resolved
+
+
+@lru_cache(maxsize=None)
+def _open_clip(name: str, checkpoint: str, device: str):
+    return load_clip(name, checkpoint, device=device)
+
+
+@lru_cache(maxsize=None)
+def _aesthetic_head(path: str, device: str):
+    from grpo_vision.aesthetic import load_aesthetic
+
+    return load_aesthetic(path).to(device)
+
+
+def _clip_spec(ctx: RewardContext, reward: str) -> tuple[str, str]:
+    """(architecture, checkpoint) of the CLIP behind clip and aesthetic: the configured one, else the world's."""
+    if ctx.clip_checkpoint:
+        path = _local_path(ctx.clip_checkpoint, "reward.clip_checkpoint", reward, "a local open_clip checkpoint file")
+        return _architecture(ctx.clip_model or DEFAULT_CLIP, "reward.clip_model", reward), str(path)
+    if ctx.world is not None:
+        info = json.loads((ctx.world / "world.json").read_text())
+        name = ctx.clip_model or info.get("clip_model_name", "shapes_clip")
+        return _architecture(name, "reward.clip_model", reward), str(ctx.world / "clip" / "clip.safetensors")
+    raise ConfigError(f"reward '{reward}' needs reward.clip_checkpoint (a local open_clip checkpoint file, e.g. "
+                      f"OpenAI's ViT-L/14 weights) and reward.clip_model (its architecture; default {DEFAULT_CLIP}), "
+                      "or a ShapesWorld policy, which brings its own CLIP")
+
+
+@register_reward("clip")
+def clip_reward(ctx: RewardContext) -> RewardFn:
+    """Cosine similarity of open_clip's normalised image and text embeddings, per sample."""
+    name, checkpoint = _clip_spec(ctx, "clip")
+    device = str(ctx.device)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        model, _, tokenizer = _open_clip(name, checkpoint, device)
+        return clip_scores(model, tokenizer, images.float(), prompts)
+
+    return batched(score, ctx.batch_size, ctx.device)
+
+
+@register_reward("aesthetic")
+def aesthetic_reward(ctx: RewardContext) -> RewardFn:
+    """LAION improved-aesthetic-predictor: an MLP on the L2-normalised CLIP image embedding.
+
+    With reward.aesthetic_checkpoint set (e.g. sac+logos+ava1-l14-linearMSE.pth, 768-d input) the CLIP
+    is the one named by reward.clip_model / clip_checkpoint, which for the released heads must be
+    OpenAI's ViT-L/14 (ViT-L-14-quickgelu); otherwise the world's tiny CLIP and head.
+    """
+    if ctx.aesthetic_checkpoint:
+        head_path = _local_path(ctx.aesthetic_checkpoint, "reward.aesthetic_checkpoint", "aesthetic",
+                                "a LAION aesthetic head .pth, a .safetensors file or a directory from save_aesthetic")
+    elif ctx.world is not None:
+        head_path = ctx.world / "aesthetic"
+    else:
+        raise ConfigError("reward 'aesthetic' needs reward.aesthetic_checkpoint (a local head .pth/.safetensors) "
+                          "and a CLIP (reward.clip_checkpoint, reward.clip_model), or a ShapesWorld policy")
+    name, checkpoint = _clip_spec(ctx, "aesthetic")
+    device = str(ctx.device)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        model, _, _ = _open_clip(name, checkpoint, device)
+        head = _aesthetic_head(str(head_path), device)
+        emb = image_embeddings(model, images.float()).float()  # [B, D]
+        if emb.shape[-1] != head.config["input_dim"]:
+            raise ConfigError(f"the aesthetic head {head_path} takes {head.config['input_dim']}-d CLIP "
+                              f"embeddings, but CLIP {name!r} ({checkpoint}) gives {emb.shape[-1]}-d: set "
+                              "reward.clip_model and reward.clip_checkpoint to the CLIP the head was trained on "
+                              f"({DEFAULT_CLIP} for LAION's)")
+        return head(emb)
+
+    return batched(score, ctx.batch_size, ctx.device)
+
+
+@register_reward("pickscore")
+def pickscore_reward(ctx: RewardContext) -> RewardFn:
+    """PickScore (Kirstain et al. 2023, arXiv 2305.01569): logit_scale.exp() * cos(image, prompt) of a
+    CLIP-H fine-tuned on Pick-a-Pic preferences. The processor is laion/CLIP-ViT-H-14-laion2B-s32B-b79K's
+    in the README; save it into the model directory or point reward.pickscore_processor at it."""
+    what = "a transformers CLIPModel directory (save_pretrained of yuvalkirstain/PickScore_v1)"
+    model_dir = _local_path(ctx.pickscore_path, "reward.pickscore_path", "pickscore", what, directory=True)
+    processor_dir = model_dir
+    if ctx.pickscore_processor:
+        processor_dir = _local_path(ctx.pickscore_processor, "reward.pickscore_processor", "pickscore",
+                                    "a CLIPProcessor directory (save_pretrained)", directory=True)
+    device = str(ctx.device)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        model, processor = load_hf_clip(str(model_dir), str(processor_dir), device)
+        return hf_clip_scores(model, processor, images.float(), prompts)
+
+    return batched(score, ctx.batch_size, ctx.device)
+
+
+@register_reward("hpsv2")
+def hpsv2_reward(ctx: RewardContext) -> RewardFn:
+    """Human Preference Score v2 / v2.1 (Wu et al. 2023, arXiv 2306.09341): the cosine of open_clip
+    ViT-H-14 image and text embeddings, with HPS's fine-tuned weights (v2.0 and v2.1 scores are not
+    comparable). The released file is `{"state_dict": ...}`, which open_clip unwraps; loading is
+    strict, so a key mismatch between HPS's vendored open_clip and ours would fail loudly."""
+    checkpoint = _local_path(ctx.hpsv2_checkpoint, "reward.hpsv2_checkpoint", "hpsv2",
+                             "the HPS v2 or v2.1 checkpoint file (HPS_v2.1_compressed.pt from xswu/HPSv2)")
+    name = _architecture(ctx.hpsv2_model, "reward.hpsv2_model", "hpsv2")
+    device = str(ctx.device)
+
+    @torch.no_grad()
+    def score(images, prompts):
+        model, _, tokenizer = _open_clip(name, str(checkpoint), device)
+        return clip_scores(model, tokenizer, images.float(), prompts)
+
+    return batched(score, ctx.batch_size, ctx.device)
