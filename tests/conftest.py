@@ -7,6 +7,15 @@ WORDS = "a red blue circle square left of".split()
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny ops: one thread avoids waiting on a descheduled second thread on a busy 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def tiny_policy() -> LlamaImagePolicy:
     """A tiny random policy with grouped-query attention and non-trivial (not near-uniform) logits."""
     torch.manual_seed(0)

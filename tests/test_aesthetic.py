@@ -12,13 +12,7 @@ from grpo_vision.aesthetic import (
 from grpo_vision.shapes.train_aesthetic import fit_aesthetic, spearman
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: one thread avoids waiting on a descheduled second thread on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # sac+logos+ava1-l14-linearMSE.pth, inspected (research notes, section B)

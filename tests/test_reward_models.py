@@ -26,13 +26,7 @@ PROMPTS = ["a red circle", "a photo of a cat on a mat", "two dogs", "a blue squa
 IMAGE = 32  # the tiny models' input size; test images are larger, so the resize runs
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops: one thread avoids waiting on a descheduled second thread on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _images(n=5, h=48, w=48, seed=0):

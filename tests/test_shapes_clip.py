@@ -15,13 +15,7 @@ from grpo_vision.shapes.train_clip import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small ops: one thread avoids waiting on a descheduled second thread on a busy 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _scenes(n_per_form, seed, split="train"):
