@@ -83,8 +83,13 @@ def test_two_processes_match_one(micro_world, tmp_path):
     m1 = json.loads((one / "metrics.jsonl").read_text().splitlines()[0])
     m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
     for key in m1:
-        if key.startswith(("reward/", "loss/", "adv/")):
+        if key.startswith(("reward/", "adv/")):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+        elif key.startswith("loss/"):
+            # A loss is a mean of -A * ratio over micro-batches whose make-up differs between one and
+            # two processes; ratio = exp(logp - old) is 1 only to float precision (~1e-6, matmul blocking
+            # depends on the batch), and the O(1) advantages cancel, so compare on that absolute scale.
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-5), key
 
 
 def test_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp_path):
