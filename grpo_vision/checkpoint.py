@@ -52,6 +52,12 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
     return final
 
 
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    return sorted(int(p.name[5:]) for p in (Path(run_dir) / "checkpoints").glob("step_*")
+                  if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if not pointer.is_file():

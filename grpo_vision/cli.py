@@ -77,7 +77,7 @@ def cmd_eval(args) -> None:
 def cmd_demo(args) -> None:
     from grpo_vision.demo import DemoRun, serve
 
-    run = DemoRun(args.run)  # loads the latest checkpoint and the rewards now: a bad run fails before serving
+    run = DemoRun(args.run)  # loads the latest checkpoint and checks the reward config now: a bad run fails before serving
     try:
         serve(run, host=args.host, port=args.port)
     except OSError as e:  # the port is taken or the address is not this machine's

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.checkpoint import find_checkpoint
+from grpo_vision.checkpoint import checkpoint_steps, find_checkpoint
 from grpo_vision.config import ConfigError
 from grpo_vision.evaluate import LoadedRun, generate, load_run, reference_sampler, sampling_params
 from grpo_vision.prompts import PromptsError
@@ -64,12 +64,6 @@ class Side:
 
 
 # ---------------------------------------------------------------------------- the run
-
-
-def checkpoint_steps(run_dir: Path) -> list[int]:
-    """Steps with a complete checkpoint, ascending."""
-    return sorted(int(p.name[5:]) for p in (Path(run_dir) / "checkpoints").glob("step_*")
-                  if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
