@@ -101,9 +101,10 @@ class DataConfig:
     train_prompts: str = ""  # prompts file (text or JSONL); "" = the world's captions (world_train_split)
     eval_prompts: str = ""  # held-out prompts for evaluation; "" = the world's held-out prompts
     # Without train_prompts on a ShapesWorld: "train" = captions of the base policy's training split
-    # only; "all" = both splits, minus every eval prompt (RL may then teach compositions the base
-    # model never saw, and the eval prompts stay unseen by both)
-    world_train_split: Literal["train", "all"] = "train"
+    # only; "all" = both splits; "heldout" = the held-out compositions only. Eval prompts are always
+    # removed from the training prompts, so RL may teach compositions the base model never saw while
+    # the eval prompts stay unseen by both
+    world_train_split: Literal["train", "all", "heldout"] = "train"
 
 
 @dataclass
@@ -168,14 +169,23 @@ def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> 
 
 
 def apply_override(cfg: Config, item: str) -> None:
-    """Apply one ``section.key=value`` override; the value is parsed for the field's type."""
+    """Apply one ``section.key=value`` override; the value is parsed for the field's type.
+
+    A mapping field takes whole (``reward.weights={clip: 1.0}``) or one entry at a time
+    (``reward.weights.aesthetic=0.25`` adds or replaces that entry)."""
     if "=" not in item:
         raise ConfigError(f"override '{item}' must look like section.key=value, e.g. train.lr=1e-5")
     dotted, text = item.split("=", 1)
     *parents, leaf = dotted.strip().split(".")
     node, prefix = cfg, ""
-    for part in parents:
+    for depth, part in enumerate(parents):
         names = [f.name for f in dataclasses.fields(node)]
+        hint = typing.get_type_hints(type(node)).get(part)
+        if depth == len(parents) - 1 and typing.get_origin(hint) is dict:  # one entry of a mapping
+            _, value_type = typing.get_args(hint)
+            value = text if value_type is str else _parse_text(text)
+            getattr(node, part)[leaf] = coerce(value, value_type, dotted, "command line")
+            return
         if part not in names or not dataclasses.is_dataclass(getattr(node, part)):
             raise ConfigError(_unknown_key(prefix + part, part, names, "command line"))
         node, prefix = getattr(node, part), f"{prefix}{part}."

@@ -30,6 +30,14 @@ def test_defaults_run_and_overrides_apply():
     assert cfg.sample.logprob_mode == "conditional"
 
 
+def test_one_mapping_entry_can_be_overridden():
+    cfg = load_config(None, ["reward.weights={clip: 4, aesthetic: 1}", "reward.weights.aesthetic=0.25",
+                             "reward.weights.jpeg_compressibility=1"])
+    assert cfg.reward.weights == {"clip": 4.0, "aesthetic": 0.25, "jpeg_compressibility": 1.0}
+    with pytest.raises(ConfigError, match="'reward.weights.clip' expects a number, got 'lots'"):
+        load_config(None, ["reward.weights.clip=lots"])
+
+
 def test_yaml_values_override_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 3.0e-6\n  steps: 7\nsample:\n  top_k: 50\n")
@@ -72,6 +80,7 @@ def test_bad_files_name_the_key(tmp_path, text, needle):
     ("train.beta=0.1", None),  # valid
     ("train.lr", "must look like section.key=value"),
     ("train=3", "unknown key 'train'"),
+    ("train.lr.x=3", "unknown key 'train.lr'"),
 ])
 def test_bad_overrides_name_the_key(override, needle):
     if needle is None:
