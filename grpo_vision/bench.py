@@ -77,3 +77,22 @@ def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repea
     result["targets_met"] = all(result[f"speedup_vs_generate_{t}"] >= 3 and result[f"fraction_of_ceiling_{t}"] >= 0.4
                                 for t in ("cfg_off", "cfg_on"))
     return result
+
+
+def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, target_s: float = 5.0) -> dict:
+    """Seconds per Compare click of the demo (both sides: sampling, decoding, every reward, the grid
+    PNG), through the app's own handler, for n images a side; the first call warms up and is not timed."""
+    from grpo_vision.demo import DemoRun, build_app
+
+    run = DemoRun(run_dir)
+    app = build_app(run)
+    compare = next(dep.fn for dep in app.fns.values() if getattr(dep, "api_name", None) == "generate")
+    policy_side, prompt = run.choices()[0], "a blue triangle left of a red circle"
+    s = run.cfg.sample
+    compare(prompt, 0, n, s.cfg_scale, s.temperature, s.top_k, policy_side, "reference")  # warm-up
+    times = [_timed(lambda: compare(prompt, seed, n, s.cfg_scale, s.temperature, s.top_k, policy_side, "reference"))
+             for seed in range(1, repeats + 1)]
+    median = statistics.median(times)
+    return {"run": str(run_dir), "images_per_side": n, "repeats": repeats, "threads": torch.get_num_threads(),
+            "seconds": [round(t, 3) for t in times], "median_s": round(median, 3), "target_s": target_s,
+            "target_met": median <= target_s}

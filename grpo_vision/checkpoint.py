@@ -78,8 +78,8 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
         return path
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     if not (path / "trainer_state.json").is_file():
-        steps = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))
-        raise FileNotFoundError(f"{run_dir} has no checkpoint for step {step}; available: {', '.join(steps) or 'none'}")
+        steps = ", ".join(str(s) for s in checkpoint_steps(run_dir)) or "none"
+        raise FileNotFoundError(f"{run_dir} has no checkpoint for step {step}; available steps: {steps}")
     return path
 
 

@@ -62,13 +62,11 @@ def cmd_sample(args) -> None:
 def cmd_eval(args) -> None:
     from grpo_vision.evaluate import evaluate, load_run, sampling_params
     from grpo_vision.prompts import load_prompts
-    from grpo_vision.rewards import CompositeReward, RewardContext
+    from grpo_vision.rewards import CompositeReward
 
     run = load_run(args.run, args.step)
-    r = run.cfg.reward
-    ctx = RewardContext.from_config(r, world=run.bundle.world)
     entries = load_prompts(args.prompts)
-    rewards = CompositeReward(r.weights, r.monitor, ctx)
+    rewards = CompositeReward.from_config(run.cfg.reward, world=run.bundle.world, entries=entries)
     result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n,
                       sampling_params(run.cfg), run.cfg, seed=args.seed)
     print(json.dumps({"run": str(args.run), "step": run.step, **result}, indent=2))
@@ -95,7 +93,17 @@ def cmd_bench_sampler(args) -> None:
         policy = LlamaImagePolicy.from_pretrained(args.policy)
     result = bench_sampler(policy, batch=args.batch, repeats=args.repeats, cfg_scale=args.cfg_scale,
                            top_k=args.top_k, dtype=args.dtype)
-    if args.json:
+    _print_result(result, args.json)
+
+
+def cmd_bench_demo(args) -> None:
+    from grpo_vision.bench import bench_demo
+
+    _print_result(bench_demo(args.run, n=args.n, repeats=args.repeats), args.json)
+
+
+def _print_result(result: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(result, indent=2))
     else:
         for k, v in result.items():
@@ -162,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=100, help="top-k of all runs (0 = off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
     p.set_defaults(func=cmd_bench_sampler)
+    p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
+    p.add_argument("run", help="a run directory (as for grpo-vision demo)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--n", type=int, default=4, help="images per side")
+    p.add_argument("--repeats", type=int, default=4, help="timed calls (median reported)")
+    p.set_defaults(func=cmd_bench_demo)
 
     world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
         dest="what", required=True)

@@ -29,7 +29,7 @@ from grpo_vision.config import ConfigError
 from grpo_vision.evaluate import LoadedRun, generate, load_run, reference_sampler, sampling_params
 from grpo_vision.prompts import PromptsError
 from grpo_vision.report import load_metrics
-from grpo_vision.rewards import CompositeReward, RewardContext, RewardError
+from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.sampling import SamplingParams
 from grpo_vision.shapes.data import to_uint8
 
@@ -90,9 +90,7 @@ class DemoRun:
         self.latest = checkpoint_steps(self.run_dir)[-1]  # "reference" is the reference saved with this step
         latest = self.load(self.latest)
         self.cfg, self.bundle = latest.cfg, latest.bundle
-        r = self.cfg.reward
-        ctx = RewardContext.from_config(r, world=self.bundle.world)
-        self.rewards = CompositeReward(r.weights, r.monitor, ctx)
+        self.rewards = CompositeReward.from_config(self.cfg.reward, world=self.bundle.world)
         self.examples = run_examples(self.cfg, self.bundle)
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)
 

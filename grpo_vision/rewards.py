@@ -125,6 +125,15 @@ class CompositeReward:
         self.names = list(dict.fromkeys([*weights, *monitor]))
         self.fns: dict[str, RewardFn] = {name: make_reward(name, ctx) for name in self.names}
 
+    @classmethod
+    def from_config(cls, reward_cfg, device: torch.device | str = "cpu", world: Path | None = None,
+                    entries: Sequence = ()) -> CompositeReward:
+        """The rewards of a config.RewardConfig, plus any that prompt entries name in their own weights."""
+        ctx = RewardContext.from_config(reward_cfg, device, world)
+        composite = cls(reward_cfg.weights, reward_cfg.monitor, ctx)
+        composite.add(sorted({n for e in entries if e.rewards for n in e.rewards}), ctx)
+        return composite
+
     def add(self, names: Sequence[str], ctx: RewardContext) -> None:
         """Make sure rewards named by per-entry weights are loaded too."""
         for name in names:

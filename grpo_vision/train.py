@@ -27,7 +27,7 @@ from grpo_vision.config import Config, derived_sizes, format_sizes, load_config,
 from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean
 from grpo_vision.loading import load_bundle, train_and_eval_prompts
 from grpo_vision.reference import Reference, add_lora
-from grpo_vision.rewards import CompositeReward, RewardContext, RewardError
+from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.sampling import SamplingParams, sample_batched, sequence_logprobs
 
 
@@ -67,10 +67,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
-    ctx = RewardContext.from_config(cfg.reward, acc.device, bundle.world)
     train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
-    rewards = CompositeReward(cfg.reward.weights, cfg.reward.monitor, ctx)
-    rewards.add(sorted({n for e in train_prompts if e.rewards for n in e.rewards}), ctx)
+    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.world, train_prompts)
     start, counters = 0, {"skipped_updates": 0}
     if resume:
         ckpt = latest_checkpoint(run_dir)

@@ -1,5 +1,6 @@
 """The Gradio demo: pure functions by hand, the app through gradio_client, and a real headless browser."""
 
+import json
 import math
 import shutil
 import socket
@@ -207,16 +208,21 @@ def test_api_bad_input_gives_a_message(client):
                            ({"prompt": "circle red a"}, "outside the ShapesWorld grammar"),
                            ({"n": 0}, "number of images must be a whole number from 1 to 16"),
                            ({"n": 40}, "got 40"),
-                           ({"left": "step 9"}, "no checkpoint for step 9; available: step_000001, step_000002")]:
+                           ({"left": "step 9"}, "no checkpoint for step 9; available steps: 1, 2")]:
         with pytest.raises(AppError, match=needle):
             generate(client, **kwargs)
 
 
-def test_four_images_per_side_within_five_seconds(client):
-    generate(client, n=4)  # warm
-    start = time.perf_counter()
-    generate(client, n=4, seed=11)
-    assert time.perf_counter() - start < 5.0
+def test_bench_demo_reports_seconds_per_click(demo_run, capsys):
+    """The 5-second target is checked by `grpo-vision bench demo RUN --json`, not here; this checks the
+    benchmark itself runs the real handler and reports what it timed."""
+    from grpo_vision.cli import main
+
+    main(["bench", "demo", str(demo_run), "--json", "--n", "2", "--repeats", "2"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["images_per_side"] == 2 and len(result["seconds"]) == 2
+    assert all(t > 0 for t in result["seconds"]) and result["median_s"] > 0
+    assert result["target_met"] == (result["median_s"] <= result["target_s"])
 
 
 def test_busy_port_exits_2(demo_run, served, capsys):
