@@ -1,4 +1,4 @@
-"""Train ShapesWorld's VQ tokenizer: a diffusers `VQModel`, 64x64 images to an 8x8 grid of codes.
+"""Train ShapesWorld's VQ tokenizer: a diffusers `VQModel`, 64x64 images to a grid of codes (16x16 by default).
 
 A naive VQ-VAE (codebook learned by gradient, random init) reached 23 dB and used 57 of 512 codes
 here. What fixes that, in the order it happens:
@@ -11,6 +11,8 @@ here. What fixes that, in the order it happens:
    the current batch (Jukebox arXiv 2005.00341).
 5. An edge-aware loss: L1 on image gradients on top of MSE and L1, so shape boundaries, which the
    exact checker reads, stay sharp.
+6. A last phase that trains the decoder alone on the frozen codes with a decaying learning rate
+   (`finetune_decoder`): the codes are settled by then, and what remains is drawing them exactly.
 """
 
 from __future__ import annotations
@@ -43,13 +45,19 @@ class VQPreset:
     amp: bool = True  # bf16 autocast for the conv stacks (2x faster on CPUs with AMX/AVX512-BF16)
     norm_type: str = "spatial"  # decoder norm: "spatial" re-injects the codes after each GroupNorm (MoVQ)
     object_weight: float = 4.0  # extra loss weight on pixels far from the background colour
+    decoder_steps: int = 0  # then the decoder alone, codes frozen, learning rate decayed to 0 (finetune_decoder)
+    decoder_lr: float = 5e-4
+    decoder_object_weight: float = 8.0
 
 
 VQ_PRESETS = {
     # micro: for tests, seconds not quality (group norm: spatial norm needs widths that are multiples of 32)
-    "micro": VQPreset((8, 8, 16, 16), 1, 8, 8, 256, 8, 8, 2e-3, 5, 20, norm_type="group"),
-    "default": VQPreset((32, 32, 64), 1, 16, 16, 512, 32, 16, 1e-3, 250, 1500),  # 16x16 codes
+    "micro": VQPreset((8, 8, 16, 16), 1, 8, 8, 256, 8, 8, 2e-3, 5, 20, norm_type="group", decoder_steps=5),
+    # 16x16 codes; the decoder phase took the checker on reconstructions from 92.8% to 94.5% (clean
+    # renders) and PSNR from 32.9 to 35.8 dB
+    "default": VQPreset((32, 32, 64), 1, 16, 16, 512, 32, 16, 1e-3, 250, 1500, decoder_steps=800),
 }
+DECODER_SEED_OFFSET = 5  # the decoder phase renders its own scenes, from seed + this
 
 
 def build_vq(p: VQPreset) -> VQTokenizer:
@@ -174,7 +182,39 @@ def train_vq(preset: str | VQPreset, seed: int = 0, progress: bool = True) -> tu
         bar.set_postfix(loss=f"{loss.item():.4f}", restarts=restarts)
     bar.close()
     tok.eval()
-    return tok, {"vq_steps": step, "vq_seconds": round(time.monotonic() - start, 1), "vq_restarts": restarts}
+    info = {"vq_steps": step, "vq_seconds": round(time.monotonic() - start, 1), "vq_restarts": restarts}
+    if p.decoder_steps:
+        info |= finetune_decoder(tok, p.decoder_steps, p.batch_size, p.decoder_lr, seed + DECODER_SEED_OFFSET, p.amp,
+                                 p.decoder_object_weight, progress)
+    return tok, info
+
+
+def finetune_decoder(tok: VQTokenizer, steps: int, batch_size: int, lr: float, seed: int, amp: bool = True,
+                     object_weight: float = 4.0, progress: bool = True) -> dict:
+    """Train the decoder alone, encoder and codebook frozen, with cosine decay of the learning rate.
+
+    Codes do not change, so anything trained on them (the base policy) stays valid; the decoder
+    learns to draw those codes more exactly (the joint phase runs at a constant rate, and colours
+    close together, yellow and orange, were the checker's most common failure on reconstructions).
+    """
+    rng = np.random.default_rng(seed)
+    decoder = [q for n, q in tok.vq.named_parameters() if n.startswith(("post_quant_conv.", "decoder."))]
+    opt = torch.optim.Adam(decoder, lr=lr)
+    start = time.monotonic()
+    tok.eval()  # no dropout or batch statistics in VQModel; eval keeps the frozen half exactly as it was
+    for step in tqdm(range(steps), desc="vq decoder", disable=not progress, leave=False):
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
+        x = to_tensor(render_batch(rng, batch_size).images)  # [B, 3, 64, 64]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            zq = tok.lookup(tok.nearest(tok.latents(x).float()))  # frozen encoder and codebook
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            recon = tok.decode_latents_raw(zq).float()
+        loss = image_loss(recon, x * 2 - 1, object_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return {"vq_decoder_steps": steps, "vq_decoder_seconds": round(time.monotonic() - start, 1)}
 
 
 @torch.no_grad()
