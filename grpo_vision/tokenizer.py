@@ -11,6 +11,8 @@ which in diffusers requires `vq_embed_dim == latent_channels`; ours uses a low-d
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -82,6 +84,10 @@ class VQTokenizer(nn.Module):
 
     def save_pretrained(self, directory: str | Path) -> None:
         self.vq.save_pretrained(str(directory), safe_serialization=True)
+        config = Path(directory) / "config.json"  # diffusers records where a loaded model came from:
+        raw = json.loads(config.read_text())  # a path on this machine, which a shared world must not carry
+        if raw.pop("_name_or_path", None) is not None:
+            config.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "VQTokenizer":

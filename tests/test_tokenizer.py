@@ -42,6 +42,9 @@ def test_save_and_load_give_identical_outputs(tok, tmp_path):
     assert torch.equal(loaded.encode(images), tok.encode(images))
     codes = tok.encode(images)
     assert torch.equal(loaded.decode(codes), tok.decode(codes))
+    loaded.save_pretrained(tmp_path / "again")  # a loaded model remembers its path; the saved config must not
+    assert "_name_or_path" not in (tmp_path / "again" / "config.json").read_text()
+    assert torch.equal(VQTokenizer.from_pretrained(tmp_path / "again").decode(codes), tok.decode(codes))
 
 
 def test_errors_name_the_problem(tok, tmp_path):
