@@ -206,8 +206,8 @@ def finetune_decoder(tok: VQTokenizer, steps: int, batch_size: int, lr: float, s
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
         x = to_tensor(render_batch(rng, batch_size).images)  # [B, 3, 64, 64]
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            zq = tok.lookup(tok.nearest(tok.latents(x).float()))  # frozen encoder and codebook
+        # the codes exactly as encode() gives them (fp32: a bf16 nearest-code search changed a third of them)
+        zq = tok.lookup(tok.encode(x)).detach()  # frozen encoder and codebook
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             recon = tok.decode_latents_raw(zq).float()
         loss = image_loss(recon, x * 2 - 1, object_weight)
