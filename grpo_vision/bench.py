@@ -79,20 +79,38 @@ def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repea
     return result
 
 
-def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, target_s: float = 5.0) -> dict:
+def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", target_s: float = 5.0) -> dict:
     """Seconds per Compare click of the demo (both sides: sampling, decoding, every reward, the grid
-    PNG), through the app's own handler, for n images a side; the first call warms up and is not timed."""
-    from grpo_vision.demo import DemoRun, build_app
+    PNG), through the app's own handler (Gradio's queue and page update are not included), for n
+    images a side; the first call warms up and is not timed. `prompt` defaults to the run's first
+    example prompt."""
+    import tempfile
+
+    from grpo_vision.config import ConfigError
+    from grpo_vision.demo import DemoInputError, DemoRun, build_app, clean_prompt, sampling_request
+    from grpo_vision.evaluate import sampling_params
 
     run = DemoRun(run_dir)
-    app = build_app(run)
-    compare = next(dep.fn for dep in app.fns.values() if getattr(dep, "api_name", None) == "generate")
-    policy_side, prompt = run.choices()[0], "a blue triangle left of a red circle"
+    prompt = prompt or next((p for examples in run.examples.values() for p in examples), "")
+    if not prompt:
+        raise ConfigError(f"bench demo: {run_dir} has no example prompts; pass --prompt")
     s = run.cfg.sample
-    compare(prompt, 0, n, s.cfg_scale, s.temperature, s.top_k, policy_side, "reference")  # warm-up
-    times = [_timed(lambda: compare(prompt, seed, n, s.cfg_scale, s.temperature, s.top_k, policy_side, "reference"))
-             for seed in range(1, repeats + 1)]
+    try:  # on the page these are messages; here they are command-line errors
+        prompt = clean_prompt(prompt, run.bundle.policy, run.bundle.world is not None)
+        sampling_request(0, n, s.cfg_scale, s.temperature, s.top_k, sampling_params(run.cfg))
+    except DemoInputError as e:
+        raise ConfigError(f"bench demo: {e}") from None
+    policy_side = run.choices()[0]
+    with tempfile.TemporaryDirectory(prefix="grpo_bench_demo_") as out:
+        app = build_app(run, out_dir=out)
+        compare = next(dep.fn for dep in app.fns.values() if getattr(dep, "api_name", None) == "generate")
+
+        def click(seed: int):
+            return compare(prompt, seed, n, s.cfg_scale, s.temperature, s.top_k, policy_side, "reference")
+
+        click(0)  # warm-up
+        times = [_timed(lambda: click(seed)) for seed in range(1, repeats + 1)]
     median = statistics.median(times)
-    return {"run": str(run_dir), "images_per_side": n, "repeats": repeats, "threads": torch.get_num_threads(),
-            "seconds": [round(t, 3) for t in times], "median_s": round(median, 3), "target_s": target_s,
-            "target_met": median <= target_s}
+    return {"run": str(run_dir), "prompt": prompt, "images_per_side": n, "repeats": repeats,
+            "threads": torch.get_num_threads(), "seconds": [round(t, 3) for t in times],
+            "median_s": round(median, 3), "target_s": target_s, "target_met": median <= target_s}

@@ -99,7 +99,7 @@ def cmd_bench_sampler(args) -> None:
 def cmd_bench_demo(args) -> None:
     from grpo_vision.bench import bench_demo
 
-    _print_result(bench_demo(args.run, n=args.n, repeats=args.repeats), args.json)
+    _print_result(bench_demo(args.run, n=args.n, repeats=args.repeats, prompt=args.prompt), args.json)
 
 
 def _print_result(result: dict, as_json: bool) -> None:
@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--n", type=int, default=4, help="images per side")
     p.add_argument("--repeats", type=int, default=4, help="timed calls (median reported)")
+    p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
     p.set_defaults(func=cmd_bench_demo)
 
     world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(

@@ -101,8 +101,8 @@ class DataConfig:
     train_prompts: str = ""  # prompts file (text or JSONL); "" = the world's captions (world_train_split)
     eval_prompts: str = ""  # held-out prompts for evaluation; "" = the world's held-out prompts
     # Without train_prompts on a ShapesWorld: "train" = captions of the base policy's training split
-    # only; "all" = both splits; "heldout" = the held-out compositions only. Eval prompts are always
-    # removed from the training prompts, so RL may teach compositions the base model never saw while
+    # only; "all" = both splits; "heldout" = the held-out compositions only. The eval prompts are
+    # removed from these world captions, so RL may teach compositions the base model never saw while
     # the eval prompts stay unseen by both
     world_train_split: Literal["train", "all", "heldout"] = "train"
 
@@ -182,11 +182,16 @@ def apply_override(cfg: Config, item: str) -> None:
         names = [f.name for f in dataclasses.fields(node)]
         hint = typing.get_type_hints(type(node)).get(part)
         if depth == len(parents) - 1 and typing.get_origin(hint) is dict:  # one entry of a mapping
+            if not leaf:
+                raise ConfigError(f"command line: '{dotted}' names no entry of '{prefix}{part}'; "
+                                  f"write {prefix}{part}.NAME=VALUE")
             _, value_type = typing.get_args(hint)
             value = text if value_type is str else _parse_text(text)
             getattr(node, part)[leaf] = coerce(value, value_type, dotted, "command line")
             return
-        if part not in names or not dataclasses.is_dataclass(getattr(node, part)):
+        if part in names and not dataclasses.is_dataclass(getattr(node, part)):
+            raise ConfigError(f"command line: '{prefix}{part}' is a value, not a section; write {prefix}{part}=VALUE")
+        if part not in names:
             raise ConfigError(_unknown_key(prefix + part, part, names, "command line"))
         node, prefix = getattr(node, part), f"{prefix}{part}."
     names = [f.name for f in dataclasses.fields(node)]

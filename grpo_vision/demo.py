@@ -148,7 +148,7 @@ def run_examples(cfg, bundle) -> dict[str, list[str]]:
         seen, held_out = train_and_eval_prompts(cfg, bundle)
     except (ConfigError, PromptsError, FileNotFoundError):  # examples are a convenience, not a requirement
         return {}
-    names = ("seen prompts (training split)", "held-out prompts (never trained on)") if bundle.world else \
+    names = ("training prompts (world split)", "held-out prompts (never trained on)") if bundle.world else \
         ("training prompts", "evaluation prompts")
     return {names[0]: [e.prompt for e in seen[:EXAMPLES_PER_SPLIT]],
             names[1]: [e.prompt for e in held_out[:EXAMPLES_PER_SPLIT]]}

@@ -10,7 +10,7 @@ import torch
 from grpo_vision.config import Config, ConfigError, PolicyConfig
 from grpo_vision.prompts import PromptEntry, PromptsError, load_prompts
 
-WORLD_TRAIN_PROMPTS = 512  # seen-split captions a ShapesWorld run trains on
+WORLD_TRAIN_PROMPTS = 512  # captions of data.world_train_split a ShapesWorld run trains on (minus eval prompts)
 WORLD_EVAL_PROMPTS = 32  # held-out-composition captions it is evaluated on
 
 

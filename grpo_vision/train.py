@@ -68,7 +68,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
     train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
-    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.world, train_prompts)
+    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.world, [*train_prompts, *eval_prompts])
     start, counters = 0, {"skipped_updates": 0}
     if resume:
         ckpt = latest_checkpoint(run_dir)

@@ -80,7 +80,8 @@ def test_bad_files_name_the_key(tmp_path, text, needle):
     ("train.beta=0.1", None),  # valid
     ("train.lr", "must look like section.key=value"),
     ("train=3", "unknown key 'train'"),
-    ("train.lr.x=3", "unknown key 'train.lr'"),
+    ("train.lr.x=3", "'train.lr' is a value, not a section"),
+    ("reward.weights.=1", "names no entry of 'reward.weights'"),
 ])
 def test_bad_overrides_name_the_key(override, needle):
     if needle is None:

@@ -218,11 +218,14 @@ def test_bench_demo_reports_seconds_per_click(demo_run, capsys):
     benchmark itself runs the real handler and reports what it timed."""
     from grpo_vision.cli import main
 
-    main(["bench", "demo", str(demo_run), "--json", "--n", "2", "--repeats", "2"])
+    main(["bench", "demo", str(demo_run), "--json", "--n", "2", "--repeats", "2", "--prompt", "a red circle"])
     result = json.loads(capsys.readouterr().out)
-    assert result["images_per_side"] == 2 and len(result["seconds"]) == 2
+    assert result["images_per_side"] == 2 and len(result["seconds"]) == 2 and result["prompt"] == "a red circle"
     assert all(t > 0 for t in result["seconds"]) and result["median_s"] > 0
-    assert result["target_met"] == (result["median_s"] <= result["target_s"])
+    with pytest.raises(SystemExit) as exit_info:  # bad input is a command-line error, not a traceback
+        main(["bench", "demo", str(demo_run), "--prompt", "a pink unicorn"])
+    assert exit_info.value.code == 2
+    assert "bench demo: Not ShapesWorld words: 'pink', 'unicorn'" in capsys.readouterr().err
 
 
 def test_busy_port_exits_2(demo_run, served, capsys):
