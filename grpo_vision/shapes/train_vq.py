@@ -54,7 +54,7 @@ VQ_PRESETS = {
     # micro: for tests, seconds not quality (group norm: spatial norm needs widths that are multiples of 32)
     "micro": VQPreset((8, 8, 16, 16), 1, 8, 8, 256, 8, 8, 2e-3, 5, 20, norm_type="group", decoder_steps=5),
     # 16x16 codes; the decoder phase took the checker on reconstructions from 92.8% to 94.5% (clean
-    # renders) and PSNR from 32.9 to 35.8 dB
+    # renders) and PSNR from 32.9 to 35.9 dB
     "default": VQPreset((32, 32, 64), 1, 16, 16, 512, 32, 16, 1e-3, 250, 1500, decoder_steps=800),
 }
 DECODER_SEED_OFFSET = 5  # the decoder phase renders its own scenes, from seed + this
