@@ -12,7 +12,6 @@ which in diffusers requires `vq_embed_dim == latent_channels`; ours uses a low-d
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
