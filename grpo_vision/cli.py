@@ -125,6 +125,17 @@ def cmd_world_render(args) -> None:
     print(f"wrote {len(index)} images and index.jsonl to {args.out}")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a benchmark with no repeats has no median)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-vision", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -164,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("sampler", help="our sampler vs transformers generate() vs teacher forcing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--policy", default="", help="a saved policy directory (default: random default-size policy)")
-    p.add_argument("--batch", type=int, default=64, help="sequences per call")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per run (median reported)")
+    p.add_argument("--batch", type=positive_int, default=64, help="sequences per call")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per run (median reported)")
     p.add_argument("--cfg-scale", type=float, default=3.0, help="guidance scale of the CFG-on runs")
     p.add_argument("--top-k", type=int, default=100, help="top-k of all runs (0 = off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
@@ -174,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory (as for grpo-vision demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--n", type=int, default=4, help="images per side")
-    p.add_argument("--repeats", type=int, default=4, help="timed calls (median reported)")
+    p.add_argument("--repeats", type=positive_int, default=4, help="timed calls (median reported)")
     p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
     p.set_defaults(func=cmd_bench_demo)
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,3 +43,16 @@ def test_bench_sampler_prints_json(tmp_path):
     assert set(result["tokens_per_s"]) == runs
     assert all(v > 0 for v in result["tokens_per_s"].values())
     assert result["speedup_vs_generate_cfg_on"] > 0 and isinstance(result["targets_met"], bool)
+
+
+def test_bench_counts_must_be_positive(capsys):
+    from grpo_vision.cli import main
+
+    for args, needle in [
+        (["bench", "sampler", "--repeats", "0"], "argument --repeats: expected a whole number >= 1, got '0'"),
+        (["bench", "sampler", "--batch", "x"], "argument --batch: expected a whole number >= 1, got 'x'"),
+        (["bench", "demo", "runs/none", "--repeats", "-1"], "argument --repeats: expected a whole number >= 1"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err
