@@ -44,6 +44,28 @@ def test_rebuild_skips_finished_stages(micro_world, tmp_path):
     assert time.monotonic() - start < 60  # evaluation only
 
 
+def test_changed_recipe_rebuilds_that_stage_and_what_is_trained_on_it(micro_world, tmp_path, monkeypatch):
+    import dataclasses
+
+    from grpo_vision.shapes.train_vq import VQ_PRESETS
+
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    before = {n: json.loads((copy / "stages" / f"{n}.json").read_text()) for n in STAGES}
+    monkeypatch.setitem(VQ_PRESETS, "micro", dataclasses.replace(VQ_PRESETS["micro"], steps=VQ_PRESETS["micro"].steps + 1))
+    messages = []
+    build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
+    rebuilt = {n for n in STAGES if any(m.startswith(f"[world] {n}: its recipe") for m in messages)}
+    assert rebuilt == {"vq", "policy"}  # the policy is trained on the tokenizer's codes; clip and aesthetic are not
+    after = {n: json.loads((copy / "stages" / f"{n}.json").read_text()) for n in STAGES}
+    assert after["vq"]["vq_steps"] == before["vq"]["vq_steps"] + 1
+    assert after["clip"] == before["clip"] and after["aesthetic"] == before["aesthetic"]
+    assert after["policy"]["recipe"] != before["policy"]["recipe"]
+    messages = []
+    build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
+    assert messages == [f"[world] {copy} is complete (micro, seed 0); nothing to build"]
+
+
 def test_incomplete_world_is_reported_not_used(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
@@ -96,3 +118,15 @@ def test_world_render_cli(tmp_path):
     from grpo_vision.shapes.checker import check
     for r in index:  # ground truth: the checker accepts every render
         assert check(__import__("numpy").asarray(Image.open(tmp_path / "r" / r["file"])), r["prompt"]).correct
+
+
+def test_committed_world_matches_the_default_recipe():
+    """The README's main command runs `world build` on the committed world and must find nothing to
+    build: a default preset changed without rebuilding (and committing) the world would start an
+    hour-long rebuild there instead."""
+    from grpo_vision.shapes.world import recipe_hashes, stage_done
+
+    world = ROOT / "worlds" / "shapes"
+    hashes = recipe_hashes("default")
+    stale = [n for n in STAGES if stage_done(world, n, "default", 0, hashes[n]) is None]
+    assert not stale, f"worlds/shapes stages {stale} were built with another recipe; rebuild with grpo-vision world build"

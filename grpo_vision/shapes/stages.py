@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,6 +12,18 @@ import torch
 from grpo_vision.shapes.scene import HELD_OUT, IMAGE_SIZE, all_words
 
 EVAL_SEED_OFFSET = 10_000  # evaluation renders never share a seed with training renders
+
+
+def recipe(name: str, preset: str) -> dict:
+    """The hyper-parameters stage `name` trains with under `preset` (what its marker's hash covers)."""
+    from grpo_vision.shapes.train_aesthetic import AESTHETIC_PRESETS
+    from grpo_vision.shapes.train_clip import CLIP_PRESETS
+    from grpo_vision.shapes.train_policy import POLICY_PRESETS
+    from grpo_vision.shapes.train_vq import DECODER_SEED_OFFSET, VQ_PRESETS
+
+    presets = {"vq": VQ_PRESETS, "clip": CLIP_PRESETS, "aesthetic": AESTHETIC_PRESETS, "policy": POLICY_PRESETS}
+    out = dataclasses.asdict(presets[name][preset])
+    return out | {"decoder_seed_offset": DECODER_SEED_OFFSET} if name == "vq" else out
 
 
 def build_vq(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:

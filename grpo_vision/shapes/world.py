@@ -10,13 +10,16 @@
       contact_sheet.png
 
 The build is a chain of stages. Each stage writes into `<name>.tmp/` and renames it into place
-(atomic), then writes its marker; a stage whose marker matches the preset and seed is skipped, so an
-interrupted build resumes where it stopped. `load_world` refuses an incomplete directory and says
-which part is missing and the command that finishes it.
+(atomic), then writes its marker; a stage whose marker matches the preset, the seed and the recipe
+(a hash of the stage's hyper-parameters and of the stages it reads) is skipped, so an interrupted
+build resumes where it stopped, and a changed recipe rebuilds that stage and everything trained on
+it (a new tokenizer means new codes for the policy). `load_world` refuses an incomplete directory
+and says which part is missing and the command that finishes it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -29,6 +32,7 @@ import torch
 
 WORLD_VERSION = 1
 STAGES = ("vq", "clip", "aesthetic", "policy")
+INPUTS = {"vq": (), "clip": (), "aesthetic": ("clip",), "policy": ("vq",)}  # stages each one is trained on
 
 
 class WorldError(RuntimeError):
@@ -66,20 +70,35 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def stage_done(world: Path, name: str, preset: str, seed: int) -> dict | None:
+def recipe_hashes(preset: str) -> dict[str, str]:
+    """Per stage, a short hash of its hyper-parameters under `preset` and of its inputs' hashes."""
+    from grpo_vision.shapes import stages
+
+    hashes: dict[str, str] = {}
+    for name in STAGES:
+        recipe = {"recipe": stages.recipe(name, preset), "inputs": [hashes[i] for i in INPUTS[name]]}
+        hashes[name] = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return hashes
+
+
+def stage_done(world: Path, name: str, preset: str, seed: int, recipe: str | None = None) -> dict | None:
     marker = world / "stages" / f"{name}.json"
     if not marker.is_file() or not (world / name).is_dir():
         return None
     info = json.loads(marker.read_text())
-    return info if (info.get("preset"), info.get("seed")) == (preset, seed) else None
+    same = (info.get("preset"), info.get("seed")) == (preset, seed)
+    return info if same and (recipe is None or info.get("recipe") == recipe) else None
 
 
-def run_stage(world: Path, name: str, preset: str, seed: int, build: Callable[[Path], dict], log) -> dict:
+def run_stage(world: Path, name: str, preset: str, seed: int, build: Callable[[Path], dict], log,
+              recipe: str | None = None) -> dict:
     """Run `build(tmp_dir) -> figures` unless already done; move tmp_dir into place atomically."""
-    done = stage_done(world, name, preset, seed)
+    done = stage_done(world, name, preset, seed, recipe)
     if done is not None:
         log(f"[world] {name}: already built ({preset}, seed {seed}), skipping")
         return done
+    if stage_done(world, name, preset, seed) is not None:
+        log(f"[world] {name}: its recipe or an input changed since it was built; rebuilding")
     tmp, final = world / f"{name}.tmp", world / name
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -88,7 +107,7 @@ def run_stage(world: Path, name: str, preset: str, seed: int, build: Callable[[P
     figures = build(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    info = {"preset": preset, "seed": seed, "seconds": round(time.monotonic() - start, 1), **figures}
+    info = {"preset": preset, "seed": seed, "recipe": recipe, "seconds": round(time.monotonic() - start, 1), **figures}
     (world / "stages").mkdir(exist_ok=True)
     write_json(world / "stages" / f"{name}.json", info)
     return info
@@ -102,9 +121,10 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     if preset not in ("micro", "default"):
         raise ValueError(f"preset must be 'micro' or 'default', got {preset!r}")
     world = Path(out)
+    hashes = recipe_hashes(preset)
     try:
         info = check_world_dir(world)
-        if (info.get("preset"), info.get("seed")) == (preset, seed):
+        if all(stage_done(world, n, preset, seed, hashes[n]) for n in STAGES):
             log(f"[world] {world} is complete ({preset}, seed {seed}); nothing to build")
             return info
     except WorldError:
@@ -115,7 +135,8 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     infos = {}
     for name in STAGES:
         build = getattr(stages, f"build_{name}")
-        infos[name] = run_stage(world, name, preset, seed, lambda tmp: build(world, tmp, preset, seed, progress), log)
+        infos[name] = run_stage(world, name, preset, seed, lambda tmp: build(world, tmp, preset, seed, progress), log,
+                                hashes[name])
     log("[world] evaluating")
     figures = stages.evaluate_world(world, preset, seed, progress)
     stages.contact_sheet(world, world / "contact_sheet.png", seed)
