@@ -64,6 +64,11 @@ def test_changed_recipe_rebuilds_that_stage_and_what_is_trained_on_it(micro_worl
     messages = []
     build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
     assert messages == [f"[world] {copy} is complete (micro, seed 0); nothing to build"]
+    (copy / "stages" / "aesthetic.json").write_text('{"preset": "mic')  # damaged by hand: rebuilt, not a crash
+    messages = []
+    build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
+    assert "[world] aesthetic: building (micro, seed 0)" in messages
+    assert sum("already built" in m for m in messages) == len(STAGES) - 1
 
 
 def test_incomplete_world_is_reported_not_used(micro_world, tmp_path):

@@ -85,7 +85,12 @@ def stage_done(world: Path, name: str, preset: str, seed: int, recipe: str | Non
     marker = world / "stages" / f"{name}.json"
     if not marker.is_file() or not (world / name).is_dir():
         return None
-    info = json.loads(marker.read_text())
+    try:
+        info = json.loads(marker.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):  # unreadable: as good as absent, so the stage is rebuilt
+        return None
+    if not isinstance(info, dict):
+        return None
     same = (info.get("preset"), info.get("seed")) == (preset, seed)
     return info if same and (recipe is None or info.get("recipe") == recipe) else None
 
@@ -97,8 +102,10 @@ def run_stage(world: Path, name: str, preset: str, seed: int, build: Callable[[P
     if done is not None:
         log(f"[world] {name}: already built ({preset}, seed {seed}), skipping")
         return done
-    if stage_done(world, name, preset, seed) is not None:
-        log(f"[world] {name}: its recipe or an input changed since it was built; rebuilding")
+    stale = stage_done(world, name, preset, seed)
+    if stale is not None:
+        why = "its recipe or an input changed" if stale.get("recipe") else "no recipe was recorded"
+        log(f"[world] {name}: {why} since it was built; rebuilding")
     tmp, final = world / f"{name}.tmp", world / name
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
