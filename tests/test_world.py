@@ -78,6 +78,9 @@ def test_incomplete_world_is_reported_not_used(micro_world, tmp_path):
     with pytest.raises(WorldError, match=r"incomplete: missing stage\(s\) policy; build it with: grpo-vision world build"):
         load_world(copy)
     (copy / "stages" / "policy.json").write_text("{}")
+    (copy / "world.json").write_text('{"version": 1, "pres')  # cut off mid-write by hand
+    with pytest.raises(WorldError, match="unreadable world.json .*delete it and build it with"):
+        load_world(copy)
     (copy / "world.json").unlink()
     with pytest.raises(WorldError, match="missing world.json"):
         load_world(copy)

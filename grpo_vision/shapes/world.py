@@ -164,7 +164,11 @@ def check_world_dir(path: str | Path) -> dict:
     if missing or not (world / "world.json").is_file():
         what = f"stage(s) {', '.join(missing)}" if missing else "world.json (the build did not finish)"
         raise WorldError(f"world at {world} is incomplete: missing {what}; {fix} (finished stages are kept)")
-    return json.loads((world / "world.json").read_text())
+    try:
+        return json.loads((world / "world.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise WorldError(f"world at {world} has an unreadable world.json ({e}); delete it and {fix} "
+                         "(finished stages are kept)") from e
 
 
 def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
