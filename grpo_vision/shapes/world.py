@@ -95,16 +95,15 @@ def stage_done(world: Path, name: str, preset: str, seed: int, recipe: str | Non
     return info if same and (recipe is None or info.get("recipe") == recipe) else None
 
 
-def run_stage(world: Path, name: str, preset: str, seed: int, build: Callable[[Path], dict], log,
-              recipe: str | None = None) -> dict:
-    """Run `build(tmp_dir) -> figures` unless already done; move tmp_dir into place atomically."""
-    done = stage_done(world, name, preset, seed, recipe)
-    if done is not None:
+def run_stage(world: Path, name: str, preset: str, seed: int, recipe: str, build: Callable[[Path], dict],
+              log) -> dict:
+    """Run `build(tmp_dir) -> figures` unless already done with this recipe; move tmp_dir into place atomically."""
+    built = stage_done(world, name, preset, seed)  # with whatever recipe
+    if built is not None and built.get("recipe") == recipe:
         log(f"[world] {name}: already built ({preset}, seed {seed}), skipping")
-        return done
-    stale = stage_done(world, name, preset, seed)
-    if stale is not None:
-        why = "its recipe or an input changed" if stale.get("recipe") else "no recipe was recorded"
+        return built
+    if built is not None:
+        why = "its recipe or an input changed" if built.get("recipe") else "no recipe was recorded"
         log(f"[world] {name}: {why} since it was built; rebuilding")
     tmp, final = world / f"{name}.tmp", world / name
     shutil.rmtree(tmp, ignore_errors=True)
@@ -142,8 +141,8 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     infos = {}
     for name in STAGES:
         build = getattr(stages, f"build_{name}")
-        infos[name] = run_stage(world, name, preset, seed, lambda tmp: build(world, tmp, preset, seed, progress), log,
-                                hashes[name])
+        infos[name] = run_stage(world, name, preset, seed, hashes[name],
+                                lambda tmp: build(world, tmp, preset, seed, progress), log)
     log("[world] evaluating")
     figures = stages.evaluate_world(world, preset, seed, progress)
     stages.contact_sheet(world, world / "contact_sheet.png", seed)
