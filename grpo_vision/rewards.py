@@ -192,6 +192,24 @@ def jpeg_incompressibility(ctx: RewardContext) -> RewardFn:
     return lambda images, prompts, metadata: _jpeg_sizes_kb(images)
 
 
+@register_reward("placebo")
+def placebo(ctx: RewardContext) -> RewardFn:
+    """A control that carries no information: each image's score is uniform in [0, 1), a hash of
+    its 8-bit pixels and its prompt (deterministic, so a resumed run sees the same values). Train
+    on it to measure what GRPO's sampling noise alone does to the other rewards and the checker
+    (on ShapesWorld it lowers them: README, "What the main job did")."""
+    import hashlib
+
+    def reward(images, prompts, metadata):
+        arr = images.clamp(0, 1).mul(255).round().to(torch.uint8).cpu().numpy()
+        out = []
+        for a, prompt in zip(arr, prompts):
+            digest = hashlib.sha256(a.tobytes() + prompt.encode()).digest()
+            out.append(int.from_bytes(digest[:4], "little") / 2**32)
+        return torch.tensor(out)
+    return reward
+
+
 @register_reward("shapes_exact")
 def shapes_exact(ctx: RewardContext) -> RewardFn:
     """1 when ShapesWorld's exact checker accepts the image for its caption, else 0; NaN for

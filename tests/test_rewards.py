@@ -93,3 +93,19 @@ def test_shapes_exact_scores_renders_and_skips_foreign_captions():
     wrong = ["a blue circle", "a small blue square", "a photo of a cat"]
     out = fn(images, wrong, [{}] * 3)
     assert out[:2].tolist() == [0.0, 0.0] and math.isnan(out[2])
+
+
+def test_placebo_is_deterministic_uniform_and_blind_to_the_image():
+    fn = make_reward("placebo", CTX)
+    images = torch.rand(256, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    prompts = ["a red circle"] * 256
+    scores = fn(images, prompts, [{}] * 256)
+    assert scores.shape == (256,) and ((scores >= 0) & (scores < 1)).all()
+    torch.testing.assert_close(fn(images, prompts, [{}] * 256), scores)  # same image, same score
+    assert fn(images[:1], ["a blue square"], [{}]).item() != scores[0].item()  # the prompt counts
+    # Uniform: mean 1/2, std 1/sqrt(12) = 0.289 (256 draws: the mean's std is 0.018)
+    assert abs(scores.mean().item() - 0.5) < 0.08 and abs(scores.std().item() - 0.289) < 0.05
+    # Carries no information: uncorrelated with brightness (|r| < 0.2 is over 3 sigma at n = 256)
+    brightness = images.mean(dim=(1, 2, 3))
+    r = torch.corrcoef(torch.stack([scores, brightness]))[0, 1].item()
+    assert abs(r) < 0.2
