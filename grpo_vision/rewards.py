@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from grpo_vision.shapes.data import to_uint8
+
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
 REGISTRY: dict[str, Callable[["RewardContext"], RewardFn]] = {}
 
@@ -171,7 +173,7 @@ class CompositeReward:
 def _jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
     from PIL import Image
 
-    arr = images.clamp(0, 1).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    arr = to_uint8(images)
     sizes = []
     for a in arr:
         buffer = io.BytesIO()
@@ -201,7 +203,7 @@ def placebo(ctx: RewardContext) -> RewardFn:
     import hashlib
 
     def reward(images, prompts, metadata):
-        arr = images.clamp(0, 1).mul(255).round().to(torch.uint8).cpu().numpy()
+        arr = to_uint8(images)
         out = []
         for a, prompt in zip(arr, prompts):
             digest = hashlib.sha256(a.tobytes() + prompt.encode()).digest()
@@ -218,7 +220,7 @@ def shapes_exact(ctx: RewardContext) -> RewardFn:
     from grpo_vision.shapes.scene import CaptionError
 
     def reward(images, prompts, metadata):
-        arr = images.clamp(0, 1).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        arr = to_uint8(images)
         out = []
         for a, prompt in zip(arr, prompts):
             try:
