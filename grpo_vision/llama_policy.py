@@ -91,6 +91,17 @@ def effective_weight(layer: nn.Module) -> torch.Tensor:
     return layer(torch.eye(w.shape[1], dtype=w.dtype, device=w.device)).t()
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool) -> torch.Tensor:
+    """Scaled dot-product attention `[B, H, T, hd]`. On CPU it stays in float32 under autocast: CPU
+    autocast would cast it to bf16, whose flash-attention backward is about 3x slower than float32's
+    here (torch 2.15, 2 cores: 175 vs 58 ms for 32 x 6 heads x 267 tokens), while the products around
+    it gain from bf16."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaPolicyConfig):
         super().__init__()
@@ -112,7 +123,7 @@ class Attention(nn.Module):
             cache.v[layer, :, :, cache.pos:end] = v
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, Hkv, end, hd]
         # With a cache and T == 1 every key is in the past, so no mask is needed.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv_heads != self.n_heads)
+        y = attention(q, k, v, causal=T > 1, gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, dim]
 
 

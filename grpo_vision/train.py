@@ -117,8 +117,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             n = len(prompts)
             adv = adv_all[first:first + n].to(acc.device)
             old = old_logprobs(policy, cond, rollout, params, acc, t.micro_batch_size)
-            ref = reference.logprobs(policy, cond, rollout.tokens, params, t.micro_batch_size) \
-                if t.reference != "none" else None
+            with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
+                ref = reference.logprobs(policy, cond, rollout.tokens, params, t.micro_batch_size) \
+                    if t.reference != "none" else None
             batch = StepBatch(cond, rollout.tokens, old, ref, adv)
             # ---------------------------------------------------------- UPDATE
             policy.train()

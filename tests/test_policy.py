@@ -109,3 +109,17 @@ def test_lora_adapters_are_used_by_kv_cache_decode(tiny_policy):
             base = model.image_logits(cond, tokens)
             torch.testing.assert_close(decode_all(model, cond, tokens), base, atol=1e-5, rtol=0)
     assert (full - base).abs().max() > 1e-2  # the adapters really change the logits
+
+
+def test_attention_stays_float32_under_cpu_autocast():
+    # CPU autocast would run scaled_dot_product_attention in bf16, whose backward is slower than
+    # float32's on CPU; `attention` keeps it in float32 and equal to the plain call.
+    from grpo_vision.llama_policy import attention
+
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attention(q.bfloat16(), k, v, causal=True, gqa=True)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, attention(q.bfloat16().float(), k, v, causal=True, gqa=True))
+    torch.testing.assert_close(attention(q, k, v, causal=True, gqa=True), plain)

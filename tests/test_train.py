@@ -154,3 +154,14 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes(micro_world, tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == list(range(1, done + 2))
+
+
+def test_bf16_mixed_precision_starts_at_ratio_one_and_zero_kl(micro_world, tmp_path):
+    # Old and reference log-probs are taken under the update's autocast, so at the first update the
+    # ratio is 1 and the KL to the (still identical) reference is 0, not a bf16-vs-fp32 rounding gap.
+    run = train(micro_cfg(micro_world, tmp_path, "train.mixed_precision=bf16", "train.steps=1",
+                          "train.num_iterations=1", "train.minibatches_per_pass=1"), progress=False)
+    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert m["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m["loss/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert all(v is not None and math.isfinite(v) for v in m.values()), m
