@@ -4,11 +4,13 @@
       policy.safetensors      trainable policy weights (the full policy, or only LoRA adapters)
       reference.safetensors   the reference's weights when it was synced from the policy
       optimizer.pt            AdamW and LR-scheduler state
-      trainer_state.json      step, counters, and the config's fingerprint
+      trainer_state.json      step and counters (the run's config is run/config.yaml)
       rng.pt                  torch / numpy / python RNG states
     run/checkpoints/latest    name of the newest complete step directory
 
-Everything is written into `step_N.tmp/` first and then renamed; `latest` is replaced atomically last.
+Everything is written into `step_N.tmp/` first, flushed to disk and then renamed; `latest` is replaced
+atomically last. Rewriting a step that exists (a finished run resumed, say) moves the old directory
+aside before the new one is renamed in, so some complete copy of that step exists at every moment.
 """
 
 from __future__ import annotations
@@ -44,12 +46,24 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
     torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
+    _fsync_dir(tmp)
+    old = root / f"{name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
     os.replace(tmp, final)
     pointer = root / "latest.tmp"
     pointer.write_text(name)
     os.replace(pointer, root / "latest")
+    shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flush a directory's files to disk, so a rename after it never exposes empty files."""
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -59,11 +73,14 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The step `latest` names, or, when that pointer is missing or dangling, the highest complete step."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "trainer_state.json").is_file() else None
+    if pointer.is_file():
+        path = pointer.parent / pointer.read_text().strip()
+        if (path / "trainer_state.json").is_file():
+            return path
+    steps = checkpoint_steps(run_dir)
+    return Path(run_dir) / "checkpoints" / f"step_{steps[-1]:06d}" if steps else None
 
 
 def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
@@ -74,7 +91,7 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     if step is None:
         path = latest_checkpoint(run_dir)
         if path is None:
-            raise FileNotFoundError(f"{run_dir} has no checkpoint yet (no checkpoints/latest)")
+            raise FileNotFoundError(f"{run_dir} has no checkpoint yet (checkpoints/ holds no complete step)")
         return path
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     if not (path / "trainer_state.json").is_file():
@@ -86,7 +103,7 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
 def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple[dict, dict | None]:
     """Load weights (and optimizer state when given); returns (trainer_state, reference_state or None)."""
     path = Path(path)
-    weights = load_file(path / "policy.safetensors")
+    weights = _read(path / "policy.safetensors", load_file)
     own = dict(policy.named_parameters())
     unknown = set(weights) - set(own)
     if unknown:
@@ -95,12 +112,28 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
         for name, value in weights.items():
             own[name].copy_(value)
     if optimizer is not None:
-        opt = torch.load(path / "optimizer.pt", weights_only=False)
+        opt = _read(path / "optimizer.pt", lambda f: torch.load(f, weights_only=False))
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
-        rng = torch.load(path / "rng.pt", weights_only=False)
+        rng = _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
     ref = path / "reference.safetensors"
-    return json.loads((path / "trainer_state.json").read_text()), (load_file(ref) if ref.is_file() else None)
+    state = _read(path / "trainer_state.json", lambda f: json.loads(f.read_text()))
+    return state, (_read(ref, load_file) if ref.is_file() else None)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read; the message names it and what to do."""
+
+
+def _read(path: Path, reader):
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file missing: {path}; the step directory is incomplete: delete "
+                              f"{path.parent} and use an earlier step") from None
+    except Exception as e:  # safetensors, pickle and JSON each raise their own kind
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e}); delete "
+                              f"{path.parent} and use an earlier step") from None

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from grpo_vision.checkpoint import CheckpointError
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards import RewardError
@@ -126,7 +127,7 @@ def cmd_world_render(args) -> None:
 
 
 def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (a benchmark with no repeats has no median)."""
+    """argparse type: a whole number >= 1 (images per prompt, benchmark repeats)."""
     try:
         value = int(text)
     except ValueError:
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("run", help="run directory")
         p.add_argument("--prompts", required=True, help="plain text (one prompt per line) or JSONL with 'prompt'")
-        p.add_argument("--n", type=int, default=4, help="images per prompt")
+        p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
         p.add_argument("--seed", type=int, default=0, help="image j of each prompt uses seed + j")
         p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
         if name == "sample":
@@ -199,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = world.add_parser("render", help="ground-truth renders for the captions of a prompts file")
     p.add_argument("--prompts", required=True, help="plain text (one caption per line) or JSONL with 'prompt'")
     p.add_argument("--out", required=True, help="output directory for PNGs and index.jsonl")
-    p.add_argument("--n", type=int, default=1, help="images per prompt")
+    p.add_argument("--n", type=positive_int, default=1, help="images per prompt")
     p.add_argument("--seed", type=int, default=0, help="base seed; image j of a prompt uses seed + j")
     p.set_defaults(func=cmd_world_render)
     return parser
@@ -209,9 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, FileNotFoundError, PromptsError, CaptionError, WorldError, KeyError) as e:
-        message = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"grpo-vision: error: {message}", file=sys.stderr)
+    except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, CaptionError, WorldError) as e:
+        print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
     except RewardError as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)

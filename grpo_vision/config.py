@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -109,7 +111,6 @@ class DataConfig:
 
 @dataclass
 class LogConfig:
-    log_every: int = 1  # write metrics every N steps
     sample_every: int = 25  # save a policy-vs-reference sample grid every N steps; 0 = never
     checkpoint_every: int = 50  # write a checkpoint every N steps; 0 = only at the end
     eval_images: int = 4  # images per held-out prompt in the final report
@@ -138,10 +139,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            with open(path) as stream:  # a stream, so YAML errors name the file and line
-                raw = yaml.safe_load(stream) or {}
+            with open(path, encoding="utf-8") as stream:  # a stream, so YAML errors name the file and line
+                raw = yaml.load(stream, Loader=_StrictLoader) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     cfg = from_dict(Config, raw, where=str(path) if path else "config")
@@ -149,6 +152,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         apply_override(cfg, item)
     validate(cfg)
     return cfg
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> Any:
@@ -161,8 +178,8 @@ def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> 
     for key, value in raw.items():
         if key not in names:
             raise ConfigError(_unknown_key(f"{prefix}{key}", str(key), names, where))
-        if dataclasses.is_dataclass(hints[key]):
-            kwargs[key] = from_dict(hints[key], value or {}, where, f"{prefix}{key}.")
+        if dataclasses.is_dataclass(hints[key]):  # an empty section (`train:`) is None: the defaults
+            kwargs[key] = from_dict(hints[key], {} if value is None else value, where, f"{prefix}{key}.")
         else:
             kwargs[key] = coerce(value, hints[key], f"{prefix}{key}", where)
     return cls(**kwargs)
@@ -195,7 +212,11 @@ def apply_override(cfg: Config, item: str) -> None:
             raise ConfigError(_unknown_key(prefix + part, part, names, "command line"))
         node, prefix = getattr(node, part), f"{prefix}{part}."
     names = [f.name for f in dataclasses.fields(node)]
-    if leaf not in names or dataclasses.is_dataclass(getattr(node, leaf)):
+    if leaf in names and dataclasses.is_dataclass(getattr(node, leaf)):
+        raise ConfigError(f"command line: '{prefix}{leaf}' is a section, not a value; "
+                          f"write {prefix}{leaf}.KEY=VALUE (its keys: "
+                          f"{', '.join(f.name for f in dataclasses.fields(getattr(node, leaf)))})")
+    if leaf not in names:
         raise ConfigError(_unknown_key(prefix + leaf, leaf, names, "command line"))
     hint = typing.get_type_hints(type(node))[leaf]
     value = text if hint is str else _parse_text(text)
@@ -289,6 +310,14 @@ def validate(cfg: Config) -> None:
         (not (t.beta > 0 and t.reference == "none"),
          "train.beta > 0 needs a reference policy: set train.reference to frozen or lora, or beta to 0"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward, e.g. {clip: 1.0}"),
+        (all(math.isfinite(w) for w in cfg.reward.weights.values()),
+         f"reward.weights must be finite numbers, got {cfg.reward.weights}"),
+        (cfg.reward.batch_size >= 1, "reward.batch_size must be >= 1"),
+        (bool(cfg.run.name) and cfg.run.name not in (".", "..") and "/" not in cfg.run.name,
+         f"run.name must be a plain folder name (no '/'), got {cfg.run.name!r}"),
+        (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
+        (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
+        (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per held-out prompt in the report)"),
     ]
     for ok, message in checks:
         if not ok:
@@ -334,4 +363,8 @@ def to_dict(cfg: Config) -> dict:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config atomically (a resumed run reads it back)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.checkpoint import checkpoint_steps, find_checkpoint
+from grpo_vision.checkpoint import CheckpointError, checkpoint_steps, find_checkpoint
 from grpo_vision.config import ConfigError
 from grpo_vision.evaluate import LoadedRun, generate, load_run, reference_sampler, sampling_params
 from grpo_vision.prompts import PromptsError
@@ -333,7 +333,9 @@ def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
             text = clean_prompt(prompt, run.bundle.policy, run.bundle.world is not None)
             seeds, params = sampling_request(seed, n, cfg_scale, temperature, top_k, base)
             left, right = (run.side(c, text, seeds, params) for c in (left_choice, right_choice))
-        except (DemoInputError, RewardError) as e:  # the message, not a stack trace; escaped: gr.Error renders HTML
+        except (DemoInputError, RewardError, CheckpointError, FileNotFoundError) as e:
+            # the message, not a stack trace (a bad prompt, a failing reward, a checkpoint deleted or cut
+            # short since the page loaded); escaped, because gr.Error renders HTML
             raise gr.Error(html.escape(str(e), quote=False), print_exception=False) from None
         path = grid_png(left, right, text, seeds, out_dir / f"compare_{next(calls):05d}.png")
         table = pd.DataFrame(summary_rows(left, right), columns=["score", "left", "right", "left - right"])

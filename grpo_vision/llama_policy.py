@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from grpo_vision.checkpoint import CheckpointError
+
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
 PAD, BOS, NULL, BOI, UNK = range(len(SPECIALS))
 
@@ -304,10 +306,14 @@ class LlamaImagePolicy(nn.Module):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"policy checkpoint {directory} has no {name}; expected a directory "
                                         "written by LlamaImagePolicy.save_pretrained")
-        raw = json.loads((directory / "policy_config.json").read_text())
-        raw["image_grid"] = tuple(raw["image_grid"])
-        policy = cls(LlamaPolicyConfig(**raw))
-        state = load_file(directory / "policy.safetensors", device=str(device))
+        try:
+            raw = json.loads((directory / "policy_config.json").read_text())
+            raw["image_grid"] = tuple(raw["image_grid"])
+            policy = cls(LlamaPolicyConfig(**raw))
+            state = load_file(directory / "policy.safetensors", device=str(device))
+        except Exception as e:  # JSON, a config field or safetensors: each raises its own kind
+            raise CheckpointError(f"policy checkpoint {directory} is unreadable ({type(e).__name__}: {e}); "
+                                  "rewrite it with save_pretrained (or rebuild the world)") from None
         policy.to(device=device, dtype=next(iter(state.values())).dtype)
         policy.load_state_dict(state)
         return policy

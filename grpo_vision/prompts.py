@@ -4,12 +4,14 @@ A JSONL entry may also carry its own reward weights and metadata, which route re
 
     {"prompt": "a red circle", "rewards": {"clip": 1.0, "shapes_exact": 0.5}, "metadata": {"tag": "x"}}
 
-Blank lines and lines starting with `#` are skipped in text files. Errors name the file and line.
+Blank lines and lines starting with `#` are skipped; the first other line decides the format (a `{`
+starts JSONL), as does a `.jsonl` / `.json` suffix. Errors name the file and line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,14 +33,15 @@ def load_prompts(path: str | Path) -> list[PromptEntry]:
     if not path.is_file():
         raise PromptsError(f"prompts file not found: {path}")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a leading byte-order mark is dropped
     except UnicodeDecodeError as e:
         raise PromptsError(f"{path} is not UTF-8 text ({e}); a prompts file is plain text or JSONL") from None
-    jsonl = path.suffix in (".jsonl", ".json") or any(ln.lstrip().startswith("{") for ln in lines[:5])
+    first = next((ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")), "")
+    jsonl = path.suffix in (".jsonl", ".json") or first.startswith("{")  # decided by the first prompt line
     entries = []
     for number, line in enumerate(lines, start=1):
         text = line.strip()
-        if not text or (not jsonl and text.startswith("#")):
+        if not text or text.startswith("#"):
             continue
         entries.append(_parse_jsonl_line(text, path, number) if jsonl else PromptEntry(text, line=number))
     if not entries:
@@ -59,8 +62,9 @@ def _parse_jsonl_line(text: str, path: Path, number: int) -> PromptEntry:
         raise PromptsError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: prompt, rewards, metadata")
     rewards = row.get("rewards")
     if rewards is not None and (not isinstance(rewards, dict) or not all(
-            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) for k, v in rewards.items())):
-        raise PromptsError(f"{where}: 'rewards' must map reward names to numbers, e.g. {{\"clip\": 1.0}}")
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            for k, v in rewards.items())):
+        raise PromptsError(f"{where}: 'rewards' must map reward names to finite numbers, e.g. {{\"clip\": 1.0}}")
     metadata = row.get("metadata", {})
     if not isinstance(metadata, dict):
         raise PromptsError(f"{where}: 'metadata' must be an object")

@@ -9,8 +9,15 @@ from grpo_vision.evaluate import evaluate, save_sample_grid
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows; a line cut short by a crash mid-write is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln] if path.is_file() else []
+    rows = []
+    for ln in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(ln))
+        except json.JSONDecodeError:
+            continue
+    return rows
 
 
 def plot_curves(metrics: list[dict], out: Path) -> None:

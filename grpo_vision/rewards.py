@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from grpo_vision.config import ConfigError
 from grpo_vision.shapes.data import to_uint8
 
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
@@ -79,20 +80,21 @@ def make_reward(name: str, ctx: RewardContext) -> RewardFn:
     if name.startswith("python:"):
         return _import_callable(name)
     if name not in REGISTRY:
-        raise KeyError(f"unknown reward {name!r}; registered rewards: {', '.join(available_rewards())}")
+        raise ConfigError(f"unknown reward {name!r}; registered rewards: {', '.join(available_rewards())}")
     return REGISTRY[name](ctx)
 
 
 def _import_callable(spec: str) -> RewardFn:
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts[1:]):
-        raise KeyError(f"reward {spec!r} must look like python:package.module:function")
+        raise ConfigError(f"reward {spec!r} must look like python:package.module:function")
     try:
         fn = getattr(importlib.import_module(parts[1]), parts[2])
-    except (ImportError, AttributeError) as e:
-        raise KeyError(f"reward {spec!r}: cannot import {parts[2]} from {parts[1]} ({e})") from None
+    except Exception as e:  # ImportError, AttributeError, or whatever the user's module raises on import
+        raise ConfigError(f"reward {spec!r}: cannot import {parts[2]} from {parts[1]} "
+                          f"({type(e).__name__}: {e})") from None
     if not callable(fn):
-        raise KeyError(f"reward {spec!r}: {parts[2]} is not callable")
+        raise ConfigError(f"reward {spec!r}: {parts[2]} is not callable")
     return fn
 
 
@@ -133,7 +135,11 @@ class CompositeReward:
         """The rewards of a config.RewardConfig, plus any that prompt entries name in their own weights."""
         ctx = RewardContext.from_config(reward_cfg, device, world)
         composite = cls(reward_cfg.weights, reward_cfg.monitor, ctx)
-        composite.add(sorted({n for e in entries if e.rewards for n in e.rewards}), ctx)
+        for e in entries:
+            try:
+                composite.add(sorted(e.rewards or ()), ctx)
+            except ConfigError as err:
+                raise ConfigError(f"prompts file, line {e.line} ({e.prompt!r}): {err}") from None
         return composite
 
     def add(self, names: Sequence[str], ctx: RewardContext) -> None:

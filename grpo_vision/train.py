@@ -22,11 +22,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
+from grpo_vision.checkpoint import checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean
 from grpo_vision.loading import load_bundle, train_and_eval_prompts
 from grpo_vision.reference import Reference, add_lora
+from grpo_vision.report import load_metrics
 from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.sampling import SamplingParams, sample_batched, sequence_logprobs
 
@@ -52,10 +53,11 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision)
     sizes = derived_sizes(cfg, acc.num_processes)
     run_dir = Path(resume) if resume else Path(cfg.run.out_dir) / cfg.run.name
+    if not resume and (checkpoint_steps(run_dir) or (run_dir / "metrics.jsonl").exists()):
+        raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, start a new "
+                          f"one beside it with run.name=NEW_NAME, or delete the folder to start over")
     main = acc.is_main_process
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
         print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}", flush=True)
     s, t = cfg.sample, cfg.train
     params = SamplingParams(s.cfg_scale, s.temperature, s.top_k, s.top_p, s.logprob_mode)
@@ -77,6 +79,12 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             if ref_state is not None:
                 reference.load_state_dict(policy, ref_state)
             start, counters = state["step"], state["counters"]
+        if main:
+            print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
+                  "starting at step 0", flush=True)
+    if main:  # only once everything above has loaded, so a bad override never reaches the run's config
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
 
@@ -279,8 +287,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, start: int, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
         if self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+            keep = [row for row in load_metrics(run_dir) if row["step"] <= start]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in keep))
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:

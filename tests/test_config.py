@@ -63,6 +63,13 @@ def test_save_and_reload_round_trip(tmp_path):
     ("train: 3\n", "'train' must be a mapping"),
     ("- a\n- b\n", "top level must be a mapping"),
     ("train:\n  lr: [1\n", "is not valid YAML"),
+    ("train:\n  lr: 1.0\ntrain:\n  steps: 3\n", "key 'train' appears twice in one mapping"),
+    ("train:\n  lr: 1.0\n  lr: 2.0\n", "key 'lr' appears twice in one mapping"),
+    ("log:\n  eval_images: 0\n", "log.eval_images must be >= 1"),
+    ("reward:\n  batch_size: 0\n", "reward.batch_size must be >= 1"),
+    ("reward:\n  weights: {clip: .nan}\n", "reward.weights must be finite numbers"),
+    ("run:\n  name: a/b\n", "run.name must be a plain folder name"),
+    ("log:\n  checkpoint_every: -1\n", "log.checkpoint_every must be >= 0"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"
@@ -79,7 +86,8 @@ def test_bad_files_name_the_key(tmp_path, text, needle):
     ("sample.group_size=1", "sample.group_size must be >= 2"),
     ("train.beta=0.1", None),  # valid
     ("train.lr", "must look like section.key=value"),
-    ("train=3", "unknown key 'train'"),
+    ("train=3", "'train' is a section, not a value; write train.KEY=VALUE"),
+    ("trian=3", "unknown key 'trian'"),
     ("train.lr.x=3", "'train.lr' is a value, not a section"),
     ("reward.weights.=1", "names no entry of 'reward.weights'"),
 ])
@@ -90,6 +98,15 @@ def test_bad_overrides_name_the_key(override, needle):
     with pytest.raises(ConfigError) as err:
         load_config(None, [override])
     assert needle in str(err.value)
+
+
+def test_an_empty_section_keeps_its_defaults_and_a_non_utf8_file_is_named(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("train:\nsample:\n  group_size: 4\n")
+    assert load_config(path).train == Config().train
+    path.write_bytes(b"train:\n  lr: 1e-5 # \xe9\n")
+    with pytest.raises(ConfigError, match="empty.yaml is not UTF-8 text"):
+        load_config(path)
 
 
 def test_missing_file_is_named(tmp_path):

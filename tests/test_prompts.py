@@ -31,8 +31,9 @@ def test_jsonl_carries_reward_weights_and_metadata(tmp_path):
     ('{"prompt": "a"}\n{"prompt": "b"\n', "line 2: not valid JSON"),
     ('{"prompt": ""}\n', "line 1: each JSONL line must be an object with a non-empty string 'prompt'"),
     ('{"prompt": "a", "weights": {}}\n', "line 1: unknown field(s) ['weights']"),
-    ('{"prompt": "a", "rewards": {"clip": "high"}}\n', "line 1: 'rewards' must map reward names to numbers"),
+    ('{"prompt": "a", "rewards": {"clip": "high"}}\n', "line 1: 'rewards' must map reward names to finite numbers"),
     ('{"prompt": "a", "metadata": [1]}\n', "line 1: 'metadata' must be an object"),
+    ('{"prompt": "a", "rewards": {"clip": NaN}}\n', "line 1: 'rewards' must map reward names to finite numbers"),
     ("", "holds no prompts"),
 ])
 def test_corrupt_files_name_the_line(tmp_path, text, needle):
@@ -48,3 +49,11 @@ def test_missing_and_binary_files(tmp_path):
     path.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(PromptsError, match="is not UTF-8 text"):
         load_prompts(path)
+
+
+def test_format_is_decided_by_the_first_prompt_line_and_a_bom_is_dropped(tmp_path):
+    text = "# comments first\n#\n#\n#\n#\n#\n" + '{"prompt": "a red circle"}\n'
+    assert [e.prompt for e in load_prompts(write(tmp_path, "p.txt", text))] == ["a red circle"]
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffa red circle\na blue square\n".encode("utf-8"))
+    assert [e.prompt for e in load_prompts(path)] == ["a red circle", "a blue square"]

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from grpo_vision.config import ConfigError
+
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, available_rewards, make_reward
 from grpo_vision.shapes.data import to_tensor
 from grpo_vision.shapes.scene import render, scene_for_caption
@@ -26,7 +28,7 @@ def broken(images, prompts, metadata):
 
 
 def test_unknown_name_lists_the_registered_rewards():
-    with pytest.raises(KeyError) as err:
+    with pytest.raises(ConfigError) as err:
         make_reward("clipp", CTX)
     message = str(err.value)
     assert "unknown reward 'clipp'" in message
@@ -38,9 +40,9 @@ def test_unknown_name_lists_the_registered_rewards():
 def test_python_rewards_import_a_users_callable():
     fn = make_reward("python:tests.test_rewards:constant", CTX)
     assert fn(torch.zeros(3, 3, 8, 8), ["a"] * 3, [{}] * 3).tolist() == [2.0, 2.0, 2.0]
-    with pytest.raises(KeyError, match="cannot import nope from tests.test_rewards"):
+    with pytest.raises(ConfigError, match="cannot import nope from tests.test_rewards"):
         make_reward("python:tests.test_rewards:nope", CTX)
-    with pytest.raises(KeyError, match="must look like python:package.module:function"):
+    with pytest.raises(ConfigError, match="must look like python:package.module:function"):
         make_reward("python:tests.test_rewards", CTX)
 
 
@@ -109,3 +111,14 @@ def test_placebo_is_deterministic_uniform_and_blind_to_the_image():
     brightness = images.mean(dim=(1, 2, 3))
     r = torch.corrcoef(torch.stack([scores, brightness]))[0, 1].item()
     assert abs(r) < 0.2
+
+
+def test_an_unknown_per_entry_reward_names_the_prompts_line():
+    from grpo_vision.config import load_config
+    from grpo_vision.prompts import PromptEntry
+
+    cfg = load_config(None, ["reward.weights={jpeg_compressibility: 1.0}", "reward.monitor=[]"])
+    entries = [PromptEntry("a red circle", {"jpeg_compressibility": 1.0}, line=1),
+               PromptEntry("a blue square", {"clp": 1.0}, line=2)]
+    with pytest.raises(ConfigError, match=r"line 2 \('a blue square'\): unknown reward 'clp'; registered"):
+        CompositeReward.from_config(cfg.reward, "cpu", None, entries)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_vision.config import load_config
+from grpo_vision.config import ConfigError, load_config, save_config
 from grpo_vision.rewards import RewardError
 from grpo_vision.train import train
 
@@ -159,9 +159,40 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes(micro_world, tmp_path):
 def test_bf16_mixed_precision_starts_at_ratio_one_and_zero_kl(micro_world, tmp_path):
     # Old and reference log-probs are taken under the update's autocast, so at the first update the
     # ratio is 1 and the KL to the (still identical) reference is 0, not a bf16-vs-fp32 rounding gap.
-    run = train(micro_cfg(micro_world, tmp_path, "train.mixed_precision=bf16", "train.steps=1",
-                          "train.num_iterations=1", "train.minibatches_per_pass=1"), progress=False)
-    m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    # In its own process: accelerate fixes the mixed-precision mode once per process.
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
+                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1",
+                          "log.sample_every=0", "train.mixed_precision=bf16", "train.steps=1",
+                          "train.num_iterations=1", "train.minibatches_per_pass=1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = json.loads((tmp_path / "shapes_micro" / "metrics.jsonl").read_text().splitlines()[0])
     assert m["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert m["loss/kl"] == pytest.approx(0.0, abs=1e-6)
     assert all(v is not None and math.isfinite(v) for v in m.values()), m
+
+
+def test_a_new_run_never_overwrites_an_existing_one(micro_world, tmp_path):
+    run = tmp_path / "shapes_micro"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="already holds a run; continue it with --resume"):
+        train(micro_cfg(micro_world, tmp_path), progress=False)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_bad_resume_override_leaves_the_run_config_alone(micro_world, tmp_path):
+    run = tmp_path / "shapes_micro"
+    run.mkdir()
+    save_config(micro_cfg(micro_world, tmp_path), run / "config.yaml")
+    before = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="unknown reward 'clp'"):
+        train(load_config(run / "config.yaml", ["reward.weights.clp=1.0"]), resume=run, progress=False)
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_a_metrics_line_cut_short_by_a_crash_is_skipped(tmp_path):
+    from grpo_vision.report import load_metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n{"step": 2, "l')
+    assert load_metrics(tmp_path) == [{"step": 1, "lr": 0.1}]

@@ -1,0 +1,48 @@
+"""Checkpoints: atomic rewrites, a dangling `latest`, unreadable files named."""
+
+import pytest
+import torch
+
+from grpo_vision.checkpoint import (CheckpointError, checkpoint_steps, find_checkpoint, latest_checkpoint,
+                                    load_checkpoint, save_checkpoint)
+
+
+def tiny():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+
+
+def test_latest_falls_back_to_the_highest_complete_step(tmp_path):
+    model, opt, sched = tiny()
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, opt, sched, None, {"counters": {}})
+    root = tmp_path / "checkpoints"
+    (root / "latest").write_text("step_000009")  # dangling
+    assert latest_checkpoint(tmp_path) == root / "step_000002"
+    (root / "latest").unlink()
+    assert find_checkpoint(tmp_path) == root / "step_000002"
+
+
+def test_rewriting_a_step_leaves_one_complete_copy(tmp_path):
+    model, opt, sched = tiny()
+    save_checkpoint(tmp_path, 2, model, opt, sched, None, {"counters": {"n": 1}})
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    save_checkpoint(tmp_path, 2, model, opt, sched, None, {"counters": {"n": 2}})
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
+    fresh, _, _ = tiny()
+    state, _ = load_checkpoint(root / "step_000002", fresh)
+    assert state["counters"] == {"n": 2} and torch.equal(fresh.weight, model.weight)
+    assert checkpoint_steps(tmp_path) == [2]
+
+
+@pytest.mark.parametrize("name", ["policy.safetensors", "trainer_state.json", "optimizer.pt"])
+def test_an_unreadable_file_is_named(tmp_path, name):
+    model, opt, sched = tiny()
+    path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
+    data = (path / name).read_bytes()
+    (path / name).write_bytes(data[:len(data) // 2])  # cut short
+    with pytest.raises(CheckpointError, match=f"{name} is unreadable .*delete .*step_000001"):
+        load_checkpoint(path, model, opt, sched)
