@@ -56,6 +56,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     if not resume and (checkpoint_steps(run_dir) or (run_dir / "metrics.jsonl").exists()):
         raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, start a new "
                           f"one beside it with run.name=NEW_NAME, or delete the folder to start over")
+    acc.wait_for_everyone()  # every process has looked before the main one writes anything there
     main = acc.is_main_process
     if main:
         print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}", flush=True)
