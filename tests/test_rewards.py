@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from grpo_vision.config import ConfigError
-
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, available_rewards, make_reward
 from grpo_vision.shapes.data import to_tensor
 from grpo_vision.shapes.scene import render, scene_for_caption
