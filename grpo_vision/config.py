@@ -16,6 +16,7 @@ import math
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -168,6 +169,11 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# Keys that earlier versions wrote into a run's config.yaml and that no longer do anything. They are
+# ignored with a warning, so old runs can still be evaluated, sampled and resumed.
+RETIRED_KEYS = {"log.log_every": "metrics are written every step"}
+
+
 def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> Any:
     """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
     if not isinstance(raw, dict):
@@ -176,6 +182,10 @@ def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> 
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
+        if f"{prefix}{key}" in RETIRED_KEYS:
+            warnings.warn(f"{where}: '{prefix}{key}' is retired and ignored ({RETIRED_KEYS[f'{prefix}{key}']}); "
+                          "delete it", stacklevel=2)
+            continue
         if key not in names:
             raise ConfigError(_unknown_key(f"{prefix}{key}", str(key), names, where))
         if dataclasses.is_dataclass(hints[key]):  # an empty section (`train:`) is None: the defaults

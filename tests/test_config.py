@@ -138,3 +138,11 @@ def test_derived_sizes_refuse_split_groups_and_ragged_micro_batches():
     cfg = load_config(None, ["sample.prompts_per_step=2", "sample.group_size=6", "train.micro_batch_size=8"])
     with pytest.raises(ConfigError, match="must be divisible by"):
         derived_sizes(cfg)
+
+
+def test_retired_key_in_an_old_run_config_warns_and_loads(tmp_path):
+    path = tmp_path / "config.yaml"  # as an earlier version saved it into a run folder
+    path.write_text("train:\n  lr: 1.0e-4\nlog:\n  log_every: 1\n  sample_every: 5\n")
+    with pytest.warns(UserWarning, match="'log.log_every' is retired and ignored"):
+        cfg = load_config(path)
+    assert cfg.train.lr == 1e-4 and cfg.log.sample_every == 5
