@@ -105,9 +105,15 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
     path = Path(path)
     weights = _read(path / "policy.safetensors", load_file)
     own = dict(policy.named_parameters())
-    unknown = set(weights) - set(own)
-    if unknown:
-        raise ValueError(f"checkpoint {path} does not match this policy: unknown weights {sorted(unknown)[:3]}")
+    unknown = sorted(set(weights) - set(own))
+    missing = sorted(n for n, p in own.items() if p.requires_grad and n not in weights)  # saved: the trainable ones
+    wrong = sorted(n for n, v in weights.items() if n in own and v.shape != own[n].shape)
+    for problem, names in (("weights this policy does not have", unknown), ("no weights for", missing),
+                           ("weights of another shape for", wrong)):
+        if names:
+            raise CheckpointError(f"checkpoint {path / 'policy.safetensors'} does not match this run's policy: "
+                                  f"{problem} {names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)} in all); "
+                                  "was it written by a run with another policy or train.reference (lora) setting?")
     with torch.no_grad():
         for name, value in weights.items():
             own[name].copy_(value)

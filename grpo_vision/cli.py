@@ -67,7 +67,7 @@ def cmd_eval(args) -> None:
 
     run = load_run(args.run, args.step)
     entries = load_prompts(args.prompts)
-    rewards = CompositeReward.from_config(run.cfg.reward, world=run.bundle.world, entries=entries)
+    rewards = CompositeReward.from_config(run.cfg.reward, world=run.bundle.world, entries=entries).load()
     result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n,
                       sampling_params(run.cfg), run.cfg, seed=args.seed)
     print(json.dumps({"run": str(args.run), "step": run.step, **result}, indent=2))
@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("run", help="run directory")
         p.add_argument("--prompts", required=True, help="plain text (one prompt per line) or JSONL with 'prompt'")
         p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
-        p.add_argument("--seed", type=int, default=0, help="image j of each prompt uses seed + j")
+        p.add_argument("--seed", type=int, default=0,
+                       help="image j of each prompt uses seed + j" if name == "sample" else
+                       "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images")
         p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
         if name == "sample":
             p.add_argument("--out", required=True, help="output directory")

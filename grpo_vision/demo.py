@@ -90,7 +90,7 @@ class DemoRun:
         self.latest = checkpoint_steps(self.run_dir)[-1]  # "reference" is the reference saved with this step
         latest = self.load(self.latest)
         self.cfg, self.bundle = latest.cfg, latest.bundle
-        self.rewards = CompositeReward.from_config(self.cfg.reward, world=self.bundle.world)
+        self.rewards = CompositeReward.from_config(self.cfg.reward, world=self.bundle.world).load()
         self.examples = run_examples(self.cfg, self.bundle)
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)
 

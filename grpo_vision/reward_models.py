@@ -8,7 +8,8 @@
 
 Without reward.clip_checkpoint (and aesthetic_checkpoint) a ShapesWorld policy supplies its own tiny
 CLIP and aesthetic head. A factory checks its keys and paths at once (ConfigError naming the key,
-which the CLI prints as a one-line error) and builds its model at the reward's first call; models
+which the CLI prints as a one-line error) and builds its model at the reward's first call, or when
+CompositeReward.load() asks (train, eval and the demo do, before sampling anything); models
 are cached per (path, device), so clip and aesthetic share one CLIP. Scoring runs in chunks of
 reward.batch_size on the policy's device, each model's own preprocessing applied to the tensors.
 
@@ -101,7 +102,7 @@ def clip_reward(ctx: RewardContext) -> RewardFn:
         model, _, tokenizer = _open_clip(name, checkpoint, device)
         return clip_scores(model, tokenizer, images.float(), prompts)
 
-    return batched(score, ctx.batch_size, ctx.device)
+    return batched(score, ctx.batch_size, ctx.device, load=lambda: _open_clip(name, checkpoint, device))
 
 
 @register_reward("aesthetic")
@@ -135,7 +136,11 @@ def aesthetic_reward(ctx: RewardContext) -> RewardFn:
                               f"({DEFAULT_CLIP} for LAION's)")
         return head(emb)
 
-    return batched(score, ctx.batch_size, ctx.device)
+    def load():
+        _open_clip(name, checkpoint, device)
+        _aesthetic_head(str(head_path), device)
+
+    return batched(score, ctx.batch_size, ctx.device, load=load)
 
 
 @register_reward("pickscore")
@@ -156,7 +161,8 @@ def pickscore_reward(ctx: RewardContext) -> RewardFn:
         model, processor = load_hf_clip(str(model_dir), str(processor_dir), device)
         return hf_clip_scores(model, processor, images.float(), prompts)
 
-    return batched(score, ctx.batch_size, ctx.device)
+    return batched(score, ctx.batch_size, ctx.device,
+                   load=lambda: load_hf_clip(str(model_dir), str(processor_dir), device))
 
 
 @register_reward("hpsv2")
@@ -175,4 +181,4 @@ def hpsv2_reward(ctx: RewardContext) -> RewardFn:
         model, _, tokenizer = _open_clip(name, str(checkpoint), device)
         return clip_scores(model, tokenizer, images.float(), prompts)
 
-    return batched(score, ctx.batch_size, ctx.device)
+    return batched(score, ctx.batch_size, ctx.device, load=lambda: _open_clip(name, str(checkpoint), device))

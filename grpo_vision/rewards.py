@@ -98,12 +98,16 @@ def _import_callable(spec: str) -> RewardFn:
     return fn
 
 
-def batched(fn: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], batch_size: int, device) -> RewardFn:
-    """Run `fn(images, prompts)` in chunks of `batch_size` on `device`; results on the CPU, float32."""
+def batched(fn: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], batch_size: int, device,
+            load: Callable[[], object] | None = None) -> RewardFn:
+    """Run `fn(images, prompts)` in chunks of `batch_size` on `device`; results on the CPU, float32.
+    `load`, if given, builds the reward's models; CompositeReward.load calls it before a run starts."""
     def reward(images, prompts, metadata):
         out = [fn(images[i:i + batch_size].to(device), list(prompts[i:i + batch_size])).float().cpu()
                for i in range(0, len(prompts), batch_size)]
         return torch.cat(out)
+    if load is not None:
+        reward.load = load
     return reward
 
 
@@ -148,6 +152,16 @@ class CompositeReward:
             if name not in self.fns:
                 self.fns[name] = make_reward(name, ctx)
                 self.names.append(name)
+
+    def load(self) -> CompositeReward:
+        """Build every model-backed reward's model now rather than at its first call, so a missing or
+        corrupt weights file stops a run before it samples anything, naming the reward."""
+        for name, fn in self.fns.items():
+            try:
+                getattr(fn, "load", lambda: None)()
+            except Exception as e:
+                raise RewardError(name, f"its model did not load: {type(e).__name__}: {e}") from e
+        return self
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
                  entry_weights: Sequence[dict[str, float] | None] | None = None) -> RewardOutput:

@@ -72,6 +72,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
     train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.world, [*train_prompts, *eval_prompts])
+    rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
     start, counters = 0, {"skipped_updates": 0}
     if resume:
         ckpt = latest_checkpoint(run_dir)

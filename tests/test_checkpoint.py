@@ -46,3 +46,21 @@ def test_an_unreadable_file_is_named(tmp_path, name):
     (path / name).write_bytes(data[:len(data) // 2])  # cut short
     with pytest.raises(CheckpointError, match=f"{name} is unreadable .*delete .*step_000001"):
         load_checkpoint(path, model, opt, sched)
+
+
+class WithScale(torch.nn.Linear):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+
+@pytest.mark.parametrize("other, problem", [
+    (lambda: torch.nn.Sequential(torch.nn.Linear(3, 2)), "weights this policy does not have"),
+    (lambda: WithScale(3, 2), "no weights for \\['scale'\\]"),
+    (lambda: torch.nn.Linear(4, 2), "weights of another shape for \\['weight'\\]"),
+])
+def test_a_checkpoint_of_another_policy_is_refused_naming_the_weights(tmp_path, other, problem):
+    model, opt, sched = tiny()
+    path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
+    with pytest.raises(CheckpointError, match=f"does not match this run's policy: {problem}"):
+        load_checkpoint(path, other())

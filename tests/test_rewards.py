@@ -94,6 +94,9 @@ def test_shapes_exact_scores_renders_and_skips_foreign_captions():
     wrong = ["a blue circle", "a small blue square", "a photo of a cat"]
     out = fn(images, wrong, [{}] * 3)
     assert out[:2].tolist() == [0.0, 0.0] and math.isnan(out[2])
+    # case and spacing do not matter, as for the policy and CLIP, which lowercase and split
+    assert fn(images, ["A Red Circle", "a  large blue SQUARE", " a green triangle on a black background\n"],
+              [{}] * 3).tolist() == [1.0, 1.0, 1.0]
 
 
 def test_placebo_is_deterministic_uniform_and_blind_to_the_image():

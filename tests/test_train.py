@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,17 @@ def test_a_raising_reward_stops_with_its_name_and_a_checkpoint(micro_world, tmp_
                                           r"scorer offline.*checkpoint saved at step 0"):
         train(cfg, progress=False)
     assert (tmp_path / "raise" / "checkpoints" / "step_000000" / "policy.safetensors").is_file()
+
+
+def test_a_corrupt_reward_model_stops_the_run_before_it_starts(micro_world, tmp_path):
+    world = tmp_path / "world"
+    shutil.copytree(micro_world, world)
+    clip_file = world / "clip" / "clip.safetensors"
+    clip_file.write_bytes(clip_file.read_bytes()[:1000])  # cut short, as by a failed copy
+    cfg = micro_cfg(world, tmp_path, "run.name=corrupt")
+    with pytest.raises(RewardError, match=r"reward 'clip' failed: its model did not load: .*clip\.safetensors"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "corrupt").exists()  # nothing sampled, nothing written
 
 
 def test_bad_input_is_named(micro_world, tmp_path):

@@ -114,8 +114,10 @@ GRAMMAR = (
 
 @lru_cache(maxsize=4096)
 def parse_caption(text: str) -> CaptionSpec:
-    """Parse a caption of the contract's grammar; CaptionError (quoting it) otherwise."""
-    match = {f: p.fullmatch(text) for f, p in _PATTERNS.items() if isinstance(text, str)}
+    """Parse a caption of the contract's grammar; CaptionError (quoting it) otherwise. Case and runs
+    of whitespace do not matter, as for the policy and CLIP, which lowercase and split on spaces."""
+    words = " ".join(text.lower().split()) if isinstance(text, str) else None
+    match = {f: p.fullmatch(words) for f, p in _PATTERNS.items() if words is not None}
     form = next((f for f, m in match.items() if m), None)
     if form is None:
         raise CaptionError(f"caption {text!r} is outside the ShapesWorld grammar: {GRAMMAR}")
