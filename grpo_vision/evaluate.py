@@ -98,6 +98,19 @@ def checker_table(images: torch.Tensor, prompts: list[str]) -> dict | None:
     return table
 
 
+def checker_by_form(images: torch.Tensor, prompts: list[str]) -> dict | None:
+    """The checker's all-attributes-right rate per ShapesWorld caption form (plain, size, background,
+    relation), or None when a prompt is not a ShapesWorld caption."""
+    from grpo_vision.shapes.checker import check
+    from grpo_vision.shapes.scene import FORMS, CaptionError, parse_caption
+
+    try:
+        rows = [(parse_caption(p).form, float(check(img, p).correct)) for img, p in zip(images, prompts)]
+    except CaptionError:
+        return None
+    return {f: _interval(torch.tensor([c for g, c in rows if g == f])) for f in FORMS if any(g == f for g, _ in rows)}
+
+
 def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[PromptEntry], n: int,
              params: SamplingParams, cfg: Config, seed: int = 0) -> dict:
     prompts = [e.prompt for e in entries for _ in range(n)]
@@ -109,7 +122,8 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
         with ctx:
             images = generate(model, tokenizer, prompts, seeds, params)
         out = rewards(images, prompts, meta)
-        entry = {"rewards": {k: _interval(v) for k, v in out.raw.items()}, "checker": checker_table(images, prompts)}
+        entry = {"rewards": {k: _interval(v) for k, v in out.raw.items()}, "checker": checker_table(images, prompts),
+                 "checker_by_form": checker_by_form(images, prompts)}
         result["models"][name] = entry
     result["difference"] = {k: _diff(result, "rewards", k) for k in result["models"]["policy"]["rewards"]}
     if result["models"]["policy"]["checker"]:

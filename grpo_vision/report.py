@@ -100,7 +100,12 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
             ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
             lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | "
                          f"{'n/a' if diff is None else f'{100 * diff:+.1f} pts'} |")
-        lines += ["", "![checker accuracy](checker.png)"]
+        lines += ["", "![checker accuracy](checker.png)", "",
+                  "All attributes right, by caption form (the held-out relation captions need two objects right):",
+                  "", "| form | reference | policy | change |", "|---|---|---|---|"]
+        for form, pol in result["models"]["policy"]["checker_by_form"].items():
+            ref = result["models"]["reference"]["checker_by_form"][form]
+            lines.append(f"| {form} | {_fmt(ref)} | {_fmt(pol)} | {100 * (pol['mean'] - ref['mean']):+.1f} pts |")
     kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
     lines += ["", "## What it cost", "",
               f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",
