@@ -126,6 +126,27 @@ def cmd_world_render(args) -> None:
     print(f"wrote {len(index)} images and index.jsonl to {args.out}")
 
 
+def cmd_world_prompts(args) -> None:
+    import numpy as np
+
+    from grpo_vision.config import load_config
+    from grpo_vision.loading import prompt_lists
+    from grpo_vision.shapes.scene import all_captions
+
+    captions = all_captions(args.split, args.form or None)
+    if args.not_trained_in:
+        config = Path(args.not_trained_in) / "config.yaml"
+        if not config.is_file():
+            raise FileNotFoundError(f"{args.not_trained_in} is not a run directory (no config.yaml)")
+        trained = {e.prompt for e in prompt_lists(load_config(config))[0]}
+        captions = [c for c in captions if c not in trained]
+    if args.n and args.n < len(captions):
+        captions = [captions[i] for i in sorted(np.random.default_rng(args.seed).permutation(len(captions))[:args.n])]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(c + "\n" for c in captions))
+    print(f"wrote {len(captions)} captions to {args.out}")
+
+
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1 (images per prompt, benchmark repeats)."""
     try:
@@ -205,6 +226,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=positive_int, default=1, help="images per prompt")
     p.add_argument("--seed", type=int, default=0, help="base seed; image j of a prompt uses seed + j")
     p.set_defaults(func=cmd_world_render)
+    p = world.add_parser("prompts", help="a prompts file of the world's captions (e.g. held-out ones for eval)")
+    p.add_argument("--split", default="heldout", choices=["train", "heldout", "all"],
+                   help="the base policy's training compositions, the held-out ones, or both")
+    p.add_argument("--form", default="", choices=["", "plain", "size", "background", "relation"],
+                   help="one caption form (default: all four)")
+    p.add_argument("--not-trained-in", default="", metavar="RUN",
+                   help="leave out every prompt this run trained on (from its config.yaml)")
+    p.add_argument("--n", type=positive_int, default=None, help="at most N captions, drawn with --seed")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    p.add_argument("--out", required=True, help="the text file to write (one caption per line)")
+    p.set_defaults(func=cmd_world_prompts)
     return parser
 
 

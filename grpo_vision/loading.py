@@ -46,21 +46,12 @@ def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
 
 def train_and_eval_prompts(cfg: Config, bundle: Bundle) -> tuple[list[PromptEntry], list[PromptEntry]]:
     """Prompts files from `data.*`, or the world's seen / held-out captions by default."""
-    def world_prompts(split: str, n: int, seed: int) -> list[PromptEntry]:
-        if bundle.world is None:
-            raise ConfigError(f"data.{'train' if split == 'train' else 'eval'}_prompts is required when the "
-                              "policy does not come from a ShapesWorld (policy.kind 'shapes')")
-        from grpo_vision.shapes.scene import prompt_list
-        return [PromptEntry(p) for p in prompt_list(split, n, seed)]
-
+    if bundle.world is None and not (cfg.data.train_prompts and cfg.data.eval_prompts):
+        which = "train" if not cfg.data.train_prompts else "eval"
+        raise ConfigError(f"data.{which}_prompts is required when the policy does not come from a ShapesWorld "
+                          "(policy.kind 'shapes')")
     d = cfg.data
-    evals = load_prompts(d.eval_prompts) if d.eval_prompts else world_prompts("heldout", WORLD_EVAL_PROMPTS, cfg.run.seed + 1)
-    if d.train_prompts:
-        train = load_prompts(d.train_prompts)
-    else:
-        train = world_prompts(d.world_train_split, WORLD_TRAIN_PROMPTS, cfg.run.seed)
-        unseen = {e.prompt for e in evals}
-        train = [e for e in train if e.prompt not in unseen]  # eval prompts are never trained on
+    train, evals = prompt_lists(cfg)
     for entries, source in ((train, d.train_prompts or "world"), (evals, d.eval_prompts or "world")):
         for e in entries:  # fail before training starts, naming the prompt and its line
             try:
@@ -68,3 +59,18 @@ def train_and_eval_prompts(cfg: Config, bundle: Bundle) -> tuple[list[PromptEntr
             except ValueError as err:
                 raise PromptsError(f"{source}, line {e.line}: {err}") from None
     return train, evals
+
+
+def prompt_lists(cfg: Config) -> tuple[list[PromptEntry], list[PromptEntry]]:
+    """A run's training and eval prompts, as train_and_eval_prompts gives them, without loading a
+    model (world captions are assumed where no file is given)."""
+    from grpo_vision.shapes.scene import prompt_list
+
+    d = cfg.data
+    evals = (load_prompts(d.eval_prompts) if d.eval_prompts else
+             [PromptEntry(p) for p in prompt_list("heldout", WORLD_EVAL_PROMPTS, cfg.run.seed + 1)])
+    if d.train_prompts:
+        return load_prompts(d.train_prompts), evals
+    unseen = {e.prompt for e in evals}  # eval prompts are never trained on
+    train = [PromptEntry(p) for p in prompt_list(d.world_train_split, WORLD_TRAIN_PROMPTS, cfg.run.seed)]
+    return [e for e in train if e.prompt not in unseen], evals

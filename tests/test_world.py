@@ -128,6 +128,31 @@ def test_world_render_cli(tmp_path):
         assert check(__import__("numpy").asarray(Image.open(tmp_path / "r" / r["file"])), r["prompt"]).correct
 
 
+def test_world_prompts_cli_leaves_out_what_a_run_trained_on(tmp_path):
+    from grpo_vision.config import load_config, save_config
+    from grpo_vision.loading import prompt_lists
+    from grpo_vision.shapes.scene import all_captions, parse_caption
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(ROOT / "configs" / "shapes.yaml", ["run.seed=1"])
+    save_config(cfg, run / "config.yaml")
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "prompts", *args], cwd=ROOT,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return Path(args[args.index("--out") + 1]).read_text().splitlines()
+
+    assert sorted(cli("--form", "plain", "--out", str(tmp_path / "a.txt"))) == ["a blue triangle", "a purple square",
+                                                                                "a yellow circle"]
+    trained = {e.prompt for e in prompt_lists(cfg)[0]}
+    kept = cli("--split", "all", "--not-trained-in", str(run), "--out", str(tmp_path / "b.txt"))
+    assert kept and not set(kept) & trained and set(kept) | trained == set(all_captions("all"))
+    drawn = cli("--form", "relation", "--n", "5", "--seed", "2", "--out", str(tmp_path / "c.txt"))
+    assert len(set(drawn)) == 5 and all(parse_caption(c).form == "relation" for c in drawn)
+
+
 def test_committed_world_matches_the_default_recipe():
     """The README's main command runs `world build` on the committed world and must find nothing to
     build: a default preset changed without rebuilding (and committing) the world would start an

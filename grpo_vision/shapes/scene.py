@@ -191,6 +191,11 @@ def _all_specs(form: str, split: str) -> tuple[CaptionSpec, ...]:
     return tuple(s for s in specs if _in_split(s, split))
 
 
+def all_captions(split: str, form: str | None = None) -> list[str]:
+    """Every caption of `split` ("train", "heldout" or "all"), of one form or of all four, in a fixed order."""
+    return [format_caption(spec) for f in ((form,) if form else FORMS) for spec in _all_specs(f, split)]
+
+
 def prompt_list(split: str, n: int, seed: int) -> list[str]:
     """n captions of `split`, round-robin over the four forms, without repeats until a form's
     pool is used up (the held-out plain form has only 3 captions). Deterministic in seed."""
