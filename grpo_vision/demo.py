@@ -214,10 +214,10 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
 def verdicts(images: torch.Tensor, prompt: str) -> list[dict | None]:
     """The exact checker's per-attribute verdicts for each image (None: not a ShapesWorld caption)."""
     from grpo_vision.shapes.checker import check
-    from grpo_vision.shapes.scene import CaptionError
+    from grpo_vision.shapes.scene import CaptionError, as_policy_reads
 
     try:
-        return [check(img, prompt).as_dict() for img in images]
+        return [check(img, as_policy_reads(prompt)).as_dict() for img in images]
     except CaptionError:
         return [None] * len(images)
 

@@ -85,10 +85,10 @@ def _interval(values: torch.Tensor) -> dict:
 def checker_table(images: torch.Tensor, prompts: list[str]) -> dict | None:
     """Per-attribute accuracy of the exact checker, or None when a prompt is not a ShapesWorld caption."""
     from grpo_vision.shapes.checker import ATTRIBUTES, check
-    from grpo_vision.shapes.scene import CaptionError
+    from grpo_vision.shapes.scene import CaptionError, as_policy_reads
 
     try:
-        results = [check(img, p) for img, p in zip(images, prompts)]
+        results = [check(img, as_policy_reads(p)) for img, p in zip(images, prompts)]
     except CaptionError:
         return None
     table = {"correct": _interval(torch.tensor([float(r.correct) for r in results]))}
@@ -102,10 +102,11 @@ def checker_by_form(images: torch.Tensor, prompts: list[str]) -> dict | None:
     """The checker's all-attributes-right rate per ShapesWorld caption form (plain, size, background,
     relation), or None when a prompt is not a ShapesWorld caption."""
     from grpo_vision.shapes.checker import check
-    from grpo_vision.shapes.scene import FORMS, CaptionError, parse_caption
+    from grpo_vision.shapes.scene import FORMS, CaptionError, as_policy_reads, parse_caption
 
     try:
-        rows = [(parse_caption(p).form, float(check(img, p).correct)) for img, p in zip(images, prompts)]
+        rows = [(parse_caption(as_policy_reads(p)).form, float(check(img, as_policy_reads(p)).correct))
+                for img, p in zip(images, prompts)]
     except CaptionError:
         return None
     return {f: _interval(torch.tensor([c for g, c in rows if g == f])) for f in FORMS if any(g == f for g, _ in rows)}

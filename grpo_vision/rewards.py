@@ -234,17 +234,18 @@ def placebo(ctx: RewardContext) -> RewardFn:
 
 @register_reward("shapes_exact")
 def shapes_exact(ctx: RewardContext) -> RewardFn:
-    """1 when ShapesWorld's exact checker accepts the image for its caption, else 0; NaN for
-    captions outside the ShapesWorld grammar (the reward does not apply to them)."""
+    """1 when ShapesWorld's exact checker accepts the image for its caption (read as the policy reads
+    it: lower case, single spaces), else 0; NaN for captions outside the ShapesWorld grammar (the
+    reward does not apply to them)."""
     from grpo_vision.shapes.checker import check
-    from grpo_vision.shapes.scene import CaptionError
+    from grpo_vision.shapes.scene import CaptionError, as_policy_reads
 
     def reward(images, prompts, metadata):
         arr = to_uint8(images)
         out = []
         for a, prompt in zip(arr, prompts):
             try:
-                out.append(float(check(np.ascontiguousarray(a), prompt).correct))
+                out.append(float(check(np.ascontiguousarray(a), as_policy_reads(prompt)).correct))
             except CaptionError:
                 out.append(math.nan)
         return torch.tensor(out)

@@ -20,3 +20,4 @@ def test_checker_tables_count_renders_right_per_form():
     assert [by_form[f]["n"] for f in by_form] == [5, 1, 1, 1]
     assert checker_table(images, prompts)["correct"]["mean"] == 0.5
     assert checker_by_form(images[:1], ["a photo of a cat"]) is None
+    assert checker_by_form(images[:1], ["A Red  circle"])["plain"]["mean"] == 1.0  # read as the policy reads it

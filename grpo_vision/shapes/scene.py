@@ -114,10 +114,8 @@ GRAMMAR = (
 
 @lru_cache(maxsize=4096)
 def parse_caption(text: str) -> CaptionSpec:
-    """Parse a caption of the contract's grammar; CaptionError (quoting it) otherwise. Case and runs
-    of whitespace do not matter, as for the policy and CLIP, which lowercase and split on spaces."""
-    words = " ".join(text.lower().split()) if isinstance(text, str) else None
-    match = {f: p.fullmatch(words) for f, p in _PATTERNS.items() if words is not None}
+    """Parse a caption of the contract's grammar; CaptionError (quoting it) otherwise."""
+    match = {f: p.fullmatch(text) for f, p in _PATTERNS.items() if isinstance(text, str)}
     form = next((f for f, m in match.items() if m), None)
     if form is None:
         raise CaptionError(f"caption {text!r} is outside the ShapesWorld grammar: {GRAMMAR}")
@@ -134,6 +132,13 @@ def parse_caption(text: str) -> CaptionSpec:
             f"caption {text!r} names two identical objects (same colour and shape); {GRAMMAR}"
         )
     return CaptionSpec(form, (a, b), relation=g[2])
+
+
+def as_policy_reads(text: str) -> str:
+    """`text` in lower case with single spaces, as the built-in policy and CLIP read a prompt. The
+    grammar itself is strict (the contract's captions are lower case with single spaces); the
+    rewards and the eval use this so that "A red  circle" is scored as the caption it was drawn for."""
+    return " ".join(text.lower().split())
 
 
 def format_caption(spec: CaptionSpec) -> str:
