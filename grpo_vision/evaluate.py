@@ -82,34 +82,26 @@ def _interval(values: torch.Tensor) -> dict:
                                                       round(float(v.mean()) + half, 5)], "n": int(v.numel())}
 
 
-def checker_table(images: torch.Tensor, prompts: list[str]) -> dict | None:
-    """Per-attribute accuracy of the exact checker, or None when a prompt is not a ShapesWorld caption."""
+def checker_tables(images: torch.Tensor, prompts: list[str]) -> tuple[dict | None, dict | None]:
+    """The exact checker's accuracy per attribute, and its all-attributes-right rate per caption form
+    (plain, size, background, relation), from one check of each image; (None, None) when a prompt is
+    not a ShapesWorld caption."""
     from grpo_vision.shapes.checker import ATTRIBUTES, check
-    from grpo_vision.shapes.scene import CaptionError, as_policy_reads
+    from grpo_vision.shapes.scene import FORMS, CaptionError, as_policy_reads, parse_caption
 
     try:
-        results = [check(img, as_policy_reads(p)) for img, p in zip(images, prompts)]
+        captions = [as_policy_reads(p) for p in prompts]
+        forms = [parse_caption(c).form for c in captions]
+        results = [check(img, c) for img, c in zip(images, captions)]
     except CaptionError:
-        return None
+        return None, None
     table = {"correct": _interval(torch.tensor([float(r.correct) for r in results]))}
     for a in ATTRIBUTES:
         vals = [float(getattr(r, a)) for r in results if getattr(r, a) is not None]
         table[a] = _interval(torch.tensor(vals)) if vals else {"mean": None, "ci95": None, "n": 0}
-    return table
-
-
-def checker_by_form(images: torch.Tensor, prompts: list[str]) -> dict | None:
-    """The checker's all-attributes-right rate per ShapesWorld caption form (plain, size, background,
-    relation), or None when a prompt is not a ShapesWorld caption."""
-    from grpo_vision.shapes.checker import check
-    from grpo_vision.shapes.scene import FORMS, CaptionError, as_policy_reads, parse_caption
-
-    try:
-        rows = [(parse_caption(as_policy_reads(p)).form, float(check(img, as_policy_reads(p)).correct))
-                for img, p in zip(images, prompts)]
-    except CaptionError:
-        return None
-    return {f: _interval(torch.tensor([c for g, c in rows if g == f])) for f in FORMS if any(g == f for g, _ in rows)}
+    by_form = {f: _interval(torch.tensor([float(r.correct) for g, r in zip(forms, results) if g == f]))
+               for f in FORMS if f in forms}
+    return table, by_form
 
 
 def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[PromptEntry], n: int,
@@ -123,9 +115,9 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
         with ctx:
             images = generate(model, tokenizer, prompts, seeds, params)
         out = rewards(images, prompts, meta)
-        entry = {"rewards": {k: _interval(v) for k, v in out.raw.items()}, "checker": checker_table(images, prompts),
-                 "checker_by_form": checker_by_form(images, prompts)}
-        result["models"][name] = entry
+        table, by_form = checker_tables(images, prompts)
+        result["models"][name] = {"rewards": {k: _interval(v) for k, v in out.raw.items()}, "checker": table,
+                                  "checker_by_form": by_form}
     result["difference"] = {k: _diff(result, "rewards", k) for k in result["models"]["policy"]["rewards"]}
     if result["models"]["policy"]["checker"]:
         result["checker_difference"] = {k: _diff(result, "checker", k) for k in result["models"]["policy"]["checker"]}

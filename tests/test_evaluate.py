@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from grpo_vision.evaluate import checker_by_form, checker_table
+from grpo_vision.evaluate import checker_tables
 from grpo_vision.shapes.scene import render, scene_for_caption
 
 
@@ -14,10 +14,10 @@ def test_checker_tables_count_renders_right_per_form():
     images = torch.from_numpy(np.stack([render(scene_for_caption(c, rng)) for c in captions])).permute(0, 3, 1, 2)
     prompts = captions + ["a red square"] * 4  # the same images under a caption none of them fits
     images = torch.cat([images, images])
-    by_form = checker_by_form(images, prompts)
+    table, by_form = checker_tables(images, prompts)
     assert list(by_form) == ["plain", "size", "background", "relation"]
     assert [by_form[f]["mean"] for f in by_form] == [0.2, 1.0, 1.0, 1.0]  # plain: 1 of its 5 images
     assert [by_form[f]["n"] for f in by_form] == [5, 1, 1, 1]
-    assert checker_table(images, prompts)["correct"]["mean"] == 0.5
-    assert checker_by_form(images[:1], ["a photo of a cat"]) is None
-    assert checker_by_form(images[:1], ["A Red  circle"])["plain"]["mean"] == 1.0  # read as the policy reads it
+    assert table["correct"]["mean"] == 0.5
+    assert checker_tables(images[:1], ["a photo of a cat"]) == (None, None)
+    assert checker_tables(images[:1], ["A Red  circle"])[1]["plain"]["mean"] == 1.0  # read as the policy reads it

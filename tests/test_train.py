@@ -53,7 +53,10 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
         assert all(v is not None and math.isfinite(v) for v in m.values()), m
     for name in ("report.md", "eval.json", "curves.png", "config.yaml", "samples/step_000001.png"):
         assert (run / name).exists(), name
-    assert "Exact checker" in (run / "report.md").read_text()
+    report = (run / "report.md").read_text()
+    assert "Exact checker" in report and "All attributes right, by caption form" in report
+    by_form = json.loads((run / "eval.json").read_text())["models"]["policy"]["checker_by_form"]
+    assert set(by_form) <= {"plain", "size", "background", "relation"} and by_form
 
 
 def test_resume_is_exact(micro_world, tmp_path):
