@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ def cmd_train(args) -> None:
 
 
 def cmd_sample(args) -> None:
-    from grpo_vision.evaluate import load_run, reference_sampler, sampling_params, write_samples
+    from grpo_vision.evaluate import eval_temperatures, load_run, reference_sampler, sampling_params, write_samples
     from grpo_vision.prompts import load_prompts
 
     run = load_run(args.run, args.step)
@@ -55,22 +56,23 @@ def cmd_sample(args) -> None:
                   else (run.policy, contextlib.nullcontext()))
     with ctx:
         index = write_samples(model, run.bundle.tokenizer, load_prompts(args.prompts), Path(args.out), args.n,
-                              args.seed, sampling_params(run.cfg), "reference" if args.reference else "policy",
+                              args.seed, sampling_params(run.cfg, args.temperature or eval_temperatures(run.cfg)[0]), "reference" if args.reference else "policy",
                               run.step)
     print(f"wrote {len(index)} images and index.jsonl to {args.out}")
 
 
 def cmd_eval(args) -> None:
-    from grpo_vision.evaluate import evaluate, load_run, sampling_params
+    from grpo_vision.evaluate import eval_temperatures, evaluate, load_run, sampling_params
     from grpo_vision.prompts import load_prompts
     from grpo_vision.rewards import CompositeReward
 
     run = load_run(args.run, args.step)
     entries = load_prompts(args.prompts)
     rewards = CompositeReward.from_config(run.cfg.reward, world=run.bundle.world, entries=entries).load()
+    temperature = args.temperature or eval_temperatures(run.cfg)[0]
     result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n,
-                      sampling_params(run.cfg), run.cfg, seed=args.seed)
-    print(json.dumps({"run": str(args.run), "step": run.step, **result}, indent=2))
+                      sampling_params(run.cfg, temperature), run.cfg, seed=args.seed)
+    print(json.dumps({"run": str(args.run), "step": run.step, "temperature": temperature, **result}, indent=2))
 
 
 def cmd_demo(args) -> None:
@@ -158,6 +160,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a sampling temperature)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grpo-vision", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -184,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="image j of each prompt uses seed + j" if name == "sample" else
                        "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images")
         p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+        p.add_argument("--temperature", type=positive_float, default=None,
+                       help="sampling temperature (default: the run's first log.eval_temperatures entry, "
+                            "else sample.temperature)")
         if name == "sample":
             p.add_argument("--out", required=True, help="output directory")
             p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")

@@ -115,6 +115,10 @@ class LogConfig:
     sample_every: int = 25  # save a policy-vs-reference sample grid every N steps; 0 = never
     checkpoint_every: int = 50  # write a checkpoint every N steps; 0 = only at the end
     eval_images: int = 4  # images per held-out prompt in the final report
+    # Sampling temperatures at which the report evaluates policy and reference (the same seeds for
+    # both); the first gives the headline tables, each one a row of the by-temperature table. Empty =
+    # sample.temperature only. Training still samples at sample.temperature
+    eval_temperatures: list[float] = field(default_factory=list)
     tensorboard: bool = True  # also write TensorBoard events
 
 
@@ -328,6 +332,8 @@ def validate(cfg: Config) -> None:
         (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
         (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
         (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per held-out prompt in the report)"),
+        (all(t > 0 for t in cfg.log.eval_temperatures),
+         f"log.eval_temperatures must all be > 0, got {cfg.log.eval_temperatures}"),
     ]
     for ok, message in checks:
         if not ok:

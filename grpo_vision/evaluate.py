@@ -51,9 +51,16 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "cpu") 
     return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"])
 
 
-def sampling_params(cfg: Config) -> SamplingParams:
+def sampling_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
+    """The run's sampling settings; `temperature` replaces sample.temperature (evaluation only)."""
     s = cfg.sample
-    return SamplingParams(s.cfg_scale, s.temperature, s.top_k, s.top_p, s.logprob_mode)
+    return SamplingParams(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode)
+
+
+def eval_temperatures(cfg: Config) -> list[float]:
+    """Temperatures the report evaluates at, the headline first (log.eval_temperatures, else the
+    training temperature)."""
+    return list(cfg.log.eval_temperatures) or [cfg.sample.temperature]
 
 
 def reference_sampler(policy, reference: Reference, cfg: Config):

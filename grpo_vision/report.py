@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
-from grpo_vision.evaluate import evaluate, save_sample_grid
+from grpo_vision.evaluate import eval_temperatures, evaluate, save_sample_grid
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
@@ -62,6 +63,30 @@ def plot_checker(result: dict, out: Path) -> None:
     plt.close(fig)
 
 
+def _temperature_table(by_temperature: dict) -> list[str]:
+    """Both models at each eval temperature: the checker's all-attributes rate (where the prompts are
+    world captions) and each reward's mean."""
+    first = next(iter(by_temperature.values()))
+    names = list(first["models"]["policy"]["rewards"])
+    checked = bool(first["models"]["policy"]["checker"])
+    head = ["temperature"] + (["checker: all right, reference -> policy"] if checked else []) + \
+           [f"{n}: reference -> policy" for n in names]
+    lines = ["", "## By sampling temperature", "",
+             "The same prompts and seeds at each temperature; the first row is the tables above.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t, r in by_temperature.items():
+        ref, pol = r["models"]["reference"], r["models"]["policy"]
+        cells = [str(t)]
+        if checked:
+            a, b = ref["checker"]["correct"]["mean"], pol["checker"]["correct"]["mean"]
+            cells.append(f"{100 * a:.1f}% -> {100 * b:.1f}% ({100 * (b - a):+.1f} pts)")
+        for n in names:
+            a, b = ref["rewards"][n]["mean"], pol["rewards"][n]["mean"]
+            cells.append("n/a" if a is None or b is None else f"{a:.4f} -> {b:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _fmt(entry: dict) -> str:
     if entry["mean"] is None:
         return "n/a"
@@ -71,21 +96,31 @@ def _fmt(entry: dict) -> str:
 
 def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle) -> dict:
     run_dir = Path(run_dir)
-    print(f"[report] evaluating on {len(eval_prompts)} held-out prompts x {cfg.log.eval_images} images", flush=True)
     policy.eval()
-    result = evaluate(policy, reference, tokenizer, rewards, eval_prompts, cfg.log.eval_images, params, cfg,
-                      seed=cfg.run.seed + 99)
+    temperatures = eval_temperatures(cfg)
+    by_temperature = {}
+    for t in temperatures:  # the same prompts and seeds at every temperature
+        print(f"[report] evaluating on {len(eval_prompts)} held-out prompts x {cfg.log.eval_images} images "
+              f"at temperature {t}", flush=True)
+        by_temperature[t] = evaluate(policy, reference, tokenizer, rewards, eval_prompts, cfg.log.eval_images,
+                                     replace(params, temperature=t), cfg, seed=cfg.run.seed + 99)
+    result = {**by_temperature[temperatures[0]], "temperature": temperatures[0],
+              "train_temperature": params.temperature}
+    if len(temperatures) > 1:
+        result["by_temperature"] = {str(t): r for t, r in by_temperature.items()}
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     metrics = load_metrics(run_dir)
     plot_curves(metrics, run_dir / "curves.png")
-    save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:8], params, run_dir / "final_samples.png")
+    save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:8], replace(params, temperature=temperatures[0]),
+                     run_dir / "final_samples.png")
     last = metrics[-1] if metrics else {}
     lines = [f"# GRPO report: {run_dir.name}", "",
              f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
              f"Evaluation: {result['prompts']} held-out prompts (not used in training) x "
-             f"{result['images_per_prompt']} images, the same seeds for policy and reference; "
+             f"{result['images_per_prompt']} images, the same seeds for policy and reference, sampled at "
+             f"temperature {result['temperature']} (training sampled at {params.temperature}); "
              "mean [95% interval].", "",
              "## Rewards", "", "| reward | reference | policy | change |", "|---|---|---|---|"]
     for name, diff in result["difference"].items():
@@ -106,6 +141,8 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
         for form, pol in result["models"]["policy"]["checker_by_form"].items():
             ref = result["models"]["reference"]["checker_by_form"][form]
             lines.append(f"| {form} | {_fmt(ref)} | {_fmt(pol)} | {100 * (pol['mean'] - ref['mean']):+.1f} pts |")
+    if len(by_temperature) > 1:
+        lines += _temperature_table(by_temperature)
     kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
     lines += ["", "## What it cost", "",
               f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",

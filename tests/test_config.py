@@ -70,6 +70,8 @@ def test_save_and_reload_round_trip(tmp_path):
     ("reward:\n  weights: {clip: .nan}\n", "reward.weights must be finite numbers"),
     ("run:\n  name: a/b\n", "run.name must be a plain folder name"),
     ("log:\n  checkpoint_every: -1\n", "log.checkpoint_every must be >= 0"),
+    ("log:\n  eval_temperatures: [0.7, 0]\n", "log.eval_temperatures must all be > 0"),
+    ("log:\n  eval_temperatures: [cold]\n", "'log.eval_temperatures[0]' expects a number"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, needle):
     path = tmp_path / "bad.yaml"

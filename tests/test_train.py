@@ -35,8 +35,8 @@ def raising_reward(images, prompts, metadata):  # python:tests.test_train:raisin
 
 def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world, tmp_path):
     out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1",
+                          "log.eval_temperatures=[0.7,1.0]"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "shapes_micro"
     before = load_file(micro_world / "policy" / "policy.safetensors")
@@ -55,8 +55,15 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
         assert (run / name).exists(), name
     report = (run / "report.md").read_text()
     assert "Exact checker" in report and "All attributes right, by caption form" in report
-    by_form = json.loads((run / "eval.json").read_text())["models"]["policy"]["checker_by_form"]
+    result = json.loads((run / "eval.json").read_text())
+    by_form = result["models"]["policy"]["checker_by_form"]
     assert set(by_form) <= {"plain", "size", "background", "relation"} and by_form
+    # The headline is the first eval temperature; every temperature is kept and tabled
+    assert (result["temperature"], result["train_temperature"]) == (0.7, 1.0)
+    assert list(result["by_temperature"]) == ["0.7", "1.0"]
+    assert result["by_temperature"]["0.7"]["models"] == result["models"]
+    assert "sampled at temperature 0.7 (training sampled at 1.0)" in report
+    assert "## By sampling temperature" in report and "| 1.0 |" in report
 
 
 def test_resume_is_exact(micro_world, tmp_path):
