@@ -76,6 +76,10 @@ class TrainConfig:
     adv_scale: Literal["group", "batch", "none"] = "group"  # divide advantages by this std
     reference: Literal["frozen", "lora", "none"] = "frozen"  # where reference log-probs come from
     ref_sync_every: int = 0  # copy the policy into the reference every N steps; 0 = never
+    # With beta 0 the reference is only a yardstick: measure the logged KL on the first N of each
+    # process's sequences a step (0 = all), which saves reference forward passes. With beta > 0
+    # every sequence needs its reference log-probs, and this is ignored
+    kl_metric_sequences: int = 0
     lora_rank: int = 16  # LoRA rank when reference == "lora"
     lora_alpha: float = 32.0  # LoRA scaling numerator when reference == "lora"
     lora_targets: list[str] = field(  # module names that receive LoRA adapters
@@ -320,6 +324,7 @@ def validate(cfg: Config) -> None:
         (0 <= t.epsilon_low < 1, "train.epsilon_low must be in [0, 1)"),
         (t.epsilon_high >= 0, "train.epsilon_high must be >= 0"),
         (t.ref_sync_every >= 0, "train.ref_sync_every must be >= 0"),
+        (t.kl_metric_sequences >= 0, "train.kl_metric_sequences must be >= 0 (0 = every sequence)"),
         (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
         (not (t.beta > 0 and t.reference == "none"),
          "train.beta > 0 needs a reference policy: set train.reference to frozen or lora, or beta to 0"),

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from grpo_vision.checkpoint import checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
-from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean
+from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl
 from grpo_vision.loading import load_bundle, train_and_eval_prompts
 from grpo_vision.reference import Reference, add_lora
 from grpo_vision.report import load_metrics
@@ -128,8 +128,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             adv = adv_all[first:first + n].to(acc.device)
             old = old_logprobs(policy, cond, rollout, params, acc, t.micro_batch_size)
             with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
-                ref = reference.logprobs(policy, cond, rollout.tokens, params, t.micro_batch_size) \
-                    if t.reference != "none" else None
+                ref = reference_logprobs(policy, reference, cond, rollout.tokens, params, t)
             batch = StepBatch(cond, rollout.tokens, old, ref, adv)
             # ---------------------------------------------------------- UPDATE
             policy.train()
@@ -223,12 +222,24 @@ def old_logprobs(policy, cond, rollout, params, acc, micro: int) -> torch.Tensor
                           for i in range(0, cond.shape[0], micro)])
 
 
+def reference_logprobs(policy, reference: Reference, cond, tokens, params, t) -> torch.Tensor | None:
+    """Reference log-probs `[n, N]`; with beta 0 and `kl_metric_sequences`, only the first rows are
+    computed (the KL is only logged) and the others are NaN, meaning "not measured"."""
+    if t.reference == "none":
+        return None
+    n = cond.shape[0]
+    measured = min(n, t.kl_metric_sequences) if t.beta == 0 and t.kl_metric_sequences else n
+    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, t.micro_batch_size)
+    return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
+
+
 def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, sizes: dict, acc,
            step: int, counters: dict) -> dict:
     """`num_iterations` passes over the step's rollouts, `minibatches_per_pass` optimizer updates each."""
     t, n = cfg.train, batch.tokens.shape[0]
     mask = torch.ones_like(batch.tokens, dtype=torch.bool)  # image sequences have a fixed length
     sums, count = {}, 0
+    kl_sum, kl_tokens = torch.zeros(()), torch.zeros(())  # the logged KL when beta is 0
     for it in range(t.num_iterations):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 2**31 + it)))
         for minibatch in order.view(t.minibatches_per_pass, -1):
@@ -241,8 +252,10 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
                                     batch.advantages[idx], mask[idx], beta=t.beta, epsilon_low=t.epsilon_low,
                                     epsilon_high=t.epsilon_high, loss_type=t.loss_type,
                                     max_tokens=batch.tokens.shape[1])
-                if ref is not None and t.beta == 0:  # still report the KL it cost
-                    m["kl"] = masked_mean(k3_kl(logp.detach().float(), ref), mask[idx])
+                if ref is not None and t.beta == 0:  # still report the KL it cost, where it was measured
+                    seen = mask[idx] & ~ref.isnan()
+                    kl_sum += (k3_kl(logp.detach().float(), ref.nan_to_num()) * seen).sum()
+                    kl_tokens += seen.sum()
                 (loss / len(micro_batches)).backward()
                 for k, v in {"loss": loss, **m}.items():
                     sums[k] = sums.get(k, 0.0) + float(v.detach())
@@ -255,6 +268,8 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
     means = {k: acc.reduce(torch.tensor(v / count, device=acc.device), "mean").item() for k, v in sums.items()}
+    if batch.ref_logprobs is not None and t.beta == 0:
+        means["kl"] = (acc.reduce(kl_sum.to(acc.device), "sum") / acc.reduce(kl_tokens.to(acc.device), "sum")).item()
     return {"loss/total": means["loss"], "loss/policy": means["policy_loss"], "loss/kl": means["kl"],
             "loss/clip_frac_low": means["clip_frac_low"], "loss/clip_frac_high": means["clip_frac_high"],
             "loss/ratio_mean": means["ratio_mean"], "train/grad_norm": grad_norm}

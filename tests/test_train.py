@@ -218,3 +218,17 @@ def test_a_metrics_line_cut_short_by_a_crash_is_skipped(tmp_path):
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n{"step": 2, "l')
     assert load_metrics(tmp_path) == [{"step": 1, "lr": 0.1}]
+
+
+def test_kl_measured_on_a_subset_leaves_training_unchanged(micro_world, tmp_path):
+    # With beta 0 the reference only yields the logged KL; measuring it on 4 of the 8 sequences a
+    # step must not change the update, and the KL it logs stays a finite, non-negative number.
+    runs = {k: train(micro_cfg(micro_world, tmp_path, f"run.name=kl{k}", "train.beta=0",
+                               f"train.kl_metric_sequences={k}"), progress=False) for k in (0, 4)}
+    a, b = (load_file(runs[k] / "checkpoints" / "step_000002" / "policy.safetensors") for k in (0, 4))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = {k: [json.loads(ln) for ln in (runs[k] / "metrics.jsonl").read_text().splitlines()] for k in (0, 4)}
+    assert [m["loss/policy"] for m in rows[0]] == [m["loss/policy"] for m in rows[4]]
+    for m0, m4 in zip(rows[0], rows[4]):
+        assert math.isfinite(m4["loss/kl"]) and m4["loss/kl"] >= 0
+        assert m4["loss/kl"] != m0["loss/kl"] or m0["step"] == 1  # a different sample of the same policy pair
