@@ -48,7 +48,7 @@ def cmd_train(args) -> None:
 
 
 def cmd_sample(args) -> None:
-    from grpo_vision.evaluate import eval_temperatures, load_run, reference_sampler, sampling_params, write_samples
+    from grpo_vision.evaluate import eval_params, load_run, reference_sampler, write_samples
     from grpo_vision.prompts import load_prompts
 
     run = load_run(args.run, args.step)
@@ -56,23 +56,23 @@ def cmd_sample(args) -> None:
                   else (run.policy, contextlib.nullcontext()))
     with ctx:
         index = write_samples(model, run.bundle.tokenizer, load_prompts(args.prompts), Path(args.out), args.n,
-                              args.seed, sampling_params(run.cfg, args.temperature or eval_temperatures(run.cfg)[0]), "reference" if args.reference else "policy",
+                              args.seed, eval_params(run.cfg, args.temperature), "reference" if args.reference else "policy",
                               run.step)
     print(f"wrote {len(index)} images and index.jsonl to {args.out}")
 
 
 def cmd_eval(args) -> None:
-    from grpo_vision.evaluate import eval_temperatures, evaluate, load_run, sampling_params
+    from grpo_vision.evaluate import eval_params, evaluate, load_run
     from grpo_vision.prompts import load_prompts
     from grpo_vision.rewards import CompositeReward
 
     run = load_run(args.run, args.step)
     entries = load_prompts(args.prompts)
     rewards = CompositeReward.from_config(run.cfg.reward, world=run.bundle.world, entries=entries).load()
-    temperature = args.temperature or eval_temperatures(run.cfg)[0]
-    result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n,
-                      sampling_params(run.cfg, temperature), run.cfg, seed=args.seed)
-    print(json.dumps({"run": str(args.run), "step": run.step, "temperature": temperature, **result}, indent=2))
+    params = eval_params(run.cfg, args.temperature)
+    result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params, run.cfg,
+                      seed=args.seed)
+    print(json.dumps({"run": str(args.run), "step": run.step, "temperature": params.temperature, **result}, indent=2))
 
 
 def cmd_demo(args) -> None:

@@ -63,6 +63,11 @@ def eval_temperatures(cfg: Config) -> list[float]:
     return list(cfg.log.eval_temperatures) or [cfg.sample.temperature]
 
 
+def eval_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
+    """Sampling settings of `eval` and `sample`: at `temperature`, else at the report's headline one."""
+    return sampling_params(cfg, temperature or eval_temperatures(cfg)[0])
+
+
 def reference_sampler(policy, reference: Reference, cfg: Config):
     """(model, context) that samples from the reference; without one, the base model reloaded."""
     if reference.mode == "frozen":

@@ -230,6 +230,8 @@ def reference_logprobs(policy, reference: Reference, cond, tokens, params, t) ->
     n = cond.shape[0]
     measured = min(n, t.kl_metric_sequences) if t.beta == 0 and t.kl_metric_sequences else n
     ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, t.micro_batch_size)
+    if measured == n:
+        return ref
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
 
 

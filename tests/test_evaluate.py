@@ -3,7 +3,8 @@
 import numpy as np
 import torch
 
-from grpo_vision.evaluate import checker_tables
+from grpo_vision.config import load_config
+from grpo_vision.evaluate import checker_tables, eval_params
 from grpo_vision.shapes.scene import render, scene_for_caption
 
 
@@ -21,3 +22,10 @@ def test_checker_tables_count_renders_right_per_form():
     assert table["correct"]["mean"] == 0.5
     assert checker_tables(images[:1], ["a photo of a cat"]) == (None, None)
     assert checker_tables(images[:1], ["A Red  circle"])[1]["plain"]["mean"] == 1.0  # read as the policy reads it
+
+
+def test_eval_params_take_the_given_then_the_headline_then_the_training_temperature():
+    cfg = load_config(None, ["sample.temperature=0.9", "sample.top_k=32", "log.eval_temperatures=[0.7,1.0]"])
+    assert (eval_params(cfg).temperature, eval_params(cfg, 0.5).temperature) == (0.7, 0.5)
+    assert eval_params(cfg).top_k == 32  # only the temperature changes
+    assert eval_params(load_config(None, ["sample.temperature=0.9"])).temperature == 0.9

@@ -232,3 +232,23 @@ def test_kl_measured_on_a_subset_leaves_training_unchanged(micro_world, tmp_path
     for m0, m4 in zip(rows[0], rows[4]):
         assert math.isfinite(m4["loss/kl"]) and m4["loss/kl"] >= 0
         assert m4["loss/kl"] != m0["loss/kl"] or m0["step"] == 1  # a different sample of the same policy pair
+
+
+def test_eval_and_sample_cli_sample_at_the_asked_temperature(micro_world, tmp_path):
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=ev", "train.steps=1", "log.eval_temperatures=[0.7]"),
+                progress=False)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\na small blue square\n")
+
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    default, cooler = (json.loads(cli("eval", str(run), "--prompts", str(prompts), "--n", "2", *extra))
+                       for extra in ((), ("--temperature", "0.4")))
+    assert (default["temperature"], cooler["temperature"]) == (0.7, 0.4)  # the run's headline, then the asked one
+    assert default["models"]["policy"]["checker"]["correct"]["n"] == 4
+    cli("sample", str(run), "--prompts", str(prompts), "--out", str(tmp_path / "s"), "--n", "1", "--temperature", "0.4")
+    assert len((tmp_path / "s" / "index.jsonl").read_text().splitlines()) == 2
