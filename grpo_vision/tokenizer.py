@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 @runtime_checkable
@@ -33,10 +34,29 @@ class ImageTokenizer(Protocol):
         ...
 
 
+class Float32GroupNorm(nn.GroupNorm):
+    """GroupNorm in float32 under autocast (its input and output stay in the autocast dtype).
+
+    CPU autocast runs group_norm in bf16, whose backward is about 3x slower there than float32's
+    (CUDA autocast already lists it as a float32 op); with the VQ's convolutions in bf16 and its
+    norms in float32 a training step took 0.67 s instead of 1.0 s on the 2-core CPU. Without
+    autocast it is exactly nn.GroupNorm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_autocast_enabled(x.device.type):
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.group_norm(x.float(), self.num_groups, self.weight, self.bias, self.eps).to(x.dtype)
+
+
 class VQTokenizer(nn.Module):
     def __init__(self, vq):
         super().__init__()
         self.vq = vq  # diffusers.VQModel
+        for m in vq.modules():  # same parameters and state dict; only the autocast dtype changes
+            if type(m) is nn.GroupNorm:
+                m.__class__ = Float32GroupNorm
         factor = 2 ** (len(vq.config.block_out_channels) - 1)
         self.grid = (vq.config.sample_size // factor, vq.config.sample_size // factor)
 

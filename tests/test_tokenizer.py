@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_vision.shapes.train_vq import EMACodebook, VQ_PRESETS, build_vq, image_loss, kmeans
-from grpo_vision.tokenizer import ImageTokenizer, VQTokenizer
+from grpo_vision.tokenizer import Float32GroupNorm, ImageTokenizer, VQTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,20 @@ def test_save_and_load_give_identical_outputs(tok, tmp_path):
     loaded.save_pretrained(tmp_path / "again")  # a loaded model remembers its path; the saved config must not
     assert "_name_or_path" not in (tmp_path / "again" / "config.json").read_text()
     assert torch.equal(VQTokenizer.from_pretrained(tmp_path / "again").decode(codes), tok.decode(codes))
+
+
+def test_group_norms_run_in_float32_under_autocast(tok):
+    norms = [m for m in tok.vq.modules() if isinstance(m, torch.nn.GroupNorm)]
+    assert norms and all(type(m) is Float32GroupNorm for m in norms)
+    norm = norms[0]
+    x = torch.randn(2, norm.num_channels, 8, 8)
+    plain = torch.nn.functional.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
+    assert torch.equal(norm(x), plain)  # without autocast: exactly nn.GroupNorm
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = norm(x.bfloat16())
+    assert out.dtype == torch.bfloat16  # the autocast dtype flows on to the next convolution
+    torch.testing.assert_close(out.float(), torch.nn.functional.group_norm(
+        x.bfloat16().float(), norm.num_groups, norm.weight, norm.bias, norm.eps).bfloat16().float())
 
 
 def test_errors_name_the_problem(tok, tmp_path):
