@@ -97,10 +97,10 @@ def test_two_processes_match_one(micro_world, tmp_path):
         if key.startswith(("reward/", "adv/")):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
         elif key.startswith("loss/"):
-            # A loss is a mean of -A * ratio in which the advantages cancel, so it is a residue: float
-            # error in the rewards (~1e-7; the reward models see other batches) divided by a group's
-            # reward std + 1e-4, which is small in the micro world. Measured: losses 6.8e-5 apart (with
-            # the ratio's mean 2e-7 apart), so compare on that absolute scale, and the weights below.
+            # A loss is a mean of -A * ratio in which the advantages cancel, so it is a residue, most
+            # likely float error in the rewards (~1e-7; the reward models see other batches) divided by a
+            # group's reward std + 1e-4, small in the micro world (not checked per group). Measured: losses
+            # 6.8e-5 apart, ratio means 2e-7 apart, so compare on that absolute scale, and the weights below.
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=2e-4), key
     # The update itself: gradients averaged across the processes give the same step. Adam's first step
     # moves each weight by about lr whatever its gradient's size, so a weight whose gradient is float
