@@ -56,6 +56,9 @@ def tokenize_dataset(tok: VQTokenizer, n: int, seed: int, progress: bool) -> tup
     codes, captions = [], []
     for _ in tqdm(range(0, n, 256), desc="tokenize", disable=not progress, leave=False):
         batch = render_batch(rng, min(256, n - len(captions)), split="train")
+        # bf16 latents, float32 nearest-code search: 3% of the codes differ from encode()'s float32
+        # ones, their reconstructions pass the checker as often (98.4% against 98.2% of 512 renders),
+        # and a 256-image batch takes 1.55 s instead of 2.1 s
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             z = tok.latents(to_tensor(batch.images)).float()
         codes.append(tok.nearest(z))
