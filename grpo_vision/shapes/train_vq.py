@@ -80,6 +80,11 @@ def build_vq(p: VQPreset) -> VQTokenizer:
     return VQTokenizer(vq)
 
 
+def renders(rng: np.random.Generator, n: int, split: str) -> torch.Tensor:
+    """n fresh scene renders `[n, 3, 64, 64]` in [0, 1], with aesthetic factors, from `split`."""
+    return to_tensor(render_batch(rng, n, split=split).images)
+
+
 def image_loss(recon: torch.Tensor, target: torch.Tensor, object_weight: float = 4.0) -> torch.Tensor:
     """Object-weighted MSE + L1, plus L1 on horizontal and vertical image gradients (edges).
 
@@ -157,7 +162,7 @@ def train_vq(preset: str | VQPreset, seed: int = 0, progress: bool = True) -> tu
     start, step, restarts = time.monotonic(), 0, 0
     bar = tqdm(total=p.steps, desc="vq", disable=not progress, leave=False)
     while step < p.steps:
-        x = to_tensor(render_batch(rng, p.batch_size, split=p.split).images)  # [B, 3, 64, 64]
+        x = renders(rng, p.batch_size, p.split)  # [B, 3, 64, 64]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.amp):
             z = tok.latents(x).float()  # [B, D, 8, 8]
         if step < p.warmup_steps:  # plain autoencoder: no quantisation yet
@@ -167,9 +172,8 @@ def train_vq(preset: str | VQPreset, seed: int = 0, progress: bool = True) -> tu
             if ema is None:  # k-means init on a large sample of current encoder outputs
                 with torch.no_grad():
                     sample = torch.cat([flat.detach()] + [
-                        tok.latents(to_tensor(render_batch(rng, p.batch_size, split=p.split).images))
-                        .permute(0, 2, 3, 1)
-                        .reshape(-1, z.shape[1]) for _ in range(max(1, 4096 // flat.shape[0]))])
+                        tok.latents(renders(rng, p.batch_size, p.split)).permute(0, 2, 3, 1).reshape(-1, z.shape[1])
+                        for _ in range(max(1, 4096 // flat.shape[0]))])
                     tok.codebook.data.copy_(kmeans(sample, p.codebook_size, 15, gen))
                 ema = EMACodebook(tok.codebook.data)
             codes = tok.nearest(z.detach()).flatten()  # [B*64]
@@ -212,7 +216,7 @@ def finetune_decoder(tok: VQTokenizer, steps: int, batch_size: int, lr: float, s
     for step in tqdm(range(steps), desc="vq decoder", disable=not progress, leave=False):
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))
-        x = to_tensor(render_batch(rng, batch_size, split=split).images)  # [B, 3, 64, 64]
+        x = renders(rng, batch_size, split)  # [B, 3, 64, 64]
         # the codes exactly as encode() gives them (fp32: a bf16 nearest-code search changed a third of them)
         zq = tok.lookup(tok.encode(x)).detach()  # frozen encoder and codebook
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
