@@ -256,6 +256,8 @@ def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
         return ConfigError(f"{where}: '{key}' expects {expected}, got {value!r} ({type(value).__name__})")
 
     if origin is Literal:
+        if value is False and "no" in args:  # YAML 1.1 reads a bare `no` (accelerate's spelling) as false
+            return "no"
         if value not in args:
             raise fail("one of " + ", ".join(repr(a) for a in args))
         return value

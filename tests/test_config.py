@@ -30,6 +30,18 @@ def test_defaults_run_and_overrides_apply():
     assert cfg.sample.logprob_mode == "conditional"
 
 
+def test_a_bare_no_is_the_choice_not_false(tmp_path):
+    # YAML 1.1 reads `no` as false; "no" is accelerate's spelling of "no mixed precision"
+    assert load_config(None, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  mixed_precision: no\n")
+    assert load_config(path).train.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="'train.mixed_precision' expects one of 'no', 'bf16', 'fp16', got True"):
+        load_config(None, ["train.mixed_precision=yes"])
+    with pytest.raises(ConfigError, match="'train.loss_type' expects one of"):
+        load_config(None, ["train.loss_type=no"])
+
+
 def test_one_mapping_entry_can_be_overridden():
     cfg = load_config(None, ["reward.weights={clip: 4, aesthetic: 1}", "reward.weights.aesthetic=0.25",
                              "reward.weights.jpeg_compressibility=1"])
