@@ -28,6 +28,26 @@ def test_micro_world_has_every_part_and_figure(micro_world):
     assert not list(micro_world.glob("*.tmp"))  # nothing half-written left behind
 
 
+@pytest.mark.slow
+def test_the_build_is_deterministic(micro_world, tmp_path):
+    """The same preset and seed build the same weights, to the bit, and the same figures (on one
+    machine: another CPU's floating point may differ)."""
+    from safetensors.torch import load_file
+
+    again = tmp_path / "again"
+    build_world(again, preset="micro", seed=0, progress=False, log=lambda _: None)
+    files = sorted(p.relative_to(micro_world) for p in micro_world.rglob("*.safetensors"))
+    assert {p.parts[0] for p in files} == set(STAGES)
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*.safetensors"))
+    for rel in files:
+        a, b = load_file(micro_world / rel), load_file(again / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+    def figures(world):  # every quality figure but the timings
+        return {k: v for k, v in json.loads((world / "world.json").read_text())["quality"].items() if "seconds" not in k}
+
+    assert figures(micro_world) == figures(again)
+
+
 def test_rebuild_skips_finished_stages(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
