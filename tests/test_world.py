@@ -42,6 +42,7 @@ def test_the_build_is_deterministic(micro_world, tmp_path):
     for rel in files:
         a, b = load_file(micro_world / rel), load_file(again / rel)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+
     def figures(world):  # every quality figure but the timings
         return {k: v for k, v in json.loads((world / "world.json").read_text())["quality"].items() if "seconds" not in k}
 
