@@ -245,8 +245,9 @@ class ClipPreset:
 CLIP_PRESETS = {
     # smoke run, plain recipe: colour 0.82-0.94 after 60 steps (seeds 0-2), ~13 s on one busy core
     "micro": ClipPreset(32, 3e-3, 0.1, 5, 60, 1.0),
-    # the full recipe; 1500 steps take about 11 minutes on two cores. 1000 steps (7 minutes) reached
-    # shape 0.90 and size 0.94 instead of 0.99, and GRPO against that CLIP lost shape and size (README)
+    # the full recipe; 1500 steps take about 11 minutes on an Intel host's two cores, 5 on an AMD
+    # EPYC's. 1000 steps reached shape 0.90 and size 0.94 instead of 0.99, and GRPO against that CLIP
+    # lost shape and size (README)
     "default": ClipPreset(64, 2e-3, 0.1, 50, 1500, 2.0, attr_weights=(1, 1, 1, 1, 4),
                           form_weights=(1, 1, 1.5, 2), canonical_frac=0.5, aux_weight=1.5,
                           relation_twins=True),
