@@ -241,7 +241,8 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
     t, n = cfg.train, batch.tokens.shape[0]
     mask = torch.ones_like(batch.tokens, dtype=torch.bool)  # image sequences have a fixed length
     sums, count = {}, 0
-    kl_sum, kl_tokens = torch.zeros(()), torch.zeros(())  # the logged KL when beta is 0
+    kl_sum = torch.zeros((), device=batch.tokens.device)  # the logged KL when beta is 0 (summed on the device:
+    kl_tokens = torch.zeros((), device=batch.tokens.device)  # one sync at the end, not one per micro-batch)
     for it in range(t.num_iterations):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 2**31 + it)))
         for minibatch in order.view(t.minibatches_per_pass, -1):

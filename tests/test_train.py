@@ -84,7 +84,8 @@ def test_resume_is_exact(micro_world, tmp_path):
 
 
 def test_two_processes_match_one(micro_world, tmp_path):
-    one = train(micro_cfg(micro_world, tmp_path, "run.name=one", "train.steps=1"), progress=False)
+    # Both on the CPU (the two-process run is launched with --cpu), also where a GPU is present
+    one = train(micro_cfg(micro_world, tmp_path, "run.name=one", "train.steps=1", "run.device=cpu"), progress=False)
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu",
                           "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={micro_world}",
@@ -259,3 +260,18 @@ def test_eval_and_sample_cli_sample_at_the_asked_temperature(micro_world, tmp_pa
     assert default["models"]["policy"]["checker"]["correct"]["n"] == 4
     cli("sample", str(run), "--prompts", str(prompts), "--out", str(tmp_path / "s"), "--n", "1", "--temperature", "0.4")
     assert len((tmp_path / "s" / "index.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_training_runs_on_the_device(micro_world, tmp_path, device):
+    # The default config on a GPU: beta 0 with the KL logged on a subset, sample grids, the report.
+    # Every tensor the loop makes for itself must live on the policy's device.
+    run = train(micro_cfg(micro_world, tmp_path, f"run.device={device}", "train.beta=0", "train.kl_metric_sequences=4",
+                          "train.num_iterations=1", "train.minibatches_per_pass=1", "train.lr=1e-3",
+                          "train.warmup_steps=0", "log.sample_every=1"), progress=False)
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in rows] == [1, 2]
+    assert all(v is not None and math.isfinite(v) for m in rows for v in m.values()), rows
+    assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-5) and rows[1]["loss/kl"] > 1e-6  # one update apart
+    assert (run / "eval.json").exists() and (run / "samples" / "step_000001.png").exists()
