@@ -265,8 +265,9 @@ def test_eval_and_sample_cli_sample_at_the_asked_temperature(micro_world, tmp_pa
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_training_runs_on_the_device(micro_world, tmp_path, device):
-    # The default config on a GPU: beta 0 with the KL logged on a subset, sample grids, the report.
-    # Every tensor the loop makes for itself must live on the policy's device.
+    # The main job's settings (beta 0, the KL logged on a subset), sample grids and the report, on each
+    # device: every tensor the loop makes for itself must live on the policy's device (on cuda the
+    # logged-KL sums once sat on the CPU and the first update crashed).
     run = train(micro_cfg(micro_world, tmp_path, f"run.device={device}", "train.beta=0", "train.kl_metric_sequences=4",
                           "train.num_iterations=1", "train.minibatches_per_pass=1", "train.lr=1e-3",
                           "train.warmup_steps=0", "log.sample_every=1"), progress=False)
