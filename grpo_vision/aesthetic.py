@@ -85,6 +85,23 @@ def architecture_of(state_dict: dict[str, torch.Tensor]) -> dict:
     return {"input_dim": shapes[0][1], "hidden": [s[0] for s in shapes[:4]], "relu": linears[1] - linears[0] == 3}
 
 
+def _read_weights(p: Path) -> dict:
+    """The state dict in `p`; a damaged file or one holding pickled objects (refused) names the file."""
+    from safetensors.torch import load_file
+
+    from grpo_vision.safe_state import UnsafeFileError, load_pickled_tensors
+
+    try:
+        sd = load_file(str(p)) if p.suffix == ".safetensors" else load_pickled_tensors(p)
+    except UnsafeFileError as e:
+        raise ValueError(f"{e}. Use a safetensors copy of the head; to make one from a file you trust, see "
+                         "README, 'Security'") from None
+    except Exception as e:
+        raise ValueError(f"cannot read the aesthetic head weights {p}: the file is damaged, cut short or not a "
+                         f"state dict ({type(e).__name__}: {str(e).strip()[:200]}); copy it again") from None
+    return sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+
+
 def load_aesthetic(path: str | Path, input_dim: int | None = None, hidden: tuple[int, ...] | None = None,
                    dropout: tuple[float, ...] | None = None, relu: bool | None = None) -> AestheticMLP:
     """An AestheticMLP in eval mode from a `.pth` state dict (torch.load weights_only=True, e.g. the
@@ -97,13 +114,7 @@ def load_aesthetic(path: str | Path, input_dim: int | None = None, hidden: tuple
         p = p / WEIGHTS_NAME
     if not p.is_file():
         raise FileNotFoundError(f"aesthetic head weights not found: {p}")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        sd = load_file(str(p))
-    else:
-        sd = torch.load(p, map_location="cpu", weights_only=True)
-        sd = sd.get("state_dict", sd)
+    sd = _read_weights(p)
     cfg = {"dropout": LAION_DROPOUT, **architecture_of(sd)}
     if (p.parent / CONFIG_NAME).is_file() and p.suffix == ".safetensors":
         cfg.update(json.loads((p.parent / CONFIG_NAME).read_text()))

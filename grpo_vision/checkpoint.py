@@ -3,10 +3,15 @@
     run/checkpoints/step_000050/
       policy.safetensors      trainable policy weights (the full policy, or only LoRA adapters)
       reference.safetensors   the reference's weights when it was synced from the policy
-      optimizer.pt            AdamW and LR-scheduler state
+      optimizer.safetensors   AdamW and LR-scheduler state
       trainer_state.json      step and counters (the run's config is run/config.yaml)
-      rng.pt                  torch / numpy / python RNG states
+      rng.safetensors         torch / numpy / python RNG states
     run/checkpoints/latest    name of the newest complete step directory
+
+No file holds a pickle, so loading a checkpoint someone shared never runs code from it: tensors are
+safetensors, the rest is JSON (safe_state.py). Checkpoints from before that format kept the optimizer
+and RNG states in `optimizer.pt` and `rng.pt`; they are still read, through `torch.load(weights_only=
+True)`, which builds only tensors, numbers and numpy arrays and refuses a file that names anything else.
 
 Everything is written into `step_N.tmp/` first, flushed to disk and then renamed; `latest` is replaced
 atomically last. Rewriting a step that exists (a finished run resumed, say) moves the old directory
@@ -15,6 +20,7 @@ aside before the new one is renamed in, so some complete copy of that step exist
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -24,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from grpo_vision.safe_state import UnsafeFileError, load_pickled_tensors, load_state, save_state
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -38,15 +46,25 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
     name = f"step_{step:06d}"
     tmp, final = root / f"{name}.tmp", root / name
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file(trainable_state(policy), tmp / "policy.safetensors")
-    if reference_state is not None:
-        save_file({k: v.contiguous().cpu() for k, v in reference_state.items()}, tmp / "reference.safetensors")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-               tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
-    _fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        save_file(trainable_state(policy), tmp / "policy.safetensors")
+        if reference_state is not None:
+            save_file({k: v.contiguous().cpu() for k, v in reference_state.items()}, tmp / "reference.safetensors")
+        save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   tmp / "optimizer.safetensors")
+        save_state({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                   tmp / "rng.safetensors")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+        _fsync_dir(tmp)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial step behind
+        if not _disk_full(e):
+            raise
+        kept = latest_checkpoint(run_dir)
+        raise CheckpointError(f"no space left on the disk of {run_dir} while writing the checkpoint of step {step}; "
+                              f"nothing was lost: {f'the last checkpoint, {kept.name},' if kept else 'the run folder'} "
+                              f"is intact. Free some space and continue with --resume {run_dir}") from None
     old = root / f"{name}.old"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
@@ -57,6 +75,12 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
     os.replace(pointer, root / "latest")
     shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _disk_full(e: Exception) -> bool:
+    """No space or quota left; safetensors reports it as a SafetensorError naming the OS error."""
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    return (isinstance(e, OSError) and e.errno in codes) or any(f"os error {c})" in str(e) for c in codes)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -118,10 +142,14 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
         for name, value in weights.items():
             own[name].copy_(value)
     if optimizer is not None:
-        opt = _read(path / "optimizer.pt", lambda f: torch.load(f, weights_only=False))
+        # written before the pickle-free format
+        legacy = (path / "optimizer.pt").exists() and not (path / "optimizer.safetensors").exists()
+        opt = (_read(path / "optimizer.pt", load_pickled_tensors) if legacy
+               else _read(path / "optimizer.safetensors", load_state))
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
-        rng = _read(path / "rng.pt", lambda f: torch.load(f, weights_only=False))
+        rng = (_read(path / "rng.pt", lambda f: load_pickled_tensors(f, numpy_arrays=True)) if legacy
+               else _read(path / "rng.safetensors", load_state))
         torch.set_rng_state(rng["torch"])
         np.random.set_state(rng["numpy"])
         random.setstate(rng["python"])
@@ -140,6 +168,9 @@ def _read(path: Path, reader):
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file missing: {path}; the step directory is incomplete: delete "
                               f"{path.parent} and use an earlier step") from None
+    except UnsafeFileError as e:  # a tampered (or foreign) file: never fall back to unpickling it
+        raise CheckpointError(f"checkpoint file refused: {e}. grpo_vision never writes such a file (it was "
+                              "altered or made elsewhere): resume from a checkpoint you made") from None
     except Exception as e:  # safetensors, pickle and JSON each raise their own kind
         raise CheckpointError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e}); delete "
                               f"{path.parent} and use an earlier step") from None

@@ -18,6 +18,7 @@ load_clip warns when a checkpoint looks like OpenAI's and the architecture is no
 
 from __future__ import annotations
 
+import pickle
 import warnings
 import zipfile
 from functools import lru_cache
@@ -26,6 +27,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from grpo_vision.safe_state import names_python_objects, unsafe_message
 
 # configs that live in this repository, registered with open_clip on first use
 PROJECT_CONFIGS = {"shapes_clip": Path(__file__).parent / "shapes" / "shapes_clip.json"}
@@ -63,7 +66,8 @@ def resolve_model_name(model_name: str) -> str:
 
 
 def is_torchscript(path: str | Path) -> bool:
-    """True for a TorchScript archive (OpenAI's CLIP release format): a zip holding constants.pkl."""
+    """True for a zip that claims to be a TorchScript archive (OpenAI's CLIP release format): it holds
+    constants.pkl. Only torch.jit.load checks the claim: such a file is never unpickled."""
     if not zipfile.is_zipfile(path):
         return False
     with zipfile.ZipFile(path) as z:
@@ -96,17 +100,62 @@ def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu"):
                       f"{name!r} uses GELU: the embeddings will be wrong. Use the '-quickgelu' variant "
                       f"(e.g. ViT-L-14-quickgelu).", stacklevel=2)
     try:
-        # weights_only=False only for TorchScript: torch.load then dispatches to torch.jit.load,
-        # which runs no pickled Python; open_clip takes the archive's state dict.
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*TorchScript archive")
             warnings.filterwarnings("ignore", message="`torch.jit.load` is deprecated")
+            # Pickled checkpoints are read with weights_only=True (tensors and numbers, nothing that
+            # runs); a TorchScript archive is read by torch.jit.load alone, below.
             model, _, preprocess = open_clip.create_model_and_transforms(
-                name, pretrained=str(path), device=device, weights_only=not torchscript)
-    except Exception as e:  # shape mismatches, missing keys, a file that is no checkpoint at all
-        raise ClipLoadError(f"cannot load {path} into open_clip architecture {name!r} "
+                name, pretrained=None if torchscript else str(path), device=device, weights_only=True)
+            if torchscript:
+                _load_torchscript(model, path)
+    except ClipLoadError:
+        raise
+    except pickle.UnpicklingError as e:
+        if not names_python_objects(e):
+            raise ClipLoadError(_damaged(path, e)) from None
+        raise ClipLoadError(f"{unsafe_message(path, e)}. Use a safetensors copy of the weights; to make one "
+                            "from a file you trust, see README, 'Security'") from None
+    except Exception as e:  # a file that cannot be read, or weights that do not fit the architecture
+        if _unreadable(e):
+            raise ClipLoadError(_damaged(path, e)) from None
+        raise ClipLoadError(f"cannot load {path} into open_clip architecture {name!r}: its weights do not fit "
                             f"(is it the checkpoint's architecture?): {type(e).__name__}: {e}") from e
     return model.eval(), preprocess, open_clip.get_tokenizer(name)
+
+
+def _load_torchscript(model, path: Path) -> None:
+    """OpenAI's archive through torch.jit.load, which reads tensors and TorchScript code but unpickles no
+    Python objects; its state dict gets the conversions open_clip's own loader applies to it."""
+    from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+
+    try:
+        state = torch.jit.load(str(path), map_location="cpu").state_dict()
+    except Exception as e:
+        raise ClipLoadError(f"{path} looks like a TorchScript archive (it holds a constants.pkl) but "
+                            f"torch.jit.load cannot read it ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                            "it is not read any other way: use the original file or a safetensors copy") from None
+    for key in ("input_resolution", "context_length", "vocab_size"):  # archive attributes, not weights
+        state.pop(key, None)
+    if "positional_embedding" in state and not hasattr(model, "positional_embedding"):
+        state = convert_to_custom_text_state_dict(state)
+    resize_pos_embed(state, model)
+    resize_text_pos_embed(state, model)
+    model.load_state_dict(state, strict=True)
+
+
+def _unreadable(e: Exception) -> bool:
+    """A read failure (cut short, not a zip, a bad safetensors header), as opposed to weights that do not fit."""
+    from safetensors import SafetensorError
+
+    text = str(e)
+    return isinstance(e, (SafetensorError, EOFError)) or any(
+        s in text for s in ("PytorchStreamReader", "zip archive", "invalid load key", "truncated"))
+
+
+def _damaged(path: Path, e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return (f"cannot read the CLIP checkpoint {path}: the file is damaged, cut short or not a checkpoint "
+            f"({type(e).__name__}: {first}); copy or download it again")
 
 
 def image_transform(model):

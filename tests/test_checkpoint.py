@@ -38,7 +38,8 @@ def test_rewriting_a_step_leaves_one_complete_copy(tmp_path):
     assert checkpoint_steps(tmp_path) == [2]
 
 
-@pytest.mark.parametrize("name", ["policy.safetensors", "trainer_state.json", "optimizer.pt"])
+@pytest.mark.parametrize("name", ["policy.safetensors", "trainer_state.json", "optimizer.safetensors",
+                                  "rng.safetensors"])
 def test_an_unreadable_file_is_named(tmp_path, name):
     model, opt, sched = tiny()
     path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
@@ -64,3 +65,49 @@ def test_a_checkpoint_of_another_policy_is_refused_naming_the_weights(tmp_path, 
     path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
     with pytest.raises(CheckpointError, match=f"does not match this run's policy: {problem}"):
         load_checkpoint(path, other())
+
+
+def _assert_disk_full_kept_step_1(tmp_path, error):
+    assert f"no space left on the disk of {tmp_path}" in str(error) and "the last checkpoint, step_000001," in str(error)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]  # no half-written step
+    assert (root / "latest").read_text() == "step_000001"
+
+
+def test_a_full_disk_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    import grpo_vision.checkpoint as ckpt
+
+    model, opt, sched = tiny()
+    save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_state", full)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(tmp_path, 2, model, opt, sched, None, {"counters": {}})
+    _assert_disk_full_kept_step_1(tmp_path, e.value)
+
+
+def test_a_full_disk_through_the_real_writers(tmp_path):
+    """On a 1 MiB tmpfs (where the machine lets the test mount one): safetensors reports ENOSPC its own way."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the monkeypatched test covers the logic")
+    try:
+        model = torch.nn.Linear(250, 250)  # 250 KB of weights, 500 KB of Adam moments: one step fits, two do not
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 1.0)
+        model(torch.randn(2, 250)).sum().backward()
+        opt.step()
+        save_checkpoint(disk, 1, model, opt, sched, None, {"counters": {}})
+        with pytest.raises(CheckpointError) as e:
+            save_checkpoint(disk, 2, model, opt, sched, None, {"counters": {}})
+        _assert_disk_full_kept_step_1(disk, e.value)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

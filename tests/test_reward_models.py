@@ -285,7 +285,7 @@ def test_models_load_at_the_first_call_not_when_the_reward_is_made(tiny_clip, tm
     images = torch.rand(1, 3, 8, 8)
     with pytest.raises(ClipLoadError, match="cannot load a CLIPModel from .*empty"):
         pick(images, ["a"], [{}])
-    with pytest.raises(ClipLoadError, match="cannot load .*hps.pt into open_clip architecture 'grpo_test_vit_qg'"):
+    with pytest.raises(ClipLoadError, match="cannot read the CLIP checkpoint .*hps.pt: .*not a checkpoint"):
         hps(images, ["a"], [{}])
 
 

@@ -1,0 +1,235 @@
+"""Loading a file never runs code from it (issue 19): checkpoints, RNG states and CLIP weights from strangers.
+
+Each attack file carries a payload that unpickling would run: `open(marker, "w")`, so the marker's
+existence proves it ran. A control loads a twin of each file the unsafe way and sees its marker appear,
+so these tests would fail if the files were harmless.
+"""
+
+import ast
+import random
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from grpo_vision.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from grpo_vision.clip import ClipLoadError, load_clip
+from grpo_vision.safe_state import load_state, save_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Payload:
+    """Unpickled, this calls open(marker, "w"): the marker file appears."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def armed(make, tmp_path) -> bool:
+    """Whether a file that `make(path, marker)` writes runs its payload under torch.load(weights_only=False)."""
+    path, marker = tmp_path / "control" / "file.pt", tmp_path / "control" / "RAN"
+    path.parent.mkdir()
+    make(path, marker)
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(path)!r}, weights_only=False)"],
+                   capture_output=True, timeout=300)
+    return marker.exists()
+
+
+def crafted_optimizer(path, marker):
+    torch.save({"optimizer": Payload(marker), "scheduler": {}}, path)
+
+
+def crafted_rng(path, marker):
+    torch.save({"torch": torch.get_rng_state(), "numpy": Payload(marker), "python": random.getstate()}, path)
+
+
+def crafted_clip(path, marker, decoy=True):
+    """A plain pickle dressed as a TorchScript archive: one decoy entry named like its constants file."""
+    torch.save({"state_dict": Payload(marker)}, path)
+    if decoy:
+        with zipfile.ZipFile(path, "a") as z:
+            z.writestr(f"{path.stem}/extra/constants.pkl", b"")  # the old check matched */constants.pkl
+
+
+def tiny():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda u: 0.5 ** u)
+    for _ in range(2):
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def test_state_files_round_trip_optimizer_scheduler_and_rng_exactly(tmp_path):
+    _, opt, sched = tiny()
+    tree = {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "numpy": np.random.get_state(),
+            "python": random.getstate(), "odd": {3: (1.5, float("inf"), None), "nan": float("nan")}}
+    save_state(tree, tmp_path / "s.safetensors")
+    back = load_state(tmp_path / "s.safetensors")
+    state, again = tree["optimizer"]["state"], back["optimizer"]["state"]
+    assert list(again) == [0, 1]  # int keys stay ints: load_state_dict matches them to parameters
+    for i in state:
+        assert set(again[i]) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(state[i][k], again[i][k]) for k in state[i])
+    assert back["optimizer"]["param_groups"] == tree["optimizer"]["param_groups"]
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.8, 0.9)  # a tuple again, not a list
+    assert back["scheduler"] == tree["scheduler"]
+    assert back["numpy"][0] == "MT19937" and back["numpy"][1].dtype == np.uint32
+    assert np.array_equal(back["numpy"][1], tree["numpy"][1]) and back["numpy"][2:] == tree["numpy"][2:]
+    assert back["python"] == tree["python"]
+    assert back["odd"][3] == (1.5, float("inf"), None) and np.isnan(back["odd"]["nan"])
+    np.random.set_state(back["numpy"])  # the states are accepted as they come back
+    random.setstate(back["python"])
+
+
+def test_a_state_file_holds_data_only(tmp_path):
+    # JSON that looks like pickle's vocabulary is just a dict of strings
+    save_state({"__reduce__": ["os", "system"], "cls": "builtins.open"}, tmp_path / "s.safetensors")
+    assert load_state(tmp_path / "s.safetensors") == {"__reduce__": ["os", "system"], "cls": "builtins.open"}
+    with pytest.raises(TypeError, match=r"state\.bad: cannot store a Payload"):
+        save_state({"bad": Payload(tmp_path / "m")}, tmp_path / "t.safetensors")
+    with pytest.raises(ValueError, match="not a grpo_vision.state/1 file"):
+        from safetensors.torch import save_file
+        save_file({"a": torch.zeros(1)}, str(tmp_path / "plain.safetensors"))
+        load_state(tmp_path / "plain.safetensors")
+
+
+def _legacy(path: Path, opt, sched, rng: dict) -> None:
+    """Turn a checkpoint into the format written before the pickle-free one."""
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, path / "optimizer.pt")
+    torch.save(rng, path / "rng.pt")
+    (path / "optimizer.safetensors").unlink()
+    (path / "rng.safetensors").unlink()
+
+
+def test_a_checkpoint_in_the_previous_format_still_resumes_exactly(tmp_path):
+    model, opt, sched = tiny()
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    path = save_checkpoint(tmp_path, 2, model, opt, sched, None, {"counters": {}})
+    _legacy(path, opt, sched, rng)
+    fresh, fresh_opt, fresh_sched = tiny()
+    torch.manual_seed(123)
+    load_checkpoint(path, fresh, fresh_opt, fresh_sched)
+    assert torch.equal(torch.get_rng_state(), rng["torch"]) and random.getstate() == rng["python"]
+    assert np.array_equal(np.random.get_state()[1], rng["numpy"][1])
+    assert fresh_sched.state_dict() == sched.state_dict()
+    assert all(torch.equal(fresh_opt.state_dict()["state"][i][k], v)
+               for i, s in opt.state_dict()["state"].items() for k, v in s.items())
+
+
+@pytest.mark.parametrize("name, make", [("optimizer.pt", crafted_optimizer), ("rng.pt", crafted_rng)])
+def test_a_crafted_pickle_in_a_checkpoint_is_refused_naming_the_file(tmp_path, name, make):
+    assert armed(make, tmp_path)
+    model, opt, sched = tiny()
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    path = save_checkpoint(tmp_path / "run", 1, model, opt, sched, None, {"counters": {}})
+    _legacy(path, opt, sched, rng)
+    make(path / name, tmp_path / "RAN")
+    with pytest.raises(CheckpointError, match=f"refused: .*{name} holds pickled Python objects .*io.open"):
+        load_checkpoint(path, model, opt, sched)
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_a_pickle_beside_a_checkpoint_is_never_read(tmp_path):
+    model, opt, sched = tiny()
+    path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {"n": 4}})
+    crafted_optimizer(path / "optimizer.pt", tmp_path / "RAN")
+    crafted_rng(path / "rng.pt", tmp_path / "RAN")
+    state, _ = load_checkpoint(path, model, opt, sched)
+    assert state["counters"] == {"n": 4} and not (tmp_path / "RAN").exists()
+
+
+@pytest.mark.parametrize("decoy", [True, False], ids=["dressed-as-torchscript", "plain-pickle"])
+def test_a_crafted_clip_checkpoint_is_refused(tmp_path, decoy):
+    assert armed(lambda p, m: crafted_clip(p, m, decoy), tmp_path)
+    path = tmp_path / "ViT-L-14.pt"
+    crafted_clip(path, tmp_path / "RAN", decoy)
+    with pytest.raises(ClipLoadError, match="ViT-L-14.pt (looks like a TorchScript archive|holds pickled)"):
+        load_clip("shapes_clip", path)
+    assert not (tmp_path / "RAN").exists()
+
+
+# ---------------------------------------------------------------- no load path unpickles
+
+
+def unsafe_loads(source: str) -> list[str]:
+    """Calls that could unpickle arbitrary objects: torch.load without weights_only=True, any
+    weights_only that is not the literal True, pickle-family loads, np.load(allow_pickle=True)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = ast.unparse(node.func)
+        kw = {k.arg: k.value for k in node.keywords}
+        literal_true = lambda key: isinstance(kw.get(key), ast.Constant) and kw[key].value is True  # noqa: E731
+        if "weights_only" in kw and not literal_true("weights_only"):
+            found.append(f"line {node.lineno}: {name}(weights_only={ast.unparse(kw['weights_only'])})")
+        elif name == "torch.load" and not literal_true("weights_only"):
+            found.append(f"line {node.lineno}: torch.load without weights_only=True")
+        if name.split(".")[0] in ("pickle", "dill", "cloudpickle", "joblib", "marshal", "shelve") and \
+                name.split(".")[-1] in ("load", "loads", "Unpickler", "open"):
+            found.append(f"line {node.lineno}: {name}")
+        if literal_true("allow_pickle") or literal_true("trust_remote_code"):
+            found.append(f"line {node.lineno}: {name} with allow_pickle/trust_remote_code")
+    return found
+
+
+def test_the_checker_finds_unsafe_loads():
+    bad = ("torch.load(f, weights_only=False)\ntorch.load(f)\npickle.load(f)\nnp.load(f, allow_pickle=True)\n"
+           "open_clip.create_model(n, pretrained=p, weights_only=ws)\nm.from_pretrained(p, trust_remote_code=True)\n")
+    assert len(unsafe_loads(bad)) == 6
+    assert unsafe_loads("torch.load(f, map_location='cpu', weights_only=True)\ntorch.jit.load(f)\n") == []
+
+
+def test_no_load_path_in_the_package_unpickles():
+    files = sorted((ROOT / "grpo_vision").rglob("*.py")) + sorted((ROOT / "demo").rglob("*.py"))
+    assert len(files) > 20
+    problems = {str(f.relative_to(ROOT)): unsafe_loads(f.read_text()) for f in files}
+    assert {f: p for f, p in problems.items() if p} == {}
+
+
+# ---------------------------------------------------------------- the real CLI
+
+
+def test_attack_files_through_the_cli_leave_no_marker(micro_world, tmp_path):
+    from grpo_vision.config import load_config
+    from grpo_vision.train import train
+
+    base = ["configs/shapes_micro.yaml", f"policy.path={micro_world}", "log.sample_every=0", "log.eval_images=1"]
+    run = train(load_config(ROOT / base[0], [*base[1:], f"run.out_dir={tmp_path}", "run.name=base",
+                                             "train.steps=1"]), progress=False)
+    opt = load_state(run / "checkpoints" / "step_000001" / "optimizer.safetensors")
+    rng = load_state(run / "checkpoints" / "step_000001" / "rng.safetensors")
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=900)
+
+    for name, make in (("optimizer.pt", crafted_optimizer), ("rng.pt", crafted_rng)):
+        shared = tmp_path / f"shared_{name}"
+        shutil.copytree(run, shared)
+        step = shared / "checkpoints" / "step_000001"
+        torch.save(opt, step / "optimizer.pt")  # a previous-format checkpoint, one file replaced
+        torch.save(rng, step / "rng.pt")
+        (step / "optimizer.safetensors").unlink()
+        (step / "rng.safetensors").unlink()
+        make(step / name, tmp_path / f"RAN_{name}")
+        out = cli("train", "--resume", str(shared))
+        assert out.returncode != 0 and f"{name} holds pickled Python objects" in out.stderr, out.stderr[-2000:]
+        assert "Traceback" not in out.stderr and not (tmp_path / f"RAN_{name}").exists()
+    crafted_clip(tmp_path / "clip.pt", tmp_path / "RAN_clip")
+    out = cli("train", *base, f"run.out_dir={tmp_path}", "run.name=clip", f"reward.clip_checkpoint={tmp_path / 'clip.pt'}",
+              "reward.clip_model=shapes_clip")
+    assert out.returncode != 0 and "clip.pt looks like a TorchScript archive" in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and not (tmp_path / "RAN_clip").exists()
