@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from grpo_vision.report import load_metrics
 from grpo_vision.runlock import LOCK_NAME, RunLock, RunLockedError, check_run_dir
+from grpo_vision.signals import GracefulStop, Interrupted
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 900  # generous: other jobs may share the CPU; nothing here checks time
@@ -60,6 +61,22 @@ def test_sigterm_finishes_the_step_saves_and_the_resumed_run_is_exact(micro_worl
     a = load_file(tmp_path / "straight" / "checkpoints" / f"step_{steps:06d}" / "policy.safetensors")
     b = load_file(run / "checkpoints" / f"step_{steps:06d}" / "policy.safetensors")
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+def test_a_second_signal_of_either_kind_stops_at_once_and_handlers_come_back():
+    before = {s: signal.getsignal(s) for s in GracefulStop.SIGNALS}
+    stop = GracefulStop()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: the step goes on
+        time.sleep(0.05)
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(Interrupted) as err:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert err.value.signum == signal.SIGINT and isinstance(err.value, KeyboardInterrupt)
+    finally:
+        stop.restore()
+    assert {s: signal.getsignal(s) for s in GracefulStop.SIGNALS} == before
 
 
 def test_two_trains_on_one_directory_one_runs_the_other_is_refused(micro_world, tmp_path):
