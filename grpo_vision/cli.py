@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from grpo_vision.checkpoint import CheckpointError
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards import RewardError
+from grpo_vision.runlock import RunLockedError
 from grpo_vision.shapes.scene import CaptionError
 from grpo_vision.shapes.world import WorldError
 
@@ -42,8 +44,8 @@ def cmd_train(args) -> None:
         cfg = load_config(args.config, overrides)
     try:
         run_dir = train(cfg, resume=args.resume or None)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # 130 after Ctrl-C, 143 after SIGTERM: what a shell reports for a killed command
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     print(f"[train] done: {run_dir / 'report.md'}")
 
 
@@ -260,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, CaptionError, WorldError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, CaptionError, WorldError,
+            RunLockedError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
     except RewardError as e:

@@ -22,14 +22,16 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from grpo_vision.checkpoint import checkpoint_steps, latest_checkpoint, load_checkpoint, save_checkpoint
-from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
+from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl
 from grpo_vision.loading import load_bundle, train_and_eval_prompts
 from grpo_vision.reference import Reference, add_lora
 from grpo_vision.report import load_metrics
 from grpo_vision.rewards import CompositeReward, RewardError
+from grpo_vision.runlock import RunLock, check_run_dir
 from grpo_vision.sampling import SamplingParams, sample_batched, sequence_logprobs
+from grpo_vision.signals import GracefulStop, Interrupted
 
 
 @dataclass
@@ -53,9 +55,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision)
     sizes = derived_sizes(cfg, acc.num_processes)
     run_dir = Path(resume) if resume else Path(cfg.run.out_dir) / cfg.run.name
-    if not resume and (checkpoint_steps(run_dir) or (run_dir / "metrics.jsonl").exists()):
-        raise ConfigError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, start a new "
-                          f"one beside it with run.name=NEW_NAME, or delete the folder to start over")
+    check_run_dir(run_dir, fresh=not resume)  # in use, or (fresh start) already a run: refused before loading
     acc.wait_for_everyone()  # every process has looked before the main one writes anything there
     main = acc.is_main_process
     if main:
@@ -84,8 +84,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         if main:
             print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
                   "starting at step 0", flush=True)
+    lock = RunLock(run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
     if main:  # only once everything above has loaded, so a bad override never reaches the run's config
-        run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
@@ -153,11 +153,11 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                     from grpo_vision.evaluate import save_sample_grid
                     save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
                                      run_dir / "samples" / f"step_{step + 1:06d}.png")
-            if stop.requested:
+            if signum := stop.agreed(acc):
                 checkpoint(step + 1)
-                print(f"\n[train] interrupted: saved a checkpoint at step {step + 1}; continue with "
-                      f"--resume {run_dir}", file=sys.stderr)
-                raise KeyboardInterrupt
+                print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
+                      f"continue with: grpo-vision train --resume {run_dir}", file=sys.stderr)
+                raise Interrupted(signum)
             if cfg.log.checkpoint_every and (step + 1) % cfg.log.checkpoint_every == 0:
                 checkpoint(step + 1)
         step = t.steps
@@ -165,41 +165,19 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     except RewardError as e:
         checkpoint(step)
         raise RewardError(e.name, f"{e} (checkpoint saved at step {step} in {run_dir})") from e
+    else:  # still under the lock: the report is part of the run
+        stop.restore()  # no step is left to finish: a signal now stops at once
+        if main:
+            from grpo_vision.report import final_report
+
+            final_report(run_dir, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle)
     finally:
         stop.restore()
         if logger:
             logger.close()
-    if main:
-        from grpo_vision.report import final_report
-
-        final_report(run_dir, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle)
+        if lock:
+            lock.release()
     return run_dir
-
-
-class GracefulStop:
-    """The first Ctrl-C lets the current step finish, so the checkpoint holds a whole step and a resumed
-    run is exact; a second Ctrl-C stops at once (without a checkpoint)."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGINT, self._handle) if _main_thread() else None
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\n[train] Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop now)",
-              file=sys.stderr, flush=True)
-
-    def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def lr_factor(update: int, cfg: Config, total_updates: int) -> float:

@@ -36,13 +36,22 @@ def test_config_errors_exit_2_and_name_the_key(tmp_path):
 
 
 def test_bench_sampler_prints_json(tmp_path):
-    out = run_cli("bench", "sampler", "--json", "--batch", "2", "--repeats", "1")
+    from grpo_vision.bench import BENCH_WORDS
+    from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
+
+    # A tiny saved policy, not the default-size one: what is checked is the JSON, not the speed, and
+    # the default size took minutes on a shared CPU
+    LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(2, 2), dim=32,
+                                       n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
+    out = run_cli("bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--batch", "2", "--repeats", "1",
+                  "--top-k", "8", timeout=900)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     runs = {f"{n}_{t}" for n in ("ours", "generate", "teacher_forced") for t in ("cfg_off", "cfg_on")}
     assert set(result["tokens_per_s"]) == runs
     assert all(v > 0 for v in result["tokens_per_s"].values())
     assert result["speedup_vs_generate_cfg_on"] > 0 and isinstance(result["targets_met"], bool)
+    assert (result["image_tokens"], result["batch"]) == (4, 2)  # the saved policy was benchmarked
 
 
 def test_bench_counts_must_be_positive(capsys):

@@ -2,7 +2,6 @@
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -131,11 +130,11 @@ def test_a_raising_reward_stops_with_its_name_and_a_checkpoint(micro_world, tmp_
 
 
 def test_a_corrupt_reward_model_stops_the_run_before_it_starts(micro_world, tmp_path):
-    world = tmp_path / "world"
-    shutil.copytree(micro_world, world)
-    clip_file = world / "clip" / "clip.safetensors"
-    clip_file.write_bytes(clip_file.read_bytes()[:1000])  # cut short, as by a failed copy
-    cfg = micro_cfg(world, tmp_path, "run.name=corrupt")
+    # A reward model of its own (a broken file inside the world is a WorldError: tests/test_world.py)
+    clip_file = tmp_path / "clip.safetensors"
+    clip_file.write_bytes((micro_world / "clip" / "clip.safetensors").read_bytes()[:1000])  # cut short, as by a failed copy
+    cfg = micro_cfg(micro_world, tmp_path, "run.name=corrupt", f"reward.clip_checkpoint={clip_file}",
+                    "reward.clip_model=shapes_clip")
     with pytest.raises(RewardError, match=r"reward 'clip' failed: its model did not load: .*clip\.safetensors"):
         train(cfg, progress=False)
     assert not (tmp_path / "corrupt").exists()  # nothing sampled, nothing written

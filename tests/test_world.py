@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_vision.shapes.world import STAGES, WorldError, build_world, check_world_dir, load_world
+from grpo_vision.shapes.world import (FILES, STAGES, WorldError, build_world, check_world_dir, load_world, stage_problem,
+                                      with_dependents)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -128,6 +129,63 @@ def test_saved_models_load_back_with_identical_outputs(micro_world):
         assert torch.equal(h1(emb), h2(emb))
 
 
+def test_a_broken_world_file_is_named_with_the_stage_to_rebuild(micro_world, tmp_path):
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    fix = f"with: grpo-vision world build --out {copy} --preset micro --seed 0 (it rebuilds"
+    errors = {}
+    for stage, names in FILES.items():
+        for name in names:
+            path = copy / stage / name
+            original = path.read_bytes()
+            path.write_bytes(original[:len(original) // 2])  # cut short, as by a failed copy
+            assert stage_problem(copy, stage).startswith(f"{path} does not load (")
+            with pytest.raises(WorldError) as err:
+                load_world(copy)
+            assert str(err.value).startswith(f"world file {path} does not load (")
+            assert f"; rebuild stage '{stage}' {fix} {stage}" in str(err.value)
+            errors[stage] = str(err.value)
+            path.write_bytes(original)
+    assert errors["vq"].endswith("(it rebuilds vq and policy, trained on it, and keeps the other stages)")
+    assert errors["aesthetic"].endswith("(it rebuilds aesthetic and keeps the other stages)")
+    assert with_dependents({"vq"}) == ["vq", "policy"] and with_dependents({"clip"}) == ["clip", "aesthetic"]
+    assert all(stage_problem(copy, n) is None for n in STAGES)
+    (copy / "policy" / "policy_config.json").write_text("{}")  # parses, but makes no policy: the load says so
+    assert stage_problem(copy, "policy").startswith(f"{copy / 'policy'} does not load (CheckpointError: ")
+
+
+def test_world_build_rebuilds_a_stage_whose_file_does_not_load(micro_world, tmp_path):
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    weights = copy / "aesthetic" / "aesthetic.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "build", "--out", str(copy), "--preset",
+                          "micro", "--seed", "0"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    why = next(ln for ln in lines if ln.startswith("[world] aesthetic: "))
+    assert why.startswith(f"[world] aesthetic: {weights} does not load (SafetensorError: ") and why.endswith("; rebuilding")
+    assert "[world] aesthetic: building (micro, seed 0)" in lines and "nothing to build" not in out.stdout
+    assert out.stdout.count("already built") == len(STAGES) - 1  # the others are kept
+    assert stage_problem(copy, "aesthetic") is None and check_world_dir(copy)["preset"] == "micro"
+
+
+def test_train_on_a_broken_world_file_is_one_line_naming_it(micro_world, tmp_path):
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    weights = copy / "vq" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
+                          f"policy.path={copy}", f"run.out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    error = [ln for ln in out.stderr.splitlines() if ln.startswith("grpo-vision: error:")]
+    assert len(error) == 1 and error[0].startswith(f"grpo-vision: error: world file {weights} does not load (")
+    assert error[0].endswith(f"rebuild stage 'vq' with: grpo-vision world build --out {copy} --preset micro --seed 0 "
+                             "(it rebuilds vq and policy, trained on it, and keeps the other stages)")
+    assert not (tmp_path / "shapes_micro").exists()  # nothing was started
+
+
 def test_world_render_cli(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle\na large blue square left of a green circle\n")
@@ -184,3 +242,4 @@ def test_committed_world_matches_the_default_recipe():
     hashes = recipe_hashes("default")
     stale = [n for n in STAGES if stage_done(world, n, "default", 0, hashes[n]) is None]
     assert not stale, f"worlds/shapes stages {stale} were built with another recipe; rebuild with grpo-vision world build"
+    assert {n: stage_problem(world, n) for n in STAGES} == {n: None for n in STAGES}  # and every file loads

@@ -66,6 +66,20 @@ def build_policy(world: Path, tmp: Path, preset: str, seed: int, progress: bool)
     return info
 
 
+def load_stage(folder: Path, name: str):
+    """The model stage `name` saved in `folder`, loaded as the later stages and training load it."""
+    from grpo_vision.aesthetic import load_aesthetic
+    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.shapes.train_clip import CHECKPOINT_NAME, MODEL_NAME, load_clip
+    from grpo_vision.tokenizer import VQTokenizer
+
+    loaders = {"vq": lambda: VQTokenizer.from_pretrained(folder),
+               "clip": lambda: load_clip(MODEL_NAME, folder / CHECKPOINT_NAME),
+               "aesthetic": lambda: load_aesthetic(folder),
+               "policy": lambda: LlamaImagePolicy.from_pretrained(folder)}
+    return loaders[name]()
+
+
 def evaluate_world(world: Path, preset: str, seed: int, progress: bool) -> dict:
     """Every quality figure of world.json, from the saved stages (so they describe what loads)."""
     from grpo_vision.llama_policy import LlamaImagePolicy

@@ -13,8 +13,9 @@ The build is a chain of stages. Each stage writes into `<name>.tmp/` and renames
 (atomic), then writes its marker; a stage whose marker matches the preset, the seed and the recipe
 (a hash of the stage's hyper-parameters and of the stages it reads) is skipped, so an interrupted
 build resumes where it stopped, and a changed recipe rebuilds that stage and everything trained on
-it (a new tokenizer means new codes for the policy). `load_world` refuses an incomplete directory
-and says which part is missing and the command that finishes it.
+it (a new tokenizer means new codes for the policy). A finished stage whose files do not load (cut
+short by a failed copy, say) is rebuilt the same way. `load_world` refuses an incomplete directory or a
+file that does not parse, and says which part is missing or broken and the command that fixes it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import torch
 WORLD_VERSION = 1
 STAGES = ("vq", "clip", "aesthetic", "policy")
 INPUTS = {"vq": (), "clip": (), "aesthetic": ("clip",), "policy": ("vq",)}  # stages each one is trained on
+FILES = {"vq": ("config.json", "diffusion_pytorch_model.safetensors"), "clip": ("clip.safetensors",),
+         "aesthetic": ("aesthetic_config.json", "aesthetic.safetensors"),
+         "policy": ("policy_config.json", "policy.safetensors")}  # what each stage saves into its folder
 
 
 class WorldError(RuntimeError):
@@ -128,6 +132,12 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
         raise ValueError(f"preset must be 'micro' or 'default', got {preset!r}")
     world = Path(out)
     hashes = recipe_hashes(preset)
+    broken = {n: problem for n in STAGES
+              if stage_done(world, n, preset, seed, hashes[n]) and (problem := stage_problem(world, n))}
+    for name in with_dependents(broken):
+        why = broken.get(name) or f"it is trained on {', '.join(INPUTS[name])}, which is rebuilt"
+        log(f"[world] {name}: {why}; rebuilding")
+        (world / "stages" / f"{name}.json").unlink(missing_ok=True)  # as if never built: a stop resumes here
     try:
         info = check_world_dir(world)
         if all(stage_done(world, n, preset, seed, hashes[n]) for n in STAGES):
@@ -153,6 +163,47 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     return info
 
 
+def stage_problem(world: Path, name: str, load: bool = True) -> str | None:
+    """What is wrong with stage `name`'s files, naming the file, or None. Every file must parse (JSON;
+    safetensors, whose header is checked against the file's length); with `load`, the stage's model
+    must also load through the loader the later stages and training use."""
+    from safetensors.torch import load_file
+
+    from grpo_vision.shapes import stages
+
+    for path in (world / name / f for f in FILES[name]):
+        try:
+            if path.suffix == ".json":
+                json.loads(path.read_text())
+            else:
+                load_file(path)
+        except Exception as e:  # absent, cut short, not UTF-8, not JSON, a bad header: each its own kind
+            return f"{path} does not load ({type(e).__name__}: {e})"
+    if load:
+        try:
+            stages.load_stage(world / name, name)
+        except Exception as e:  # the files parse but do not make a model (a config that does not fit)
+            return f"{world / name} does not load ({type(e).__name__}: {e})"
+    return None
+
+
+def with_dependents(names) -> list[str]:
+    """`names` and every stage trained on one of them, in build order."""
+    out: list[str] = []
+    for n in STAGES:  # a stage's inputs come before it
+        if n in names or any(i in out for i in INPUTS[n]):
+            out.append(n)
+    return out
+
+
+def rebuild_command(world: Path, info: dict, name: str) -> str:
+    """How to rebuild stage `name` of the world described by `info` (its world.json)."""
+    also = [n for n in with_dependents([name]) if n != name]
+    trained = f" and {', '.join(also)}, trained on it," if also else ""
+    return (f"rebuild stage '{name}' with: grpo-vision world build --out {world} --preset {info.get('preset')} "
+            f"--seed {info.get('seed')} (it rebuilds {name}{trained} and keeps the other stages)")
+
+
 def check_world_dir(path: str | Path) -> dict:
     """world.json of a complete world, or WorldError naming what is missing and how to finish it."""
     world = Path(path)
@@ -176,6 +227,10 @@ def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
 
     info = check_world_dir(path)
     world = Path(path)
+    for name in STAGES:  # a broken file is named here, not three tracebacks deep in a loader
+        problem = stage_problem(world, name, load=False)
+        if problem:
+            raise WorldError(f"world file {problem}; {rebuild_command(world, info, name)}")
     tokenizer = VQTokenizer.from_pretrained(world / "vq", device=device)
     policy = LlamaImagePolicy.from_pretrained(world / "policy", device=device).float().eval()
     return World(world, info, tokenizer, policy)

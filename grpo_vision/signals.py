@@ -1,0 +1,50 @@
+"""Stopping a run cleanly on a signal: the step in progress finishes and is checkpointed."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import torch
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal; the CLI exits with 128 + signum, as a shell reports a killed command."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class GracefulStop:
+    """The first Ctrl-C (SIGINT) or SIGTERM (kill, timeout, job schedulers) lets the current step finish,
+    so the checkpoint holds a whole step and a resumed run is exact; a second signal of either kind
+    stops at once (without a checkpoint). The previous handlers come back with restore()."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum = 0
+        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS} if _main_thread() else {}
+
+    def _handle(self, signum, frame):
+        if self.signum:
+            raise Interrupted(signum)
+        self.signum = signum
+        print(f"\n[train] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+              "(Ctrl-C or SIGTERM again to stop now)", file=sys.stderr, flush=True)
+
+    def agreed(self, acc) -> int:
+        """The signal any process got (0: none): every process stops after the same step, as the
+        checkpoint is written by all of them together."""
+        return int(acc.gather(torch.tensor([self.signum], device=acc.device)).max())
+
+    def restore(self) -> None:
+        for s, previous in self.previous.items():
+            signal.signal(s, previous)
+        self.previous = {}
+
+
+def _main_thread() -> bool:  # Python accepts signal handlers from the main thread only
+    return threading.current_thread() is threading.main_thread()

@@ -1,0 +1,149 @@
+"""A run's life through the real CLI: stopped by SIGTERM and resumed exactly, one run per directory,
+a start killed before its first step, a lock left by a killed holder."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from grpo_vision.report import load_metrics
+from grpo_vision.runlock import LOCK_NAME, RunLock, RunLockedError, check_run_dir
+from grpo_vision.signals import GracefulStop, Interrupted
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 900  # generous: other jobs may share the CPU; nothing here checks time
+
+
+def train_cmd(world, out, *overrides):
+    return [sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={world}",
+            f"run.out_dir={out}", "log.checkpoint_every=0", "log.sample_every=0", "log.eval_images=1", *overrides]
+
+
+def steps_logged(run: Path) -> list[int]:
+    return [row["step"] for row in load_metrics(run)]  # a line still being written is skipped
+
+
+def dying_reward(images, prompts, metadata):  # python:tests.test_lifecycle:dying_reward
+    os._exit(137)  # as the kernel's OOM killer ends a process: no except, no finally, no clean-up
+
+
+def test_sigterm_finishes_the_step_saves_and_the_resumed_run_is_exact(micro_world, tmp_path):
+    steps = 4
+    out = subprocess.run(train_cmd(micro_world, tmp_path, "run.name=straight", f"train.steps={steps}"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen(train_cmd(micro_world, tmp_path, "run.name=stopped", f"train.steps={steps}"), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + TIMEOUT
+    while not steps_logged(run) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 143, err[-3000:]  # 128 + SIGTERM, as a shell reports it
+    done = steps_logged(run)[-1]
+    assert 1 <= done < steps
+    assert f"stopped by SIGTERM: saved a checkpoint at step {done}; continue with: grpo-vision train " \
+           f"--resume {run}" in err
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
+    assert (run / LOCK_NAME).read_text() == ""  # released on the way out
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(run)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert steps_logged(run) == list(range(1, steps + 1))
+    a = load_file(tmp_path / "straight" / "checkpoints" / f"step_{steps:06d}" / "policy.safetensors")
+    b = load_file(run / "checkpoints" / f"step_{steps:06d}" / "policy.safetensors")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+def test_a_second_signal_of_either_kind_stops_at_once_and_handlers_come_back():
+    before = {s: signal.getsignal(s) for s in GracefulStop.SIGNALS}
+    stop = GracefulStop()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled at the next bytecode: the step goes on
+        time.sleep(0.05)
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(Interrupted) as err:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert err.value.signum == signal.SIGINT and isinstance(err.value, KeyboardInterrupt)
+    finally:
+        stop.restore()
+    assert {s: signal.getsignal(s) for s in GracefulStop.SIGNALS} == before
+
+
+def test_two_trains_on_one_directory_one_runs_the_other_is_refused(micro_world, tmp_path):
+    logs = [tmp_path / f"stderr_{seed}.txt" for seed in (0, 1)]  # files, not pipes: neither blocks on a full pipe
+    procs = [subprocess.Popen(train_cmd(micro_world, tmp_path, "train.steps=2", f"run.seed={seed}"), cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=log.open("w")) for seed, log in zip((0, 1), logs)]
+    results = [(p.wait(timeout=TIMEOUT), log.read_text()) for p, log in zip(procs, logs)]
+    assert sorted(rc for rc, _ in results) == [0, 2], [err[-2000:] for _, err in results]
+    refused = next(err for rc, err in results if rc == 2)
+    # Which message depends on when the second got there: during the first run, or after it
+    assert "is in use by a running train (pid " in refused or "already holds a run" in refused, refused[-2000:]
+    assert "Traceback" not in refused
+    assert steps_logged(tmp_path / "shapes_micro") == [1, 2]  # one run's steps, not two interleaved
+
+
+def test_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
+    run = tmp_path / "shapes_micro"
+    lock = RunLock(run, fresh=True)
+    holder = f"is in use by a running train (pid {os.getpid()} on {socket.gethostname()}, started "
+    try:
+        for args in (["configs/shapes_micro.yaml", f"run.out_dir={tmp_path}"], ["--resume", str(run)]):
+            (run / "config.yaml").write_text("run:\n  name: shapes_micro\n")  # what --resume reads
+            out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", *args], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=TIMEOUT)
+            assert out.returncode == 2 and holder in out.stderr, out.stderr[-2000:]
+            assert "Traceback" not in out.stderr
+    finally:
+        lock.release()
+    check_run_dir(run, fresh=True)  # released: free again
+    assert (run / LOCK_NAME).read_text() == ""
+
+
+def test_a_lock_left_by_a_killed_holder_is_taken_over(tmp_path, capfd):
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
+                               "from grpo_vision.runlock import RunLock\n"
+                               "lock = RunLock(Path(sys.argv[1]), fresh=True)\nprint('held', flush=True)\ntime.sleep(600)",
+                               str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(RunLockedError, match=f"in use by a running train \\(pid {holder.pid} on "):
+            RunLock(run, fresh=True)
+        with pytest.raises(RunLockedError, match=f"pid {holder.pid}"):
+            check_run_dir(run, fresh=False)
+    finally:
+        holder.kill()  # SIGKILL: the holder cannot clean up; the kernel drops its flock
+        holder.wait(timeout=TIMEOUT)
+    assert json.loads((run / LOCK_NAME).read_text())["pid"] == holder.pid  # what the dead holder left
+    capfd.readouterr()
+    lock = RunLock(run, fresh=True)
+    try:
+        assert f"names pid {holder.pid} on " in capfd.readouterr().err
+        assert json.loads((run / LOCK_NAME).read_text())["pid"] == os.getpid()
+    finally:
+        lock.release()
+
+
+def test_a_start_killed_before_its_first_step_is_rerun_by_the_same_command(micro_world, tmp_path):
+    run = tmp_path / "shapes_micro"
+    out = subprocess.run(train_cmd(micro_world, tmp_path, "train.steps=1", "reward.monitor=[]",
+                                   "reward.weights={python:tests.test_lifecycle:dying_reward: 1.0}"),
+                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 137, out.stderr[-3000:]
+    assert (run / "config.yaml").is_file() and steps_logged(run) == [] and not (run / "checkpoints").exists()
+    out = subprocess.run(train_cmd(micro_world, tmp_path, "train.steps=1"), cwd=ROOT, capture_output=True,
+                         text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "stopped without releasing it; taking it over" in out.stderr  # the killed start's lock
+    assert steps_logged(run) == [1]
+    assert "dying_reward" not in (run / "config.yaml").read_text()  # the new command's config, not the killed one's
