@@ -43,6 +43,10 @@ def load_prompts(path: str | Path) -> list[PromptEntry]:
         text = line.strip()
         if not text or text.startswith("#"):
             continue
+        if not jsonl and text.startswith("{"):  # else trained on as a literal caption, braces and all
+            raise PromptsError(f"{path}, line {number}: looks like JSON, but the file is read as plain text (its "
+                               f"first prompt line is not JSON): rename it to {path.stem}.jsonl and write every "
+                               "line as JSON, or write this line as a plain caption")
         entries.append(_parse_jsonl_line(text, path, number) if jsonl else PromptEntry(text, line=number))
     if not entries:
         raise PromptsError(f"{path} holds no prompts: write one caption per line, or JSONL with a 'prompt' field")
