@@ -65,6 +65,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
+    max_skipped_updates: int = 4  # stop (with a checkpoint) after this many skipped updates in a row; 0 = never
     num_iterations: int = 1  # update passes over each rollout (mu), old log-probs cached
     minibatches_per_pass: int = 1  # optimizer updates per pass; each averages its micro-batches
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation unit)
@@ -326,6 +327,7 @@ def validate(cfg: Config) -> None:
         (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
         (t.ref_sync_every >= 0, "train.ref_sync_every must be >= 0"),
         (t.kl_metric_sequences >= 0, "train.kl_metric_sequences must be >= 0 (0 = every sequence)"),
+        (t.max_skipped_updates >= 0, "train.max_skipped_updates must be >= 0 (0 = never stop)"),
         (t.lora_rank >= 1, "train.lora_rank must be >= 1"),
         (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
         (not (t.beta > 0 and t.reference == "none"),
@@ -352,7 +354,9 @@ def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
         ("sample.cfg_scale", s.cfg_scale, ">= 0 (1 turns guidance off)", lambda v: v >= 0),
         ("sample.temperature", s.temperature, "> 0", lambda v: v > 0),
         ("sample.top_p", s.top_p, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
-        ("train.lr", t.lr, "> 0", lambda v: v > 0),
+        # AdamW moves each weight by about lr per update: above 1 that only wrecks the weights, and from
+        # about 3e37 PyTorch cannot even represent the step (a RuntimeError mid-run)
+        ("train.lr", t.lr, "in (0, 1]", lambda v: 0 < v <= 1),
         ("train.weight_decay", t.weight_decay, ">= 0", lambda v: v >= 0),
         ("train.max_grad_norm", t.max_grad_norm, "> 0, or 0 for no clipping", lambda v: v >= 0),
         ("train.beta", t.beta, ">= 0", lambda v: v >= 0),

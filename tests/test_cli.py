@@ -62,4 +62,4 @@ def test_a_non_finite_learning_rate_is_one_line_on_stderr():
     # Before: accepted, and every weight of the policy was NaN in the checkpoints
     out = run_cli("config", "configs/shapes_micro.yaml", "train.lr=inf")
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr == "grpo-vision: error: train.lr must be a finite number > 0, got inf\n"
+    assert out.stderr == "grpo-vision: error: train.lr must be a finite number in (0, 1], got inf\n"

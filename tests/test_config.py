@@ -86,7 +86,7 @@ def test_save_and_reload_round_trip(tmp_path):
     ("run:\n  name: a/b\n", "run.name must be a plain folder name"),
     ("log:\n  checkpoint_every: -1\n", "log.checkpoint_every must be >= 0"),
     ("log:\n  eval_temperatures: [0.7, 0]\n", "log.eval_temperatures[1] must be a finite number > 0, got 0.0"),
-    ("train:\n  lr: .inf\n", "train.lr must be a finite number > 0, got inf"),
+    ("train:\n  lr: .inf\n", "train.lr must be a finite number in (0, 1], got inf"),
     ("log:\n  eval_temperatures: [cold]\n", "'log.eval_temperatures[0]' expects a number"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, needle):
@@ -167,9 +167,10 @@ def test_retired_key_in_an_old_run_config_warns_and_loads(tmp_path):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("train.lr=inf", "train.lr must be a finite number > 0, got inf"),
-    ("train.lr=nan", "train.lr must be a finite number > 0, got nan"),
-    ("train.lr=0", "train.lr must be a finite number > 0, got 0.0"),
+    ("train.lr=inf", "train.lr must be a finite number in (0, 1], got inf"),
+    ("train.lr=nan", "train.lr must be a finite number in (0, 1], got nan"),
+    ("train.lr=0", "train.lr must be a finite number in (0, 1], got 0.0"),
+    ("train.lr=1e39", "train.lr must be a finite number in (0, 1], got 1e+39"),
     ("sample.cfg_scale=inf", "sample.cfg_scale must be a finite number >= 0 (1 turns guidance off), got inf"),
     ("sample.cfg_scale=-0.5", "sample.cfg_scale must be a finite number >= 0"),
     ("sample.temperature=inf", "sample.temperature must be a finite number > 0, got inf"),
