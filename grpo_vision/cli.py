@@ -11,6 +11,7 @@ from pathlib import Path
 
 from grpo_vision.checkpoint import CheckpointError
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
+from grpo_vision.health import TrainingHealthError
 from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards import RewardError
 from grpo_vision.shapes.scene import CaptionError
@@ -28,6 +29,8 @@ def cmd_config(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from grpo_vision.health import run_summary, warn
+    from grpo_vision.report import load_metrics
     from grpo_vision.train import resume_config, train
 
     overrides = list(args.overrides)
@@ -44,7 +47,11 @@ def cmd_train(args) -> None:
         run_dir = train(cfg, resume=args.resume or None)
     except KeyboardInterrupt:
         sys.exit(130)
-    print(f"[train] done: {run_dir / 'report.md'}")
+    skipped, updates, warnings = run_summary(load_metrics(run_dir),
+                                             cfg.train.num_iterations * cfg.train.minibatches_per_pass)
+    print(f"[train] done: {run_dir / 'report.md'} ({skipped} of {updates} updates skipped)")
+    for message in warnings:  # exit 0 (the run finished), but not a silent success
+        warn(message)
 
 
 def cmd_sample(args) -> None:
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, CaptionError, WorldError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except RewardError as e:
+    except (RewardError, TrainingHealthError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(1)
 

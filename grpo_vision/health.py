@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from tqdm import tqdm
 
 COUNTERS = ("skipped_updates", "skipped_in_a_row", "steps_no_spread", "steps_without_signal")
 
@@ -29,7 +30,7 @@ class NonFiniteWeightsError(TrainingHealthError):
 
 
 def warn(message: str) -> None:
-    print(f"[train] WARNING: {message}", file=sys.stderr, flush=True)
+    tqdm.write(f"[train] WARNING: {message}", file=sys.stderr)  # on a line of its own, under the progress bar
 
 
 @torch.no_grad()
@@ -62,11 +63,12 @@ class RunHealth:
                       weights: dict[str, torch.Tensor], frac_zero_std: float) -> dict[str, int]:
         """Count this step's (global, gathered) rewards `[B*G]`; returns the counters as metrics."""
         trained = [n for n, w in weights.items() if bool((w != 0).any())]
-        for name in trained:  # a trained reward that applied to none of the images it weighs
-            if bool(raw[name][weights[name] != 0].isnan().all()):
-                self._warn_once(f"nan:{name}", f"step {step + 1}: reward '{name}' returned NaN (does not apply) for "
-                                               "every image it is trained on; it teaches nothing")
-        if bool(total.isnan().all()):
+        silent = [n for n in trained if bool(raw[n][weights[n] != 0].isnan().all())]  # applied to none it weighs
+        no_signal = bool(total.isnan().all())
+        if silent and not no_signal:  # other rewards still teach; name the silent ones
+            self._warn_once(f"nan:{silent}", f"step {step + 1}: reward(s) {', '.join(map(repr, silent))} returned NaN "
+                                             "(does not apply) for every image they are trained on; they teach nothing")
+        if no_signal:
             self.counters["steps_without_signal"] += 1
             why = ("every prompt entry of the step gives weight 0 to every reward" if not trained else
                    f"the trained rewards ({', '.join(map(repr, trained))}) returned NaN for every image they weigh")
@@ -89,6 +91,13 @@ class RunHealth:
 
     def too_many_skipped(self) -> bool:
         return bool(self.max_skipped) and self.counters["skipped_in_a_row"] >= self.max_skipped
+
+    def stuck(self, step: int, run_dir) -> TrainingHealthError:
+        """The error that stops a run after too many skipped updates, once its checkpoint at `step` is saved."""
+        return TrainingHealthError(
+            f"{self.counters['skipped_in_a_row']} optimizer updates in a row were skipped (non-finite loss or "
+            f"gradient; train.max_skipped_updates={self.max_skipped}): saved a checkpoint at step {step} in "
+            f"{run_dir}; lower train.lr or check the rewards before resuming")
 
     def metrics(self) -> dict[str, int]:
         return {f"train/{k}": self.counters[k] for k in ("skipped_updates", "steps_no_spread", "steps_without_signal")}

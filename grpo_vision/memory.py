@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_vision.config import ConfigError
+from grpo_vision.health import warn
 
 GIB = 2**30
 WARN_FRACTION = 0.8  # warn when the estimate is above this fraction of the available memory
@@ -125,10 +126,15 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
     return line, f"the estimated peak is {100 * need / available:.0f}% of the available memory; {advice}"
 
 
-def run_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,
-               device: torch.device) -> tuple[str, str | None]:
-    """The estimate for a run's config, checked against this machine: (line, warning or None)."""
+
+def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,
+                  device, loud: bool) -> None:
+    """Estimate a run's peak memory for its config, print it (`loud`), warn when close, refuse when over."""
     shape = policy_shape(policy, tokenizer, trainable)
     parts = estimate_memory(shape, images_per_process, cfg.sample.batch_size, cfg.train.micro_batch_size, guided,
                             frozen_reference=cfg.train.reference == "frozen")
-    return check_memory(parts, available_memory(torch.device(device)), lower_bound=shape.layers is None)
+    line, too_close = check_memory(parts, available_memory(torch.device(device)), lower_bound=shape.layers is None)
+    if loud:
+        print(f"[train] {line}", flush=True)
+        if too_close:
+            warn(too_close)

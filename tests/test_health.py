@@ -34,10 +34,19 @@ def test_a_step_without_any_trained_reward_is_counted_and_warned_about_once(caps
         metrics = health.after_rewards(step, total, raw, weights, frac_zero_std=1.0)
     assert metrics == {"train/skipped_updates": 0, "train/steps_no_spread": 2, "train/steps_without_signal": 2}
     err = capsys.readouterr().err
-    assert err.count("WARNING") == 2  # once for the reward, once for the step; not again at step 2
-    assert "step 1: reward 'a' returned NaN (does not apply) for every image it is trained on" in err
-    assert "step 1 has nothing to learn from: the trained rewards ('a') returned NaN" in err
+    assert err.count("WARNING") == 1  # not again at step 2
+    assert "step 1 has nothing to learn from: the trained rewards ('a') returned NaN for every image they weigh" in err
     assert "'m'" not in err  # monitored (weight 0): its values teach nothing anyway
+
+
+def test_a_trained_reward_that_never_applies_is_named_when_others_still_teach(capsys):
+    health = RunHealth({}, max_skipped=0, loud=True)
+    raw = {"a": torch.full((4,), NAN), "b": torch.tensor([1.0, 2.0, 3.0, 4.0])}
+    weights = {"a": torch.ones(4), "b": torch.ones(4)}
+    health.after_rewards(0, raw["b"], raw, weights, frac_zero_std=0.0)
+    err = capsys.readouterr().err
+    assert "step 1: reward(s) 'a' returned NaN (does not apply) for every image they are trained on" in err
+    assert health.counters["steps_without_signal"] == 0
 
 
 def test_all_zero_entry_weights_are_named_as_the_reason(capsys):
