@@ -66,6 +66,7 @@ def prompt_problem(policy, prompt: str) -> str | None:
     unknown = unknown_words(policy, prompt)
     if not unknown:
         return None
-    vocabulary = getattr(policy, "caption_words", None)
-    shown = "" if not vocabulary else f" (its vocabulary: {' '.join(vocabulary[:60])}{' ...' if len(vocabulary) > 60 else ''})"
+    vocabulary = getattr(policy, "caption_words", None) or []
+    more = " ..." if len(vocabulary) > 60 else ""  # a long vocabulary is cut short in the message
+    shown = f" (its vocabulary: {' '.join(vocabulary[:60])}{more})" if vocabulary else ""
     return f"words the policy does not know: {', '.join(map(repr, unknown))}{shown}"

@@ -5,7 +5,8 @@ A JSONL entry may also carry its own reward weights and metadata, which route re
     {"prompt": "a red circle", "rewards": {"clip": 1.0, "shapes_exact": 0.5}, "metadata": {"tag": "x"}}
 
 Blank lines and lines starting with `#` are skipped; the first other line decides the format (a `{`
-starts JSONL), as does a `.jsonl` / `.json` suffix. Errors name the file and line.
+starts JSONL), as does a `.jsonl` / `.json` suffix; a later line starting with `{` in a plain-text file
+is an error, not a caption. Errors name the file and line.
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             metrics |= {f"reward/{k}/std": _nanstd(v) for k, v in raw.items()}
             spread = frac_zero_std(total, s.group_size)
             metrics |= {"reward/total/mean": _nanmean(total), "reward/total/std": _nanstd(total),
-                        "adv/frac_zero_std": spread, **losses, **health.after_rewards(step, total, raw, weights, spread),
+                        "adv/frac_zero_std": spread, **losses,
+                        **health.after_rewards(step, total, raw, weights, spread),
                         "policy/entropy": acc.reduce(rollout.entropy.mean().to(acc.device), "mean").item(),
                         "perf/step_s": time.perf_counter() - t0, "perf/sample_s": t_sample, "perf/update_s": t_update,
                         "perf/sample_tokens_per_s": n * policy.num_image_tokens / t_sample,
