@@ -12,6 +12,7 @@ from pathlib import Path
 
 from grpo_vision.checkpoint import CheckpointError
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
+from grpo_vision.health import TrainingHealthError
 from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards import RewardError
 from grpo_vision.runlock import RunLockedError
@@ -30,6 +31,8 @@ def cmd_config(args) -> None:
 
 
 def cmd_train(args) -> None:
+    from grpo_vision.health import run_summary, warn
+    from grpo_vision.report import load_metrics
     from grpo_vision.train import resume_config, train
 
     overrides = list(args.overrides)
@@ -46,7 +49,11 @@ def cmd_train(args) -> None:
         run_dir = train(cfg, resume=args.resume or None)
     except KeyboardInterrupt as e:  # 130 after Ctrl-C, 143 after SIGTERM: what a shell reports for a killed command
         sys.exit(128 + getattr(e, "signum", signal.SIGINT))
-    print(f"[train] done: {run_dir / 'report.md'}")
+    skipped, updates, warnings = run_summary(load_metrics(run_dir),
+                                             cfg.train.num_iterations * cfg.train.minibatches_per_pass)
+    print(f"[train] done: {run_dir / 'report.md'} ({skipped} of {updates} updates skipped)")
+    for message in warnings:  # exit 0 (the run finished), but not a silent success
+        warn(message)
 
 
 def cmd_sample(args) -> None:
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
             RunLockedError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except RewardError as e:
+    except (RewardError, TrainingHealthError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(1)
 

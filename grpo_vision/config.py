@@ -65,6 +65,7 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
     max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
+    max_skipped_updates: int = 4  # stop (with a checkpoint) after this many skipped updates in a row; 0 = never
     num_iterations: int = 1  # update passes over each rollout (mu), old log-probs cached
     minibatches_per_pass: int = 1  # optimizer updates per pass; each averages its micro-batches
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation unit)
@@ -308,25 +309,26 @@ def _unknown_key(full: str, key: str, names: list[str], where: str) -> str:
 def validate(cfg: Config) -> None:
     """Range checks that types alone cannot express."""
     s, t = cfg.sample, cfg.train
+    for key, value, allowed, ok in _float_ranges(cfg):
+        # isfinite first: NaN fails every comparison and inf passes `> 0`, and either reaches the
+        # optimizer or the sampler as a silent no-op or as NaN weights
+        if not (math.isfinite(value) and ok(value)):
+            raise ConfigError(f"{key} must be a finite number {allowed}, got {value}")
     checks = [
         (s.group_size >= 2, "sample.group_size must be >= 2: GRPO normalises rewards within a group, "
                             "and a group of one has no spread to learn from"),
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
-        (s.cfg_scale >= 0, "sample.cfg_scale must be >= 0 (1 turns guidance off)"),
-        (s.temperature > 0, "sample.temperature must be > 0"),
         (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),
-        (0 < s.top_p <= 1, "sample.top_p must be in (0, 1]"),
         (t.steps >= 1, "train.steps must be >= 1"),
-        (t.lr > 0, "train.lr must be > 0"),
+        (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
         (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
         (t.minibatches_per_pass >= 1, "train.minibatches_per_pass must be >= 1"),
         (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
-        (t.beta >= 0, "train.beta must be >= 0"),
-        (0 <= t.epsilon_low < 1, "train.epsilon_low must be in [0, 1)"),
-        (t.epsilon_high >= 0, "train.epsilon_high must be >= 0"),
         (t.ref_sync_every >= 0, "train.ref_sync_every must be >= 0"),
         (t.kl_metric_sequences >= 0, "train.kl_metric_sequences must be >= 0 (0 = every sequence)"),
+        (t.max_skipped_updates >= 0, "train.max_skipped_updates must be >= 0 (0 = never stop)"),
+        (t.lora_rank >= 1, "train.lora_rank must be >= 1"),
         (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
         (not (t.beta > 0 and t.reference == "none"),
          "train.beta > 0 needs a reference policy: set train.reference to frozen or lora, or beta to 0"),
@@ -339,12 +341,33 @@ def validate(cfg: Config) -> None:
         (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
         (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
         (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per held-out prompt in the report)"),
-        (all(t > 0 for t in cfg.log.eval_temperatures),
-         f"log.eval_temperatures must all be > 0, got {cfg.log.eval_temperatures}"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
+    """(key, value, what is allowed, test) for every float knob; the test runs on finite values only."""
+    s, t = cfg.sample, cfg.train
+    ranges = [
+        ("sample.cfg_scale", s.cfg_scale, ">= 0 (1 turns guidance off)", lambda v: v >= 0),
+        ("sample.temperature", s.temperature, "> 0", lambda v: v > 0),
+        ("sample.top_p", s.top_p, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
+        # AdamW moves each weight by about lr per update: above 1 that only wrecks the weights, and from
+        # about 3e37 PyTorch cannot even represent the step (a RuntimeError mid-run)
+        ("train.lr", t.lr, "in (0, 1]", lambda v: 0 < v <= 1),
+        ("train.weight_decay", t.weight_decay, ">= 0", lambda v: v >= 0),
+        ("train.max_grad_norm", t.max_grad_norm, "> 0, or 0 for no clipping", lambda v: v >= 0),
+        ("train.beta", t.beta, ">= 0", lambda v: v >= 0),
+        ("train.epsilon_low", t.epsilon_low, "in [0, 1)", lambda v: 0 <= v < 1),
+        ("train.epsilon_high", t.epsilon_high, ">= 0", lambda v: v >= 0),
+        ("train.lora_alpha", t.lora_alpha, "> 0", lambda v: v > 0),
+    ]
+    ranges += [(f"train.adam_betas[{i}]", b, "in [0, 1)", lambda v: 0 <= v < 1) for i, b in enumerate(t.adam_betas)]
+    ranges += [(f"log.eval_temperatures[{i}]", x, "> 0", lambda v: v > 0)
+               for i, x in enumerate(cfg.log.eval_temperatures)]
+    return ranges
 
 
 # ---------------------------------------------------------------- derived sizes

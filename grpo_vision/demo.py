@@ -165,10 +165,11 @@ def clean_prompt(prompt, policy, shapes: bool) -> str:
     if len(text) > MAX_PROMPT_CHARS:
         raise DemoInputError(f"The prompt has {len(text)} characters; at most {MAX_PROMPT_CHARS} are accepted.")
     if shapes:
-        from grpo_vision.shapes.scene import CaptionError, all_words, parse_caption
+        from grpo_vision.policy import unknown_words
+        from grpo_vision.shapes.scene import CaptionError, parse_caption
 
         text = text.lower()
-        unknown = [w for w in dict.fromkeys(text.split()) if w not in all_words()]
+        unknown = unknown_words(policy, text)  # a world's policy knows exactly the ShapesWorld words
         if unknown:
             raise DemoInputError(f"Not ShapesWorld words: {', '.join(map(repr, unknown))}. Captions look like "
                                  "'a red circle', 'a small blue square', 'a green triangle on a black background' "

@@ -213,6 +213,14 @@ class LlamaImagePolicy(nn.Module):
             rows.append([PAD] * (self.cfg.max_caption_words - len(ids)) + [BOS] + ids + [BOI])
         return torch.tensor(rows, dtype=torch.long, device=self.lm_head.weight.device)  # [B, L]
 
+    def unknown_words(self, prompt: str) -> list[str]:
+        """The words of `prompt` outside the caption vocabulary, each once: encode_prompts reads them as <unk>."""
+        return [w for w in dict.fromkeys(prompt.lower().split()) if w not in self.word_ids]
+
+    @property
+    def caption_words(self) -> list[str]:
+        return list(self.cfg.words)
+
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
         null = [PAD] * (self.cfg.max_caption_words - 1) + [BOS, NULL, BOI]
         return torch.tensor(null, dtype=cond.dtype, device=cond.device).expand_as(cond)  # [B, L]

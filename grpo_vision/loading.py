@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from grpo_vision.config import Config, ConfigError, PolicyConfig
+from grpo_vision.policy import prompt_problem
 from grpo_vision.prompts import PromptEntry, PromptsError, load_prompts
 
 WORLD_TRAIN_PROMPTS = 512  # captions of data.world_train_split a ShapesWorld run trains on (minus eval prompts)
@@ -53,11 +54,10 @@ def train_and_eval_prompts(cfg: Config, bundle: Bundle) -> tuple[list[PromptEntr
     d = cfg.data
     train, evals = prompt_lists(cfg)
     for entries, source in ((train, d.train_prompts or "world"), (evals, d.eval_prompts or "world")):
-        for e in entries:  # fail before training starts, naming the prompt and its line
-            try:
-                bundle.policy.encode_prompts([e.prompt])
-            except ValueError as err:
-                raise PromptsError(f"{source}, line {e.line}: {err}") from None
+        for e in entries:  # fail before training starts, naming the prompt and its line: an unknown word
+            problem = prompt_problem(bundle.policy, e.prompt)  # would be trained on as <unk>
+            if problem:
+                raise PromptsError(f"{source}, line {e.line}: {problem}")
     return train, evals
 
 

@@ -5,6 +5,10 @@ step by step with a KV cache (sampling) or for a whole token sequence at once (t
 training log-probs). Logits are always over the codebook only (`[..., codebook_size]`), so the
 sampler never has to know where image tokens sit in a model's vocabulary.
 
+Optional: `unknown_words(prompt) -> list[str]`, the words a policy would read as unknown, and
+`caption_words`, its vocabulary. A policy with a closed vocabulary implements them, so that
+training refuses prompts it cannot read (`prompt_problem` below); Janus reads any text and does not.
+
 The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling.py`. Adapters:
 `llama_policy.LlamaImagePolicy` (built in, LlamaGen-style) and `janus_policy.JanusImagePolicy` (Janus-Pro through transformers).
 """
@@ -45,3 +49,24 @@ class ImagePolicy(Protocol):
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits `[B, N, K]` for image tokens `[B, N]`, one forward pass, with grad."""
         ...
+
+
+def unknown_words(policy, prompt: str) -> list[str]:
+    """The words of `prompt` that `policy` cannot read; none for a policy that reads any text."""
+    check = getattr(policy, "unknown_words", None)
+    return check(prompt) if check is not None else []
+
+
+def prompt_problem(policy, prompt: str) -> str | None:
+    """Why `policy` cannot read `prompt` (too long, unknown words), or None when it can."""
+    try:
+        policy.encode_prompts([prompt])
+    except ValueError as e:  # e.g. more words than the policy's caption length
+        return str(e)
+    unknown = unknown_words(policy, prompt)
+    if not unknown:
+        return None
+    vocabulary = getattr(policy, "caption_words", None) or []
+    more = " ..." if len(vocabulary) > 60 else ""  # a long vocabulary is cut short in the message
+    shown = f" (its vocabulary: {' '.join(vocabulary[:60])}{more})" if vocabulary else ""
+    return f"words the policy does not know: {', '.join(map(repr, unknown))}{shown}"

@@ -5,7 +5,8 @@ A JSONL entry may also carry its own reward weights and metadata, which route re
     {"prompt": "a red circle", "rewards": {"clip": 1.0, "shapes_exact": 0.5}, "metadata": {"tag": "x"}}
 
 Blank lines and lines starting with `#` are skipped; the first other line decides the format (a `{`
-starts JSONL), as does a `.jsonl` / `.json` suffix. Errors name the file and line.
+starts JSONL), as does a `.jsonl` / `.json` suffix; a later line starting with `{` in a plain-text file
+is an error, not a caption. Errors name the file and line.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ def load_prompts(path: str | Path) -> list[PromptEntry]:
         text = line.strip()
         if not text or text.startswith("#"):
             continue
+        if not jsonl and text.startswith("{"):  # else trained on as a literal caption, braces and all
+            raise PromptsError(f"{path}, line {number}: looks like JSON, but the file is read as plain text (its "
+                               f"first prompt line is not JSON): rename it to {path.stem}.jsonl and write every "
+                               "line as JSON, or write this line as a plain caption")
         entries.append(_parse_jsonl_line(text, path, number) if jsonl else PromptEntry(text, line=number))
     if not entries:
         raise PromptsError(f"{path} holds no prompts: write one caption per line, or JSONL with a 'prompt' field")

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from grpo_vision.evaluate import eval_temperatures, evaluate, save_sample_grid
+from grpo_vision.health import run_summary
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
@@ -87,6 +88,13 @@ def _temperature_table(by_temperature: dict) -> list[str]:
     return lines
 
 
+def _warning_paragraph(warnings: list[str]) -> list[str]:
+    """A paragraph near the top that says the run may not have learned, and why (empty when it did)."""
+    if not warnings:
+        return []
+    return ["## Warning: this run may not have learned", "", *[f"- {w}" for w in warnings], ""]
+
+
 def _fmt(entry: dict) -> str:
     if entry["mean"] is None:
         return "n/a"
@@ -114,10 +122,12 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
     save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:8], replace(params, temperature=temperatures[0]),
                      run_dir / "final_samples.png")
     last = metrics[-1] if metrics else {}
+    skipped, updates, warnings = run_summary(metrics, cfg.train.num_iterations * cfg.train.minibatches_per_pass)
     lines = [f"# GRPO report: {run_dir.name}", "",
              f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
+             *_warning_paragraph(warnings),
              f"Evaluation: {result['prompts']} held-out prompts (not used in training) x "
              f"{result['images_per_prompt']} images, the same seeds for policy and reference, sampled at "
              f"temperature {result['temperature']} (training sampled at {params.temperature}); "
@@ -146,7 +156,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
     kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
     lines += ["", "## What it cost", "",
               f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",
-              f"Skipped updates (non-finite loss): {last.get('train/skipped_updates', 0)}.",
+              f"Skipped optimizer updates (non-finite loss or gradient): {skipped} of {updates}.",
               f"Wall time: {sum(m.get('perf/step_s', 0) for m in metrics) / 60:.1f} min of steps.", "",
               "![training curves](curves.png)", "", "## Samples (held-out prompts): policy | reference", "",
               "![samples](final_samples.png)", ""]

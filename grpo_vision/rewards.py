@@ -118,6 +118,7 @@ def batched(fn: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], batch_siz
 class RewardOutput:
     total: torch.Tensor  # [B] weighted sum over the rewards that apply (NaN when none applies)
     raw: dict[str, torch.Tensor]  # name -> [B] unweighted values (NaN = does not apply)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] its weight for each sample
 
 
 class CompositeReward:
@@ -173,6 +174,12 @@ class CompositeReward:
                 raise RewardError(name, f"{type(e).__name__}: {e}") from e
             if value.shape[0] != len(prompts):
                 raise RewardError(name, f"returned {value.shape[0]} values for {len(prompts)} images")
+            infinite = value.isinf()  # [B]; one inf makes its group's advantages NaN, which skips the update
+            if infinite.any():
+                i = int(infinite.nonzero()[0])
+                raise RewardError(name, f"returned {value[i].item()} for {int(infinite.sum())} of {len(prompts)} "
+                                        f"images (the first for prompt {prompts[i]!r}); a reward must be finite, "
+                                        "or NaN where it does not apply")
             raw[name] = value
         B = len(prompts)
         w = torch.zeros(B, len(self.names))  # [B, R]
@@ -184,7 +191,7 @@ class CompositeReward:
         applies = ~values.isnan() & (w != 0)  # [B, R]
         total = torch.where(applies, values * w, torch.zeros_like(values)).sum(1)  # [B]
         total = torch.where(applies.any(1), total, torch.full_like(total, math.nan))
-        return RewardOutput(total, raw)
+        return RewardOutput(total, raw, {n: w[:, j] for j, n in enumerate(self.names)})
 
 
 # ---------------------------------------------------------------------------- built-in rewards

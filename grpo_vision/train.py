@@ -25,7 +25,9 @@ from tqdm import tqdm
 from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl
+from grpo_vision.health import NonFiniteWeightsError, RunHealth, weights_finite
 from grpo_vision.loading import load_bundle, train_and_eval_prompts
+from grpo_vision.memory import report_memory
 from grpo_vision.reference import Reference, add_lora
 from grpo_vision.report import load_metrics
 from grpo_vision.rewards import CompositeReward, RewardError
@@ -68,6 +70,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         policy = add_lora(policy, t.lora_rank, t.lora_alpha, t.lora_targets)
     reference = Reference(policy, t.reference)
     trainable = [p for p in policy.parameters() if p.requires_grad]
+    # before any sampling: a batch that cannot fit stops here, naming the knob to lower
+    report_memory(policy, tokenizer, trainable, cfg, sizes["images_per_process"], params.guided, acc.device, main)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
     train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
@@ -96,6 +100,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                             {"counters": counters})
         acc.wait_for_everyone()
 
+    health = RunHealth(counters, t.max_skipped_updates, loud=main)
     stop = GracefulStop()
     step = start
     try:
@@ -122,6 +127,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             out = rewards(images, prompts, [e.metadata for e in entries], [e.rewards for e in entries])
             total = acc.gather(out.total.to(acc.device)).cpu()  # [B*G] global, in group order
             raw = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.raw.items()}
+            weights = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.weights.items()}
             # ---------------------------------------------------------- ADVANTAGE
             adv_all = group_advantages(total, s.group_size, t.adv_scale)  # [B*G], identical on every process
             n = len(prompts)
@@ -133,19 +139,21 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             # ---------------------------------------------------------- UPDATE
             policy.train()
             t1 = time.perf_counter()
-            losses = update(policy, trainable, optimizer, scheduler, batch, params, cfg, sizes, acc, step, counters)
+            losses = update(policy, trainable, optimizer, scheduler, batch, params, cfg, sizes, acc, step, health)
             t_update = time.perf_counter() - t1
             if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
                 reference.sync(policy)
             # ---------------------------------------------------------- LOG / CHECKPOINT
             metrics = {f"reward/{k}/mean": _nanmean(v) for k, v in raw.items()}
             metrics |= {f"reward/{k}/std": _nanstd(v) for k, v in raw.items()}
+            spread = frac_zero_std(total, s.group_size)
             metrics |= {"reward/total/mean": _nanmean(total), "reward/total/std": _nanstd(total),
-                        "adv/frac_zero_std": frac_zero_std(total, s.group_size), **losses,
+                        "adv/frac_zero_std": spread, **losses,
+                        **health.after_rewards(step, total, raw, weights, spread),
                         "policy/entropy": acc.reduce(rollout.entropy.mean().to(acc.device), "mean").item(),
                         "perf/step_s": time.perf_counter() - t0, "perf/sample_s": t_sample, "perf/update_s": t_update,
                         "perf/sample_tokens_per_s": n * policy.num_image_tokens / t_sample,
-                        "lr": scheduler.get_last_lr()[0], "train/skipped_updates": counters["skipped_updates"]}
+                        "lr": scheduler.get_last_lr()[0]}
             if main:
                 logger.log(step + 1, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
@@ -158,6 +166,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
                       f"continue with: grpo-vision train --resume {run_dir}", file=sys.stderr)
                 raise Interrupted(signum)
+            if health.too_many_skipped():  # skipped updates leave the weights as the last applied one made them
+                checkpoint(step + 1)
+                raise health.stuck(step + 1, run_dir)
             if cfg.log.checkpoint_every and (step + 1) % cfg.log.checkpoint_every == 0:
                 checkpoint(step + 1)
         step = t.steps
@@ -165,6 +176,10 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     except RewardError as e:
         checkpoint(step)
         raise RewardError(e.name, f"{e} (checkpoint saved at step {step} in {run_dir})") from e
+    except NonFiniteWeightsError as e:  # no checkpoint: it would hold the broken weights
+        last = latest_checkpoint(run_dir)
+        raise NonFiniteWeightsError(f"{e}; the last checkpoint, {last}, holds finite weights" if last else
+                                    f"{e}; no checkpoint was saved before it") from e
     else:  # still under the lock: the report is part of the run
         stop.restore()  # no step is left to finish: a signal now stops at once
         if main:
@@ -214,7 +229,7 @@ def reference_logprobs(policy, reference: Reference, cond, tokens, params, t) ->
 
 
 def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, sizes: dict, acc,
-           step: int, counters: dict) -> dict:
+           step: int, health: RunHealth) -> dict:
     """`num_iterations` passes over the step's rollouts, `minibatches_per_pass` optimizer updates each."""
     t, n = cfg.train, batch.tokens.shape[0]
     mask = torch.ones_like(batch.tokens, dtype=torch.bool)  # image sequences have a fixed length
@@ -242,10 +257,13 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
                     sums[k] = sums.get(k, 0.0) + float(v.detach())
                 count += 1
             grad_norm = sync_and_clip(trainable, acc, t.max_grad_norm)
-            if math.isfinite(grad_norm):
+            if math.isfinite(grad_norm):  # else a non-finite loss or gradient skips this update
                 optimizer.step()
-            else:  # a non-finite loss or gradient skips this update; the run goes on
-                counters["skipped_updates"] += 1
+                if not weights_finite(trainable):  # finite gradients, yet e.g. a huge lr overflowed a weight
+                    raise NonFiniteWeightsError(
+                        f"an optimizer update at step {step + 1} made the policy's weights non-finite (gradient "
+                        f"norm {grad_norm:.3g}, learning rate {scheduler.get_last_lr()[0]:.3g}); lower train.lr")
+            health.after_update(applied=math.isfinite(grad_norm))
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
     means = {k: acc.reduce(torch.tensor(v / count, device=acc.device), "mean").item() for k, v in sums.items()}

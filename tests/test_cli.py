@@ -65,3 +65,10 @@ def test_bench_counts_must_be_positive(capsys):
         with pytest.raises(SystemExit) as exit_info:
             main(args)
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_non_finite_learning_rate_is_one_line_on_stderr():
+    # Before: accepted, and every weight of the policy was NaN in the checkpoints
+    out = run_cli("config", "configs/shapes_micro.yaml", "train.lr=inf")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == "grpo-vision: error: train.lr must be a finite number in (0, 1], got inf\n"

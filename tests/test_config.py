@@ -2,6 +2,9 @@
 
 from pathlib import Path
 
+import dataclasses
+import typing
+
 import pytest
 
 from grpo_vision.config import Config, ConfigError, derived_sizes, load_config, save_config
@@ -82,7 +85,8 @@ def test_save_and_reload_round_trip(tmp_path):
     ("reward:\n  weights: {clip: .nan}\n", "reward.weights must be finite numbers"),
     ("run:\n  name: a/b\n", "run.name must be a plain folder name"),
     ("log:\n  checkpoint_every: -1\n", "log.checkpoint_every must be >= 0"),
-    ("log:\n  eval_temperatures: [0.7, 0]\n", "log.eval_temperatures must all be > 0"),
+    ("log:\n  eval_temperatures: [0.7, 0]\n", "log.eval_temperatures[1] must be a finite number > 0, got 0.0"),
+    ("train:\n  lr: .inf\n", "train.lr must be a finite number in (0, 1], got inf"),
     ("log:\n  eval_temperatures: [cold]\n", "'log.eval_temperatures[0]' expects a number"),
 ])
 def test_bad_files_name_the_key(tmp_path, text, needle):
@@ -160,3 +164,59 @@ def test_retired_key_in_an_old_run_config_warns_and_loads(tmp_path):
     with pytest.warns(UserWarning, match="'log.log_every' is retired and ignored"):
         cfg = load_config(path)
     assert cfg.train.lr == 1e-4 and cfg.log.sample_every == 5
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("train.lr=inf", "train.lr must be a finite number in (0, 1], got inf"),
+    ("train.lr=nan", "train.lr must be a finite number in (0, 1], got nan"),
+    ("train.lr=0", "train.lr must be a finite number in (0, 1], got 0.0"),
+    ("train.lr=1e39", "train.lr must be a finite number in (0, 1], got 1e+39"),
+    ("sample.cfg_scale=inf", "sample.cfg_scale must be a finite number >= 0 (1 turns guidance off), got inf"),
+    ("sample.cfg_scale=-0.5", "sample.cfg_scale must be a finite number >= 0"),
+    ("sample.temperature=inf", "sample.temperature must be a finite number > 0, got inf"),
+    ("sample.temperature=0", "sample.temperature must be a finite number > 0, got 0.0"),
+    ("sample.top_p=0", "sample.top_p must be a finite number in (0, 1]"),
+    ("sample.top_p=1.5", "sample.top_p must be a finite number in (0, 1]"),
+    ("train.epsilon_low=1", "train.epsilon_low must be a finite number in [0, 1), got 1.0"),
+    ("train.epsilon_high=inf", "train.epsilon_high must be a finite number >= 0, got inf"),
+    ("train.beta=-0.1", "train.beta must be a finite number >= 0, got -0.1"),
+    ("train.adam_betas=[2, 3]", "train.adam_betas[0] must be a finite number in [0, 1), got 2.0"),
+    ("train.adam_betas=[0.9, 1]", "train.adam_betas[1] must be a finite number in [0, 1), got 1.0"),
+    ("train.weight_decay=-1", "train.weight_decay must be a finite number >= 0, got -1.0"),
+    ("train.max_grad_norm=nan", "train.max_grad_norm must be a finite number > 0, or 0 for no clipping, got nan"),
+    ("train.max_grad_norm=-1", "train.max_grad_norm must be a finite number > 0, or 0 for no clipping"),
+    ("train.lora_alpha=0", "train.lora_alpha must be a finite number > 0, got 0.0"),
+    ("log.eval_temperatures=[1.0, inf]", "log.eval_temperatures[1] must be a finite number > 0, got inf"),
+    ("train.lora_rank=0", "train.lora_rank must be >= 1"),
+    ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
+])
+def test_float_knobs_must_be_finite_and_in_range(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["train.max_grad_norm=0", "sample.cfg_scale=0", "train.epsilon_low=0",
+                                      "train.adam_betas=[0, 0]", "sample.top_p=1", "train.weight_decay=0"])
+def test_the_edges_of_each_range_are_allowed(override):
+    load_config(None, [override])
+
+
+def _float_keys(cls, prefix=""):
+    """Dotted keys of every float or list-of-float field, found by walking the dataclasses."""
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _float_keys(hint, f"{prefix}{f.name}.")
+        elif hint is float or hint == list[float]:
+            yield f"{prefix}{f.name}", hint is float
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
+def test_no_float_field_accepts_a_non_finite_value(bad):
+    # Walks the config, so a float field added later without a range check fails here
+    keys = list(_float_keys(Config))
+    assert len(keys) >= 12
+    for key, scalar in keys:
+        with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}(\[0\])? must be a finite number"):
+            load_config(None, [f"{key}={bad}" if scalar else f"{key}=[{bad}, {bad}]"])

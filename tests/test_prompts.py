@@ -2,6 +2,9 @@
 
 import pytest
 
+from grpo_vision.config import load_config
+from grpo_vision.loading import Bundle, train_and_eval_prompts
+from grpo_vision.policy import prompt_problem
 from grpo_vision.prompts import PromptsError, load_prompts
 
 
@@ -57,3 +60,35 @@ def test_format_is_decided_by_the_first_prompt_line_and_a_bom_is_dropped(tmp_pat
     path = tmp_path / "bom.txt"
     path.write_bytes("\ufeffa red circle\na blue square\n".encode("utf-8"))
     assert [e.prompt for e in load_prompts(path)] == ["a red circle", "a blue square"]
+
+
+def test_a_json_line_in_a_plain_text_file_is_refused(tmp_path):
+    # Before, it was trained on as a literal caption, braces and all
+    path = write(tmp_path, "p.txt", 'a red circle\n{"prompt": "a blue square"}\n')
+    with pytest.raises(PromptsError, match=r"p.txt, line 2: looks like JSON, but the file is read as plain text .*"
+                                           r"rename it to p.jsonl"):
+        load_prompts(path)
+
+
+def test_words_the_policy_does_not_know_are_named_with_its_vocabulary(tiny_policy):
+    assert prompt_problem(tiny_policy, "A Red  circle") is None  # read as the policy reads it: lower case
+    assert prompt_problem(tiny_policy, "a teal hexagon left of a teal circle") == (
+        "words the policy does not know: 'teal', 'hexagon' (its vocabulary: a red blue circle square left of)")
+    assert "at most 8" in prompt_problem(tiny_policy, "a red circle left of a blue square now")
+
+    class ReadsAnything:  # like Janus: no unknown_words, so nothing is unknown
+        def encode_prompts(self, prompts):
+            return None
+
+    assert prompt_problem(ReadsAnything(), "a teal hexagon") is None
+
+
+def test_training_prompts_the_policy_cannot_read_are_refused_at_start(tmp_path, tiny_policy):
+    train = write(tmp_path, "train.txt", "# shapes\na red circle\na teal hexagon\n")
+    evals = write(tmp_path, "eval.txt", "a blue square\n")
+    cfg = load_config(None, [f"data.train_prompts={train}", f"data.eval_prompts={evals}"])
+    with pytest.raises(PromptsError, match=r"train.txt, line 3: words the policy does not know: 'teal', 'hexagon'"):
+        train_and_eval_prompts(cfg, Bundle(tiny_policy, None, None))
+    cfg = load_config(None, [f"data.train_prompts={evals}", f"data.eval_prompts={train}"])
+    with pytest.raises(PromptsError, match=r"train.txt, line 3: words the policy does not know"):  # as eval prompts
+        train_and_eval_prompts(cfg, Bundle(tiny_policy, None, None))

@@ -22,6 +22,10 @@ def not_applicable_to_odd(images, prompts, metadata):
     return torch.tensor([1.0 if i % 2 == 0 else math.nan for i in range(len(prompts))])
 
 
+def minus_inf_for_b(images, prompts, metadata):
+    return torch.tensor([-math.inf if p == "b" else 1.0 for p in prompts])
+
+
 def broken(images, prompts, metadata):
     raise RuntimeError("model exploded")
 
@@ -72,6 +76,24 @@ def test_a_failing_reward_is_named():
     reward = CompositeReward({"python:tests.test_rewards:broken": 1.0}, [], CTX)
     with pytest.raises(RewardError, match="reward 'python:tests.test_rewards:broken' failed: RuntimeError: model exploded"):
         reward(torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
+
+
+def test_an_infinite_reward_is_an_error_naming_the_reward_and_the_prompt():
+    # NaN means "does not apply"; inf has no such meaning, and one inf makes a group's advantages NaN
+    reward = CompositeReward({"python:tests.test_rewards:constant": 1.0}, ["python:tests.test_rewards:minus_inf_for_b"],
+                             CTX)  # even a monitored reward: its logged mean would be -inf
+    with pytest.raises(RewardError, match=r"reward 'python:tests.test_rewards:minus_inf_for_b' failed: returned -inf "
+                                          r"for 2 of 3 images \(the first for prompt 'b'\); a reward must be finite"):
+        reward(torch.zeros(3, 3, 8, 8), ["a", "b", "b"], [{}] * 3)
+
+
+def test_the_output_carries_each_samples_weights():
+    reward = CompositeReward({"python:tests.test_rewards:constant": 0.5}, ["python:tests.test_rewards:not_applicable_to_odd"],
+                             CTX)
+    out = reward(torch.zeros(2, 3, 8, 8), ["p"] * 2, [{}] * 2, [None, {"python:tests.test_rewards:constant": 0.0}])
+    assert out.weights["python:tests.test_rewards:constant"].tolist() == [0.5, 0.0]
+    assert out.weights["python:tests.test_rewards:not_applicable_to_odd"].tolist() == [0.0, 0.0]  # monitored
+    assert out.total[0].item() == 1.0 and math.isnan(out.total[1])  # row 1 weighs nothing: no signal
 
 
 def test_jpeg_rewards_prefer_flat_images():

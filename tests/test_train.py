@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, load_config, save_config
+from grpo_vision.grpo import grpo_loss
+from grpo_vision.health import NonFiniteWeightsError, TrainingHealthError, weights_finite
 from grpo_vision.rewards import RewardError
 from grpo_vision.train import train
 
@@ -24,8 +26,16 @@ def micro_cfg(world, out, *overrides):
 
 
 def inf_reward(images, prompts, metadata):  # python:tests.test_train:inf_reward
-    # One infinite reward per group of 4: the group mean is inf, its advantages NaN, the loss NaN.
+    # One infinite reward per group of 4: the group mean would be inf, its advantages NaN, the loss NaN.
     return torch.tensor([math.inf if i % 4 == 0 else float(i) for i in range(len(prompts))])
+
+
+def huge_reward(images, prompts, metadata):  # python:tests.test_train:huge_reward
+    return torch.tensor([3e38 if i % 2 else 0.0 for i in range(len(prompts))])
+
+
+def nan_reward(images, prompts, metadata):  # python:tests.test_train:nan_reward
+    return torch.full((len(prompts),), math.nan)  # "does not apply", to every image
 
 
 def raising_reward(images, prompts, metadata):  # python:tests.test_train:raising_reward
@@ -110,23 +120,112 @@ def test_two_processes_match_one(micro_world, tmp_path):
     assert diff.max() <= 2.5e-5 and (diff > 1e-6).float().mean() < 1e-3, (diff.max(), (diff > 1e-6).float().mean())
 
 
-def test_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp_path):
-    run = train(micro_cfg(micro_world, tmp_path, "run.name=inf", "reward.weights={python:tests.test_train:inf_reward: 1.0}",
-                          "reward.monitor=[]"), progress=False)
+def nan_loss(*args, **kwargs):  # grpo_loss, poisoned: as an fp16 overflow would make it
+    loss, metrics = grpo_loss(*args, **kwargs)
+    return loss * math.nan, metrics
+
+
+def test_a_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp_path, monkeypatch):
+    monkeypatch.setattr("grpo_vision.train.grpo_loss", nan_loss)
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=nanloss", "train.max_skipped_updates=0"), progress=False)
     lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 2 and lines[-1]["train/skipped_updates"] == 4  # 2 steps x 2 passes
     before = load_file(Path(micro_world) / "policy" / "policy.safetensors")
     after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
     assert all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in after)
+    report = (run / "report.md").read_text()
+    assert "## Warning: this run may not have learned" in report
+    assert "every one of the 4 optimizer updates was skipped" in report
+    assert "Skipped optimizer updates (non-finite loss or gradient): 4 of 4." in report
 
 
-def test_a_raising_reward_stops_with_its_name_and_a_checkpoint(micro_world, tmp_path):
-    cfg = micro_cfg(micro_world, tmp_path, "run.name=raise", "reward.weights={python:tests.test_train:raising_reward: 1.0}",
-                    "reward.monitor=[]")
-    with pytest.raises(RewardError, match=r"reward 'python:tests.test_train:raising_reward' failed: ValueError: "
-                                          r"scorer offline.*checkpoint saved at step 0"):
+def test_skipped_updates_in_a_row_stop_the_run_with_a_checkpoint(micro_world, tmp_path, monkeypatch):
+    monkeypatch.setattr("grpo_vision.train.grpo_loss", nan_loss)
+    cfg = micro_cfg(micro_world, tmp_path, "run.name=stuck", "train.steps=5", "train.max_skipped_updates=3",
+                    "log.checkpoint_every=0")
+    # two updates a step: the third skipped update in a row falls in step 2, checked when step 2 ends
+    with pytest.raises(TrainingHealthError, match=r"^4 optimizer updates in a row were skipped .*"
+                                                  r"train.max_skipped_updates=3\): saved a checkpoint at step 2"):
         train(cfg, progress=False)
-    assert (tmp_path / "raise" / "checkpoints" / "step_000000" / "policy.safetensors").is_file()
+    run = tmp_path / "stuck"
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_non_finite_weights_stop_the_run_and_name_the_last_finite_checkpoint(micro_world, tmp_path, monkeypatch):
+    import grpo_vision.train as train_module
+
+    calls = []
+
+    def breaks_at_the_third_update(params):  # step 2's first update (two a step)
+        calls.append(1)
+        return len(calls) < 3 and weights_finite(params)
+
+    monkeypatch.setattr(train_module, "weights_finite", breaks_at_the_third_update)
+    cfg = micro_cfg(micro_world, tmp_path, "run.name=broken", "train.steps=3", "log.checkpoint_every=1")
+    last = tmp_path / "broken" / "checkpoints" / "step_000001"
+    with pytest.raises(NonFiniteWeightsError, match=rf"an optimizer update at step 2 made the policy's weights "
+                                                    rf"non-finite .*; the last checkpoint, {last}, holds finite weights"):
+        train(cfg, progress=False)
+    assert (tmp_path / "broken" / "checkpoints" / "latest").read_text() == "step_000001"  # not overwritten
+
+
+def test_a_reward_on_an_absurd_scale_stops_the_cli_after_skipped_updates(micro_world, tmp_path):
+    # Finite rewards of 3e38 overflow their group's mean to inf: NaN advantages, a NaN loss, every update
+    # skipped. The default train.max_skipped_updates=4 stops the run when step 2 ends (two updates a step)
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
+                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.sample_every=0",
+                          "train.steps=3", "reward.weights={python:tests.test_train:huge_reward: 1.0}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    error = [ln for ln in out.stderr.splitlines() if ln.startswith("grpo-vision: error:")]
+    assert error == [f"grpo-vision: error: 4 optimizer updates in a row were skipped (non-finite loss or gradient; "
+                     f"train.max_skipped_updates=4): saved a checkpoint at step 2 in {tmp_path / 'shapes_micro'}; "
+                     "lower train.lr or check the rewards before resuming"]
+    assert (tmp_path / "shapes_micro" / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+def test_a_reward_that_never_applies_finishes_with_warnings_not_silence(micro_world, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
+                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.sample_every=0",
+                          "log.eval_images=1", "reward.weights={python:tests.test_train:nan_reward: 1.0}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[train] done: " in out.stdout and out.stdout.rstrip().endswith("report.md (0 of 4 updates skipped)")
+    warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("[train] WARNING")]
+    assert warnings[0].startswith("[train] WARNING: step 1 has nothing to learn from: the trained rewards "
+                                  "('python:tests.test_train:nan_reward') returned NaN for every image they weigh")
+    assert warnings[1] == "[train] WARNING: 2 of 2 steps had no trained reward for any image (NaN, or weight 0): " \
+                          "nothing to learn from"  # the summary after the final line
+    run = tmp_path / "shapes_micro"
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["train/steps_without_signal"], last["train/steps_no_spread"]) == (2, 2)
+    assert "2 of 2 steps had no trained reward" in (run / "report.md").read_text()
+
+
+def test_prompt_entries_that_weigh_no_reward_are_counted(micro_world, tmp_path, capfd):
+    prompts = tmp_path / "zero.jsonl"
+    prompts.write_text('{"prompt": "a red circle", "rewards": {"clip": 0}}\n'
+                       '{"prompt": "a blue square", "rewards": {"clip": 0, "aesthetic": 0}}\n')
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=zero", f"data.train_prompts={prompts}", "train.steps=1"),
+                progress=False)
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["train/steps_without_signal"] == 1
+    assert "every prompt entry of the step gives weight 0 to every reward" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("reward, needle", [
+    ("raising_reward", "ValueError: scorer offline"),
+    # Before, the inf made its group's advantages NaN and every update of the run was skipped, silently
+    ("inf_reward", r"returned inf for 2 of 8 images \(the first for prompt '[a-z ]+'\); a reward must be finite"),
+])
+def test_a_failing_reward_stops_with_its_name_and_a_checkpoint(micro_world, tmp_path, reward, needle):
+    cfg = micro_cfg(micro_world, tmp_path, "run.name=stop", f"reward.weights={{python:tests.test_train:{reward}: 1.0}}",
+                    "reward.monitor=[]")
+    with pytest.raises(RewardError, match=rf"reward 'python:tests.test_train:{reward}' failed: {needle}.*"
+                                          r"checkpoint saved at step 0"):
+        train(cfg, progress=False)
+    assert (tmp_path / "stop" / "checkpoints" / "step_000000" / "policy.safetensors").is_file()
 
 
 def test_a_corrupt_reward_model_stops_the_run_before_it_starts(micro_world, tmp_path):
@@ -159,6 +258,39 @@ def test_bad_input_is_named(micro_world, tmp_path):
     assert out.returncode == 2 and "bad.jsonl, line 2: not valid JSON" in out.stderr
     out = cli("eval", str(tmp_path / "missing_run"), "--prompts", str(bad))
     assert out.returncode == 2 and "missing_run is not a run directory" in out.stderr
+
+
+def test_unreadable_prompts_and_a_step_too_large_for_memory_are_refused_by_the_cli(micro_world, tmp_path):
+    def cli(*args):
+        out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
+                              f"policy.path={micro_world}", f"run.out_dir={tmp_path}", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        errors = [ln for ln in out.stderr.splitlines() if ln.startswith("grpo-vision: error: ")]
+        assert len(errors) == 1, out.stderr[-3000:]
+        return errors[0]
+
+    # Before: trained on as <unk>, and as a literal caption with its braces
+    words = tmp_path / "words.txt"
+    words.write_text("a red circle\na teal hexagon\n")
+    assert f"{words}, line 2: words the policy does not know: 'teal', 'hexagon' (its vocabulary: a " in \
+        cli(f"data.train_prompts={words}")
+    json_line = tmp_path / "mixed.txt"
+    json_line.write_text('a red circle\n{"prompt": "a blue square"}\n')
+    assert "mixed.txt, line 2: looks like JSON" in cli(f"data.train_prompts={json_line}")
+    # Before: minutes of work, then an out-of-memory traceback. 6.4 million images of 64 x 64 are more than
+    # 900 GiB as float32, beyond any machine, so this refusal does not depend on where the test runs
+    error = cli("sample.prompts_per_step=100000", "sample.group_size=64")
+    assert "GiB are available; the largest part is step" in error and "lower sample.prompts_per_step" in error
+    assert not (tmp_path / "shapes_micro").exists()  # refused before the run's folder was written
+
+
+def test_the_memory_estimate_refuses_the_step_of_the_report(micro_world, tmp_path, monkeypatch):
+    # The finding itself (prompts_per_step=100000, 400,000 images a step), on a machine with 16 GiB free
+    monkeypatch.setattr("grpo_vision.memory.available_memory", lambda device: 16 * 2**30)
+    with pytest.raises(ConfigError, match=r"this run needs about \d+\.\d GiB but 16.0 GiB are available; the largest "
+                                          r"part is step .*lower sample.prompts_per_step"):
+        train(micro_cfg(micro_world, tmp_path, "sample.prompts_per_step=100000"), progress=False)
 
 
 def test_ctrl_c_finishes_the_step_saves_and_resumes(micro_world, tmp_path):
