@@ -126,7 +126,6 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
     return line, f"the estimated peak is {100 * need / available:.0f}% of the available memory; {advice}"
 
 
-
 def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,
                   device, loud: bool) -> None:
     """Estimate a run's peak memory for its config, print it (`loud`), warn when close, refuse when over."""

@@ -15,6 +15,7 @@ arrays are tagged in the JSON so that they come back as the same types; floats r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import re
@@ -110,11 +111,10 @@ _NUMPY_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt
 def load_pickled_tensors(path: str | Path, numpy_arrays: bool = False) -> Any:
     """`torch.load(weights_only=True)`: tensors, numbers, strings and containers (with `numpy_arrays`,
     plain numpy arrays too), never other Python objects. A file that holds any raises UnsafeFileError."""
+    allowed = torch.serialization.safe_globals(_NUMPY_GLOBALS) if numpy_arrays else contextlib.nullcontext()
     try:
-        if numpy_arrays:
-            with torch.serialization.safe_globals(_NUMPY_GLOBALS):
-                return torch.load(path, map_location="cpu", weights_only=True)
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with allowed:
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         if not names_python_objects(e):
             raise  # not a pickle at all, or a damaged one

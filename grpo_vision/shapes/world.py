@@ -167,7 +167,7 @@ def stage_problem(world: Path, name: str, load: bool = True) -> str | None:
     """What is wrong with stage `name`'s files, naming the file, or None. Every file must parse (JSON;
     safetensors, whose header is checked against the file's length); with `load`, the stage's model
     must also load through the loader the later stages and training use."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     from grpo_vision.shapes import stages
 
@@ -175,8 +175,9 @@ def stage_problem(world: Path, name: str, load: bool = True) -> str | None:
         try:
             if path.suffix == ".json":
                 json.loads(path.read_text())
-            else:
-                load_file(path)
+            else:  # the header only: it must cover the file exactly; the weights are read once, by the loader
+                with safe_open(str(path), framework="pt"):
+                    pass
         except Exception as e:  # absent, cut short, not UTF-8, not JSON, a bad header: each its own kind
             return f"{path} does not load ({type(e).__name__}: {e})"
     if load:
