@@ -31,7 +31,7 @@ from grpo_vision.prompts import PromptsError
 from grpo_vision.report import load_metrics
 from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.sampling import SamplingParams
-from grpo_vision.shapes.data import to_uint8
+from grpo_vision.images import to_uint8
 
 MAX_IMAGES = 16  # images per side
 MAX_PROMPT_CHARS = 200  # longer prompts are refused before tokenising

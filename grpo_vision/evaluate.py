@@ -147,7 +147,7 @@ def save_sample_grid(policy, reference: Reference, cfg: Config, tokenizer, entri
     """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right."""
     from PIL import Image, ImageDraw
 
-    from grpo_vision.shapes.data import to_uint8
+    from grpo_vision.images import to_uint8
 
     prompts = [e.prompt for e in entries for _ in range(seeds_per_prompt)]
     seeds = [j for _ in entries for j in range(seeds_per_prompt)]
@@ -175,7 +175,7 @@ def write_samples(model, tokenizer, entries: list[PromptEntry], out: Path, n: in
     """One PNG per image and an index.jsonl (prompt, file, seed, model, step)."""
     from PIL import Image
 
-    from grpo_vision.shapes.data import to_uint8
+    from grpo_vision.images import to_uint8
 
     prompts = [e.prompt for e in entries for _ in range(n)]
     seeds = [seed + j for _ in entries for j in range(n)]

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from grpo_vision.config import ConfigError
-from grpo_vision.shapes.data import to_uint8
+from grpo_vision.images import to_uint8
 
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
 REGISTRY: dict[str, Callable[["RewardContext"], RewardFn]] = {}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from grpo_vision.images import to_uint8  # noqa: F401  (re-exported for the world's builders)
 from grpo_vision.shapes.scene import Scene, render, sample_scene
 
 
@@ -26,11 +27,6 @@ def render_batch(rng: np.random.Generator, n: int, split: str = "train", aesthet
 def to_tensor(images: np.ndarray) -> torch.Tensor:
     """uint8 `[n, H, W, 3]` -> float `[n, 3, H, W]` in [0, 1]."""
     return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(255.0)
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """float `[n, 3, H, W]` in [0, 1] -> uint8 `[n, H, W, 3]` (rounded, as a PNG would store it)."""
-    return images.clamp(0, 1).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
 
 
 def psnr(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
