@@ -87,8 +87,9 @@ def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", tar
     import tempfile
 
     from grpo_vision.config import ConfigError
-    from grpo_vision.demo import DemoInputError, DemoRun, build_app, clean_prompt, sampling_request
-    from grpo_vision.evaluate import sampling_params
+    from grpo_vision.demo import DemoInputError, DemoRun, clean_prompt, sampling_request
+    from grpo_vision.demo_app import build_app
+    from grpo_vision.sampling import SamplingParams
 
     run = DemoRun(run_dir)
     prompt = prompt or next((p for examples in run.examples.values() for p in examples), "")
@@ -96,8 +97,8 @@ def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", tar
         raise ConfigError(f"bench demo: {run_dir} has no example prompts; pass --prompt")
     s = run.cfg.sample
     try:  # on the page these are messages; here they are command-line errors
-        prompt = clean_prompt(prompt, run.bundle.policy, run.bundle.world is not None)
-        sampling_request(0, n, s.cfg_scale, s.temperature, s.top_k, sampling_params(run.cfg))
+        prompt = clean_prompt(prompt, run.bundle.policy, run.bundle.judge)
+        sampling_request(0, n, s.cfg_scale, s.temperature, s.top_k, SamplingParams.from_config(s))
     except DemoInputError as e:
         raise ConfigError(f"bench demo: {e}") from None
     policy_side = run.choices()[0]

@@ -13,11 +13,10 @@ from pathlib import Path
 from grpo_vision.checkpoint import CheckpointError
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.health import TrainingHealthError
+from grpo_vision.plugins import command_adders
 from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards import RewardError
 from grpo_vision.runlock import RunLockedError
-from grpo_vision.shapes.scene import CaptionError
-from grpo_vision.shapes.world import WorldError
 
 
 def cmd_config(args) -> None:
@@ -32,7 +31,7 @@ def cmd_config(args) -> None:
 
 def cmd_train(args) -> None:
     from grpo_vision.health import run_summary, warn
-    from grpo_vision.report import load_metrics
+    from grpo_vision.metrics import load_metrics
     from grpo_vision.train import resume_config, train
 
     overrides = list(args.overrides)
@@ -57,12 +56,11 @@ def cmd_train(args) -> None:
 
 
 def cmd_sample(args) -> None:
-    from grpo_vision.evaluate import eval_params, load_run, reference_sampler, write_samples
+    from grpo_vision.evaluate import eval_params, load_run, write_samples
     from grpo_vision.prompts import load_prompts
 
     run = load_run(args.run, args.step)
-    model, ctx = (reference_sampler(run.policy, run.reference, run.cfg) if args.reference
-                  else (run.policy, contextlib.nullcontext()))
+    model, ctx = run.reference.sampler(run.policy) if args.reference else (run.policy, contextlib.nullcontext())
     with ctx:
         index = write_samples(model, run.bundle.tokenizer, load_prompts(args.prompts), Path(args.out), args.n,
                               args.seed, eval_params(run.cfg, args.temperature), "reference" if args.reference else "policy",
@@ -77,15 +75,17 @@ def cmd_eval(args) -> None:
 
     run = load_run(args.run, args.step)
     entries = load_prompts(args.prompts)
-    rewards = CompositeReward.from_config(run.cfg.reward, world=run.bundle.world, entries=entries).load()
+    device = next(run.policy.parameters()).device
+    rewards = CompositeReward.from_config(run.cfg.reward, device, run.bundle.reward_defaults, entries).load()
     params = eval_params(run.cfg, args.temperature)
-    result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params, run.cfg,
-                      seed=args.seed)
+    result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
+                      run.bundle.judge, seed=args.seed)
     print(json.dumps({"run": str(args.run), "step": run.step, "temperature": params.temperature, **result}, indent=2))
 
 
 def cmd_demo(args) -> None:
-    from grpo_vision.demo import DemoRun, serve
+    from grpo_vision.demo import DemoRun
+    from grpo_vision.demo_app import serve
 
     run = DemoRun(args.run)  # loads the latest checkpoint and checks the reward config now: a bad run fails before serving
     try:
@@ -120,42 +120,6 @@ def _print_result(result: dict, as_json: bool) -> None:
     else:
         for k, v in result.items():
             print(f"{k}: {v}")
-
-
-def cmd_world_build(args) -> None:
-    from grpo_vision.shapes.world import build_world
-
-    info = build_world(args.out or f"worlds/shapes{'_micro' if args.preset == 'micro' else ''}", args.preset,
-                       args.seed)
-    print(json.dumps(info["quality"], indent=2))
-
-
-def cmd_world_render(args) -> None:
-    from grpo_vision.shapes.render_prompts import render_prompts
-
-    index = render_prompts(args.prompts, args.out, n=args.n, seed=args.seed)
-    print(f"wrote {len(index)} images and index.jsonl to {args.out}")
-
-
-def cmd_world_prompts(args) -> None:
-    import numpy as np
-
-    from grpo_vision.config import load_config
-    from grpo_vision.loading import prompt_lists
-    from grpo_vision.shapes.scene import all_captions
-
-    captions = all_captions(args.split, args.form or None)
-    if args.not_trained_in:
-        config = Path(args.not_trained_in) / "config.yaml"
-        if not config.is_file():
-            raise FileNotFoundError(f"{args.not_trained_in} is not a run directory (no config.yaml)")
-        trained = {e.prompt for e in prompt_lists(load_config(config))[0]}
-        captions = [c for c in captions if c not in trained]
-    if args.n and args.n < len(captions):
-        captions = [captions[i] for i in sorted(np.random.default_rng(args.seed).permutation(len(captions))[:args.n])]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("".join(c + "\n" for c in captions))
-    print(f"wrote {len(captions)} captions to {args.out}")
 
 
 def positive_int(text: str) -> int:
@@ -238,30 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
     p.set_defaults(func=cmd_bench_demo)
 
-    world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
-        dest="what", required=True)
-    p = world.add_parser("build", help="train the world's tokenizer, CLIP, aesthetic head and base policy")
-    p.add_argument("--preset", default="default", choices=["micro", "default"], help="micro: seconds, for tests")
-    p.add_argument("--out", default="", help="world directory (default: worlds/shapes or worlds/shapes_micro)")
-    p.add_argument("--seed", type=int, default=0, help="seeds every stage; the build is deterministic")
-    p.set_defaults(func=cmd_world_build)
-    p = world.add_parser("render", help="ground-truth renders for the captions of a prompts file")
-    p.add_argument("--prompts", required=True, help="plain text (one caption per line) or JSONL with 'prompt'")
-    p.add_argument("--out", required=True, help="output directory for PNGs and index.jsonl")
-    p.add_argument("--n", type=positive_int, default=1, help="images per prompt")
-    p.add_argument("--seed", type=int, default=0, help="base seed; image j of a prompt uses seed + j")
-    p.set_defaults(func=cmd_world_render)
-    p = world.add_parser("prompts", help="a prompts file of the world's captions (e.g. held-out ones for eval)")
-    p.add_argument("--split", default="heldout", choices=["train", "heldout", "all"],
-                   help="the base policy's training compositions, the held-out ones, or both")
-    p.add_argument("--form", default="", choices=["", "plain", "size", "background", "relation"],
-                   help="one caption form (default: all four)")
-    p.add_argument("--not-trained-in", default="", metavar="RUN",
-                   help="leave out every prompt this run trained on (from its config.yaml)")
-    p.add_argument("--n", type=positive_int, default=None, help="at most N captions, drawn with --seed")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draw")
-    p.add_argument("--out", required=True, help="the text file to write (one caption per line)")
-    p.set_defaults(func=cmd_world_prompts)
+    for add_commands in command_adders():  # plugins' own subcommands (ShapesWorld: world build | render | prompts)
+        add_commands(sub)
     return parser
 
 
@@ -269,8 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, CaptionError, WorldError,
-            RunLockedError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, RunLockedError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (RewardError, TrainingHealthError) as e:

@@ -3,7 +3,8 @@
 * ``frozen``: a deep copy of the initial policy with gradients off (doubles the weights in memory).
 * ``lora``:   the policy trains peft LoRA adapters only; reference log-probs are the same network
               with the adapters disabled (`disable_adapter()`), so no second copy is kept.
-* ``none``:   no reference; only valid with beta = 0.
+* ``none``:   no reference; only valid with beta = 0. Sample grids and evaluation still compare
+              with the base model, loaded once, on the policy's device, when first asked for.
 
 `ref_sync_every = N` replaces the reference with the current policy every N steps (a moving anchor,
 like TRL's `sync_ref_model` with mixup alpha 1). Under LoRA that means merging the adapters into
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import copy
 import re
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
@@ -34,11 +37,14 @@ def add_lora(policy, rank: int, alpha: float, targets: list[str]):
 
 
 class Reference:
-    def __init__(self, policy, mode: str):
+    def __init__(self, policy, mode: str, load_base: Callable[[], torch.nn.Module] | None = None):
+        """`load_base()` loads the base policy from disk: what `sampler` gives without a reference."""
         if mode not in ("frozen", "lora", "none"):
             raise ValueError(f"reference must be frozen, lora or none, got {mode!r}")
         self.mode = mode
         self.model = None
+        self._load_base = load_base
+        self._base = None  # the base policy, loaded at the first `sampler` call of a run without a reference
         self.synced = False  # True once the reference differs from the base weights on disk
         if mode == "frozen":
             self.model = copy.deepcopy(policy).eval().requires_grad_(False)
@@ -59,10 +65,19 @@ class Reference:
         return torch.cat(chunks)
 
     def sampler(self, policy):
-        """A context whose body samples from the reference (for grids and evaluation)."""
+        """(model, context): sampling `model` inside `context` draws from the reference (grids,
+        evaluation, the demo). Without a reference: the base policy, loaded once, on `policy`'s device."""
+        if self.mode == "frozen":
+            return self.model, nullcontext()
         if self.mode == "lora":
-            return policy.disable_adapter()
-        return _Nothing()
+            return policy, policy.disable_adapter()
+        if self._base is None:
+            if self._load_base is None:
+                raise ValueError("this run has no reference (train.reference: none) and no way to load its base "
+                                 "policy: pass load_base to Reference")
+            device = next(policy.parameters()).device
+            self._base = self._load_base().to(device).eval().requires_grad_(False)
+        return self._base, nullcontext()
 
     @torch.no_grad()
     def sync(self, policy) -> None:
@@ -92,11 +107,3 @@ class Reference:
         if missing.unexpected_keys:
             raise ValueError(f"reference weights do not fit the policy: {missing.unexpected_keys[:3]}")
         self.synced = True
-
-
-class _Nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

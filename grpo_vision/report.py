@@ -8,65 +8,13 @@ from pathlib import Path
 
 from grpo_vision.evaluate import eval_temperatures, evaluate, save_sample_grid
 from grpo_vision.health import run_summary
-
-
-def load_metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's rows; a line cut short by a crash mid-write is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
-    rows = []
-    for ln in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(ln))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
-def plot_curves(metrics: list[dict], out: Path) -> None:
-    """One panel per reward (mean per step), plus the KL to the reference."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    keys = sorted({k for m in metrics for k in m if k.startswith("reward/") and k.endswith("/mean")})
-    keys.append("loss/kl")
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 2.8), squeeze=False)
-    steps = [m["step"] for m in metrics]
-    for ax, key in zip(axes[0], keys):
-        values = [m.get(key) for m in metrics]
-        ax.plot(steps, [float("nan") if v is None else v for v in values], lw=1)
-        ax.set_title(key.replace("/mean", ""), fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
-def plot_checker(result: dict, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [k for k, v in result["models"]["policy"]["checker"].items() if v["mean"] is not None]
-    fig, ax = plt.subplots(figsize=(6.4, 2.8))
-    for offset, model in ((-0.2, "reference"), (0.2, "policy")):
-        table = result["models"][model]["checker"]
-        ax.bar([i + offset for i in range(len(names))], [table[n]["mean"] for n in names], width=0.4, label=model)
-    ax.set_xticks(range(len(names)), names, fontsize=8)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("checker accuracy")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+from grpo_vision.metrics import load_metrics
+from grpo_vision.plots import curves_figure, judge_figure, save_figure
 
 
 def _temperature_table(by_temperature: dict) -> list[str]:
-    """Both models at each eval temperature: the checker's all-attributes rate (where the prompts are
-    world captions) and each reward's mean."""
+    """Both models at each eval temperature: the judge's all-attributes rate (where the policy kind has
+    a judge) and each reward's mean."""
     first = next(iter(by_temperature.values()))
     names = list(first["models"]["policy"]["rewards"])
     checked = bool(first["models"]["policy"]["checker"])
@@ -102,7 +50,8 @@ def _fmt(entry: dict) -> str:
     return f"{entry['mean']:.4f} [{lo:.4f}, {hi:.4f}]"
 
 
-def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle) -> dict:
+def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, judge=None) -> dict:
+    """Evaluate policy and reference on the eval prompts; write eval.json, the figures and report.md."""
     run_dir = Path(run_dir)
     policy.eval()
     temperatures = eval_temperatures(cfg)
@@ -111,15 +60,15 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
         print(f"[report] evaluating on {len(eval_prompts)} held-out prompts x {cfg.log.eval_images} images "
               f"at temperature {t}", flush=True)
         by_temperature[t] = evaluate(policy, reference, tokenizer, rewards, eval_prompts, cfg.log.eval_images,
-                                     replace(params, temperature=t), cfg, seed=cfg.run.seed + 99)
+                                     replace(params, temperature=t), judge, seed=cfg.run.seed + 99)
     result = {**by_temperature[temperatures[0]], "temperature": temperatures[0],
               "train_temperature": params.temperature}
     if len(temperatures) > 1:
         result["by_temperature"] = {str(t): r for t, r in by_temperature.items()}
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     metrics = load_metrics(run_dir)
-    plot_curves(metrics, run_dir / "curves.png")
-    save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:8], replace(params, temperature=temperatures[0]),
+    save_figure(curves_figure(metrics), run_dir / "curves.png")
+    save_sample_grid(policy, reference, tokenizer, eval_prompts[:8], replace(params, temperature=temperatures[0]),
                      run_dir / "final_samples.png")
     last = metrics[-1] if metrics else {}
     skipped, updates, warnings = run_summary(metrics, cfg.train.num_iterations * cfg.train.minibatches_per_pass)
@@ -138,15 +87,15 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
         lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | {diff:+.4f} |" if diff is not None
                      else f"| {name} | {_fmt(ref)} | {_fmt(pol)} | n/a |")
     if result["models"]["policy"]["checker"]:
-        plot_checker(result, run_dir / "checker.png")
-        lines += ["", "## Exact checker (ShapesWorld), per attribute", "",
+        save_figure(judge_figure(result), run_dir / "checker.png")
+        lines += ["", f"## {judge.name}, per attribute", "",
                   "| attribute | reference | policy | change |", "|---|---|---|---|"]
         for name, diff in result["checker_difference"].items():
             ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
             lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | "
                          f"{'n/a' if diff is None else f'{100 * diff:+.1f} pts'} |")
         lines += ["", "![checker accuracy](checker.png)", "",
-                  "All attributes right, by caption form (the held-out relation captions need two objects right):",
+                  "All attributes right, by prompt form:",
                   "", "| form | reference | policy | change |", "|---|---|---|---|"]
         for form, pol in result["models"]["policy"]["checker_by_form"].items():
             ref = result["models"]["reference"]["checker_by_form"][form]

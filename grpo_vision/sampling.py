@@ -56,6 +56,13 @@ class SamplingParams:
     def guided(self) -> bool:
         return self.cfg_scale != 1.0
 
+    @classmethod
+    def from_config(cls, sample_cfg, temperature: float | None = None) -> "SamplingParams":
+        """The settings of a config's `sample` section; `temperature` replaces sample.temperature
+        (evaluation at other temperatures; training always samples at the configured one)."""
+        s = sample_cfg
+        return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode)
+
 
 @dataclass
 class Rollout:

@@ -10,7 +10,6 @@ the same advantages as a one-process run, and gradients are averaged before each
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import sys
@@ -26,10 +25,11 @@ from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_chec
 from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl
 from grpo_vision.health import NonFiniteWeightsError, RunHealth, weights_finite
-from grpo_vision.loading import load_bundle, train_and_eval_prompts
 from grpo_vision.memory import report_memory
+from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
+from grpo_vision.policies import Bundle, load_bundle, resolve_device, train_and_eval_prompts
+from grpo_vision.prompts import PromptEntry
 from grpo_vision.reference import Reference, add_lora
-from grpo_vision.report import load_metrics
 from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.runlock import RunLock, check_run_dir
 from grpo_vision.sampling import SamplingParams, sample_batched, sequence_logprobs
@@ -49,11 +49,30 @@ def step_seed(seed: int, step: int, salt: int) -> int:
     return int(np.random.default_rng([seed, step, salt]).integers(2**62))
 
 
-def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
+@dataclass
+class RunState:  # everything set-up builds before the first step, on this process
+    acc: object  # accelerate.Accelerator
+    run_dir: Path
+    sizes: dict[str, int]  # derived_sizes: the batch arithmetic
+    params: SamplingParams  # the rollout's sampling settings
+    bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
+    policy: torch.nn.Module  # the bundle's policy, LoRA-wrapped when reference == "lora"
+    trainable: list[torch.Tensor]  # parameters the optimizer updates
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    reference: Reference
+    rewards: CompositeReward
+    train_prompts: list[PromptEntry]
+    eval_prompts: list[PromptEntry]
+    start: int  # the first step to run (0, or the resumed checkpoint's step)
+    counters: dict  # RunHealth's counters, checkpointed
+
+
+def set_up(cfg: Config, resume: str | Path | None) -> RunState:
+    """Load everything a run needs, or fail naming the problem before the run directory is written."""
     from accelerate import Accelerator
 
-    # ------------------------------------------------------------------ set-up
-    device = cfg.run.device if cfg.run.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.run.device)
     acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision)
     sizes = derived_sizes(cfg, acc.num_processes)
     run_dir = Path(resume) if resume else Path(cfg.run.out_dir) / cfg.run.name
@@ -62,20 +81,22 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     main = acc.is_main_process
     if main:
         print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}", flush=True)
-    s, t = cfg.sample, cfg.train
-    params = SamplingParams(s.cfg_scale, s.temperature, s.top_k, s.top_p, s.logprob_mode)
+    t = cfg.train
+    params = SamplingParams.from_config(cfg.sample)
     bundle = load_bundle(cfg.policy, acc.device)
-    policy, tokenizer = bundle.policy, bundle.tokenizer
+    policy = bundle.policy
     if t.reference == "lora":
         policy = add_lora(policy, t.lora_rank, t.lora_alpha, t.lora_targets)
-    reference = Reference(policy, t.reference)
+    reference = Reference(policy, t.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     # before any sampling: a batch that cannot fit stops here, naming the knob to lower
-    report_memory(policy, tokenizer, trainable, cfg, sizes["images_per_process"], params.guided, acc.device, main)
+    report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"], params.guided, acc.device,
+                  main)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
     train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
-    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.world, [*train_prompts, *eval_prompts])
+    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults,
+                                          [*train_prompts, *eval_prompts])
     rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
     start, counters = 0, {"skipped_updates": 0}
     if resume:
@@ -88,8 +109,19 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         if main:
             print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
                   "starting at step 0", flush=True)
+    return RunState(acc, run_dir, sizes, params, bundle, policy, trainable, optimizer, scheduler, reference,
+                    rewards, train_prompts, eval_prompts, start, counters)
+
+
+def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
+    # ------------------------------------------------------------------ set-up
+    st = set_up(cfg, resume)
+    acc, run_dir, params, policy, reference, rewards = st.acc, st.run_dir, st.params, st.policy, st.reference, st.rewards
+    tokenizer, optimizer, scheduler, counters, start = st.bundle.tokenizer, st.optimizer, st.scheduler, st.counters, st.start
+    train_prompts, eval_prompts = st.train_prompts, st.eval_prompts
+    s, t, main = cfg.sample, cfg.train, acc.is_main_process
     lock = RunLock(run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
-    if main:  # only once everything above has loaded, so a bad override never reaches the run's config
+    if main:  # only once everything has loaded, so a bad override never reaches the run's config
         save_config(cfg, run_dir / "config.yaml")
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
@@ -139,15 +171,15 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             # ---------------------------------------------------------- UPDATE
             policy.train()
             t1 = time.perf_counter()
-            losses = update(policy, trainable, optimizer, scheduler, batch, params, cfg, sizes, acc, step, health)
+            losses = update(policy, st.trainable, optimizer, scheduler, batch, params, cfg, acc, step, health)
             t_update = time.perf_counter() - t1
             if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
                 reference.sync(policy)
             # ---------------------------------------------------------- LOG / CHECKPOINT
-            metrics = {f"reward/{k}/mean": _nanmean(v) for k, v in raw.items()}
-            metrics |= {f"reward/{k}/std": _nanstd(v) for k, v in raw.items()}
+            metrics = {f"reward/{k}/mean": nanmean(v) for k, v in raw.items()}
+            metrics |= {f"reward/{k}/std": nanstd(v) for k, v in raw.items()}
             spread = frac_zero_std(total, s.group_size)
-            metrics |= {"reward/total/mean": _nanmean(total), "reward/total/std": _nanstd(total),
+            metrics |= {"reward/total/mean": nanmean(total), "reward/total/std": nanstd(total),
                         "adv/frac_zero_std": spread, **losses,
                         **health.after_rewards(step, total, raw, weights, spread),
                         "policy/entropy": acc.reduce(rollout.entropy.mean().to(acc.device), "mean").item(),
@@ -159,7 +191,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
                 if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == start):
                     from grpo_vision.evaluate import save_sample_grid
-                    save_sample_grid(policy, reference, cfg, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
+                    save_sample_grid(policy, reference, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
                                      run_dir / "samples" / f"step_{step + 1:06d}.png")
             if signum := stop.agreed(acc):
                 checkpoint(step + 1)
@@ -185,7 +217,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         if main:
             from grpo_vision.report import final_report
 
-            final_report(run_dir, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, bundle)
+            final_report(run_dir, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, st.bundle.judge)
     finally:
         stop.restore()
         if logger:
@@ -228,14 +260,16 @@ def reference_logprobs(policy, reference: Reference, cond, tokens, params, t) ->
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
 
 
-def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, sizes: dict, acc,
-           step: int, health: RunHealth) -> dict:
-    """`num_iterations` passes over the step's rollouts, `minibatches_per_pass` optimizer updates each."""
+def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, acc, step: int,
+           health: RunHealth) -> dict:
+    """`num_iterations` passes over the step's rollouts, `minibatches_per_pass` optimizer updates each.
+    The logged KL is the token mean of k3 over the sequences whose reference log-probs were measured
+    (all of them with beta > 0), whether or not it is in the loss."""
     t, n = cfg.train, batch.tokens.shape[0]
     mask = torch.ones_like(batch.tokens, dtype=torch.bool)  # image sequences have a fixed length
     sums, count = {}, 0
-    kl_sum = torch.zeros((), device=batch.tokens.device)  # the logged KL when beta is 0 (summed on the device:
-    kl_tokens = torch.zeros((), device=batch.tokens.device)  # one sync at the end, not one per micro-batch)
+    kl_sum = torch.zeros((), device=batch.tokens.device)  # the logged KL, summed on the device:
+    kl_tokens = torch.zeros((), device=batch.tokens.device)  # one sync at the end, not one per micro-batch
     for it in range(t.num_iterations):
         order = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 2**31 + it)))
         for minibatch in order.view(t.minibatches_per_pass, -1):
@@ -248,7 +282,7 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
                                     batch.advantages[idx], mask[idx], beta=t.beta, epsilon_low=t.epsilon_low,
                                     epsilon_high=t.epsilon_high, loss_type=t.loss_type,
                                     max_tokens=batch.tokens.shape[1])
-                if ref is not None and t.beta == 0:  # still report the KL it cost, where it was measured
+                if ref is not None:  # the KL to the reference, where it was measured
                     seen = mask[idx] & ~ref.isnan()
                     kl_sum += (k3_kl(logp.detach().float(), ref.nan_to_num()) * seen).sum()
                     kl_tokens += seen.sum()
@@ -267,9 +301,10 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
     means = {k: acc.reduce(torch.tensor(v / count, device=acc.device), "mean").item() for k, v in sums.items()}
-    if batch.ref_logprobs is not None and t.beta == 0:
-        means["kl"] = (acc.reduce(kl_sum.to(acc.device), "sum") / acc.reduce(kl_tokens.to(acc.device), "sum")).item()
-    return {"loss/total": means["loss"], "loss/policy": means["policy_loss"], "loss/kl": means["kl"],
+    kl = 0.0
+    if batch.ref_logprobs is not None:
+        kl = (acc.reduce(kl_sum.to(acc.device), "sum") / acc.reduce(kl_tokens.to(acc.device), "sum")).item()
+    return {"loss/total": means["loss"], "loss/policy": means["policy_loss"], "loss/kl": kl,
             "loss/clip_frac_low": means["clip_frac_low"], "loss/clip_frac_high": means["clip_frac_high"],
             "loss/ratio_mean": means["ratio_mean"], "train/grad_norm": grad_norm}
 
@@ -286,46 +321,6 @@ def sync_and_clip(params: list[torch.Tensor], acc, max_norm: float) -> float:
             offset += g.numel()
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     return float(norm)
-
-
-def _nanmean(x: torch.Tensor) -> float:
-    return float(x.nanmean()) if (~x.isnan()).any() else float("nan")
-
-
-def _nanstd(x: torch.Tensor) -> float:
-    v = x[~x.isnan()]
-    return float(v.std()) if v.numel() > 1 else 0.0
-
-
-class MetricsLogger:
-    """metrics.jsonl (one line per step; on resume, lines past the checkpoint are dropped) and TensorBoard."""
-
-    def __init__(self, run_dir: Path, start: int, tensorboard: bool):
-        self.path = run_dir / "metrics.jsonl"
-        if self.path.exists():
-            keep = [row for row in load_metrics(run_dir) if row["step"] <= start]
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in keep))
-        self.file = open(self.path, "a")
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1)
-
-    def log(self, step: int, metrics: dict) -> None:
-        self.file.write(json.dumps({"step": step, **{k: _finite(v) for k, v in metrics.items()}}) + "\n")
-        self.file.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
-
-    def close(self) -> None:
-        self.file.close()
-        if self.tb:
-            self.tb.close()
-
-
-def _finite(v: float):
-    return v if math.isfinite(v) else None
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]) -> Config:

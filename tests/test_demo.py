@@ -15,8 +15,11 @@ import torch
 from PIL import Image
 
 from grpo_vision.config import load_config
-from grpo_vision.demo import (MAX_IMAGES, DemoInputError, Side, build_app, check_run_dir, clean_prompt,
-                              curves_figure, grid_png, sampling_request, summary_rows)
+from grpo_vision.demo import (MAX_IMAGES, DemoInputError, Side, check_run_dir, clean_prompt, grid_png,
+                              sampling_request, summary_rows)
+from grpo_vision.demo_app import build_app
+from grpo_vision.plots import curves_figure
+from grpo_vision.shapes.judge import ShapesJudge
 from grpo_vision.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,10 +93,12 @@ def test_grid_png_places_each_image_upscaled_under_its_side(tmp_path):
     right = side({"clip": [0.2] * 6}, [None] * 6, "reference")
     path = grid_png(left, right, "a red circle", list(range(10, 16)), tmp_path / "g.png")
     sheet = np.asarray(Image.open(path).convert("RGB"))
-    cell_w, size = 8 * 2 + 6, 8 * 2  # GRID_SCALE 2, 4 columns, 2 rows of cells
-    assert sheet.shape[1] == 2 * 4 * cell_w + 24 + 8
+    # GRID_SCALE 2: 16 px images, 2 px apart, 2 caption lines of 11 px (seed, clip) + 2 px under each;
+    # a title line (11 + 6 px) and a heading line (11 + 4 px) on top; 24 px between the sides
+    size, cell_w, cell_h, top = 16, 18, 16 + 2 + 2 * 11 + 2, 17 + 15
+    assert sheet.shape[1] == 2 * 4 * cell_w + 24 + 4 and sheet.shape[0] == top + 2 * cell_h
     img = (right.images[5].clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-    x, y = 4 + 4 * cell_w + 24 + 1 * cell_w, 34 + 1 * (size + 11 * 3 + 6)  # right side, row 1, column 1
+    x, y = (4 + 1) * cell_w + 24, top + 1 * cell_h  # right side, row 1, column 1
     assert np.array_equal(sheet[y:y + size, x:x + size], img.repeat(2, 0).repeat(2, 1))
 
 
@@ -123,14 +128,16 @@ def test_sampling_request_seeds_and_bounds():
 
 
 def test_clean_prompt_normalises_and_names_the_problem(tiny_policy):
-    assert clean_prompt("  A  Red   circle ", tiny_policy, shapes=True) == "a red circle"
+    judge = ShapesJudge()
+    assert clean_prompt("  A  Red   circle ", tiny_policy, judge) == "A Red circle"  # the judge reads it lower case
     for prompt, needle in [("   ", "Enter a prompt"), ("a red circle " * 30, "389 characters; at most 200"),
-                           ("a pink circle", "Not ShapesWorld words: 'pink'"),
+                           ("a pink circle", "Words the policy does not know: 'pink'"),
                            ("a red circle a", "outside the ShapesWorld grammar")]:
         with pytest.raises(DemoInputError, match=needle):
-            clean_prompt(prompt, tiny_policy, shapes=True)
-    with pytest.raises(DemoInputError, match="at most 8"):  # outside ShapesWorld: the policy's own limit
-        clean_prompt("a red circle left of a blue square now", tiny_policy, shapes=False)
+            clean_prompt(prompt, tiny_policy, judge)
+    assert clean_prompt("a red circle a", tiny_policy) == "a red circle a"  # no judge: only the policy must read it
+    with pytest.raises(DemoInputError, match="at most 8"):  # the policy's own limit
+        clean_prompt("a red circle left of a blue square now", tiny_policy)
 
 
 def test_run_directory_errors_name_the_path_and_the_fix(tmp_path):
@@ -182,7 +189,7 @@ def test_api_same_seed_same_images_new_seed_new_images(client):
 
 def test_api_compares_any_two_checkpoints(client, micro_world):
     from grpo_vision.evaluate import generate as sample_images
-    from grpo_vision.shapes.data import to_uint8
+    from grpo_vision.images import to_uint8
     from grpo_vision.shapes.world import load_world
 
     left, right, _, _, _, details = generate(client, n=2, left="step 1", right="step 1")
@@ -204,7 +211,7 @@ def test_api_bad_input_gives_a_message(client):
 
     for kwargs, needle in [({"prompt": ""}, "Enter a prompt"),
                            ({"prompt": "a red circle " * 30}, "at most 200 are accepted"),
-                           ({"prompt": "a pink unicorn"}, "Not ShapesWorld words: 'pink', 'unicorn'"),
+                           ({"prompt": "a pink unicorn"}, "Words the policy does not know: 'pink', 'unicorn'"),
                            ({"prompt": "circle red a"}, "outside the ShapesWorld grammar"),
                            ({"n": 0}, "number of images must be a whole number from 1 to 16"),
                            ({"n": 40}, "got 40"),
@@ -225,7 +232,7 @@ def test_bench_demo_reports_seconds_per_click(demo_run, capsys):
     with pytest.raises(SystemExit) as exit_info:  # bad input is a command-line error, not a traceback
         main(["bench", "demo", str(demo_run), "--prompt", "a pink unicorn"])
     assert exit_info.value.code == 2
-    assert "bench demo: Not ShapesWorld words: 'pink', 'unicorn'" in capsys.readouterr().err
+    assert "bench demo: Words the policy does not know: 'pink', 'unicorn'" in capsys.readouterr().err
 
 
 def test_busy_port_exits_2(demo_run, served, capsys):
@@ -260,7 +267,7 @@ def test_browser_types_a_prompt_and_sees_both_galleries(request, tmp_path):
             page.screenshot(path=str(tmp_path / "demo.png"), full_page=True)
             page.locator("#prompt textarea").fill("a pink circle")
             page.locator("#generate").click()
-            page.get_by_text("Not ShapesWorld words: 'pink'").first.wait_for(timeout=30_000)
+            page.get_by_text("Words the policy does not know: 'pink'").first.wait_for(timeout=30_000)
         finally:
             browser.close()
     artifacts = ROOT / "test-artifacts"

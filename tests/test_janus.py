@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, PolicyConfig, load_config
 from grpo_vision.janus_policy import NO_TOKEN, JanusImagePolicy, JanusVQTokenizer
-from grpo_vision.loading import load_bundle
+from grpo_vision.policies import load_bundle
 from grpo_vision.reference import add_lora
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 from grpo_vision.train import train
@@ -181,7 +181,7 @@ def test_vq_tokenizer_decodes_to_unit_range_and_encodes_like_the_l2_quantizer(po
 
 def test_load_bundle_freezes_understanding_and_lora_stays_in_the_language_model(janus_dir):
     bundle = load_bundle(PolicyConfig(kind="janus", path=str(janus_dir)), "cpu")
-    assert isinstance(bundle.policy, JanusImagePolicy) and bundle.world is None
+    assert isinstance(bundle.policy, JanusImagePolicy) and bundle.judge is None
     assert bundle.tokenizer.vq is bundle.policy.model.model.vqmodel  # one VQ in memory
     trainable = {n for n, p in bundle.policy.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith(("model.model.language_model.layers", "model.model.language_model.norm",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from grpo_vision.report import load_metrics
+from grpo_vision.metrics import load_metrics
 from grpo_vision.runlock import LOCK_NAME, RunLock, RunLockedError, check_run_dir
 from grpo_vision.signals import GracefulStop, Interrupted
 

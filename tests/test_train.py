@@ -1,5 +1,6 @@
 """GRPO end to end on the micro world: the real CLI, exact resume, two processes, faults."""
 
+import copy
 import json
 import math
 import subprocess
@@ -354,7 +355,7 @@ def test_a_bad_resume_override_leaves_the_run_config_alone(micro_world, tmp_path
 
 
 def test_a_metrics_line_cut_short_by_a_crash_is_skipped(tmp_path):
-    from grpo_vision.report import load_metrics
+    from grpo_vision.metrics import load_metrics
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n{"step": 2, "l')
     assert load_metrics(tmp_path) == [{"step": 1, "lr": 0.1}]
@@ -408,3 +409,46 @@ def test_training_runs_on_the_device(micro_world, tmp_path, device):
     assert all(v is not None and math.isfinite(v) for m in rows for v in m.values()), rows
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-5) and rows[1]["loss/kl"] > 1e-6  # one update apart
     assert (run / "eval.json").exists() and (run / "samples" / "step_000001.png").exists()
+
+
+def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once(micro_world, tmp_path, monkeypatch):
+    # train.reference=none: sample grids at every step and the report still compare with the base
+    # policy, which is loaded once (not once a grid), on the run's device (not a hard-coded CPU).
+    import grpo_vision.train as train_module
+    from grpo_vision.policies import load_bundle, resolve_device
+
+    loads = []
+
+    def counting(pcfg, device):
+        loads.append(str(device))
+        return load_bundle(pcfg, device)
+
+    monkeypatch.setattr(train_module, "load_bundle", counting)
+    device = resolve_device("auto")
+    run = train(micro_cfg(micro_world, tmp_path, "run.device=auto", "train.reference=none", "train.beta=0",
+                          "train.steps=2", "log.sample_every=1"), progress=False)
+    assert len(loads) == 2 and all(d.startswith(device) for d in loads)  # the policy, then the base once
+    assert (run / "samples" / "step_000002.png").exists() and (run / "eval.json").exists()
+    result = json.loads((run / "eval.json").read_text())
+    assert result["models"]["reference"]["rewards"]["clip"]["n"] == result["models"]["policy"]["rewards"]["clip"]["n"]
+
+
+def test_the_reference_sampler_loads_the_base_once_on_the_policys_device(tiny_policy):
+    from grpo_vision.reference import Reference
+
+    loads = []
+
+    def load_base():
+        loads.append(1)
+        return copy.deepcopy(tiny_policy)
+
+    reference = Reference(tiny_policy, "none", load_base=load_base)
+    first, _ = reference.sampler(tiny_policy)
+    second, _ = reference.sampler(tiny_policy)
+    assert first is second and len(loads) == 1 and first is not tiny_policy
+    assert next(first.parameters()).device == next(tiny_policy.parameters()).device
+    assert not any(p.requires_grad for p in first.parameters())
+    frozen = Reference(tiny_policy, "frozen")
+    assert frozen.sampler(tiny_policy)[0] is frozen.model
+    with pytest.raises(ValueError, match="no way to load its base policy"):
+        Reference(tiny_policy, "none").sampler(tiny_policy)

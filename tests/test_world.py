@@ -209,7 +209,7 @@ def test_world_render_cli(tmp_path):
 
 def test_world_prompts_cli_leaves_out_what_a_run_trained_on(tmp_path):
     from grpo_vision.config import load_config, save_config
-    from grpo_vision.loading import prompt_lists
+    from grpo_vision.policies import prompt_lists
     from grpo_vision.shapes.scene import all_captions, parse_caption
 
     run = tmp_path / "run"

@@ -19,6 +19,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from grpo_vision.config import ConfigError
+
 IMAGE_SIZE = 64  # H = W, pixels
 BACKGROUNDS = {"white": (240, 240, 240), "black": (30, 30, 30), "gray": (128, 128, 128)}
 COLORS = {
@@ -58,8 +60,8 @@ P_CORNERED = 0.15
 HELD_OUT = frozenset({("blue", "triangle"), ("yellow", "circle"), ("purple", "square")})
 
 
-class CaptionError(ValueError):
-    """A caption outside the ShapesWorld grammar."""
+class CaptionError(ConfigError):
+    """A caption outside the ShapesWorld grammar (a ConfigError: the CLI prints it as one line)."""
 
 
 @dataclass

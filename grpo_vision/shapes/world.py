@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from grpo_vision.config import ConfigError
+
 WORLD_VERSION = 1
 STAGES = ("vq", "clip", "aesthetic", "policy")
 INPUTS = {"vq": (), "clip": (), "aesthetic": ("clip",), "policy": ("vq",)}  # stages each one is trained on
@@ -39,8 +41,9 @@ FILES = {"vq": ("config.json", "diffusion_pytorch_model.safetensors"), "clip": (
          "policy": ("policy_config.json", "policy.safetensors")}  # what each stage saves into its folder
 
 
-class WorldError(RuntimeError):
-    """A missing or incomplete world directory; the message says how to build it."""
+class WorldError(ConfigError):
+    """A missing or incomplete world directory; the message says how to build it (a ConfigError:
+    policy.path names it, and the CLI prints it as one line)."""
 
 
 @dataclass

@@ -1,0 +1,58 @@
+"""The `Judge` protocol: exact per-attribute verdicts on images, for the report and the demo.
+
+A reward gives one number per image; a judge says which parts of the prompt an image gets right
+(count, colour, shape, ...), where a program can tell exactly. ShapesWorld's checker is one; a
+GenEval-style detector would be another. A policy kind brings its judge in its `Bundle`; without
+one, the report and the demo show rewards only.
+
+A verdict is `{"correct": bool, attribute: bool | None, ...}` (None: the attribute does not apply
+to this prompt), or None for a prompt the judge cannot read.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from grpo_vision.metrics import interval
+
+Verdict = dict[str, "bool | None"]
+
+
+@runtime_checkable
+class Judge(Protocol):
+    name: str  # heading of its tables, e.g. "Exact checker (ShapesWorld)"
+    attributes: Sequence[str]  # the verdict keys besides "correct", in table order
+    forms: Sequence[str]  # prompt forms it groups by (e.g. plain, size, relation); may be empty
+
+    def verdicts(self, images: torch.Tensor, prompts: Sequence[str]) -> list[Verdict | None]:
+        """One verdict per image `[B, 3, H, W]` in [0, 1] against its prompt."""
+        ...
+
+    def form(self, prompt: str) -> str | None:
+        """The prompt's form (one of `forms`), or None when the judge cannot read it."""
+        ...
+
+    def problem(self, prompt: str) -> str | None:
+        """Why the judge cannot read `prompt`, or None when it can."""
+        ...
+
+
+def judge_tables(judge: Judge | None, images: torch.Tensor, prompts: list[str]) -> tuple[dict | None, dict | None]:
+    """The judge's accuracy per attribute (mean and 95% interval), and its all-attributes-right rate
+    per prompt form, from one verdict per image; (None, None) without a judge or when it cannot read
+    one of the prompts (a mixed set would compare different things)."""
+    if judge is None:
+        return None, None
+    results = judge.verdicts(images, prompts)
+    if any(r is None for r in results):
+        return None, None
+    forms = [judge.form(p) for p in prompts]
+    table = {"correct": interval(torch.tensor([float(r["correct"]) for r in results]))}
+    for a in judge.attributes:
+        vals = [float(r[a]) for r in results if r.get(a) is not None]
+        table[a] = interval(torch.tensor(vals)) if vals else {"mean": None, "ci95": None, "n": 0}
+    by_form = {f: interval(torch.tensor([float(r["correct"]) for g, r in zip(forms, results) if g == f]))
+               for f in judge.forms if f in forms}
+    return table, by_form

@@ -1,0 +1,75 @@
+"""Metrics: the per-step log (metrics.jsonl and TensorBoard) and the NaN-aware statistics every
+table uses. NaN means "does not apply" throughout (a reward that does not score a sample)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def nanmean(x: torch.Tensor) -> float:
+    """Mean over the non-NaN entries; NaN when there are none."""
+    return float(x.nanmean()) if (~x.isnan()).any() else float("nan")
+
+
+def nanstd(x: torch.Tensor) -> float:
+    """Unbiased std over the non-NaN entries; 0 with fewer than two."""
+    v = x[~x.isnan()]
+    return float(v.std()) if v.numel() > 1 else 0.0
+
+
+def interval(values: torch.Tensor) -> dict:
+    """Mean and 95% interval of the non-NaN values (normal approximation, 1.96 standard errors)."""
+    v = values[~values.isnan()].double()
+    if v.numel() == 0:
+        return {"mean": None, "ci95": None, "n": 0}
+    half = 1.96 * float(v.std()) / math.sqrt(v.numel()) if v.numel() > 1 else float("nan")
+    return {"mean": round(float(v.mean()), 5), "ci95": [round(float(v.mean()) - half, 5),
+                                                      round(float(v.mean()) + half, 5)], "n": int(v.numel())}
+
+
+def load_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows; a line cut short by a crash mid-write is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    for ln in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(ln))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def finite_or_none(v: float):
+    """JSON has no NaN or inf: a value that is not finite is written as null."""
+    return v if math.isfinite(v) else None
+
+
+class MetricsLogger:
+    """metrics.jsonl (one line per step; on resume, lines past the checkpoint are dropped) and TensorBoard."""
+
+    def __init__(self, run_dir: Path, start: int, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        if self.path.exists():
+            keep = [row for row in load_metrics(run_dir) if row["step"] <= start]
+            self.path.write_text("".join(json.dumps(row) + "\n" for row in keep))
+        self.file = open(self.path, "a")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb:
+            self.tb.close()

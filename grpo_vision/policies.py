@@ -1,0 +1,134 @@
+"""Policy kinds: a registry of short names mapped to loaders, like the reward registry.
+
+A kind's loader reads `policy.path` (and `policy.tokenizer`) and returns a `Bundle`: the policy, its
+image tokenizer, and what the kind brings besides: a judge (exact verdicts for the report and the
+demo), default options for rewards whose model files it ships, and its own prompt splits. Built in:
+`llama` (LlamaImagePolicy with a diffusers VQ tokenizer) and `janus` (Janus-Pro through
+transformers); plugins add more (ShapesWorld adds `shapes`, see plugins.py).
+
+    @register_policy_kind("my_gpt")
+    def load_my_gpt(pcfg, device) -> Bundle:
+        return Bundle(MyPolicy.from_pretrained(pcfg.path, device), MyTokenizer(pcfg.tokenizer, device))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from grpo_vision.config import Config, ConfigError, PolicyConfig
+from grpo_vision.judge import Judge
+from grpo_vision.plugins import load_plugins, not_found_hint
+from grpo_vision.policy import prompt_problem
+from grpo_vision.prompts import PromptEntry, PromptsError, load_prompts
+
+PromptSplits = Callable[[Config], "tuple[list[PromptEntry], list[PromptEntry]]"]
+
+
+@dataclass
+class Bundle:
+    policy: torch.nn.Module  # an ImagePolicy
+    tokenizer: torch.nn.Module  # an ImageTokenizer
+    judge: Judge | None = None  # exact per-attribute verdicts, when the kind has a judge
+    reward_defaults: dict[str, dict] = field(default_factory=dict)  # reward name -> default options
+    source: Path | None = None  # the directory the kind loaded from, when it has one
+
+
+@dataclass
+class PolicyKind:
+    name: str
+    load: Callable[[PolicyConfig, torch.device | str], Bundle]
+    prompts: PromptSplits | None = None  # (train, eval) prompts when data.* names no files
+
+
+REGISTRY: dict[str, PolicyKind] = {}
+
+
+def register_policy_kind(name: str, prompts: PromptSplits | None = None):
+    """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
+    kind's default (train, eval) prompts."""
+    def wrap(load):
+        REGISTRY[name] = PolicyKind(name, load, prompts)
+        return load
+    return wrap
+
+
+def policy_kind(name: str) -> PolicyKind:
+    if name not in REGISTRY:
+        load_plugins()
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown policy.kind {name!r}; registered kinds: {', '.join(sorted(REGISTRY))} "
+                          f"({not_found_hint()})")
+    return REGISTRY[name]
+
+
+def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
+    return policy_kind(pcfg.kind).load(pcfg, device)
+
+
+@register_policy_kind("llama")
+def load_llama(pcfg: PolicyConfig, device) -> Bundle:
+    """The built-in LlamaGen-style policy (`policy.path`) and a diffusers VQ tokenizer (`policy.tokenizer`)."""
+    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.tokenizer import VQTokenizer
+
+    if not pcfg.tokenizer:
+        raise ConfigError("policy.kind 'llama' needs policy.tokenizer: the directory of its VQ tokenizer")
+    policy = LlamaImagePolicy.from_pretrained(pcfg.path, device).to(getattr(torch, pcfg.dtype))
+    return Bundle(policy, VQTokenizer.from_pretrained(pcfg.tokenizer, device), source=Path(pcfg.path))
+
+
+@register_policy_kind("janus")
+def load_janus(pcfg: PolicyConfig, device) -> Bundle:
+    """Janus-Pro through transformers; its VQ model, inside the checkpoint, is the tokenizer."""
+    from grpo_vision.janus_policy import JanusImagePolicy
+
+    if pcfg.tokenizer:
+        raise ConfigError("policy.tokenizer is not used with policy.kind 'janus': its VQ model is part of the "
+                          "Janus checkpoint in policy.path; leave policy.tokenizer empty")
+    policy = JanusImagePolicy.from_pretrained(pcfg.path, device, pcfg.dtype)
+    return Bundle(policy, policy.image_tokenizer(), source=Path(pcfg.path))  # the tokenizer shares the VQ model
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def prompt_lists(cfg: Config) -> tuple[list[PromptEntry], list[PromptEntry]]:
+    """A run's (train, eval) prompts without loading a model: the files of `data.*`, else the policy
+    kind's own splits. Eval prompts are removed from the kind's training prompts, never trained on."""
+    d = cfg.data
+    own = None
+    if not (d.train_prompts and d.eval_prompts):
+        splits = policy_kind(cfg.policy.kind).prompts
+        if splits is None:
+            which = "train" if not d.train_prompts else "eval"
+            raise ConfigError(f"data.{which}_prompts is required: policy.kind {cfg.policy.kind!r} brings no "
+                              "prompts of its own")
+        own = splits(cfg)
+    evals = load_prompts(d.eval_prompts) if d.eval_prompts else own[1]
+    if d.train_prompts:
+        return load_prompts(d.train_prompts), evals
+    unseen = {e.prompt for e in evals}
+    return [e for e in own[0] if e.prompt not in unseen], evals
+
+
+def train_and_eval_prompts(cfg: Config, bundle: Bundle) -> tuple[list[PromptEntry], list[PromptEntry]]:
+    """`prompt_lists`, each prompt checked against the loaded policy: an unknown word stops the run
+    before it starts, naming the prompt and its line (it would be trained on as <unk>)."""
+    d = cfg.data
+    train, evals = prompt_lists(cfg)
+    for entries, source in ((train, d.train_prompts or "the policy's prompts"),
+                            (evals, d.eval_prompts or "the policy's prompts")):
+        for e in entries:
+            problem = prompt_problem(bundle.policy, e.prompt)
+            if problem:
+                raise PromptsError(f"{source}, line {e.line}: {problem}")
+    return train, evals
+
+
+def resolve_device(name: str) -> str:
+    """`run.device`: "auto" is cuda when a GPU is visible, else cpu."""
+    return name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,76 @@
+"""`grpo-vision world ...`: build the world, render captions, write prompts files.
+
+Added to the command line through the `grpo_vision.commands` entry point (see grpo_vision/plugins.py);
+this module imports only argparse at start-up, so `grpo-vision --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def cmd_world_build(args) -> None:
+    from grpo_vision.shapes.build import build_world
+
+    info = build_world(args.out or f"worlds/shapes{'_micro' if args.preset == 'micro' else ''}", args.preset,
+                       args.seed)
+    print(json.dumps(info["quality"], indent=2))
+
+
+def cmd_world_render(args) -> None:
+    from grpo_vision.shapes.render_prompts import render_prompts
+
+    index = render_prompts(args.prompts, args.out, n=args.n, seed=args.seed)
+    print(f"wrote {len(index)} images and index.jsonl to {args.out}")
+
+
+def cmd_world_prompts(args) -> None:
+    import numpy as np
+
+    from grpo_vision.config import load_config
+    from grpo_vision.policies import prompt_lists
+    from grpo_vision.shapes.scene import all_captions
+
+    captions = all_captions(args.split, args.form or None)
+    if args.not_trained_in:
+        config = Path(args.not_trained_in) / "config.yaml"
+        if not config.is_file():
+            raise FileNotFoundError(f"{args.not_trained_in} is not a run directory (no config.yaml)")
+        trained = {e.prompt for e in prompt_lists(load_config(config))[0]}
+        captions = [c for c in captions if c not in trained]
+    if args.n and args.n < len(captions):
+        captions = [captions[i] for i in sorted(np.random.default_rng(args.seed).permutation(len(captions))[:args.n])]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("".join(c + "\n" for c in captions))
+    print(f"wrote {len(captions)} captions to {args.out}")
+
+
+def add_commands(sub) -> None:
+    """Add `world build | render | prompts` to the `grpo-vision` subparsers `sub`."""
+    from grpo_vision.cli import positive_int
+
+    world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
+        dest="what", required=True)
+    p = world.add_parser("build", help="train the world's tokenizer, CLIP, aesthetic head and base policy")
+    p.add_argument("--preset", default="default", choices=["micro", "default"], help="micro: seconds, for tests")
+    p.add_argument("--out", default="", help="world directory (default: worlds/shapes or worlds/shapes_micro)")
+    p.add_argument("--seed", type=int, default=0, help="seeds every stage; the build is deterministic")
+    p.set_defaults(func=cmd_world_build)
+    p = world.add_parser("render", help="ground-truth renders for the captions of a prompts file")
+    p.add_argument("--prompts", required=True, help="plain text (one caption per line) or JSONL with 'prompt'")
+    p.add_argument("--out", required=True, help="output directory for PNGs and index.jsonl")
+    p.add_argument("--n", type=positive_int, default=1, help="images per prompt")
+    p.add_argument("--seed", type=int, default=0, help="base seed; image j of a prompt uses seed + j")
+    p.set_defaults(func=cmd_world_render)
+    p = world.add_parser("prompts", help="a prompts file of the world's captions (e.g. held-out ones for eval)")
+    p.add_argument("--split", default="heldout", choices=["train", "heldout", "all"],
+                   help="the base policy's training compositions, the held-out ones, or both")
+    p.add_argument("--form", default="", choices=["", "plain", "size", "background", "relation"],
+                   help="one caption form (default: all four)")
+    p.add_argument("--not-trained-in", default="", metavar="RUN",
+                   help="leave out every prompt this run trained on (from its config.yaml)")
+    p.add_argument("--n", type=positive_int, default=None, help="at most N captions, drawn with --seed")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    p.add_argument("--out", required=True, help="the text file to write (one caption per line)")
+    p.set_defaults(func=cmd_world_prompts)

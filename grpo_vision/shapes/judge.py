@@ -1,0 +1,41 @@
+"""ShapesWorld's judge: the exact checker as the core's `Judge` (docs/shapes_world.md, "The checker")."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from grpo_vision.shapes.checker import ATTRIBUTES, check
+from grpo_vision.shapes.scene import FORMS, CaptionError, as_policy_reads, parse_caption
+
+
+class ShapesJudge:
+    """Per-attribute verdicts of the checker; a prompt is read as the policy reads it (lower case,
+    single spaces), so "A red  circle" is judged as the caption it was drawn for."""
+
+    name = "Exact checker (ShapesWorld)"
+    attributes = ATTRIBUTES
+    forms = FORMS
+
+    def verdicts(self, images: torch.Tensor, prompts: Sequence[str]) -> list[dict | None]:
+        out = []
+        for image, prompt in zip(images, prompts):
+            try:
+                out.append(check(image, as_policy_reads(prompt)).as_dict())
+            except CaptionError:
+                out.append(None)
+        return out
+
+    def form(self, prompt: str) -> str | None:
+        try:
+            return parse_caption(as_policy_reads(prompt)).form
+        except CaptionError:
+            return None
+
+    def problem(self, prompt: str) -> str | None:
+        try:
+            parse_caption(as_policy_reads(prompt))
+        except CaptionError as e:
+            return str(e)
+        return None

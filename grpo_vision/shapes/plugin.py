@@ -1,0 +1,50 @@
+"""ShapesWorld as a plugin of the core: what it registers, through the same extension points any
+user's world or model would use (grpo_vision/plugins.py).
+
+* the policy kind `shapes`: a world directory's base policy and VQ tokenizer, with its judge (the
+  exact checker), the default model files of the `clip` and `aesthetic` rewards (its tiny CLIP and
+  aesthetic head), and its caption splits as the default prompts;
+* the reward `shapes_exact` (grpo_vision/shapes/rewards.py).
+
+The world builder (`grpo_vision.shapes.build`) is not imported here: training never needs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpo_vision.shapes.rewards  # noqa: F401  (registers shapes_exact)
+from grpo_vision.policies import Bundle, register_policy_kind
+from grpo_vision.prompts import PromptEntry
+
+TRAIN_PROMPTS = 512  # captions of data.world_train_split a run trains on (minus the eval prompts)
+EVAL_PROMPTS = 32  # held-out-composition captions it is evaluated on
+CLIP_CONFIG = Path(__file__).parent / "shapes_clip.json"  # the tiny CLIP's open_clip architecture
+
+
+def world_reward_defaults(world: Path) -> dict[str, dict]:
+    """Default options of the rewards a world brings models for: its tiny CLIP and aesthetic head."""
+    clip = str(world / "clip" / "clip.safetensors")
+    return {"clip": {"model": str(CLIP_CONFIG), "checkpoint": clip},
+            "aesthetic": {"checkpoint": str(world / "aesthetic"), "clip_model": str(CLIP_CONFIG),
+                          "clip_checkpoint": clip}}
+
+
+def world_prompts(cfg) -> tuple[list[PromptEntry], list[PromptEntry]]:
+    """The world's captions as (train, eval) prompts, drawn from the run's seed: `data.world_train_split`
+    for training, held-out compositions for evaluation (the core removes eval prompts from training)."""
+    from grpo_vision.shapes.scene import prompt_list
+
+    train = [PromptEntry(p) for p in prompt_list(cfg.data.world_train_split, TRAIN_PROMPTS, cfg.run.seed)]
+    return train, [PromptEntry(p) for p in prompt_list("heldout", EVAL_PROMPTS, cfg.run.seed + 1)]
+
+
+@register_policy_kind("shapes", prompts=world_prompts)
+def load_shapes(pcfg, device) -> Bundle:
+    """A ShapesWorld directory (`policy.path`): its base policy and tokenizer, judge and reward models."""
+    from grpo_vision.shapes.judge import ShapesJudge
+    from grpo_vision.shapes.world import load_world
+
+    world = load_world(pcfg.path, device)
+    return Bundle(world.policy, world.tokenizer, judge=ShapesJudge(),
+                  reward_defaults=world_reward_defaults(world.path), source=world.path)
