@@ -11,21 +11,17 @@ names the key and what was expected, so a typo never silently falls back to a de
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
-import types
-import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key and how to fix it."""
+from grpo_vision.config_load import (  # noqa: F401  (re-exported: importers use grpo_vision.config)
+    MOVED_KEYS, ConfigError, apply_override, coerce, from_dict, move_keys, read_yaml,
+)
 
 
 @dataclass
@@ -38,8 +34,8 @@ class RunConfig:
 
 @dataclass
 class PolicyConfig:
-    kind: Literal["shapes", "llama", "janus"] = "shapes"  # what `path` holds: ShapesWorld, policy dir, Janus-Pro
-    path: str = "worlds/shapes"  # a ShapesWorld, a LlamaImagePolicy or a transformers Janus-Pro model directory
+    kind: str = "shapes"  # a registered policy kind: llama, janus, or one a plugin adds (ShapesWorld: shapes)
+    path: str = "worlds/shapes"  # what the kind loads: a LlamaImagePolicy or Janus-Pro directory, a world
     tokenizer: str = ""  # VQ tokenizer directory (diffusers VQModel) when kind is "llama"; Janus ships its own
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
 
@@ -93,15 +89,23 @@ class RewardConfig:
     weights: dict[str, float] = field(  # reward name -> weight in the trained total
         default_factory=lambda: {"clip": 1.0, "aesthetic": 1.0}
     )
-    monitor: list[str] = field(default_factory=lambda: ["shapes_exact"])  # logged, not trained
-    clip_model: str = ""  # open_clip architecture or JSON config of clip_checkpoint; "" = ViT-L-14-quickgelu
-    clip_checkpoint: str = ""  # local open_clip checkpoint file (clip, aesthetic); "" = the world's tiny CLIP
-    aesthetic_checkpoint: str = ""  # LAION-style head weights (.pth/.safetensors/dir); "" = the world's head
-    pickscore_path: str = ""  # PickScore: a transformers CLIPModel directory (save_pretrained)
-    pickscore_processor: str = ""  # its CLIPProcessor directory; "" = pickscore_path
-    hpsv2_checkpoint: str = ""  # HPS v2 / v2.1 checkpoint file ({"state_dict": ...}, e.g. HPS_v2.1_compressed.pt)
-    hpsv2_model: str = "ViT-H-14"  # open_clip architecture (or JSON config path) of hpsv2_checkpoint
+    monitor: list[str] = field(default_factory=list)  # rewards logged and evaluated, not trained on
+    # reward name -> its options, checked by that reward's options dataclass (rewards/models.py), e.g.
+    # {clip: {model: ViT-L-14-quickgelu, checkpoint: /models/clip.bin}}; a policy kind may supply defaults
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
     batch_size: int = 64  # images per reward-model call
+
+
+# The flat reward keys of earlier versions, now options of their reward (read with a warning)
+MOVED_KEYS.update({
+    "reward.clip_model": (("reward.options.clip.model", "reward.options.aesthetic.clip_model"), ""),
+    "reward.clip_checkpoint": (("reward.options.clip.checkpoint", "reward.options.aesthetic.clip_checkpoint"), ""),
+    "reward.aesthetic_checkpoint": (("reward.options.aesthetic.checkpoint",), ""),
+    "reward.pickscore_path": (("reward.options.pickscore.path",), ""),
+    "reward.pickscore_processor": (("reward.options.pickscore.processor",), ""),
+    "reward.hpsv2_checkpoint": (("reward.options.hpsv2.checkpoint",), ""),
+    "reward.hpsv2_model": (("reward.options.hpsv2.model",), "ViT-H-14"),
+})
 
 
 @dataclass
@@ -138,172 +142,18 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-# ---------------------------------------------------------------- loading and type checking
+# ---------------------------------------------------------------- loading
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the YAML file at `path`, then `overrides` like ``train.lr=1e-5``."""
-    raw: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with open(path, encoding="utf-8") as stream:  # a stream, so YAML errors name the file and line
-                raw = yaml.load(stream, Loader=_StrictLoader) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
-    cfg = from_dict(Config, raw, where=str(path) if path else "config")
+    where = str(path) if path is not None else "config"
+    raw = move_keys(read_yaml(path), where) if path is not None else {}
+    cfg = from_dict(Config, raw, where=where)
     for item in overrides or []:
         apply_override(cfg, item)
     validate(cfg)
     return cfg
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key '{key}' appears twice in one mapping; keep one", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-# Keys that earlier versions wrote into a run's config.yaml and that no longer do anything. They are
-# ignored with a warning, so old runs can still be evaluated, sampled and resumed.
-RETIRED_KEYS = {"log.log_every": "metrics are written every step"}
-
-
-def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> Any:
-    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        if f"{prefix}{key}" in RETIRED_KEYS:
-            warnings.warn(f"{where}: '{prefix}{key}' is retired and ignored ({RETIRED_KEYS[f'{prefix}{key}']}); "
-                          "delete it", stacklevel=2)
-            continue
-        if key not in names:
-            raise ConfigError(_unknown_key(f"{prefix}{key}", str(key), names, where))
-        if dataclasses.is_dataclass(hints[key]):  # an empty section (`train:`) is None: the defaults
-            kwargs[key] = from_dict(hints[key], {} if value is None else value, where, f"{prefix}{key}.")
-        else:
-            kwargs[key] = coerce(value, hints[key], f"{prefix}{key}", where)
-    return cls(**kwargs)
-
-
-def apply_override(cfg: Config, item: str) -> None:
-    """Apply one ``section.key=value`` override; the value is parsed for the field's type.
-
-    A mapping field takes whole (``reward.weights={clip: 1.0}``) or one entry at a time
-    (``reward.weights.aesthetic=0.25`` adds or replaces that entry)."""
-    if "=" not in item:
-        raise ConfigError(f"override '{item}' must look like section.key=value, e.g. train.lr=1e-5")
-    dotted, text = item.split("=", 1)
-    *parents, leaf = dotted.strip().split(".")
-    node, prefix = cfg, ""
-    for depth, part in enumerate(parents):
-        names = [f.name for f in dataclasses.fields(node)]
-        hint = typing.get_type_hints(type(node)).get(part)
-        if depth == len(parents) - 1 and typing.get_origin(hint) is dict:  # one entry of a mapping
-            if not leaf:
-                raise ConfigError(f"command line: '{dotted}' names no entry of '{prefix}{part}'; "
-                                  f"write {prefix}{part}.NAME=VALUE")
-            _, value_type = typing.get_args(hint)
-            value = text if value_type is str else _parse_text(text)
-            getattr(node, part)[leaf] = coerce(value, value_type, dotted, "command line")
-            return
-        if part in names and not dataclasses.is_dataclass(getattr(node, part)):
-            raise ConfigError(f"command line: '{prefix}{part}' is a value, not a section; write {prefix}{part}=VALUE")
-        if part not in names:
-            raise ConfigError(_unknown_key(prefix + part, part, names, "command line"))
-        node, prefix = getattr(node, part), f"{prefix}{part}."
-    names = [f.name for f in dataclasses.fields(node)]
-    if leaf in names and dataclasses.is_dataclass(getattr(node, leaf)):
-        raise ConfigError(f"command line: '{prefix}{leaf}' is a section, not a value; "
-                          f"write {prefix}{leaf}.KEY=VALUE (its keys: "
-                          f"{', '.join(f.name for f in dataclasses.fields(getattr(node, leaf)))})")
-    if leaf not in names:
-        raise ConfigError(_unknown_key(prefix + leaf, leaf, names, "command line"))
-    hint = typing.get_type_hints(type(node))[leaf]
-    value = text if hint is str else _parse_text(text)
-    setattr(node, leaf, coerce(value, hint, dotted, "command line"))
-
-
-def _parse_text(text: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
-    """Check `value` against type `hint`; convert the lossless cases (int -> float, "1e-5" -> float)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-
-    def fail(expected: str) -> ConfigError:
-        return ConfigError(f"{where}: '{key}' expects {expected}, got {value!r} ({type(value).__name__})")
-
-    if origin is Literal:
-        if value is False and "no" in args:  # YAML 1.1 reads a bare `no` (accelerate's spelling) as false
-            return "no"
-        if value not in args:
-            raise fail("one of " + ", ".join(repr(a) for a in args))
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return coerce(value, inner[0], key, where)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise fail("a boolean (true or false)")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise fail("an integer")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise fail("a number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise fail("a string")
-    if origin is list:
-        if not isinstance(value, list):
-            raise fail(f"a list of {args[0].__name__}")
-        return [coerce(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise fail(f"a mapping of {args[0].__name__} to {args[1].__name__}")
-        return {coerce(k, args[0], key, where): coerce(v, args[1], f"{key}.{k}", where) for k, v in value.items()}
-    raise TypeError(f"unsupported config type {hint} for {key}")  # a bug in this file, not user input
-
-
-def _unknown_key(full: str, key: str, names: list[str], where: str) -> str:
-    close = difflib.get_close_matches(key, names, n=1)
-    section = full.rsplit(".", 1)[0] if "." in full else "the top level"
-    hint = f" (did you mean '{full[:-len(key)]}{close[0]}'?)" if close else ""
-    return f"{where}: unknown key '{full}'{hint}; valid keys in {section}: {', '.join(names)}"
 
 
 def validate(cfg: Config) -> None:

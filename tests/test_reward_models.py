@@ -18,8 +18,9 @@ from torchvision.transforms import InterpolationMode
 
 from grpo_vision.aesthetic import AestheticMLP, save_aesthetic
 from grpo_vision.clip import ClipLoadError
-from grpo_vision.config import ConfigError, RewardConfig, load_config
+from grpo_vision.config import ConfigError, load_config
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, make_reward
+from grpo_vision.rewards.models import HPSv2Options
 
 OPENAI_MEAN, OPENAI_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 PROMPTS = ["a red circle", "a photo of a cat on a mat", "two dogs", "a blue square left of a green circle", "x"]
@@ -82,9 +83,9 @@ def test_clip_reward_matches_open_clip_on_a_safetensors_checkpoint(tiny_clip, tm
 
     config, _, model = tiny_clip
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "clip.safetensors"))
-    ctx = RewardContext(clip_model=config, clip_checkpoint=str(tmp_path / "clip.safetensors"), batch_size=2)
+    opts = {"model": config, "checkpoint": str(tmp_path / "clip.safetensors")}
     images = _images()
-    got = make_reward("clip", ctx)(images, PROMPTS, [{}] * 5)  # three chunks of <= 2
+    got = make_reward("clip", RewardContext(batch_size=2), opts)(images, PROMPTS, [{}] * 5)  # three chunks of <= 2
     assert got.shape == (5,) and got.dtype == torch.float32
     torch.testing.assert_close(got, _open_clip_reference(model, images, PROMPTS), atol=1e-5, rtol=0)
 
@@ -108,15 +109,15 @@ def test_clip_reward_loads_an_openai_torchscript_archive_and_warns_without_quick
     path = tmp_path / "ViT-L-14.pt"
     _openai_style_archive(model, path)
     images = _images(3, 40, 56)
-    ctx = RewardContext(clip_model=config, clip_checkpoint=str(path))
+    opts = {"model": config, "checkpoint": str(path)}
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no QuickGELU warning for a QuickGELU architecture
         warnings.filterwarnings("ignore", message=".*(TorchScript|jit|deprecated).*")
-        got = make_reward("clip", ctx)(images, PROMPTS[:3], [{}] * 3)
+        got = make_reward("clip", RewardContext(), opts)(images, PROMPTS[:3], [{}] * 3)
     torch.testing.assert_close(got, _open_clip_reference(model, images, PROMPTS[:3]), atol=1e-5, rtol=0)
     # The same weights in the GELU architecture load without error but embed differently: warned.
     with pytest.warns(UserWarning, match="QuickGELU"):
-        wrong = make_reward("clip", RewardContext(clip_model=gelu_config, clip_checkpoint=str(path)))(
+        wrong = make_reward("clip", RewardContext(), {"model": gelu_config, "checkpoint": str(path)})(
             images, PROMPTS[:3], [{}] * 3)
     assert not torch.allclose(wrong, got, atol=1e-4)
 
@@ -125,11 +126,11 @@ def test_hpsv2_reward_loads_the_state_dict_wrapper_and_scores_cosines(tiny_clip,
     config, _, model = tiny_clip
     path = tmp_path / "HPS_v2.1_compressed.pt"
     torch.save({"state_dict": model.state_dict()}, path)  # the released file's layout
-    ctx = RewardContext(hpsv2_checkpoint=str(path), hpsv2_model=config, batch_size=3)
     images = _images(seed=1)
-    got = make_reward("hpsv2", ctx)(images, PROMPTS, [{}] * 5)
+    got = make_reward("hpsv2", RewardContext(batch_size=3), {"checkpoint": str(path), "model": config})(
+        images, PROMPTS, [{}] * 5)
     torch.testing.assert_close(got, _open_clip_reference(model, images, PROMPTS), atol=1e-5, rtol=0)
-    assert RewardConfig().hpsv2_model == "ViT-H-14" == RewardContext().hpsv2_model
+    assert HPSv2Options().model == "ViT-H-14"
 
 
 def test_aesthetic_reward_runs_a_laion_format_pth_and_our_safetensors(tiny_clip, tmp_path):
@@ -145,22 +146,24 @@ def test_aesthetic_reward_runs_a_laion_format_pth_and_our_safetensors(tiny_clip,
     with torch.no_grad():
         ref = head(F.normalize(model.encode_image(_by_hand(images)), dim=-1))
     for head_path in (tmp_path / "sac+logos+ava1-l14-linearMSE.pth", tmp_path / "ours"):
-        ctx = RewardContext(clip_model=config, clip_checkpoint=str(tmp_path / "clip.safetensors"),
-                            aesthetic_checkpoint=str(head_path), batch_size=3)
-        got = make_reward("aesthetic", ctx)(images, PROMPTS[:4], [{}] * 4)
+        opts = {"clip_model": config, "clip_checkpoint": str(tmp_path / "clip.safetensors"),
+                "checkpoint": str(head_path)}
+        got = make_reward("aesthetic", RewardContext(batch_size=3), opts)(images, PROMPTS[:4], [{}] * 4)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     # a head for another CLIP width: the error names both widths and the keys that fix it
     save_aesthetic(AestheticMLP(64, (32, 16, 16, 8)), tmp_path / "small")
-    ctx = RewardContext(clip_model=config, clip_checkpoint=str(tmp_path / "clip.safetensors"),
-                        aesthetic_checkpoint=str(tmp_path / "small"))
-    reward = CompositeReward({"aesthetic": 1.0}, [], ctx)
-    with pytest.raises(RewardError, match="takes 64-d CLIP embeddings.*gives 768-d.*reward.clip_model"):
+    opts = {"clip_model": config, "clip_checkpoint": str(tmp_path / "clip.safetensors"),
+            "checkpoint": str(tmp_path / "small")}
+    reward = CompositeReward({"aesthetic": 1.0}, [], RewardContext(), {"aesthetic": opts})
+    with pytest.raises(RewardError, match="takes 64-d CLIP embeddings.*gives 768-d.*reward.options.aesthetic.clip_model"):
         reward(images, PROMPTS[:4], [{}] * 4)
 
 
 def test_clip_and_aesthetic_default_to_the_worlds_models(tmp_path):
-    """Without checkpoints a ShapesWorld directory supplies its tiny CLIP (a ResNet, 64 px) and head."""
-    from grpo_vision.shapes.train_clip import MODEL_NAME, new_clip, save_clip
+    """Without checkpoints a ShapesWorld policy supplies its tiny CLIP (a ResNet, 64 px) and head, as
+    default options; the user's options win key by key."""
+    from grpo_vision.shapes.plugin import world_reward_defaults
+    from grpo_vision.shapes.train_clip import new_clip, save_clip
 
     torch.manual_seed(0)
     model, tokenizer = new_clip()
@@ -168,10 +171,13 @@ def test_clip_and_aesthetic_default_to_the_worlds_models(tmp_path):
     save_clip(model, tmp_path / "clip", half=False)
     head = AestheticMLP(model.text_projection.shape[1], (32, 16, 16, 8)).eval()
     save_aesthetic(head, tmp_path / "aesthetic")
-    (tmp_path / "world.json").write_text(json.dumps({"clip_model_name": MODEL_NAME}))
-    ctx = RewardContext(world=tmp_path, batch_size=2)
+    cfg = load_config(None, ["reward.weights={clip: 1.0, aesthetic: 0.5}", "reward.batch_size=2",
+                             "reward.options.aesthetic.checkpoint=" + str(tmp_path / "nowhere")])
+    with pytest.raises(ConfigError, match="reward.options.aesthetic.checkpoint=.*nowhere does not exist"):
+        CompositeReward.from_config(cfg.reward, "cpu", world_reward_defaults(tmp_path))  # the user's key won
+    cfg.reward.options = {}
     images, prompts = _images(3, 64, 64, seed=5), ["a red circle", "a blue square", "a green circle"]
-    out = CompositeReward({"clip": 1.0, "aesthetic": 0.5}, [], ctx)(images, prompts, [{}] * 3)
+    out = CompositeReward.from_config(cfg.reward, "cpu", world_reward_defaults(tmp_path))(images, prompts, [{}] * 3)
     with torch.no_grad():
         x = TF.normalize(images, OPENAI_MEAN, OPENAI_STD)  # 64 px is the model's size: no resize
         img, txt, _ = model(x, tokenizer(prompts))
@@ -223,8 +229,8 @@ def test_pickscore_matches_the_readme_computation_on_pil_images(tiny_pickscore, 
 
     model_dir, processor_dir = tiny_pickscore
     images = torch.randint(0, 256, (5, 3, IMAGE, IMAGE), generator=torch.Generator().manual_seed(3)) / 255.0
-    ctx = RewardContext(pickscore_path=str(model_dir), pickscore_processor=str(processor_dir), batch_size=2)
-    got = make_reward("pickscore", ctx)(images, PROMPTS, [{}] * 5)
+    opts = {"path": str(model_dir), "processor": str(processor_dir)}
+    got = make_reward("pickscore", RewardContext(batch_size=2), opts)(images, PROMPTS, [{}] * 5)
     model, processor = CLIPModel.from_pretrained(model_dir).eval(), CLIPProcessor.from_pretrained(processor_dir)
     pil = [Image.fromarray(x.mul(255).round().byte().permute(1, 2, 0).numpy()) for x in images]
     inputs = processor(text=PROMPTS, images=pil, padding=True, truncation=True, max_length=77, return_tensors="pt")
@@ -247,7 +253,7 @@ def test_pickscore_resizes_like_clip_and_reads_the_processor_from_the_model_dire
     # 48x64 -> 32x42 -> crop offset 5. With an odd margin the processor's crop offset is floor(m/2),
     # torchvision's round(m/2): a pixel apart. The reward follows the processor, as PickScore does.
     images = _images(3, 48, 64, seed=4)
-    got = make_reward("pickscore", RewardContext(pickscore_path=str(both)))(images, PROMPTS[:3], [{}] * 3)
+    got = make_reward("pickscore", RewardContext(), {"path": str(both)})(images, PROMPTS[:3], [{}] * 3)
     model, processor = CLIPModel.from_pretrained(model_dir).eval(), CLIPProcessor.from_pretrained(processor_dir)
     ids = processor.tokenizer(PROMPTS[:3], padding=True, return_tensors="pt")
     with torch.no_grad():
@@ -258,30 +264,29 @@ def test_pickscore_resizes_like_clip_and_reads_the_processor_from_the_model_dire
 # ---------------------------------------------------------------- configuration and errors
 
 
-@pytest.mark.parametrize("name, key", [("clip", "reward.clip_checkpoint"), ("aesthetic", "reward.aesthetic_checkpoint"),
-                                       ("pickscore", "reward.pickscore_path"), ("hpsv2", "reward.hpsv2_checkpoint")])
+@pytest.mark.parametrize("name, key", [("clip", "checkpoint"), ("aesthetic", "checkpoint"), ("pickscore", "path"),
+                                       ("hpsv2", "checkpoint")])
 def test_missing_keys_and_paths_name_the_key_and_the_path(name, key, tmp_path):
-    with pytest.raises(ConfigError, match=f"reward '{name}' needs {key}"):
+    with pytest.raises(ConfigError, match=f"reward '{name}' needs reward.options.{name}.{key}"):
         make_reward(name, RewardContext())
-    field = key.split(".")[1]
-    with pytest.raises(ConfigError, match=f"{key}={tmp_path}/absent does not exist"):
-        make_reward(name, RewardContext(**{field: str(tmp_path / "absent")}))
+    with pytest.raises(ConfigError, match=f"reward.options.{name}.{key}={tmp_path}/absent does not exist"):
+        make_reward(name, RewardContext(), {key: str(tmp_path / "absent")})
 
 
 def test_architecture_names_are_checked_when_the_reward_is_made(tmp_path):
     (tmp_path / "hps.pt").write_bytes(b"")
-    with pytest.raises(ConfigError, match="reward.hpsv2_model='ViT-H-41' is not an open_clip architecture.*ViT-H-14"):
-        make_reward("hpsv2", RewardContext(hpsv2_checkpoint=str(tmp_path / "hps.pt"), hpsv2_model="ViT-H-41"))
-    with pytest.raises(ConfigError, match="reward.clip_model: open_clip model config not found"):
-        make_reward("clip", RewardContext(clip_checkpoint=str(tmp_path / "hps.pt"),
-                                          clip_model=str(tmp_path / "a.json")))
+    with pytest.raises(ConfigError, match="reward.options.hpsv2.model='ViT-H-41' is not an open_clip architecture"
+                                          ".*ViT-H-14"):
+        make_reward("hpsv2", RewardContext(), {"checkpoint": str(tmp_path / "hps.pt"), "model": "ViT-H-41"})
+    with pytest.raises(ConfigError, match="reward.options.clip.model: open_clip model config not found"):
+        make_reward("clip", RewardContext(), {"checkpoint": str(tmp_path / "hps.pt"), "model": str(tmp_path / "a.json")})
 
 
 def test_models_load_at_the_first_call_not_when_the_reward_is_made(tiny_clip, tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "hps.pt").write_bytes(b"not a checkpoint")
-    pick = make_reward("pickscore", RewardContext(pickscore_path=str(tmp_path / "empty")))  # nothing read yet
-    hps = make_reward("hpsv2", RewardContext(hpsv2_checkpoint=str(tmp_path / "hps.pt"), hpsv2_model=tiny_clip[0]))
+    pick = make_reward("pickscore", RewardContext(), {"path": str(tmp_path / "empty")})  # nothing read yet
+    hps = make_reward("hpsv2", RewardContext(), {"checkpoint": str(tmp_path / "hps.pt"), "model": tiny_clip[0]})
     images = torch.rand(1, 3, 8, 8)
     with pytest.raises(ClipLoadError, match="cannot load a CLIPModel from .*empty"):
         pick(images, ["a"], [{}])
@@ -289,10 +294,47 @@ def test_models_load_at_the_first_call_not_when_the_reward_is_made(tiny_clip, tm
         hps(images, ["a"], [{}])
 
 
-def test_reward_keys_flow_from_config_to_context():
-    cfg = load_config(None, ["reward.pickscore_path=/models/pickscore", "reward.hpsv2_checkpoint=/m/hps.pt",
-                             "reward.hpsv2_model=ViT-B-32", "reward.batch_size=8"])
-    ctx = RewardContext.from_config(cfg.reward, "cpu")
-    assert (ctx.pickscore_path, ctx.pickscore_processor, ctx.hpsv2_checkpoint, ctx.hpsv2_model, ctx.batch_size) == \
-        ("/models/pickscore", "", "/m/hps.pt", "ViT-B-32", 8)
-    assert ctx.device == torch.device("cpu") and ctx.world is None
+def test_options_reach_each_reward_as_its_typed_dataclass(monkeypatch):
+    from grpo_vision.rewards import REGISTRY
+
+    seen = {}
+    monkeypatch.setattr(REGISTRY["hpsv2"], "factory", lambda ctx, opts: seen.setdefault("hpsv2", (ctx, opts)))
+    cfg = load_config(None, ["reward.weights={hpsv2: 1.0}", "reward.options.hpsv2.checkpoint=/m/hps.pt",
+                             "reward.options.hpsv2.model=ViT-B-32", "reward.batch_size=8"])
+    CompositeReward.from_config(cfg.reward, "cpu", {"hpsv2": {"model": "ViT-L-14", "checkpoint": "/d.pt"}})
+    ctx, opts = seen["hpsv2"]
+    assert opts == HPSv2Options(checkpoint="/m/hps.pt", model="ViT-B-32")  # the user's over the kind's
+    assert (ctx.device, ctx.batch_size) == (torch.device("cpu"), 8)
+    seen.clear()
+    cfg = load_config(None, ["reward.weights={hpsv2: 1.0}", "reward.options.hpsv2.model=ViT-B-32"])
+    CompositeReward.from_config(cfg.reward, "cpu", {"hpsv2": {"model": "ViT-L-14", "checkpoint": "/d.pt"}})
+    assert seen["hpsv2"][1] == HPSv2Options(checkpoint="/d.pt", model="ViT-B-32")  # merged key by key
+
+
+def test_unknown_options_are_named_with_the_keys_they_could_be():
+    with pytest.raises(ConfigError, match=r"unknown key 'reward.options.clip.chekpoint' \(did you mean "
+                                          r"'reward.options.clip.checkpoint'\?\); valid keys in reward.options.clip: "
+                                          r"model, checkpoint"):
+        make_reward("clip", RewardContext(), {"chekpoint": "/x"})
+    with pytest.raises(ConfigError, match="reward 'placebo' takes no options"):
+        make_reward("placebo", RewardContext(), {"seed": 1})
+    with pytest.raises(ConfigError, match="a python: reward takes no options"):
+        make_reward("python:tests.test_rewards:constant", RewardContext(), {"x": 1})
+    cfg = load_config(None, ["reward.options.cilp.checkpoint=/x"])
+    with pytest.raises(ConfigError, match="reward.options names 'cilp', which is not a reward; registered rewards: "):
+        CompositeReward.from_config(cfg.reward)
+
+
+def test_old_flat_keys_move_to_options_with_a_warning(tmp_path):
+    old = tmp_path / "old.yaml"  # as an earlier version saved a run's config.yaml: every key, most at defaults
+    old.write_text("reward:\n  weights: {clip: 1.0}\n  clip_model: ViT-B-32\n  clip_checkpoint: /m/clip.bin\n"
+                   "  aesthetic_checkpoint: ''\n  pickscore_path: ''\n  pickscore_processor: ''\n"
+                   "  hpsv2_checkpoint: ''\n  hpsv2_model: ViT-H-14\n")
+    with pytest.warns(UserWarning, match="'reward.clip_checkpoint' moved to 'reward.options.clip.checkpoint' and "
+                                         "'reward.options.aesthetic.clip_checkpoint'"):
+        cfg = load_config(old)
+    assert cfg.reward.options == {"clip": {"model": "ViT-B-32", "checkpoint": "/m/clip.bin"},
+                                  "aesthetic": {"clip_model": "ViT-B-32", "clip_checkpoint": "/m/clip.bin"}}
+    with pytest.warns(UserWarning, match="'reward.hpsv2_checkpoint' moved to 'reward.options.hpsv2.checkpoint'"):
+        cfg = load_config(None, ["reward.hpsv2_checkpoint=/h.pt"])
+    assert cfg.reward.options == {"hpsv2": {"checkpoint": "/h.pt"}}

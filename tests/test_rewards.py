@@ -61,7 +61,7 @@ def test_composite_weights_raw_values_and_nan_means_does_not_apply():
 
 def test_per_entry_weights_route_rewards_and_monitors_carry_no_weight():
     reward = CompositeReward({"python:tests.test_rewards:constant": 1.0}, ["jpeg_compressibility"], CTX)
-    reward.add(["python:tests.test_rewards:not_applicable_to_odd"], CTX)
+    reward.add(["python:tests.test_rewards:not_applicable_to_odd"])
     entry = [None, {"python:tests.test_rewards:not_applicable_to_odd": 1.0}, None,
              {"python:tests.test_rewards:not_applicable_to_odd": 1.0}]
     out = reward(torch.rand(4, 3, 16, 16), ["p"] * 4, [{}] * 4, entry)

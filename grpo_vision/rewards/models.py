@@ -1,13 +1,13 @@
 """Model-backed rewards, from local files only: clip, aesthetic, pickscore, hpsv2.
 
-    reward     model                                    score per image           keys (reward.*)
-    clip       any open_clip CLIP                       cosine                    clip_model, clip_checkpoint
-    aesthetic  LAION v2 head on a CLIP image embedding  ~1..10 rating             aesthetic_checkpoint + clip's
-    pickscore  PickScore_v1, a transformers CLIPModel   logit_scale.exp() * cos   pickscore_path, pickscore_processor
-    hpsv2      HPS v2 / v2.1 on open_clip ViT-H-14      cosine                    hpsv2_checkpoint, hpsv2_model
+    reward     model                                    score per image           options (reward.options.<reward>)
+    clip       any open_clip CLIP                       cosine                    model, checkpoint
+    aesthetic  LAION v2 head on a CLIP image embedding  ~1..10 rating             checkpoint, clip_model, clip_checkpoint
+    pickscore  PickScore_v1, a transformers CLIPModel   logit_scale.exp() * cos   path, processor
+    hpsv2      HPS v2 / v2.1 on open_clip ViT-H-14      cosine                    checkpoint, model
 
-Without reward.clip_checkpoint (and aesthetic_checkpoint) a ShapesWorld policy supplies its own tiny
-CLIP and aesthetic head. A factory checks its keys and paths at once (ConfigError naming the key,
+A policy kind may supply default options (ShapesWorld: its tiny CLIP and aesthetic head); the
+user's options override them key by key. A factory checks its keys and paths at once (ConfigError naming the key,
 which the CLI prints as a one-line error) and builds its model at the reward's first call, or when
 CompositeReward.load() asks (train, eval and the demo do, before sampling anything); models
 are cached per (path, device), so clip and aesthetic share one CLIP. Scoring runs in chunks of
@@ -22,7 +22,7 @@ shortest side and centre-crops, the same thing for the square images a policy sa
 from __future__ import annotations
 
 import difflib
-import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,9 +32,34 @@ from grpo_vision.clip import (
     ClipLoadError, clip_scores, hf_clip_scores, image_embeddings, load_clip, load_hf_clip, resolve_model_name,
 )
 from grpo_vision.config import ConfigError
-from grpo_vision.rewards import RewardContext, RewardFn, batched, register_reward
+from grpo_vision.rewards.base import RewardContext, RewardFn, batched, register_reward
 
 DEFAULT_CLIP = "ViT-L-14-quickgelu"  # OpenAI's ViT-L/14: the aesthetic head's CLIP, torchmetrics' default
+
+
+@dataclass
+class ClipOptions:
+    model: str = ""  # open_clip architecture, or the path of a JSON model config; "" = ViT-L-14-quickgelu
+    checkpoint: str = ""  # local open_clip checkpoint file (e.g. OpenAI's ViT-L/14 weights)
+
+
+@dataclass
+class AestheticOptions:
+    checkpoint: str = ""  # LAION-style head: .pth, .safetensors, or a directory from save_aesthetic
+    clip_model: str = ""  # the CLIP the head reads embeddings from; "" = ViT-L-14-quickgelu (LAION's heads)
+    clip_checkpoint: str = ""  # that CLIP's local checkpoint file
+
+
+@dataclass
+class PickScoreOptions:
+    path: str = ""  # a transformers CLIPModel directory (save_pretrained of yuvalkirstain/PickScore_v1)
+    processor: str = ""  # its CLIPProcessor directory; "" = path
+
+
+@dataclass
+class HPSv2Options:
+    checkpoint: str = ""  # HPS v2 / v2.1 checkpoint file ({"state_dict": ...}, e.g. HPS_v2.1_compressed.pt)
+    model: str = "ViT-H-14"  # open_clip architecture (or JSON config path) of the checkpoint
 
 
 def _local_path(value: str, key: str, reward: str, what: str, directory: bool = False) -> Path:
@@ -77,24 +102,21 @@ def _aesthetic_head(path: str, device: str):
     return load_aesthetic(path).to(device)
 
 
-def _clip_spec(ctx: RewardContext, reward: str) -> tuple[str, str]:
-    """(architecture, checkpoint) of the CLIP behind clip and aesthetic: the configured one, else the world's."""
-    if ctx.clip_checkpoint:
-        path = _local_path(ctx.clip_checkpoint, "reward.clip_checkpoint", reward, "a local open_clip checkpoint file")
-        return _architecture(ctx.clip_model or DEFAULT_CLIP, "reward.clip_model", reward), str(path)
-    if ctx.world is not None:
-        info = json.loads((ctx.world / "world.json").read_text())
-        name = ctx.clip_model or info.get("clip_model_name", "shapes_clip")
-        return _architecture(name, "reward.clip_model", reward), str(ctx.world / "clip" / "clip.safetensors")
-    raise ConfigError(f"reward '{reward}' needs reward.clip_checkpoint (a local open_clip checkpoint file, e.g. "
-                      f"OpenAI's ViT-L/14 weights) and reward.clip_model (its architecture; default {DEFAULT_CLIP}), "
-                      "or a ShapesWorld policy, which brings its own CLIP")
+def _clip_spec(model: str, checkpoint: str, keys: tuple[str, str], reward: str) -> tuple[str, str]:
+    """(architecture, checkpoint file) of a CLIP, checked; `keys` name the two options in messages."""
+    if not checkpoint:
+        raise ConfigError(f"reward '{reward}' needs {keys[1]} (a local open_clip checkpoint file, e.g. OpenAI's "
+                          f"ViT-L/14 weights) and {keys[0]} (its architecture; default {DEFAULT_CLIP}), or a "
+                          "policy kind that ships its own CLIP (ShapesWorld does)")
+    path = _local_path(checkpoint, keys[1], reward, "a local open_clip checkpoint file")
+    return _architecture(model or DEFAULT_CLIP, keys[0], reward), str(path)
 
 
-@register_reward("clip")
-def clip_reward(ctx: RewardContext) -> RewardFn:
+@register_reward("clip", options=ClipOptions)
+def clip_reward(ctx: RewardContext, opts: ClipOptions) -> RewardFn:
     """Cosine similarity of open_clip's normalised image and text embeddings, per sample."""
-    name, checkpoint = _clip_spec(ctx, "clip")
+    name, checkpoint = _clip_spec(opts.model, opts.checkpoint, ("reward.options.clip.model",
+                                                                "reward.options.clip.checkpoint"), "clip")
     device = str(ctx.device)
 
     @torch.no_grad()
@@ -105,23 +127,22 @@ def clip_reward(ctx: RewardContext) -> RewardFn:
     return batched(score, ctx.batch_size, ctx.device, load=lambda: _open_clip(name, checkpoint, device))
 
 
-@register_reward("aesthetic")
-def aesthetic_reward(ctx: RewardContext) -> RewardFn:
+@register_reward("aesthetic", options=AestheticOptions)
+def aesthetic_reward(ctx: RewardContext, opts: AestheticOptions) -> RewardFn:
     """LAION improved-aesthetic-predictor: an MLP on the L2-normalised CLIP image embedding.
 
-    With reward.aesthetic_checkpoint set (e.g. sac+logos+ava1-l14-linearMSE.pth, 768-d input) the CLIP
-    is the one named by reward.clip_model / clip_checkpoint, which for the released heads must be
-    OpenAI's ViT-L/14 (ViT-L-14-quickgelu); otherwise the world's tiny CLIP and head.
+    The released heads (e.g. sac+logos+ava1-l14-linearMSE.pth, 768-d input) read OpenAI's ViT-L/14
+    (ViT-L-14-quickgelu) embeddings: set clip_model and clip_checkpoint to it.
     """
-    if ctx.aesthetic_checkpoint:
-        head_path = _local_path(ctx.aesthetic_checkpoint, "reward.aesthetic_checkpoint", "aesthetic",
-                                "a LAION aesthetic head .pth, a .safetensors file or a directory from save_aesthetic")
-    elif ctx.world is not None:
-        head_path = ctx.world / "aesthetic"
-    else:
-        raise ConfigError("reward 'aesthetic' needs reward.aesthetic_checkpoint (a local head .pth/.safetensors) "
-                          "and a CLIP (reward.clip_checkpoint, reward.clip_model), or a ShapesWorld policy")
-    name, checkpoint = _clip_spec(ctx, "aesthetic")
+    if not opts.checkpoint:
+        raise ConfigError("reward 'aesthetic' needs reward.options.aesthetic.checkpoint (a local head "
+                          ".pth/.safetensors) and a CLIP (reward.options.aesthetic.clip_checkpoint, clip_model), "
+                          "or a policy kind that ships its own head (ShapesWorld does)")
+    head_path = _local_path(opts.checkpoint, "reward.options.aesthetic.checkpoint", "aesthetic",
+                            "a LAION aesthetic head .pth, a .safetensors file or a directory from save_aesthetic")
+    name, checkpoint = _clip_spec(opts.clip_model, opts.clip_checkpoint, ("reward.options.aesthetic.clip_model",
+                                                                          "reward.options.aesthetic.clip_checkpoint"),
+                                  "aesthetic")
     device = str(ctx.device)
 
     @torch.no_grad()
@@ -132,7 +153,8 @@ def aesthetic_reward(ctx: RewardContext) -> RewardFn:
         if emb.shape[-1] != head.config["input_dim"]:
             raise ConfigError(f"the aesthetic head {head_path} takes {head.config['input_dim']}-d CLIP "
                               f"embeddings, but CLIP {name!r} ({checkpoint}) gives {emb.shape[-1]}-d: set "
-                              "reward.clip_model and reward.clip_checkpoint to the CLIP the head was trained on "
+                              "reward.options.aesthetic.clip_model and clip_checkpoint to the CLIP the head was "
+                              "trained on "
                               f"({DEFAULT_CLIP} for LAION's)")
         return head(emb)
 
@@ -143,16 +165,16 @@ def aesthetic_reward(ctx: RewardContext) -> RewardFn:
     return batched(score, ctx.batch_size, ctx.device, load=load)
 
 
-@register_reward("pickscore")
-def pickscore_reward(ctx: RewardContext) -> RewardFn:
+@register_reward("pickscore", options=PickScoreOptions)
+def pickscore_reward(ctx: RewardContext, opts: PickScoreOptions) -> RewardFn:
     """PickScore (Kirstain et al. 2023, arXiv 2305.01569): logit_scale.exp() * cos(image, prompt) of a
     CLIP-H fine-tuned on Pick-a-Pic preferences. The processor is laion/CLIP-ViT-H-14-laion2B-s32B-b79K's
-    in the README; save it into the model directory or point reward.pickscore_processor at it."""
+    in the README; save it into the model directory or point reward.options.pickscore.processor at it."""
     what = "a transformers CLIPModel directory (save_pretrained of yuvalkirstain/PickScore_v1)"
-    model_dir = _local_path(ctx.pickscore_path, "reward.pickscore_path", "pickscore", what, directory=True)
+    model_dir = _local_path(opts.path, "reward.options.pickscore.path", "pickscore", what, directory=True)
     processor_dir = model_dir
-    if ctx.pickscore_processor:
-        processor_dir = _local_path(ctx.pickscore_processor, "reward.pickscore_processor", "pickscore",
+    if opts.processor:
+        processor_dir = _local_path(opts.processor, "reward.options.pickscore.processor", "pickscore",
                                     "a CLIPProcessor directory (save_pretrained)", directory=True)
     device = str(ctx.device)
 
@@ -165,15 +187,15 @@ def pickscore_reward(ctx: RewardContext) -> RewardFn:
                    load=lambda: load_hf_clip(str(model_dir), str(processor_dir), device))
 
 
-@register_reward("hpsv2")
-def hpsv2_reward(ctx: RewardContext) -> RewardFn:
+@register_reward("hpsv2", options=HPSv2Options)
+def hpsv2_reward(ctx: RewardContext, opts: HPSv2Options) -> RewardFn:
     """Human Preference Score v2 / v2.1 (Wu et al. 2023, arXiv 2306.09341): the cosine of open_clip
     ViT-H-14 image and text embeddings, with HPS's fine-tuned weights (v2.0 and v2.1 scores are not
     comparable). The released file is `{"state_dict": ...}`, which open_clip unwraps; loading is
     strict, so a key mismatch between HPS's vendored open_clip and ours would fail loudly."""
-    checkpoint = _local_path(ctx.hpsv2_checkpoint, "reward.hpsv2_checkpoint", "hpsv2",
+    checkpoint = _local_path(opts.checkpoint, "reward.options.hpsv2.checkpoint", "hpsv2",
                              "the HPS v2 or v2.1 checkpoint file (HPS_v2.1_compressed.pt from xswu/HPSv2)")
-    name = _architecture(ctx.hpsv2_model, "reward.hpsv2_model", "hpsv2")
+    name = _architecture(opts.model, "reward.options.hpsv2.model", "hpsv2")
     device = str(ctx.device)
 
     @torch.no_grad()

@@ -1,0 +1,24 @@
+"""Rewards: the contract and registry (base), the weighted composite, and the built-in rewards.
+
+Import direction: base <- composite, simple, models; nothing imports back. Importing this package
+registers the built-ins: jpeg_compressibility, jpeg_incompressibility, placebo (simple.py) and the
+model rewards clip, aesthetic, pickscore, hpsv2 (models.py). Plugins register more (ShapesWorld:
+shapes_exact).
+"""
+
+from grpo_vision.rewards import models, simple  # noqa: F401  (registers the built-in rewards)
+from grpo_vision.rewards.base import (
+    REGISTRY,
+    RewardContext,
+    RewardError,
+    RewardFn,
+    available_rewards,
+    batched,
+    is_registered,
+    make_reward,
+    register_reward,
+)
+from grpo_vision.rewards.composite import CompositeReward, RewardOutput
+
+__all__ = ["REGISTRY", "CompositeReward", "RewardContext", "RewardError", "RewardFn", "RewardOutput",
+           "available_rewards", "batched", "is_registered", "make_reward", "register_reward"]
