@@ -14,8 +14,8 @@ Layer for layer the model of christophschuhmann/improved-aesthetic-predictor (`s
   `avaclipmlp_inf_wds-relu.py` builds exactly this Sequential and loads that file into it).
 
 The input is the L2-normalised image embedding of the CLIP the head was trained on (OpenAI
-ViT-L/14 for the released files, 768-d); ShapesWorld's tiny CLIP has 64-d embeddings, so its head
-scales the widths (`SHAPES_HIDDEN`). The output is an unbounded regression of a ~1..10 rating.
+ViT-L/14 for the released files, 768-d); a head for a narrower CLIP scales the widths (`hidden`).
+The output is an unbounded regression of a ~1..10 rating.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch import nn
 
 LAION_HIDDEN = (1024, 128, 64, 16)  # released v2 widths, input 768
 LAION_DROPOUT = (0.2, 0.2, 0.1)  # after the first three Linears
-SHAPES_HIDDEN = (96, 48, 32, 16)  # for the 64-d ShapesWorld CLIP: 768/64 = 12x narrower input
 WEIGHTS_NAME = "aesthetic.safetensors"
 CONFIG_NAME = "aesthetic_config.json"
 

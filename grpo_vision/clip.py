@@ -1,13 +1,12 @@
 """CLIP models from local files: open_clip checkpoints and transformers `CLIPModel` directories.
 
-Used by the rewards (clip, aesthetic, pickscore, hpsv2) and by ShapesWorld's tiny CLIP. Images are
+Used by the rewards (clip, aesthetic, pickscore, hpsv2) and by any world's own CLIP. Images are
 float `[B, 3, H, W]` tensors in [0, 1] on the model's device; each model's own eval preprocessing
 (resize, centre crop, normalise) runs on them as tensors, with no PIL round trip.
 
 open_clip architectures are named as open_clip names them (`open_clip.list_models()`: `ViT-L-14`,
 `ViT-L-14-quickgelu`, `ViT-H-14`, ...), by the path of a JSON config file (`{"embed_dim", "vision_cfg",
-"text_cfg"}`, registered under its file stem, as open_clip's `add_model_config` does), or by a
-project config name (`shapes_clip`). Checkpoints are local files in any format open_clip reads:
+"text_cfg"}`, registered under its file stem, as open_clip's `add_model_config` does). Checkpoints are local files in any format open_clip reads:
 a state dict (`.safetensors`, `.bin`, `.pt`), one wrapped as `{"state_dict": ...}` (HPS v2), or
 OpenAI's TorchScript archives (`ViT-L-14.pt` from `clip.load`).
 
@@ -29,10 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from grpo_vision.safe_state import names_python_objects, unsafe_message
-
-# configs that live in this repository, registered with open_clip on first use
-PROJECT_CONFIGS = {"shapes_clip": Path(__file__).parent / "shapes" / "shapes_clip.json"}
-
 
 class ClipLoadError(RuntimeError):
     """A checkpoint that does not fit its architecture, or an architecture open_clip does not know."""
@@ -57,11 +52,9 @@ def register_config(path: str | Path) -> str:
 
 
 def resolve_model_name(model_name: str) -> str:
-    """The open_clip name for `model_name`: a JSON config path is registered, as are project configs."""
+    """The open_clip name for `model_name`: a JSON config path is registered under its file stem."""
     if model_name.endswith(".json"):
         return register_config(model_name)
-    if model_name in PROJECT_CONFIGS:
-        register_config(PROJECT_CONFIGS[model_name])
     return model_name
 
 

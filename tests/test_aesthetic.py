@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from grpo_vision.aesthetic import (
-    CONFIG_NAME, SHAPES_HIDDEN, AestheticMLP, load_aesthetic, save_aesthetic,
+    CONFIG_NAME, AestheticMLP, load_aesthetic, save_aesthetic,
 )
-from grpo_vision.shapes.train_aesthetic import fit_aesthetic, spearman
+from grpo_vision.shapes.build.train_aesthetic import SHAPES_HIDDEN, fit_aesthetic, spearman
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

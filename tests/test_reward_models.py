@@ -163,7 +163,7 @@ def test_clip_and_aesthetic_default_to_the_worlds_models(tmp_path):
     """Without checkpoints a ShapesWorld policy supplies its tiny CLIP (a ResNet, 64 px) and head, as
     default options; the user's options win key by key."""
     from grpo_vision.shapes.plugin import world_reward_defaults
-    from grpo_vision.shapes.train_clip import new_clip, save_clip
+    from grpo_vision.shapes.build.train_clip import new_clip, save_clip
 
     torch.manual_seed(0)
     model, tokenizer = new_clip()

@@ -20,6 +20,7 @@ import torch
 from grpo_vision.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from grpo_vision.clip import ClipLoadError, load_clip
 from grpo_vision.safe_state import load_state, save_state
+from grpo_vision.shapes.plugin import CLIP_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +157,7 @@ def test_a_crafted_clip_checkpoint_is_refused(tmp_path, decoy):
     path = tmp_path / "ViT-L-14.pt"
     crafted_clip(path, tmp_path / "RAN", decoy)
     with pytest.raises(ClipLoadError, match="ViT-L-14.pt (looks like a TorchScript archive|holds pickled)"):
-        load_clip("shapes_clip", path)
+        load_clip(str(CLIP_CONFIG), path)
     assert not (tmp_path / "RAN").exists()
 
 
@@ -229,7 +230,6 @@ def test_attack_files_through_the_cli_leave_no_marker(micro_world, tmp_path):
         assert out.returncode != 0 and f"{name} holds pickled Python objects" in out.stderr, out.stderr[-2000:]
         assert "Traceback" not in out.stderr and not (tmp_path / f"RAN_{name}").exists()
     crafted_clip(tmp_path / "clip.pt", tmp_path / "RAN_clip")
-    out = cli("train", *base, f"run.out_dir={tmp_path}", "run.name=clip", f"reward.clip_checkpoint={tmp_path / 'clip.pt'}",
-              "reward.clip_model=shapes_clip")
+    out = cli("train", *base, f"run.out_dir={tmp_path}", "run.name=clip", f"reward.options.clip.checkpoint={tmp_path / 'clip.pt'}")
     assert out.returncode != 0 and "clip.pt looks like a TorchScript archive" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and not (tmp_path / "RAN_clip").exists()

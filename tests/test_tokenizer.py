@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_vision.shapes.train_vq import EMACodebook, VQ_PRESETS, build_vq, image_loss, kmeans
+from grpo_vision.shapes.build.train_vq import EMACodebook, VQ_PRESETS, build_vq, image_loss, kmeans
 from grpo_vision.tokenizer import Float32GroupNorm, ImageTokenizer, VQTokenizer
 
 

@@ -233,8 +233,7 @@ def test_a_corrupt_reward_model_stops_the_run_before_it_starts(micro_world, tmp_
     # A reward model of its own (a broken file inside the world is a WorldError: tests/test_world.py)
     clip_file = tmp_path / "clip.safetensors"
     clip_file.write_bytes((micro_world / "clip" / "clip.safetensors").read_bytes()[:1000])  # cut short, as by a failed copy
-    cfg = micro_cfg(micro_world, tmp_path, "run.name=corrupt", f"reward.clip_checkpoint={clip_file}",
-                    "reward.clip_model=shapes_clip")
+    cfg = micro_cfg(micro_world, tmp_path, "run.name=corrupt", f"reward.options.clip.checkpoint={clip_file}")
     with pytest.raises(RewardError, match=r"reward 'clip' failed: its model did not load: .*cannot read the CLIP "
                                           r"checkpoint .*clip\.safetensors: the file is damaged, cut short"):
         train(cfg, progress=False)

@@ -1,4 +1,4 @@
-"""ShapesWorld v1: the embedded, exactly checkable text-to-image world (SHAPES_WORLD.md).
+"""ShapesWorld v1: the embedded, exactly checkable text-to-image world (docs/shapes_world.md).
 
 `scene` samples captions and scenes and renders them; `checker` judges any image against a
 caption, attribute by attribute.

@@ -1,4 +1,4 @@
-"""The exact ShapesWorld checker: is an image correct for its caption? (SHAPES_WORLD.md)
+"""The exact ShapesWorld checker: is an image correct for its caption? (docs/shapes_world.md)
 
 1. Objects = 8-connected regions of pixels whose colour is nearest to an object colour and within
    MAX_COLOR_DIST of it (Euclidean, RGB units), ignoring regions under MIN_REGION_PX pixels.

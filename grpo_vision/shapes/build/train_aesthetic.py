@@ -23,10 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from grpo_vision.aesthetic import SHAPES_HIDDEN, AestheticMLP
+from grpo_vision.aesthetic import AestheticMLP
 from grpo_vision.shapes.data import render_batch, to_tensor
 from grpo_vision.shapes.scene import aesthetic_label
-from grpo_vision.shapes.train_clip import image_embeddings
+from grpo_vision.shapes.build.train_clip import image_embeddings
+
+SHAPES_HIDDEN = (96, 48, 32, 16)  # LAION's widths scaled for the 64-d world CLIP (768 / 64 = 12x narrower)
 
 
 @dataclass
@@ -115,12 +117,12 @@ def evaluate_aesthetic(clip_model, head: AestheticMLP, n: int = 2048, seed: int 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m grpo_vision.shapes.train_aesthetic --clip DIR/clip.safetensors --out DIR"""
+    """python -m grpo_vision.shapes.build.train_aesthetic --clip DIR/clip.safetensors --out DIR"""
     import argparse
     import json
 
     from grpo_vision.aesthetic import save_aesthetic
-    from grpo_vision.shapes.train_clip import MODEL_NAME, load_clip
+    from grpo_vision.shapes.build.train_clip import MODEL_NAME, load_clip
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--clip", required=True, help="shapes_clip checkpoint (clip.safetensors)")

@@ -5,14 +5,11 @@ The model is an open_clip `CLIP` built from `shapes_clip.json` (registered with 
 back through `create_model_and_transforms(name, pretrained=<file>)`: the CLIP reward runs the same
 code for this model as for a real checkpoint such as ViT-L-14.
 
-Recipe, and what each part bought (measured on this 2-core CPU, one thread, with another job
-holding both cores; numbers are evaluate_clip accuracies):
+The recipe, each part for a reason (the runs that showed each, with their figures, are in
+docs/experiments/world_recipes.md):
 
-1. Image tower: open_clip's ModifiedResNet (the CLIP RN50 family, `layers` [1,1,1,1], width 16),
-   not a ViT. At 64 px a patch-8 ViT learnt shape slowly: supervised shape classification reached
-   78% after 400 steps (92 s), the ResNet 97% after 200 steps (74 s, bf16 autocast, which uses
-   AMX for the convs; it gave nothing for the ViT's small matmuls); contrastively the ViT was at
-   shape 0.69 after 700 steps.
+1. Image tower: open_clip's ModifiedResNet (the CLIP RN50 family, `layers` [1,1,1,1], width 16), not
+   a ViT: at 64 px a patch-8 ViT learns shape far more slowly.
 2. Symmetric InfoNCE (Radford et al. 2021, arXiv 2103.00020) with hard negatives, captions that
    change exactly one attribute of the true one, in each image's softmax (NegCLIP, Yuksekgonul et
    al. 2023, arXiv 2210.01936), plus a pairwise logistic term on (positive, hard negative), which
@@ -20,28 +17,17 @@ holding both cores; numbers are evaluate_clip accuracies):
 3. Captions repeat and overlap ("a red circle" is also true of the image captioned "a small red
    circle"), so every text that is true of an image, other than its own caption, is masked out of
    its softmax, by exact truth from the scene (`holds_matrix`), in both directions.
-4. Relations are a binding problem on both towers, and InfoNCE sits at a symmetric saddle: while
-   neither tower binds, "A left of B" and "A right of B" images push the text the same way. With
-   hard negatives and 1000+ steps it stayed at chance (opposite 0.50, swap 0.54, while
-   horizontal-vs-vertical was 0.98). Fix: a curriculum. For the first `canonical_frac` of the run
-   relation captions are rewritten to the same fact with "left of"/"above" ("B right of A" ->
-   "A left of B"), so the first-named object is always left or top: position-by-slot features
-   solve it, and both towers learn them like colour. Then the natural captions. Relation went
-   0.59 -> 0.97..0.99 in the same budget (twins alone, below, gave 0.59). Each relation image also
-   comes with a "twin" image of its swapped caption, so a batch has pairs that differ only in
-   arrangement. Not guaranteed: one run whose probe weight was 3 and canonical phase 0.4 stayed
-   at 0.58, so check clip_acc_relation after training.
+4. Relations are a binding problem on both towers, and InfoNCE sits at a symmetric saddle while
+   neither tower binds. A curriculum breaks it: for the first `canonical_frac` of the run, relation
+   captions are rewritten to the same fact with "left of"/"above", so the first-named object is
+   always left or top; then the natural captions. Each relation image comes with a "twin" of its
+   swapped caption. Not guaranteed: check clip_acc_relation after training.
 5. An auxiliary linear probe on the normalised image embedding regresses the aesthetic factors
-   (noise level, clipped, cornered), which no caption mentions: without it the aesthetic head on
-   the frozen embedding reached Spearman 0.11, with it 0.82 (weight 1), 0.86 and 0.80 (weight
-   1.5, seeds 0 and 1; train_aesthetic.py). The probe is dropped after training: the checkpoint
-   is a stock open_clip state dict.
-
-6. All compositions. The split (scene.HELD_OUT) is kept out of the *base policy's* captions
-   only (SHAPES_WORLD.md): CLIP is the judge, like a web-scale CLIP that has seen blue triangles.
-   Trained on the train split alone, held-out shape accuracy was 0.62-0.82 (size 0.72-0.93)
-   against 0.97-0.99 seen: a linear shape probe on the image embedding scored 1.00 on seen pairs
-   and 0.07 on held-out ones (a blue triangle embedded among the only blue shapes it saw). A
+   (noise level, clipped, cornered), which no caption mentions, so the aesthetic head on the frozen
+   embedding has them to read. The probe is dropped after training: the checkpoint is a stock
+   open_clip state dict.
+6. All compositions. The split (scene.HELD_OUT) is kept out of the *base policy's* captions only
+   (docs/shapes_world.md): CLIP is the judge, like a web-scale CLIP that has seen blue triangles; a
    judge that cannot see the compositions RL is asked to learn cannot reward them.
 """
 
@@ -59,20 +45,18 @@ from tqdm import tqdm
 
 # the open_clip helpers live in grpo_vision.clip (the rewards use them too); re-exported here
 from grpo_vision.clip import clip_scores, image_embeddings, image_transform, load_clip, register_config  # noqa: F401
+from grpo_vision.shapes.build.clip_captions import (  # noqa: F401  (re-exported)
+    ATTRIBUTES, OPPOSITE, caption_holds, hard_negatives, holds_matrix,
+)
 from grpo_vision.shapes.data import Batch, to_tensor
 from grpo_vision.shapes.scene import (
-    BACKGROUNDS, COLORS, FORMS, NOISE_LEVELS, SHAPES, SIZES, CaptionError, CaptionSpec, Scene,
+    FORMS, NOISE_LEVELS, CaptionSpec, Scene,
     format_caption, parse_caption, render, sample_scene, scene_for_caption,
 )
 
-MODEL_NAME = "shapes_clip"
-CONFIG_PATH = Path(__file__).with_name("shapes_clip.json")  # registered name = file stem
+CONFIG_PATH = Path(__file__).parents[1] / "shapes_clip.json"  # the world's architecture, beside the plugin
+MODEL_NAME = register_config(CONFIG_PATH)  # "shapes_clip", the file stem: registered once the builder is imported
 CHECKPOINT_NAME = "clip.safetensors"
-OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
-ATTRIBUTES = ("color", "shape", "size", "background", "relation")  # what a hard negative changes
-_OBJ_ID = {(c, s): i for i, (c, s) in enumerate((c, s) for c in COLORS for s in SHAPES)}
-_REL_ID = {"left of": 0, "right of": 1, "above": 2, "below": 3}  # opposite = id ^ 1
-_SIZE_ID, _BG_ID = {z: i for i, z in enumerate(SIZES)}, {b: i for i, b in enumerate(BACKGROUNDS)}
 
 
 # ---------------------------------------------------------------- model: register, load, save
@@ -103,93 +87,6 @@ def new_clip():
     register_shapes_clip()
     model = open_clip.create_model(MODEL_NAME, pretrained=None)
     return model, open_clip.get_tokenizer(MODEL_NAME)
-
-
-# ---------------------------------------------------------------- captions: truth and hard negatives
-
-
-def caption_holds(scene: Scene, caption: str | CaptionSpec) -> bool:
-    """Exact truth of a caption for a sampled scene, from the scene's data (no pixels): the
-    number of objects, their colour and shape, and the named size, background and relation.
-    "A left of B" also holds as "B right of A"; the four relations exclude each other."""
-    spec = parse_caption(caption) if isinstance(caption, str) else caption
-    objs = [(o.color, o.shape) for o in scene.objects]
-    if len(objs) != len(spec.objects):
-        return False
-    if spec.form == "relation":
-        fwd = (spec.objects[0], spec.objects[1], spec.relation)
-        return fwd in {(objs[0], objs[1], scene.relation), (objs[1], objs[0], OPPOSITE[scene.relation])}
-    return (
-        objs[0] == spec.objects[0]
-        and spec.size in (None, scene.objects[0].size)
-        and spec.background in (None, scene.background)
-    )
-
-
-def _replace_obj(spec: CaptionSpec, i: int, color: str | None = None,
-                 shape: str | None = None) -> CaptionSpec:
-    objs = list(spec.objects)
-    objs[i] = (color or objs[i][0], shape or objs[i][1])
-    return CaptionSpec(spec.form, tuple(objs), spec.size, spec.background, spec.relation)
-
-
-def hard_negatives(caption: str, perpendicular: bool = False) -> dict[str, list[str]]:
-    """Captions that change exactly one attribute the caption names, by attribute:
-    color / shape of each named object, size, background, and for relation captions the opposite
-    relation and the two objects swapped ("a red circle left of a blue square" -> "a blue square
-    left of a red circle"). Never "B right of A", which says the same as "A left of B". Captions
-    the grammar forbids (two identical objects) are skipped. Each is false for every scene the
-    caption is true of. `perpendicular` adds the two relations at right angles to the named one
-    ("left of" -> "above", "below") to "relation"; those are false too (the contract's four
-    relations exclude each other) but easier, so evaluate_clip leaves them out."""
-    spec = parse_caption(caption)
-    out: dict[str, list[CaptionSpec]] = {a: [] for a in ATTRIBUTES}
-    for i, (c, s) in enumerate(spec.objects):
-        out["color"] += [_replace_obj(spec, i, color=c2) for c2 in COLORS if c2 != c]
-        out["shape"] += [_replace_obj(spec, i, shape=s2) for s2 in SHAPES if s2 != s]
-    if spec.size is not None:
-        out["size"] = [CaptionSpec(spec.form, spec.objects, size=z) for z in SIZES if z != spec.size]
-    if spec.background is not None:
-        out["background"] = [CaptionSpec(spec.form, spec.objects, background=b) for b in BACKGROUNDS
-                             if b != spec.background]
-    if spec.relation is not None:
-        a, b = spec.objects
-        out["relation"] = [CaptionSpec(spec.form, (a, b), relation=OPPOSITE[spec.relation]),
-                           CaptionSpec(spec.form, (b, a), relation=spec.relation)]
-        if perpendicular:
-            out["relation"] += [CaptionSpec(spec.form, (a, b), relation=r) for r in _REL_ID
-                                if r not in (spec.relation, OPPOSITE[spec.relation])]
-    texts = {}
-    for attr, specs in out.items():
-        texts[attr] = []
-        for sp in specs:
-            try:
-                texts[attr].append(format_caption(sp))
-            except CaptionError:  # two identical objects: not a caption
-                pass
-    return texts
-
-
-def _codes(objs, size, background, relation) -> list[int]:
-    """[n_objects, obj0, obj1, size, background, relation] as ints, -1 where absent."""
-    ids = [_OBJ_ID[o] for o in objs] + [-1] * (2 - len(objs))
-    return [len(objs), *ids, _SIZE_ID.get(size, -1), _BG_ID.get(background, -1), _REL_ID.get(relation, -1)]
-
-
-def holds_matrix(scenes: list[Scene], captions: list[str]) -> np.ndarray:
-    """bool `[len(scenes), len(captions)]`: caption_holds for every pair, vectorised (the slow
-    reference is caption_holds; tests compare the two)."""
-    s = np.array([_codes([(o.color, o.shape) for o in sc.objects], sc.objects[0].size, sc.background,
-                         sc.relation) for sc in scenes])[:, None, :]  # [S, 1, 6]
-    specs = [parse_caption(c) for c in captions]
-    t = np.array([_codes(sp.objects, sp.size, sp.background, sp.relation) for sp in specs])[None]  # [1, T, 6]
-    n, o0, o1, size, bg, rel = (t[..., k] for k in range(6))  # each [1, T]
-    sn, so0, so1, ssize, sbg, srel = (s[..., k] for k in range(6))  # each [S, 1]
-    one = (n == 1) & (sn == 1) & (o0 == so0) & ((size < 0) | (size == ssize)) & ((bg < 0) | (bg == sbg))
-    fwd = (o0 == so0) & (o1 == so1) & (rel == srel)
-    rev = (o0 == so1) & (o1 == so0) & (rel == (srel ^ 1))
-    two = (n == 2) & (sn == 2) & (fwd | rev)
-    return one | two
 
 
 # ---------------------------------------------------------------- the loss
@@ -416,7 +313,7 @@ def evaluate_clip(model, tokenizer, n: int = 400, seed: int = 4321) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m grpo_vision.shapes.train_clip --preset default --out DIR: train, evaluate, save."""
+    """python -m grpo_vision.shapes.build.train_clip --preset default --out DIR: train, evaluate, save."""
     import argparse
     import json
 

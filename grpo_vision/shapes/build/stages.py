@@ -16,10 +16,10 @@ EVAL_SEED_OFFSET = 10_000  # evaluation renders never share a seed with training
 
 def recipe(name: str, preset: str) -> dict:
     """The hyper-parameters stage `name` trains with under `preset` (what its marker's hash covers)."""
-    from grpo_vision.shapes.train_aesthetic import AESTHETIC_PRESETS
-    from grpo_vision.shapes.train_clip import CLIP_PRESETS
-    from grpo_vision.shapes.train_policy import POLICY_PRESETS
-    from grpo_vision.shapes.train_vq import DECODER_SEED_OFFSET, VQ_PRESETS
+    from grpo_vision.shapes.build.train_aesthetic import AESTHETIC_PRESETS
+    from grpo_vision.shapes.build.train_clip import CLIP_PRESETS
+    from grpo_vision.shapes.build.train_policy import POLICY_PRESETS
+    from grpo_vision.shapes.build.train_vq import DECODER_SEED_OFFSET, VQ_PRESETS
 
     presets = {"vq": VQ_PRESETS, "clip": CLIP_PRESETS, "aesthetic": AESTHETIC_PRESETS, "policy": POLICY_PRESETS}
     out = dataclasses.asdict(presets[name][preset])
@@ -27,7 +27,7 @@ def recipe(name: str, preset: str) -> dict:
 
 
 def build_vq(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
-    from grpo_vision.shapes.train_vq import evaluate_vq, train_vq
+    from grpo_vision.shapes.build.train_vq import evaluate_vq, train_vq
 
     tok, info = train_vq(preset, seed=seed, progress=progress)
     tok.save_pretrained(tmp)
@@ -37,7 +37,7 @@ def build_vq(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> 
 def build_clip(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
     import open_clip
 
-    from grpo_vision.shapes.train_clip import MODEL_NAME, evaluate_clip, save_clip, train_clip
+    from grpo_vision.shapes.build.train_clip import MODEL_NAME, evaluate_clip, save_clip, train_clip
 
     model, info = train_clip(preset, seed=seed, progress=progress)
     save_clip(model, tmp)
@@ -47,8 +47,8 @@ def build_clip(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -
 
 def build_aesthetic(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
     from grpo_vision.aesthetic import save_aesthetic
-    from grpo_vision.shapes.train_aesthetic import evaluate_aesthetic, train_aesthetic
-    from grpo_vision.shapes.train_clip import MODEL_NAME, load_clip
+    from grpo_vision.shapes.build.train_aesthetic import evaluate_aesthetic, train_aesthetic
+    from grpo_vision.shapes.build.train_clip import MODEL_NAME, load_clip
 
     clip, _, _ = load_clip(MODEL_NAME, world / "clip" / "clip.safetensors")
     head, info = train_aesthetic(clip, preset, seed=seed)
@@ -57,7 +57,7 @@ def build_aesthetic(world: Path, tmp: Path, preset: str, seed: int, progress: bo
 
 
 def build_policy(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
-    from grpo_vision.shapes.train_policy import train_policy
+    from grpo_vision.shapes.build.train_policy import train_policy
     from grpo_vision.tokenizer import VQTokenizer
 
     tok = VQTokenizer.from_pretrained(world / "vq")
@@ -70,7 +70,7 @@ def load_stage(folder: Path, name: str):
     """The model stage `name` saved in `folder`, loaded as the later stages and training load it."""
     from grpo_vision.aesthetic import load_aesthetic
     from grpo_vision.llama_policy import LlamaImagePolicy
-    from grpo_vision.shapes.train_clip import CHECKPOINT_NAME, MODEL_NAME, load_clip
+    from grpo_vision.shapes.build.train_clip import CHECKPOINT_NAME, MODEL_NAME, load_clip
     from grpo_vision.tokenizer import VQTokenizer
 
     loaders = {"vq": lambda: VQTokenizer.from_pretrained(folder),
@@ -83,7 +83,7 @@ def load_stage(folder: Path, name: str):
 def evaluate_world(world: Path, preset: str, seed: int, progress: bool) -> dict:
     """Every quality figure of world.json, from the saved stages (so they describe what loads)."""
     from grpo_vision.llama_policy import LlamaImagePolicy
-    from grpo_vision.shapes.train_policy import DEFAULT_SAMPLING, evaluate_policy
+    from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING, evaluate_policy
     from grpo_vision.tokenizer import VQTokenizer
 
     micro = preset == "micro"
@@ -102,7 +102,7 @@ def checker_figures(n: int, seed: int) -> dict:
     """The checker on clean renders of every caption form, and on captions with one attribute changed."""
     from grpo_vision.shapes.checker import check
     from grpo_vision.shapes.scene import FORMS, render, sample_scene
-    from grpo_vision.shapes.train_clip import hard_negatives
+    from grpo_vision.shapes.build.train_clip import hard_negatives
 
     rng = np.random.default_rng(seed)
     correct, rejected, negatives = [], 0, 0
@@ -119,8 +119,8 @@ def checker_figures(n: int, seed: int) -> dict:
 
 
 def world_constants(world: Path) -> dict:
-    from grpo_vision.shapes.train_clip import MODEL_NAME
-    from grpo_vision.shapes.train_policy import DEFAULT_SAMPLING
+    from grpo_vision.shapes.build.train_clip import MODEL_NAME
+    from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING
 
     return {"image_size": IMAGE_SIZE, "words": all_words(), "held_out": sorted(map(list, HELD_OUT)),
             "sampling": DEFAULT_SAMPLING, "clip_model_name": MODEL_NAME}
@@ -129,12 +129,11 @@ def world_constants(world: Path) -> dict:
 @torch.no_grad()
 def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
     """Rows: renders, their VQ reconstructions, base-policy samples for the same captions."""
-    from PIL import Image, ImageDraw
-
+    from grpo_vision.images import Cell, paint_grid
     from grpo_vision.llama_policy import LlamaImagePolicy
     from grpo_vision.sampling import SamplingParams, sample
     from grpo_vision.shapes.data import render_batch, to_tensor, to_uint8
-    from grpo_vision.shapes.train_policy import DEFAULT_SAMPLING
+    from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING
     from grpo_vision.tokenizer import VQTokenizer
 
     tok = VQTokenizer.from_pretrained(world / "vq")
@@ -144,17 +143,8 @@ def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
     recon = to_uint8(tok.decode(tok.encode(x)))
     rollout = sample(policy, policy.encode_prompts(batch.captions), list(range(n)), SamplingParams(**DEFAULT_SAMPLING))
     samples = to_uint8(tok.decode(rollout.tokens))
-    scale, label_h, cell = 2, 28, IMAGE_SIZE * 2
-    sheet = Image.new("RGB", (n * (cell + 4), label_h + 3 * (cell + 14)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for row, (title, images) in enumerate([("render", batch.images), ("VQ reconstruction", recon),
-                                           ("base policy sample", samples)]):
-        y = label_h + row * (cell + 14)
-        draw.text((2, y - 12), title, fill="black")
-        for i, img in enumerate(images):
-            sheet.paste(Image.fromarray(img).resize((cell, cell), Image.NEAREST), (i * (cell + 4), y))
-    for i, caption in enumerate(batch.captions):
-        words = caption.split()
-        draw.text((i * (cell + 4), 0), " ".join(words[:4]), fill="black")
-        draw.text((i * (cell + 4), 12), " ".join(words[4:]), fill="black")
+    rows = [[Cell(img) for img in images] for images in (batch.images, recon, samples)]
+    headings = [(i, " ".join(c.split()[:4]) + "\n" + " ".join(c.split()[4:])) for i, c in enumerate(batch.captions)]
+    sheet = paint_grid(rows, headings=headings, row_labels=["render", "VQ recon.", "base policy"], label_width=70,
+                       scale=2, pad=4)
     sheet.save(out)

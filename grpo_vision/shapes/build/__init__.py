@@ -1,0 +1,135 @@
+"""Build a ShapesWorld directory: a chain of stages, each training one model (docs/shapes_world.md).
+
+Each stage writes into `<name>.tmp/` and renames it into place (atomic), then writes its marker; a
+stage whose marker matches the preset, the seed and the recipe (a hash of the stage's
+hyper-parameters and of the stages it reads) is skipped, so an interrupted build resumes where it
+stopped, and a changed recipe rebuilds that stage and everything trained on it (a new tokenizer
+means new codes for the policy). A finished stage whose files do not load is rebuilt the same way.
+
+Only `grpo-vision world build` imports this subpackage; training and evaluation never do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from grpo_vision.shapes.world import (INPUTS, STAGES, WORLD_VERSION, WorldError, check_world_dir, stage_problem,
+                                      with_dependents)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Atomic: write a temporary file, then rename over the target."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def recipe_hashes(preset: str) -> dict[str, str]:
+    """Per stage, a short hash of its hyper-parameters under `preset` and of its inputs' hashes."""
+    from grpo_vision.shapes.build import stages
+
+    hashes: dict[str, str] = {}
+    for name in STAGES:
+        recipe = {"recipe": stages.recipe(name, preset), "inputs": [hashes[i] for i in INPUTS[name]]}
+        hashes[name] = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return hashes
+
+
+def stage_done(world: Path, name: str, preset: str, seed: int, recipe: str | None = None) -> dict | None:
+    marker = world / "stages" / f"{name}.json"
+    if not marker.is_file() or not (world / name).is_dir():
+        return None
+    try:
+        info = json.loads(marker.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):  # unreadable: as good as absent, so the stage is rebuilt
+        return None
+    if not isinstance(info, dict):
+        return None
+    same = (info.get("preset"), info.get("seed")) == (preset, seed)
+    return info if same and (recipe is None or info.get("recipe") == recipe) else None
+
+
+def run_stage(world: Path, name: str, preset: str, seed: int, recipe: str, build: Callable[[Path], dict],
+              log) -> dict:
+    """Run `build(tmp_dir) -> figures` unless already done with this recipe; move tmp_dir into place atomically."""
+    built = stage_done(world, name, preset, seed)  # with whatever recipe
+    if built is not None and built.get("recipe") == recipe:
+        log(f"[world] {name}: already built ({preset}, seed {seed}), skipping")
+        return built
+    if built is not None:
+        why = "its recipe or an input changed" if built.get("recipe") else "no recipe was recorded"
+        log(f"[world] {name}: {why} since it was built; rebuilding")
+    tmp, final = world / f"{name}.tmp", world / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    log(f"[world] {name}: building ({preset}, seed {seed})")
+    start = time.monotonic()
+    figures = build(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    info = {"preset": preset, "seed": seed, "recipe": recipe, "seconds": round(time.monotonic() - start, 1), **figures}
+    (world / "stages").mkdir(exist_ok=True)
+    write_json(world / "stages" / f"{name}.json", info)
+    return info
+
+
+def build_world(out: str | Path, preset: str = "default", seed: int = 0, progress: bool = True,
+                log: Callable[[str], None] = print) -> dict:
+    """Build every missing stage of the world at `out`, evaluate it, and write world.json."""
+    from grpo_vision.shapes.build import stages
+
+    if preset not in ("micro", "default"):
+        raise ValueError(f"preset must be 'micro' or 'default', got {preset!r}")
+    world = Path(out)
+    hashes = recipe_hashes(preset)
+    broken = {n: problem for n in STAGES
+              if stage_done(world, n, preset, seed, hashes[n]) and (problem := load_problem(world, n))}
+    for name in with_dependents(broken):
+        why = broken.get(name) or f"it is trained on {', '.join(INPUTS[name])}, which is rebuilt"
+        log(f"[world] {name}: {why}; rebuilding")
+        (world / "stages" / f"{name}.json").unlink(missing_ok=True)  # as if never built: a stop resumes here
+    try:
+        info = check_world_dir(world)
+        if all(stage_done(world, n, preset, seed, hashes[n]) for n in STAGES):
+            log(f"[world] {world} is complete ({preset}, seed {seed}); nothing to build")
+            return info
+    except WorldError:
+        pass
+    world.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    (world / "world.json").unlink(missing_ok=True)  # the world is incomplete until the end
+    infos = {}
+    for name in STAGES:
+        build = getattr(stages, f"build_{name}")
+        infos[name] = run_stage(world, name, preset, seed, hashes[name],
+                                lambda tmp: build(world, tmp, preset, seed, progress), log)
+    log("[world] evaluating")
+    figures = stages.evaluate_world(world, preset, seed, progress)
+    stages.contact_sheet(world, world / "contact_sheet.png", seed)
+    info = {"version": WORLD_VERSION, "preset": preset, "seed": seed, "stages": infos, "quality": figures,
+            **stages.world_constants(world)}
+    write_json(world / "world.json", info)
+    log(f"[world] done: {world / 'world.json'}")
+    return info
+
+
+def load_problem(world: Path, name: str) -> str | None:
+    """`stage_problem`, and then whether the stage's model loads through the loader the later stages
+    and training use (files that parse can still hold a config that does not fit)."""
+    from grpo_vision.shapes.build import stages
+
+    problem = stage_problem(world, name)
+    if problem is None:
+        try:
+            stages.load_stage(world / name, name)
+        except Exception as e:
+            return f"{world / name} does not load ({type(e).__name__}: {e})"
+    return problem
