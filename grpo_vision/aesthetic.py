@@ -94,7 +94,7 @@ def _read_weights(p: Path) -> dict:
         sd = load_file(str(p)) if p.suffix == ".safetensors" else load_pickled_tensors(p)
     except UnsafeFileError as e:
         raise ValueError(f"{e}. Use a safetensors copy of the head; to make one from a file you trust, see "
-                         "README, 'Security'") from None
+                         "docs/security.md") from None
     except Exception as e:
         raise ValueError(f"cannot read the aesthetic head weights {p}: the file is damaged, cut short or not a "
                          f"state dict ({type(e).__name__}: {str(e).strip()[:200]}); copy it again") from None

@@ -1,4 +1,4 @@
-"""Sampler benchmark: our KV-cache sampler vs transformers' `generate()` on the same weights.
+"""Sampler benchmark: the KV-cache sampler vs transformers' `generate()` on the same weights.
 
 Both sample 64 sequences x 64 image tokens with the same settings (temperature, top-k, image tokens
 only), with CFG off and on; `generate()` runs on the exported `LlamaForCausalLM` and does CFG its own

@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="what", required=True)
-    p = bench.add_parser("sampler", help="our sampler vs transformers generate() vs teacher forcing")
+    p = bench.add_parser("sampler", help="the sampler vs transformers generate() vs teacher forcing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--policy", default="", help="a saved policy directory (default: random default-size policy)")
     p.add_argument("--batch", type=positive_int, default=64, help="sequences per call")

@@ -107,7 +107,7 @@ def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu"):
         if not names_python_objects(e):
             raise ClipLoadError(_damaged(path, e)) from None
         raise ClipLoadError(f"{unsafe_message(path, e)}. Use a safetensors copy of the weights; to make one "
-                            "from a file you trust, see README, 'Security'") from None
+                            "from a file you trust, see docs/security.md") from None
     except Exception as e:  # a file that cannot be read, or weights that do not fit the architecture
         if _unreadable(e):
             raise ClipLoadError(_damaged(path, e)) from None

@@ -95,9 +95,8 @@ def effective_weight(layer: nn.Module) -> torch.Tensor:
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool) -> torch.Tensor:
     """Scaled dot-product attention `[B, H, T, hd]`. On CPU it stays in float32 under autocast: CPU
-    autocast would cast it to bf16, whose flash-attention backward is about 3x slower than float32's
-    here (torch 2.15, 2 cores: 175 vs 58 ms for 32 x 6 heads x 267 tokens), while the products around
-    it gain from bf16."""
+    autocast would cast it to bf16, whose flash-attention backward is slower than float32's there
+    (docs/benchmarks.md), while the products around it gain from bf16."""
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)

@@ -76,7 +76,7 @@ class Rollout:
 
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest value along the last dim, `[..., 1]` (no gradient: it is a threshold)."""
-    if x.device.type == "cpu":  # numpy's introselect is ~10x faster than torch.topk on CPU (torch 2.15)
+    if x.device.type == "cpu":  # numpy's introselect beats torch.topk on CPU (docs/benchmarks.md)
         i = x.shape[-1] - k
         a = np.partition(x.detach().float().numpy(), i, axis=-1)[..., i:i + 1]
         return torch.from_numpy(a).to(x.dtype)

@@ -37,10 +37,9 @@ class ImageTokenizer(Protocol):
 class Float32GroupNorm(nn.GroupNorm):
     """GroupNorm in float32 under autocast (its input and output stay in the autocast dtype).
 
-    CPU autocast runs group_norm in bf16, whose backward is about 3x slower there than float32's
-    (CUDA autocast already lists it as a float32 op); with the VQ's convolutions in bf16 and its
-    norms in float32 a training step took 0.67 s instead of 1.0 s on the 2-core CPU. Without
-    autocast it is exactly nn.GroupNorm.
+    CPU autocast runs group_norm in bf16, whose backward is slower there than float32's (CUDA
+    autocast already lists it as a float32 op; docs/benchmarks.md has the profile). Without autocast
+    it is exactly nn.GroupNorm.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

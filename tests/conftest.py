@@ -31,7 +31,7 @@ def tiny_policy() -> LlamaImagePolicy:
 
 @pytest.fixture(scope="session")
 def micro_world(tmp_path_factory):
-    """A micro ShapesWorld built once per test session (about a minute on 2 cores)."""
+    """A micro ShapesWorld, built once per test session."""
     from grpo_vision.shapes.build import build_world
 
     path = tmp_path_factory.mktemp("worlds") / "shapes_micro"

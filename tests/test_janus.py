@@ -105,7 +105,7 @@ def test_condition_is_the_chat_prompt_and_null_follows_generate(policy):
 @torch.no_grad()
 def test_guided_logits_match_transformers_generate(policy):
     """Greedy `generate(generation_mode="image")` with CFG records its raw [cond; uncond] scores at
-    every step; our sampler (top_k=1) must pick the same tokens and our cached logits must match."""
+    every step; the sampler (top_k=1) must pick the same tokens and its cached logits must match."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class Record(LogitsProcessor):  # runs before the CFG processor generate() appends: sees [2B, K]

@@ -64,7 +64,7 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
     for name in ("report.md", "eval.json", "curves.png", "config.yaml", "samples/step_000001.png"):
         assert (run / name).exists(), name
     report = (run / "report.md").read_text()
-    assert "Exact checker" in report and "All attributes right, by caption form" in report
+    assert "Exact checker" in report and "All attributes right, by prompt form" in report
     result = json.loads((run / "eval.json").read_text())
     by_form = result["models"]["policy"]["checker_by_form"]
     assert set(by_form) <= {"plain", "size", "background", "relation"} and by_form

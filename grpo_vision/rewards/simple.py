@@ -39,7 +39,7 @@ def placebo(ctx: RewardContext) -> RewardFn:
     """A control that carries no information: each image's score is uniform in [0, 1), a hash of
     its 8-bit pixels and its prompt (deterministic, so a resumed run sees the same values). Train
     on it to measure what GRPO's sampling noise alone does to the other rewards and the checker
-    (docs/experiments/placebo.md measures it on ShapesWorld)."""
+    (docs/experiments/previous_world.md measures it on ShapesWorld)."""
     import hashlib
 
     def reward(images, prompts, metadata):

@@ -10,7 +10,7 @@ Captions never mention those factors, so a purely contrastive tiny CLIP drops th
 embedding the head reached Spearman 0.11. train_clip's default preset therefore adds an auxiliary
 probe for the factors to the image embedding (train_clip.py, point 5); with it the head passes
 the 0.8 bar (numbers in the report / clip_metrics.json). A web-scale CLIP keeps image quality for
-free, because web captions correlate with it; this is our stand-in for that.
+free, because web captions correlate with it; this is the stand-in for that.
 """
 
 from __future__ import annotations

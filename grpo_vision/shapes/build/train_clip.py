@@ -136,15 +136,14 @@ class ClipPreset:
     canonical_frac: float = 0.0  # first part of the run with relation captions as "left of"/"above" only
     aux_weight: float = 0.0  # weight of the auxiliary aesthetic-factor probe on image embeddings
     relation_twins: bool = False  # pair each relation image with a twin of its swapped caption
-    amp: bool = True  # bf16 autocast, image tower only (convs ~2x with AMX; text is faster in fp32)
+    amp: bool = True  # bf16 autocast, image tower only (convs gain from it; the small text matmuls do not)
 
 
 CLIP_PRESETS = {
-    # smoke run, plain recipe: colour 0.82-0.94 after 60 steps (seeds 0-2), ~13 s on one busy core
+    # smoke run, plain recipe: seconds, for tests
     "micro": ClipPreset(32, 3e-3, 0.1, 5, 60, 1.0),
-    # the full recipe; 1500 steps take about 11 minutes on an Intel host's two cores, 5 on an AMD
-    # EPYC's. 1000 steps reached shape 0.90 and size 0.94 instead of 0.99, and GRPO against that CLIP
-    # lost shape and size (README)
+    # the full recipe; fewer steps left shape and size weaker, and GRPO against such a CLIP lost them
+    # (docs/experiments/world_recipes.md)
     "default": ClipPreset(64, 2e-3, 0.1, 50, 1500, 2.0, attr_weights=(1, 1, 1, 1, 4),
                           form_weights=(1, 1, 1.5, 2), canonical_frac=0.5, aux_weight=1.5,
                           relation_twins=True),

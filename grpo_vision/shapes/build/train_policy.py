@@ -41,8 +41,8 @@ class PolicyPreset:
 
 POLICY_PRESETS = {
     "micro": PolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20),
-    # 1.39M params; ~0.6 s a step on 2 cores at 16x16 codes with attention kept in float32 (the 3.0M 256-wide 4-layer model
-    # took 1.6 s at batch 32, 3.2 s at batch 64: 3,000 such steps alone would be 2.7 hours)
+    # 1.39M params, sized so that 2,400 steps fit the world's build budget on 2 CPU cores
+    # (a 3.0M-parameter model would take hours: docs/experiments/world_recipes.md)
     "default": PolicyPreset(192, 3, 6, 2, 512, 30000, 32, 1e-3, 2400),
 }
 
@@ -56,9 +56,8 @@ def tokenize_dataset(tok: VQTokenizer, n: int, seed: int, progress: bool) -> tup
     codes, captions = [], []
     for _ in tqdm(range(0, n, 256), desc="tokenize", disable=not progress, leave=False):
         batch = render_batch(rng, min(256, n - len(captions)), split="train")
-        # bf16 latents, float32 nearest-code search: 3% of the codes differ from encode()'s float32
-        # ones, their reconstructions pass the checker as often (98.4% against 98.2% of 512 renders),
-        # and a 256-image batch takes 1.55 s instead of 2.1 s
+        # bf16 latents, float32 nearest-code search: a few codes differ from encode()'s float32 ones,
+        # the reconstructions pass the checker as often, and it is faster (docs/benchmarks.md)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             z = tok.latents(to_tensor(batch.images)).float()
         codes.append(tok.nearest(z))

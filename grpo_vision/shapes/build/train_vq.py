@@ -1,7 +1,7 @@
 """Train ShapesWorld's VQ tokenizer: a diffusers `VQModel`, 64x64 images to a grid of codes (16x16 by default).
 
-A naive VQ-VAE (codebook learned by gradient, random init) reached 23 dB and used 57 of 512 codes
-here. What fixes that, in the order it happens:
+A naive VQ-VAE (codebook learned by gradient, random init) reconstructs blurrily and uses a small
+part of its codebook (docs/experiments/world_recipes.md). What fixes that, in the order it happens:
 
 1. Warm-up as a plain autoencoder, so the encoder's outputs mean something before codes are fit.
 2. k-means initialisation of the codebook on encoder outputs (SoundStream arXiv 2107.03312).
@@ -42,25 +42,22 @@ class VQPreset:
     lr: float
     warmup_steps: int  # plain autoencoder steps before k-means
     steps: int  # optimisation steps (a step count, not a time budget, keeps the build deterministic)
-    amp: bool = True  # bf16 autocast for the conv stacks (2x faster on CPUs with AMX/AVX512-BF16)
+    amp: bool = True  # bf16 autocast for the conv stacks (faster where the CPU has bf16 matrix units)
     norm_type: str = "spatial"  # decoder norm: "spatial" re-injects the codes after each GroupNorm (MoVQ)
     object_weight: float = 4.0  # extra loss weight on pixels far from the background colour
     decoder_steps: int = 0  # then the decoder alone, codes frozen, learning rate decayed to 0 (finetune_decoder)
     decoder_lr: float = 5e-4
     decoder_object_weight: float = 8.0
     # renders of every composition: the tokenizer is a codec, and the held-out split is a test of what
-    # the policy and CLIP learnt from captions. Trained on the train split, it reconstructed held-out
-    # compositions checker-correct 87.7% of the time against 95.1% for seen ones
+    # the policy and CLIP learnt from captions, not of the codec (docs/experiments/world_recipes.md)
     split: str = "all"
 
 
 VQ_PRESETS = {
     # micro: for tests, seconds not quality (group norm: spatial norm needs widths that are multiples of 32)
     "micro": VQPreset((8, 8, 16, 16), 1, 8, 8, 256, 8, 8, 2e-3, 5, 20, norm_type="group", decoder_steps=5),
-    # 16x16 codes: the checker accepts 99.0% of clean reconstructions (35.2 dB). On the train split
-    # alone it was 94.5% (the decoder phase had taken it from 92.8%), most failures yellow objects
-    # drawn with orange patches. 1000 + 300 steps (about 10 minutes less): 97.5% and 31.9 dB, but GRPO
-    # gained less on the base policy trained on those codes (README, "World build time")
+    # 16x16 codes; the step counts are the shortest whose world GRPO still gained on (a trimmed
+    # 1000 + 300-step recipe was built and rejected: docs/experiments/world_recipes.md)
     "default": VQPreset((32, 32, 64), 1, 16, 16, 512, 32, 16, 1e-3, 250, 1500, decoder_steps=800),
 }
 DECODER_SEED_OFFSET = 5  # the decoder phase renders its own scenes, from seed + this
