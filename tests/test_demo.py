@@ -136,7 +136,7 @@ def test_clean_prompt_normalises_and_names_the_problem(tiny_policy):
             clean_prompt(prompt, tiny_policy, judge)
     assert clean_prompt("a red circle a", tiny_policy) == "a red circle a"  # no judge: only the policy must read it
     with pytest.raises(DemoInputError, match="at most 8"):  # the policy's own limit
-        clean_prompt("a red circle left of a blue square now", tiny_policy)
+        clean_prompt("a red circle left of a blue square a", tiny_policy)
 
 
 def test_run_directory_errors_name_the_path_and_the_fix(tmp_path):
