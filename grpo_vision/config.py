@@ -94,6 +94,10 @@ class RewardConfig:
     # {clip: {model: ViT-L-14-quickgelu, checkpoint: /models/clip.bin}}; a policy kind may supply defaults
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     batch_size: int = 64  # images per reward-model call
+    # How several rewards make the total the advantages come from (TRL's multi_objective_aggregation):
+    # "sum_then_normalize" weights the raw values; "normalize_then_sum" z-scores each reward within its
+    # group first (GDPO), so rewards on different scales need no hand-tuned weights to count equally
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
 
 
 # The flat reward keys of earlier versions, now options of their reward (read with a warning)

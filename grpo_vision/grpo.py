@@ -102,6 +102,19 @@ def group_advantages(
     return adv.reshape(-1)  # [B*G]
 
 
+def normalize_then_sum(rewards: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4) -> Tensor:
+    """Multi-reward totals `[B*G]` the GDPO way (TRL `multi_objective_aggregation="normalize_then_sum"`):
+    each reward is z-scored within its group first, so a reward on a larger scale cannot drown the
+    others, then weighted and summed. rewards, weights: `[B*G, R]`. A NaN reward (does not apply) or a
+    zero weight adds nothing; a sample to which no weighted reward applies gets NaN, as in the plain sum.
+    """
+    z = torch.stack([group_advantages(rewards[:, j], group_size, "group", eps)  # [B*G] each
+                     for j in range(rewards.shape[1])], dim=1)  # [B*G, R]
+    applies = ~rewards.isnan() & (weights != 0)  # [B*G, R]
+    total = torch.where(applies, z * weights, torch.zeros_like(z)).sum(1)  # [B*G]
+    return torch.where(applies.any(1), total, torch.full_like(total, float("nan")))  # [B*G]
+
+
 def frac_zero_std(rewards: Tensor, group_size: int) -> float:
     """Fraction of groups with zero reward std (all non-NaN rewards equal): metric `adv/frac_zero_std`.
 

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
-from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl
+from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, normalize_then_sum
 from grpo_vision.health import NonFiniteWeightsError, RunHealth, weights_finite
 from grpo_vision.memory import report_memory
 from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
@@ -160,6 +160,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             total = acc.gather(out.total.to(acc.device)).cpu()  # [B*G] global, in group order
             raw = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.raw.items()}
             weights = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.weights.items()}
+            if cfg.reward.combine == "normalize_then_sum":
+                total = normalize_then_sum(torch.stack([raw[k] for k in rewards.names], 1),
+                                           torch.stack([weights[k] for k in rewards.names], 1), s.group_size)
             # ---------------------------------------------------------- ADVANTAGE
             adv_all = group_advantages(total, s.group_size, t.adv_scale)  # [B*G], identical on every process
             n = len(prompts)
@@ -178,6 +181,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             # ---------------------------------------------------------- LOG / CHECKPOINT
             metrics = {f"reward/{k}/mean": nanmean(v) for k, v in raw.items()}
             metrics |= {f"reward/{k}/std": nanstd(v) for k, v in raw.items()}
+            metrics |= {f"reward/{k}/frac_zero_std": frac_zero_std(v, s.group_size) for k, v in raw.items()}
             spread = frac_zero_std(total, s.group_size)
             metrics |= {"reward/total/mean": nanmean(total), "reward/total/std": nanstd(total),
                         "adv/frac_zero_std": spread, **losses,

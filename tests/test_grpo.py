@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean
+from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean, normalize_then_sum
 
 EPS = 1e-4
 NAN = float("nan")
@@ -297,3 +297,18 @@ def test_loss_errors():
         grpo_loss(logp, old, None, adv, mask, loss_type="ppo")
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(logp, old, None, adv, mask, beta=0.04)
+
+
+def test_normalize_then_sum_z_scores_each_reward_within_its_group_then_weighs():
+    # Two groups of 2, rewards A and B, weights 1 and 0.5. Group 1: A = [1, 3] -> mean 2, Bessel std
+    # sqrt(2), z = [-0.7071, 0.7071]; B = [0, 100] -> mean 50, std 70.71, the same z. Total: z_A + 0.5 z_B
+    # = [-1.0607, 1.0607]. Group 2: A constant (z 0); B has one value (no spread, z 0) and a NaN.
+    # Row 2: A applies (0), B does not: 0. Row 3 with A's weight 0 and B's value NaN: nothing applies, NaN.
+    rewards = torch.tensor([[1.0, 0.0], [3.0, 100.0], [10.0, 5.0], [10.0, float("nan")]])
+    weights = torch.tensor([[1.0, 0.5], [1.0, 0.5], [1.0, 0.5], [0.0, 0.5]])
+    total = normalize_then_sum(rewards, weights, group_size=2)
+    torch.testing.assert_close(total[:3], torch.tensor([-1.0607, 1.0607, 0.0]), atol=2e-4, rtol=0)
+    assert total[3].isnan()
+    # the point of it: a reward's scale no longer sets its share of the advantage
+    scaled = rewards * torch.tensor([1.0, 1000.0])
+    torch.testing.assert_close(normalize_then_sum(scaled, weights, 2)[:3], total[:3], atol=2e-4, rtol=0)

@@ -451,3 +451,16 @@ def test_the_reference_sampler_loads_the_base_once_on_the_policys_device(tiny_po
     assert frozen.sampler(tiny_policy)[0] is frozen.model
     with pytest.raises(ValueError, match="no way to load its base policy"):
         Reference(tiny_policy, "none").sampler(tiny_policy)
+
+
+def test_rewards_combined_normalize_then_sum_train_and_log_each_rewards_spread(micro_world, tmp_path):
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=gdpo", "train.steps=1", "reward.combine=normalize_then_sum"),
+                progress=False)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    for name in ("clip", "aesthetic", "shapes_exact"):
+        assert 0.0 <= row[f"reward/{name}/frac_zero_std"] <= 1.0
+    # z-scores summed: each group's total has mean 0, so the batch mean is 0 up to rounding (which a
+    # group of near-equal CLIP scores amplifies by 1 / (its std + 1e-4))
+    assert abs(row["reward/total/mean"]) < 1e-2 and math.isfinite(row["loss/policy"])
+    with pytest.raises(ConfigError, match="'reward.combine' expects one of 'sum_then_normalize', 'normalize_then_sum'"):
+        load_config(None, ["reward.combine=gdpo"])
