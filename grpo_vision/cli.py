@@ -56,16 +56,24 @@ def cmd_train(args) -> None:
 
 
 def cmd_sample(args) -> None:
+    from grpo_vision import export
     from grpo_vision.evaluate import eval_params, load_run, write_samples
     from grpo_vision.prompts import load_prompts
 
+    # read the prompts before loading the model: a bad file is named at once
+    rows = export.load_geneval_metadata(args.prompts) if args.layout == "geneval" else load_prompts(args.prompts)
     run = load_run(args.run, args.step)
     model, ctx = run.reference.sampler(run.policy) if args.reference else (run.policy, contextlib.nullcontext())
+    params, tokenizer = eval_params(run.cfg, args.temperature), run.bundle.tokenizer
     with ctx:
-        index = write_samples(model, run.bundle.tokenizer, load_prompts(args.prompts), Path(args.out), args.n,
-                              args.seed, eval_params(run.cfg, args.temperature), "reference" if args.reference else "policy",
-                              run.step)
-    print(f"wrote {len(index)} images and index.jsonl to {args.out}")
+        if args.layout == "geneval":
+            count = export.write_geneval(model, tokenizer, rows, args.out, args.n, args.seed, params)
+        elif args.layout == "flat":
+            count = export.write_flat(model, tokenizer, [e.prompt for e in rows], args.out, args.n, args.seed, params)
+        else:
+            count = len(write_samples(model, tokenizer, rows, Path(args.out), args.n, args.seed, params,
+                                      "reference" if args.reference else "policy", run.step))
+    print(f"wrote {count} images to {args.out} ({args.layout} layout)")
 
 
 def cmd_eval(args) -> None:
@@ -176,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "sample":
             p.add_argument("--out", required=True, help="output directory")
             p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")
+            p.add_argument("--layout", default="index", choices=["index", "geneval", "flat"],
+                           help="index: numbered PNGs + index.jsonl; geneval: GenEval's folders (--prompts is its "
+                                "evaluation_metadata.jsonl); flat: <prompt>_<k>.png (T2I-CompBench style)")
         p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
 
     p = sub.add_parser("demo", help="Gradio app: two checkpoints (or the reference) side by side on the same seeds")

@@ -1,0 +1,84 @@
+"""Images in the layouts of published benchmarks' scorers: GenEval's folders and flat prompt-named files."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from grpo_vision.evaluate import generate
+from grpo_vision.export import flat_name, load_geneval_metadata, write_flat, write_geneval
+from grpo_vision.images import to_uint8
+from grpo_vision.prompts import PromptsError
+from grpo_vision.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = SamplingParams(2.0, 1.0, 0)
+# two lines in the form of GenEval's evaluation_metadata.jsonl (tags, include lists, ...)
+ROWS = [{"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a red circle"},
+        {"tag": "position", "include": [{"class": "square", "count": 1}], "prompt": "a blue square left of a red circle"}]
+
+
+class CodesAsPixels:
+    """A stand-in tokenizer: codes [n, 12] become 3 x 3 x 4 images, so images differ when codes do."""
+
+    def decode(self, codes):
+        return (codes.float() / 31).view(-1, 1, 3, 4).expand(-1, 3, -1, -1)
+
+
+def pngs(paths):
+    return [np.asarray(Image.open(p).convert("RGB")) for p in paths]
+
+
+def test_geneval_layout_is_the_one_its_scorer_reads(tiny_policy, tmp_path):
+    meta = tmp_path / "evaluation_metadata.jsonl"
+    meta.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    rows = load_geneval_metadata(meta)
+    assert write_geneval(tiny_policy, CodesAsPixels(), rows, tmp_path / "out", 3, 7, PARAMS) == 6
+    for index, row in enumerate(ROWS):
+        folder = tmp_path / "out" / f"{index:05d}"
+        assert json.loads((folder / "metadata.jsonl").read_text()) == row  # every field kept for the scorer
+        files = sorted((folder / "samples").iterdir())
+        assert [f.name for f in files] == ["00000.png", "00001.png", "00002.png"]
+        expected = to_uint8(generate(tiny_policy, CodesAsPixels(), [row["prompt"]] * 3, [7, 8, 9], PARAMS))
+        assert all(np.array_equal(a, b) for a, b in zip(pngs(files), expected))  # image j: seed + j
+
+
+def test_flat_layout_names_files_by_prompt_and_keeps_an_index(tiny_policy, tmp_path):
+    prompts = [r["prompt"] for r in ROWS]
+    assert write_flat(tiny_policy, CodesAsPixels(), prompts, tmp_path / "flat", 2, 0, PARAMS) == 4
+    index = [json.loads(ln) for ln in (tmp_path / "flat" / "index.jsonl").read_text().splitlines()]
+    assert [r["file"] for r in index] == ["a red circle_000000.png", "a red circle_000001.png",
+                                          "a blue square left of a red circle_000002.png",
+                                          "a blue square left of a red circle_000003.png"]
+    assert [r["seed"] for r in index] == [0, 1, 0, 1]
+    expected = to_uint8(generate(tiny_policy, CodesAsPixels(), [prompts[1]] * 2, [0, 1], PARAMS))
+    got = pngs([tmp_path / "flat" / r["file"] for r in index[2:]])
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+    assert flat_name("a/b", 3) == "a_b_000003.png"
+
+
+def test_a_bad_metadata_line_is_named(tmp_path):
+    meta = tmp_path / "m.jsonl"
+    meta.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"tag": "x"}) + "\n")
+    with pytest.raises(PromptsError, match=r"m.jsonl, line 2: a GenEval metadata line is an object with a non-empty"):
+        load_geneval_metadata(meta)
+    meta.write_text("{not json\n")
+    with pytest.raises(PromptsError, match="line 1: not valid JSON"):
+        load_geneval_metadata(meta)
+
+
+def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_world, tmp_path):
+    from grpo_vision.cli import main
+    from grpo_vision.config import load_config
+    from grpo_vision.train import train
+
+    run = train(load_config(ROOT / "configs" / "shapes_micro.yaml", [f"policy.path={micro_world}", f"run.out_dir={tmp_path}",
+                                                          "train.steps=1", "log.sample_every=0", "log.eval_images=1"]),
+                progress=False)
+    meta = tmp_path / "evaluation_metadata.jsonl"
+    meta.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    main(["sample", str(run), "--prompts", str(meta), "--out", str(tmp_path / "gen"), "--n", "2", "--layout", "geneval"])
+    assert sorted(p.name for p in (tmp_path / "gen" / "00001" / "samples").iterdir()) == ["00000.png", "00001.png"]
+    assert Image.open(tmp_path / "gen" / "00001" / "samples" / "00001.png").size == (64, 64)
