@@ -8,7 +8,6 @@ import json
 import math
 import signal
 import sys
-from pathlib import Path
 
 from grpo_vision.checkpoint import CheckpointError
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
@@ -57,7 +56,7 @@ def cmd_train(args) -> None:
 
 def cmd_sample(args) -> None:
     from grpo_vision import export
-    from grpo_vision.evaluate import eval_params, load_run, write_samples
+    from grpo_vision.evaluate import eval_params, load_run
     from grpo_vision.prompts import load_prompts
 
     # read the prompts before loading the model: a bad file is named at once
@@ -71,8 +70,8 @@ def cmd_sample(args) -> None:
         elif args.layout == "flat":
             count = export.write_flat(model, tokenizer, [e.prompt for e in rows], args.out, args.n, args.seed, params)
         else:
-            count = len(write_samples(model, tokenizer, rows, Path(args.out), args.n, args.seed, params,
-                                      "reference" if args.reference else "policy", run.step))
+            count = export.write_index(model, tokenizer, [e.prompt for e in rows], args.out, args.n, args.seed,
+                                       params, "reference" if args.reference else "policy", run.step)
     print(f"wrote {count} images to {args.out} ({args.layout} layout)")
 
 

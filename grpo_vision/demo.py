@@ -254,10 +254,9 @@ def grid_png(left: Side, right: Side, prompt: str, seeds: list[int], path: Path)
         return out
 
     left_cells, right_cells = cells(left), cells(right)
-    rows = [[*left_cells[r:r + cols], *right_cells[r:r + cols]] for r in range(0, len(seeds), cols)]
-    for row in rows[-1:]:  # a short last row keeps the right side under its heading
-        half = len(row) // 2
-        row[:] = [*row[:half], *[None] * (cols - half), *row[half:]]
+    # a short last row is padded on the left side, so the right side stays under its heading
+    rows = [[*left_cells[r:r + cols], *[None] * (r + cols - len(seeds)), *right_cells[r:r + cols]]
+            for r in range(0, len(seeds), cols)]
     sheet = paint_grid(rows, title=f"{prompt!r}   seeds {seeds[0]}..{seeds[-1]}",
                        headings=[(0, left.label), (cols, right.label)], scale=GRID_SCALE, split=cols, split_gap=24)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,6 @@ seed, so differences come from the weights, not from the sampling noise.
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,21 +113,3 @@ def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[Prom
                        label_width=230, split=k)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
-
-
-def write_samples(model, tokenizer, entries: list[PromptEntry], out: Path, n: int, seed: int,
-                  params: SamplingParams, which: str, step: int) -> list[dict]:
-    """One PNG per image and an index.jsonl (prompt, file, seed, model, step)."""
-    from PIL import Image
-
-    prompts = [e.prompt for e in entries for _ in range(n)]
-    seeds = [seed + j for _ in entries for j in range(n)]
-    images = to_uint8(generate(model, tokenizer, prompts, seeds, params))
-    out.mkdir(parents=True, exist_ok=True)
-    index = []
-    for i, (prompt, s, img) in enumerate(zip(prompts, seeds, images)):
-        name = f"{i // n:05d}_{i % n:02d}_{which}.png"
-        Image.fromarray(img).save(out / name)
-        index.append({"prompt": prompt, "file": name, "seed": s, "model": which, "step": step})
-    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
-    return index

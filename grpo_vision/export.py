@@ -3,6 +3,8 @@
 * GenEval (djghosh13/geneval, `generation/diffusers_generate.py`): for the i-th line of its
   `evaluation_metadata.jsonl`, a folder `<out>/<i:05d>/` holding that line as `metadata.jsonl` and
   the images as `samples/<j:05d>.png`; `evaluation/evaluate_images.py <out>` then scores them.
+* index (`grpo-vision sample`'s own): `<i:05d>_<j:02d>_<policy|reference>.png` and `index.jsonl`
+  (prompt, file, seed, model, step).
 * flat: one folder of `<prompt>_<k:06d>.png` files, k counting images in prompt order, the naming
   that T2I-CompBench-style scorers match prompts by; plus `index.jsonl` (prompt, file, seed).
 
@@ -15,10 +17,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from grpo_vision.evaluate import generate
 from grpo_vision.images import to_uint8
 from grpo_vision.prompts import PromptsError
 
-LAYOUTS = ("index", "geneval", "flat")  # index: grpo-vision sample's own (evaluate.write_samples)
+LAYOUTS = ("index", "geneval", "flat")
 IMAGES_PER_CALL = 64  # images generated per sampler call, whatever the number of prompts
 
 
@@ -47,8 +50,6 @@ def load_geneval_metadata(path: str | Path) -> list[dict]:
 
 def _images(model, tokenizer, prompts: list[str], n: int, seed: int, params):
     """uint8 images `[n, H, W, 3]` per prompt, image j drawn with seed + j, in chunks of IMAGES_PER_CALL."""
-    from grpo_vision.evaluate import generate
-
     per_call = max(1, IMAGES_PER_CALL // n)
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start:start + per_call]
@@ -56,6 +57,22 @@ def _images(model, tokenizer, prompts: list[str], n: int, seed: int, params):
                                    [seed + j for _ in chunk for j in range(n)], params))
         for i in range(len(chunk)):
             yield images[i * n:(i + 1) * n]
+
+
+def write_index(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params, which: str,
+                step: int) -> int:
+    """Numbered PNGs and `index.jsonl` (prompt, file, seed, model, step); returns the number of images."""
+    from PIL import Image
+
+    out, index = Path(out), []
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, images) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
+        for j, img in enumerate(images):
+            name = f"{i:05d}_{j:02d}_{which}.png"
+            Image.fromarray(img).save(out / name)
+            index.append({"prompt": prompt, "file": name, "seed": seed + j, "model": which, "step": step})
+    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
+    return len(index)
 
 
 def write_geneval(model, tokenizer, rows: list[dict], out: str | Path, n: int, seed: int, params) -> int:

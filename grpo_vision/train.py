@@ -53,7 +53,6 @@ def step_seed(seed: int, step: int, salt: int) -> int:
 class RunState:  # everything set-up builds before the first step, on this process
     acc: object  # accelerate.Accelerator
     run_dir: Path
-    sizes: dict[str, int]  # derived_sizes: the batch arithmetic
     params: SamplingParams  # the rollout's sampling settings
     bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
     policy: torch.nn.Module  # the bundle's policy, LoRA-wrapped when reference == "lora"
@@ -109,7 +108,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
         if main:
             print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
                   "starting at step 0", flush=True)
-    return RunState(acc, run_dir, sizes, params, bundle, policy, trainable, optimizer, scheduler, reference,
+    return RunState(acc, run_dir, params, bundle, policy, trainable, optimizer, scheduler, reference,
                     rewards, train_prompts, eval_prompts, start, counters)
 
 
