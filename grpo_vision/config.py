@@ -114,12 +114,18 @@ MOVED_KEYS.update({
 
 @dataclass
 class DataConfig:
-    train_prompts: str = ""  # prompts file (text or JSONL); "" = the world's captions (world_train_split)
-    eval_prompts: str = ""  # held-out prompts for evaluation; "" = the world's held-out prompts
+    train_prompts: str = ""  # prompts file (text or JSONL); "" = the policy kind's (ShapesWorld: its captions)
+    # The report's headline eval set: prompts of the training distribution, never trained on (GenEval's
+    # practice). "" = the kind's test captions, or with train_prompts, test_prompts of its prompts held
+    # back with a fixed seed (the same split for every run.seed)
+    eval_prompts: str = ""
+    test_prompts: int = 32  # how many prompts of train_prompts to hold back when eval_prompts is ""
+    # The transfer row: compositions no model trained on. "" = the kind's (ShapesWorld: captions naming
+    # a held-out colour-shape pair), none with train_prompts. Removed from training like eval_prompts
+    heldout_prompts: str = ""
     # Without train_prompts on a ShapesWorld: "train" = captions of the base policy's training split
-    # only; "all" = both splits; "heldout" = the held-out compositions only. The eval prompts are
-    # removed from these world captions, so RL may teach compositions the base model never saw while
-    # the eval prompts stay unseen by both
+    # (the test captions' distribution); "all" = both splits, so RL also trains on held-out
+    # compositions (other captions than the transfer row's); "heldout" = held-out compositions only
     world_train_split: Literal["train", "all", "heldout"] = "train"
 
 
@@ -127,12 +133,13 @@ class DataConfig:
 class LogConfig:
     sample_every: int = 25  # save a policy-vs-reference sample grid every N steps; 0 = never
     checkpoint_every: int = 50  # write a checkpoint every N steps; 0 = only at the end
-    eval_images: int = 4  # images per held-out prompt in the final report
+    eval_images: int = 4  # images per eval prompt (test and held-out sets) in the final report
     # Sampling temperatures at which the report evaluates policy and reference (the same seeds for
     # both); the first gives the headline tables, each one a row of the by-temperature table. Empty =
     # sample.temperature only. Training still samples at sample.temperature
     eval_temperatures: list[float] = field(default_factory=list)
     tensorboard: bool = True  # also write TensorBoard events
+    report: bool = True  # evaluate and write report.md at the end (`matrix` scores its runs itself)
 
 
 @dataclass
@@ -194,7 +201,8 @@ def validate(cfg: Config) -> None:
          f"run.name must be a plain folder name (no '/'), got {cfg.run.name!r}"),
         (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
         (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
-        (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per held-out prompt in the report)"),
+        (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per eval prompt in the report)"),
+        (cfg.data.test_prompts >= 1, "data.test_prompts must be >= 1 (prompts held back as the test set)"),
     ]
     for ok, message in checks:
         if not ok:

@@ -130,15 +130,16 @@ def reference_label(mode: str, synced: bool) -> str:
 
 
 def run_examples(cfg, bundle) -> dict[str, list[str]]:
-    """A few of the run's training and evaluation prompts."""
-    from grpo_vision.policies import train_and_eval_prompts
+    """A few of the run's training prompts and of each eval set."""
+    from grpo_vision.policies import checked_prompt_sets
 
     try:
-        seen, held_out = train_and_eval_prompts(cfg, bundle)
+        sets = checked_prompt_sets(cfg, bundle)
     except (ConfigError, PromptsError, FileNotFoundError):  # examples are a convenience, not a requirement
         return {}
-    return {"training prompts": [e.prompt for e in seen[:EXAMPLES_PER_SPLIT]],
-            "evaluation prompts (never trained on)": [e.prompt for e in held_out[:EXAMPLES_PER_SPLIT]]}
+    titles = {"test": "test prompts (never trained on)", "heldout": "held-out compositions (no model trained on)"}
+    return {"training prompts": [e.prompt for e in sets.train[:EXAMPLES_PER_SPLIT]],
+            **{titles[k]: [e.prompt for e in v[:EXAMPLES_PER_SPLIT]] for k, v in sets.named().items()}}
 
 
 # ---------------------------------------------------------------------------- validation

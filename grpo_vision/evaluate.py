@@ -19,8 +19,8 @@ from grpo_vision.config import Config, load_config
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.judge import Judge, judge_tables
 from grpo_vision.metrics import interval
-from grpo_vision.policies import Bundle, load_bundle, resolve_device
-from grpo_vision.prompts import PromptEntry
+from grpo_vision.policies import Bundle, load_bundle, prompt_lists, resolve_device
+from grpo_vision.prompts import PromptEntry, load_prompts
 from grpo_vision.reference import Reference, add_lora
 from grpo_vision.sampling import SamplingParams, sample_batched
 
@@ -51,6 +51,15 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | None = 
     if ref_state is not None:
         reference.load_state_dict(policy, ref_state)
     return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"])
+
+
+def run_eval_sets(run_dir: str | Path, cfg: Config) -> dict[str, list[PromptEntry]]:
+    """A run's eval sets by name (test first): the files it wrote at its start (prompts/*.jsonl), else
+    those its config gives (a run from before the files were written)."""
+    files = {name: Path(run_dir) / "prompts" / f"{name}.jsonl" for name in ("test", "heldout")}
+    if files["test"].is_file():
+        return {name: load_prompts(path) for name, path in files.items() if path.is_file()}
+    return prompt_lists(cfg).named()
 
 
 def eval_temperatures(cfg: Config) -> list[float]:

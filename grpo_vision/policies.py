@@ -25,7 +25,7 @@ from grpo_vision.plugins import load_plugins, not_found_hint
 from grpo_vision.policy import prompt_problem
 from grpo_vision.prompts import PromptEntry, PromptsError, load_prompts
 
-PromptSplits = Callable[[Config], "tuple[list[PromptEntry], list[PromptEntry]]"]
+PromptSplits = Callable[[Config], "PromptSets"]
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Bundle:
 class PolicyKind:
     name: str
     load: Callable[[PolicyConfig, torch.device | str], Bundle]
-    prompts: PromptSplits | None = None  # (train, eval) prompts when data.* names no files
+    prompts: PromptSplits | None = None  # its PromptSets when data.* names no files
 
 
 REGISTRY: dict[str, PolicyKind] = {}
@@ -49,7 +49,7 @@ REGISTRY: dict[str, PolicyKind] = {}
 
 def register_policy_kind(name: str, prompts: PromptSplits | None = None):
     """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
-    kind's default (train, eval) prompts."""
+    kind's default PromptSets."""
     def wrap(load):
         REGISTRY[name] = PolicyKind(name, load, prompts)
         return load
@@ -95,38 +95,69 @@ def load_janus(pcfg: PolicyConfig, device) -> Bundle:
 
 # ---------------------------------------------------------------------------- prompts
 
+KIND_PROMPTS = "the policy kind's prompts"
+SPLIT_SEED = 0  # the seed that holds back a prompts file's test set: the same split for every run.seed
 
-def prompt_lists(cfg: Config) -> tuple[list[PromptEntry], list[PromptEntry]]:
-    """A run's (train, eval) prompts without loading a model: the files of `data.*`, else the policy
-    kind's own splits. Eval prompts are removed from the kind's training prompts, never trained on."""
+
+@dataclass
+class PromptSets:
+    """A run's prompts: what it trains on and its two evaluation sets, neither ever trained on.
+
+    `test` is the headline (GenEval's practice): prompts of the training distribution held back from
+    training. `heldout` is the transfer row: compositions no model trained on (empty when the kind or
+    the config names none)."""
+    train: list[PromptEntry]
+    test: list[PromptEntry]
+    heldout: list[PromptEntry] = field(default_factory=list)
+
+    def named(self) -> dict[str, list[PromptEntry]]:
+        """The evaluation sets that have prompts, the headline first."""
+        return {k: v for k, v in (("test", self.test), ("heldout", self.heldout)) if v}
+
+
+def prompt_lists(cfg: Config) -> PromptSets:
+    """A run's prompts without loading a model: the files of `data.*`, else the policy kind's own sets.
+    Without `data.eval_prompts`, a prompts file's test set is `data.test_prompts` of its prompts, held
+    back with a fixed seed. Both evaluation sets are removed from the training prompts."""
     d = cfg.data
-    own = None
-    if not (d.train_prompts and d.eval_prompts):
-        splits = policy_kind(cfg.policy.kind).prompts
-        if splits is None:
-            which = "train" if not d.train_prompts else "eval"
-            raise ConfigError(f"data.{which}_prompts is required: policy.kind {cfg.policy.kind!r} brings no "
-                              "prompts of its own")
-        own = splits(cfg)
-    evals = load_prompts(d.eval_prompts) if d.eval_prompts else own[1]
-    if d.train_prompts:
-        return load_prompts(d.train_prompts), evals
-    unseen = {e.prompt for e in evals}
-    return [e for e in own[0] if e.prompt not in unseen], evals
+    splits = policy_kind(cfg.policy.kind).prompts
+    if not d.train_prompts and splits is None:
+        raise ConfigError(f"data.train_prompts is required: policy.kind {cfg.policy.kind!r} brings no prompts "
+                          "of its own")
+    own = splits(cfg) if not d.train_prompts else None
+    train = load_prompts(d.train_prompts) if d.train_prompts else own.train
+    if d.eval_prompts:
+        test = load_prompts(d.eval_prompts)
+    else:
+        test = own.test if own else _hold_back(train, d.test_prompts, d.train_prompts)
+    heldout = load_prompts(d.heldout_prompts) if d.heldout_prompts else (own.heldout if own else [])
+    unseen = {e.prompt for e in (*test, *heldout)}
+    return PromptSets([e for e in train if e.prompt not in unseen], test, heldout)
 
 
-def train_and_eval_prompts(cfg: Config, bundle: Bundle) -> tuple[list[PromptEntry], list[PromptEntry]]:
+def _hold_back(entries: list[PromptEntry], n: int, source: str) -> list[PromptEntry]:
+    """`n` distinct prompts of `entries`, drawn with SPLIT_SEED, as the test set."""
+    distinct = list({e.prompt: e for e in entries}.values())
+    if len(distinct) < 2 * n:
+        raise ConfigError(f"{source} has {len(distinct)} distinct prompts: too few to hold back data.test_prompts="
+                          f"{n} as the test set and train on the rest; give data.eval_prompts (a test set of "
+                          "your own) or lower data.test_prompts")
+    order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(SPLIT_SEED))[:n]
+    return [distinct[i] for i in sorted(order.tolist())]
+
+
+def checked_prompt_sets(cfg: Config, bundle: Bundle) -> PromptSets:
     """`prompt_lists`, each prompt checked against the loaded policy: an unknown word stops the run
     before it starts, naming the prompt and its line (it would be trained on as <unk>)."""
     d = cfg.data
-    train, evals = prompt_lists(cfg)
-    for entries, source in ((train, d.train_prompts or "the policy's prompts"),
-                            (evals, d.eval_prompts or "the policy's prompts")):
+    sets = prompt_lists(cfg)
+    for entries, source in ((sets.train, d.train_prompts), (sets.test, d.eval_prompts),
+                            (sets.heldout, d.heldout_prompts)):
         for e in entries:
             problem = prompt_problem(bundle.policy, e.prompt)
             if problem:
-                raise PromptsError(f"{source}, line {e.line}: {problem}")
-    return train, evals
+                raise PromptsError(f"{source or KIND_PROMPTS}, line {e.line}: {problem}")
+    return sets
 
 
 def resolve_device(name: str) -> str:

@@ -75,3 +75,12 @@ def _parse_jsonl_line(text: str, path: Path, number: int) -> PromptEntry:
         raise PromptsError(f"{where}: 'metadata' must be an object")
     return PromptEntry(row["prompt"].strip(), {k: float(v) for k, v in rewards.items()} if rewards else None,
                        metadata, number)
+
+
+def save_prompts(entries: list[PromptEntry], path: str | Path) -> None:
+    """Write entries as a JSONL prompts file that `load_prompts` reads back (prompt, rewards, metadata)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"prompt": e.prompt, **({"rewards": e.rewards} if e.rewards else {}),
+             **({"metadata": e.metadata} if e.metadata else {})} for e in entries]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))

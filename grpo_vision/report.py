@@ -50,25 +50,43 @@ def _fmt(entry: dict) -> str:
     return f"{entry['mean']:.4f} [{lo:.4f}, {hi:.4f}]"
 
 
-def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, judge=None) -> dict:
-    """Evaluate policy and reference on the eval prompts; write eval.json, the figures and report.md."""
+def _change_rows(result: dict, judged: bool) -> list[str]:
+    """One table row per reward (and the judge's all-right rate): reference, policy, change."""
+    lines = ["| measured by | reference | policy | change |", "|---|---|---|---|"]
+    for name, diff in result["difference"].items():
+        ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
+        lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | {'n/a' if diff is None else f'{diff:+.4f}'} |")
+    if judged and result["models"]["policy"]["checker"]:
+        ref, pol = (result["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
+        lines.append(f"| judge: all attributes right | {_fmt(ref)} | {_fmt(pol)} | "
+                     f"{100 * result['checker_difference']['correct']:+.1f} pts |")
+    return lines
+
+
+def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, params, cfg, judge=None) -> dict:
+    """Evaluate policy and reference on the run's eval sets (`sets`, a PromptSets): the test prompts at
+    every eval temperature (the headline), the held-out compositions at the first; write eval.json, the
+    figures and report.md."""
     run_dir = Path(run_dir)
     policy.eval()
     temperatures = eval_temperatures(cfg)
-    by_temperature = {}
-    for t in temperatures:  # the same prompts and seeds at every temperature
-        print(f"[report] evaluating on {len(eval_prompts)} held-out prompts x {cfg.log.eval_images} images "
-              f"at temperature {t}", flush=True)
-        by_temperature[t] = evaluate(policy, reference, tokenizer, rewards, eval_prompts, cfg.log.eval_images,
-                                     replace(params, temperature=t), judge, seed=cfg.run.seed + 99)
-    result = {**by_temperature[temperatures[0]], "temperature": temperatures[0],
+    n, seed = cfg.log.eval_images, cfg.run.seed + 99
+
+    def run_eval(entries, t, what):
+        print(f"[report] evaluating on {len(entries)} {what} x {n} images at temperature {t}", flush=True)
+        return evaluate(policy, reference, tokenizer, rewards, entries, n, replace(params, temperature=t), judge, seed)
+
+    by_temperature = {t: run_eval(sets.test, t, "test prompts") for t in temperatures}  # same prompts and seeds
+    result = {**by_temperature[temperatures[0]], "eval_set": "test", "temperature": temperatures[0],
               "train_temperature": params.temperature}
     if len(temperatures) > 1:
         result["by_temperature"] = {str(t): r for t, r in by_temperature.items()}
+    if sets.heldout:
+        result["heldout"] = run_eval(sets.heldout, temperatures[0], "held-out-composition prompts")
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     metrics = load_metrics(run_dir)
     save_figure(curves_figure(metrics), run_dir / "curves.png")
-    save_sample_grid(policy, reference, tokenizer, eval_prompts[:8], replace(params, temperature=temperatures[0]),
+    save_sample_grid(policy, reference, tokenizer, sets.test[:8], replace(params, temperature=temperatures[0]),
                      run_dir / "final_samples.png")
     last = metrics[-1] if metrics else {}
     skipped, updates, warnings = run_summary(metrics, cfg.train.num_iterations * cfg.train.minibatches_per_pass)
@@ -77,18 +95,14 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
              *_warning_paragraph(warnings),
-             f"Evaluation: {result['prompts']} held-out prompts (not used in training) x "
-             f"{result['images_per_prompt']} images, the same seeds for policy and reference, sampled at "
-             f"temperature {result['temperature']} (training sampled at {params.temperature}); "
+             f"Evaluation: {result['prompts']} test prompts (the training prompts' distribution, never trained on; "
+             f"prompts/test.jsonl) x {result['images_per_prompt']} images, the same seeds for policy and reference, "
+             f"sampled at temperature {result['temperature']} (training sampled at {params.temperature}); "
              "mean [95% interval].", "",
-             "## Rewards", "", "| reward | reference | policy | change |", "|---|---|---|---|"]
-    for name, diff in result["difference"].items():
-        ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
-        lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | {diff:+.4f} |" if diff is not None
-                     else f"| {name} | {_fmt(ref)} | {_fmt(pol)} | n/a |")
+             "## Test prompts", "", *_change_rows(result, judged=True)]
     if result["models"]["policy"]["checker"]:
         save_figure(judge_figure(result), run_dir / "checker.png")
-        lines += ["", f"## {judge.name}, per attribute", "",
+        lines += ["", f"## {judge.name}, per attribute (test prompts)", "",
                   "| attribute | reference | policy | change |", "|---|---|---|---|"]
         for name, diff in result["checker_difference"].items():
             ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
@@ -100,6 +114,11 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
         for form, pol in result["models"]["policy"]["checker_by_form"].items():
             ref = result["models"]["reference"]["checker_by_form"][form]
             lines.append(f"| {form} | {_fmt(ref)} | {_fmt(pol)} | {100 * (pol['mean'] - ref['mean']):+.1f} pts |")
+    if "heldout" in result:
+        lines += ["", "## Transfer: held-out compositions", "",
+                  f"{result['heldout']['prompts']} prompts that no model trained on (prompts/heldout.jsonl), the same "
+                  "images per prompt and temperature: does what RL taught carry over to compositions never seen?", "",
+                  *_change_rows(result["heldout"], judged=True)]
     if len(by_temperature) > 1:
         lines += _temperature_table(by_temperature)
     kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
@@ -107,7 +126,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, eval_prom
               f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",
               f"Skipped optimizer updates (non-finite loss or gradient): {skipped} of {updates}.",
               f"Wall time: {sum(m.get('perf/step_s', 0) for m in metrics) / 60:.1f} min of steps.", "",
-              "![training curves](curves.png)", "", "## Samples (held-out prompts): policy | reference", "",
+              "![training curves](curves.png)", "", "## Samples (test prompts): policy | reference", "",
               "![samples](final_samples.png)", ""]
     (run_dir / "report.md").write_text("\n".join(lines))
     print(f"[report] {run_dir / 'report.md'}", flush=True)

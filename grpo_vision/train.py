@@ -27,8 +27,8 @@ from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, 
 from grpo_vision.health import NonFiniteWeightsError, RunHealth, weights_finite
 from grpo_vision.memory import report_memory
 from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
-from grpo_vision.policies import Bundle, load_bundle, resolve_device, train_and_eval_prompts
-from grpo_vision.prompts import PromptEntry
+from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_bundle, resolve_device
+from grpo_vision.prompts import save_prompts
 from grpo_vision.reference import Reference, add_lora
 from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.runlock import RunLock, check_run_dir
@@ -61,8 +61,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     scheduler: torch.optim.lr_scheduler.LambdaLR
     reference: Reference
     rewards: CompositeReward
-    train_prompts: list[PromptEntry]
-    eval_prompts: list[PromptEntry]
+    prompts: PromptSets  # train, and the two eval sets
     start: int  # the first step to run (0, or the resumed checkpoint's step)
     counters: dict  # RunHealth's counters, checkpointed
 
@@ -93,9 +92,9 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
                   main)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
-    train_prompts, eval_prompts = train_and_eval_prompts(cfg, bundle)
+    prompts = checked_prompt_sets(cfg, bundle)
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults,
-                                          [*train_prompts, *eval_prompts])
+                                          [*prompts.train, *prompts.test, *prompts.heldout])
     rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
     start, counters = 0, {"skipped_updates": 0}
     if resume:
@@ -109,7 +108,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
             print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
                   "starting at step 0", flush=True)
     return RunState(acc, run_dir, params, bundle, policy, trainable, optimizer, scheduler, reference,
-                    rewards, train_prompts, eval_prompts, start, counters)
+                    rewards, prompts, start, counters)
 
 
 def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
@@ -117,11 +116,13 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     st = set_up(cfg, resume)
     acc, run_dir, params, policy, reference, rewards = st.acc, st.run_dir, st.params, st.policy, st.reference, st.rewards
     tokenizer, optimizer, scheduler, counters, start = st.bundle.tokenizer, st.optimizer, st.scheduler, st.counters, st.start
-    train_prompts, eval_prompts = st.train_prompts, st.eval_prompts
+    train_prompts = st.prompts.train
     s, t, main = cfg.sample, cfg.train, acc.is_main_process
     lock = RunLock(run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
     if main:  # only once everything has loaded, so a bad override never reaches the run's config
         save_config(cfg, run_dir / "config.yaml")
+        for name, entries in (("train", train_prompts), *st.prompts.named().items()):  # the split, fixed in the run
+            save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl")
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
 
@@ -194,7 +195,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
                 if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == start):
                     from grpo_vision.evaluate import save_sample_grid
-                    save_sample_grid(policy, reference, tokenizer, eval_prompts[:4] + train_prompts[:4], params,
+                    save_sample_grid(policy, reference, tokenizer, st.prompts.test[:4] + train_prompts[:4], params,
                                      run_dir / "samples" / f"step_{step + 1:06d}.png")
             if signum := stop.agreed(acc):
                 checkpoint(step + 1)
@@ -217,10 +218,10 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                                     f"{e}; no checkpoint was saved before it") from e
     else:  # still under the lock: the report is part of the run
         stop.restore()  # no step is left to finish: a signal now stops at once
-        if main:
+        if main and cfg.log.report:
             from grpo_vision.report import final_report
 
-            final_report(run_dir, policy, reference, tokenizer, rewards, eval_prompts, params, cfg, st.bundle.judge)
+            final_report(run_dir, policy, reference, tokenizer, rewards, st.prompts, params, cfg, st.bundle.judge)
     finally:
         stop.restore()
         if logger:

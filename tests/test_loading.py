@@ -4,8 +4,8 @@ import pytest
 
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.policies import REGISTRY, Bundle, load_bundle, policy_kind, prompt_lists, register_policy_kind
-from grpo_vision.policies import train_and_eval_prompts
+from grpo_vision.policies import REGISTRY, Bundle, PromptSets, load_bundle, policy_kind, prompt_lists
+from grpo_vision.policies import checked_prompt_sets, register_policy_kind
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.shapes.plugin import EVAL_PROMPTS
 from grpo_vision.shapes.scene import all_words, is_held_out
@@ -20,10 +20,42 @@ def bundle():
 
 @pytest.mark.parametrize("split, held_out", [("train", {False}), ("heldout", {True}), ("all", {False, True})])
 def test_world_split_picks_compositions_and_never_the_eval_prompts(bundle, split, held_out):
-    train, evals = train_and_eval_prompts(load_config(None, [f"data.world_train_split={split}"]), bundle)
-    assert len(evals) == EVAL_PROMPTS and all(is_held_out(e.prompt) for e in evals)
-    assert {is_held_out(e.prompt) for e in train} == held_out
-    assert not {e.prompt for e in train} & {e.prompt for e in evals}
+    sets = checked_prompt_sets(load_config(None, [f"data.world_train_split={split}"]), bundle)
+    assert len(sets.test) == len(sets.heldout) == EVAL_PROMPTS
+    assert not any(is_held_out(e.prompt) for e in sets.test) and all(is_held_out(e.prompt) for e in sets.heldout)
+    assert {is_held_out(e.prompt) for e in sets.train} == held_out
+    assert not {e.prompt for e in sets.train} & {e.prompt for e in (*sets.test, *sets.heldout)}
+
+
+def test_world_eval_sets_are_the_same_for_every_run_seed():
+    a, b = (prompt_lists(load_config(None, [f"run.seed={seed}"])) for seed in (0, 5))
+    assert [e.prompt for e in a.train] != [e.prompt for e in b.train]
+    assert [e.prompt for e in a.test] == [e.prompt for e in b.test]
+    assert [e.prompt for e in a.heldout] == [e.prompt for e in b.heldout]
+
+
+def test_a_train_file_holds_back_a_fixed_test_set(tmp_path):
+    prompts = tmp_path / "train.txt"
+    prompts.write_text("".join(f"prompt {i}\n" for i in range(10)))
+    runs = [prompt_lists(load_config(None, ["policy.kind=llama", f"data.train_prompts={prompts}",
+                                            "data.test_prompts=3", f"run.seed={seed}"])) for seed in (0, 1)]
+    test = [e.prompt for e in runs[0].test]
+    assert len(set(test)) == 3 and test == [e.prompt for e in runs[1].test]  # the same split for every seed
+    assert sorted(e.prompt for e in (*runs[0].train, *runs[0].test)) == sorted(f"prompt {i}" for i in range(10))
+    assert runs[0].heldout == []
+    with pytest.raises(ConfigError, match=r"train.txt has 10 distinct prompts: too few to hold back "
+                                          r"data.test_prompts=6"):
+        prompt_lists(load_config(None, ["policy.kind=llama", f"data.train_prompts={prompts}", "data.test_prompts=6"]))
+
+
+def test_a_heldout_file_is_the_transfer_set_and_never_trained_on(tmp_path):
+    train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
+    train.write_text("".join(f"prompt {i}\n" for i in range(10)))
+    heldout.write_text("prompt 4\nprompt 11\n")
+    sets = prompt_lists(load_config(None, ["policy.kind=llama", f"data.train_prompts={train}", "data.test_prompts=2",
+                                           f"data.heldout_prompts={heldout}"]))
+    assert [e.prompt for e in sets.heldout] == ["prompt 4", "prompt 11"]
+    assert "prompt 4" not in {e.prompt for e in sets.train} and len(sets.train) in (7, 8)
 
 
 def test_unknown_split_is_refused_with_the_choices():
@@ -34,13 +66,13 @@ def test_unknown_split_is_refused_with_the_choices():
 def test_an_eval_file_is_removed_from_the_kinds_training_prompts(tmp_path):
     evals = tmp_path / "eval.txt"
     cfg = load_config(None, ["data.world_train_split=all"])
-    first = prompt_lists(cfg)[0][0].prompt  # a caption the world would train on
+    first = prompt_lists(cfg).train[0].prompt  # a caption the world would train on
     evals.write_text(first + "\n")
-    train, ev = prompt_lists(load_config(None, ["data.world_train_split=all", f"data.eval_prompts={evals}"]))
-    assert [e.prompt for e in ev] == [first] and first not in {e.prompt for e in train}
+    sets = prompt_lists(load_config(None, ["data.world_train_split=all", f"data.eval_prompts={evals}"]))
+    assert [e.prompt for e in sets.test] == [first] and first not in {e.prompt for e in sets.train}
 
 
-def test_a_kind_without_prompts_needs_both_files():
+def test_a_kind_without_prompts_needs_a_train_file():
     with pytest.raises(ConfigError, match="data.train_prompts is required: policy.kind 'llama' brings no prompts"):
         prompt_lists(load_config(None, ["policy.kind=llama"]))
 
@@ -51,13 +83,16 @@ def test_unknown_kind_lists_the_registered_ones():
 
 
 def test_a_registered_kind_is_loaded_by_name_with_its_prompts(tiny_policy):
-    @register_policy_kind("test_kind", prompts=lambda cfg: ([PromptEntry("a red circle")], [PromptEntry("a dog")]))
+    @register_policy_kind("test_kind", prompts=lambda cfg: PromptSets([PromptEntry("a red circle")],
+                                                                      [PromptEntry("a dog")]))
     def load(pcfg, device):
         return Bundle(tiny_policy, tokenizer=pcfg.path)
 
     try:
         cfg = load_config(None, ["policy.kind=test_kind", "policy.path=here"])
         assert load_bundle(cfg.policy, "cpu").tokenizer == "here"
-        assert [[e.prompt for e in part] for part in prompt_lists(cfg)] == [["a red circle"], ["a dog"]]
+        sets = prompt_lists(cfg)
+        assert [[e.prompt for e in part] for part in (sets.train, sets.test, sets.heldout)] == \
+            [["a red circle"], ["a dog"], []]
     finally:
         del REGISTRY["test_kind"]

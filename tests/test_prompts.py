@@ -3,7 +3,7 @@
 import pytest
 
 from grpo_vision.config import load_config
-from grpo_vision.policies import Bundle, train_and_eval_prompts
+from grpo_vision.policies import Bundle, checked_prompt_sets
 from grpo_vision.policy import prompt_problem
 from grpo_vision.prompts import PromptsError, load_prompts
 
@@ -88,7 +88,7 @@ def test_training_prompts_the_policy_cannot_read_are_refused_at_start(tmp_path, 
     evals = write(tmp_path, "eval.txt", "a blue square\n")
     cfg = load_config(None, [f"data.train_prompts={train}", f"data.eval_prompts={evals}"])
     with pytest.raises(PromptsError, match=r"train.txt, line 3: words the policy does not know: 'teal', 'hexagon'"):
-        train_and_eval_prompts(cfg, Bundle(tiny_policy, None))
+        checked_prompt_sets(cfg, Bundle(tiny_policy, None))
     cfg = load_config(None, [f"data.train_prompts={evals}", f"data.eval_prompts={train}"])
     with pytest.raises(PromptsError, match=r"train.txt, line 3: words the policy does not know"):  # as eval prompts
-        train_and_eval_prompts(cfg, Bundle(tiny_policy, None))
+        checked_prompt_sets(cfg, Bundle(tiny_policy, None))

@@ -74,6 +74,12 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
     assert result["by_temperature"]["0.7"]["models"] == result["models"]
     assert "sampled at temperature 0.7 (training sampled at 1.0)" in report
     assert "## By sampling temperature" in report and "| 1.0 |" in report
+    # two eval sets: test prompts (the headline) and held-out compositions (transfer), fixed in the run
+    assert result["eval_set"] == "test" and result["heldout"]["prompts"] == result["prompts"]
+    assert "## Test prompts" in report and "## Transfer: held-out compositions" in report
+    from grpo_vision.prompts import load_prompts
+    test, heldout, trained = (load_prompts(run / "prompts" / f"{n}.jsonl") for n in ("test", "heldout", "train"))
+    assert not {e.prompt for e in trained} & {e.prompt for e in (*test, *heldout)}
 
 
 def test_resume_is_exact(micro_world, tmp_path):

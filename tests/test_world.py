@@ -226,7 +226,7 @@ def test_world_prompts_cli_leaves_out_what_a_run_trained_on(tmp_path):
 
     assert sorted(cli("--form", "plain", "--out", str(tmp_path / "a.txt"))) == ["a blue triangle", "a purple square",
                                                                                 "a yellow circle"]
-    trained = {e.prompt for e in prompt_lists(cfg)[0]}
+    trained = {e.prompt for e in prompt_lists(cfg).train}
     kept = cli("--split", "all", "--not-trained-in", str(run), "--out", str(tmp_path / "b.txt"))
     assert kept and not set(kept) & trained and set(kept) | trained == set(all_captions("all"))
     drawn = cli("--form", "relation", "--n", "5", "--seed", "2", "--out", str(tmp_path / "c.txt"))

@@ -37,7 +37,7 @@ def cmd_world_prompts(args) -> None:
         config = Path(args.not_trained_in) / "config.yaml"
         if not config.is_file():
             raise FileNotFoundError(f"{args.not_trained_in} is not a run directory (no config.yaml)")
-        trained = {e.prompt for e in prompt_lists(load_config(config))[0]}
+        trained = {e.prompt for e in prompt_lists(load_config(config)).train}
         captions = [c for c in captions if c not in trained]
     if args.n and args.n < len(captions):
         captions = [captions[i] for i in sorted(np.random.default_rng(args.seed).permutation(len(captions))[:args.n])]

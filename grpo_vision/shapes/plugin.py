@@ -3,7 +3,7 @@ user's world or model would use (grpo_vision/plugins.py).
 
 * the policy kind `shapes`: a world directory's base policy and VQ tokenizer, with its judge (the
   exact checker), the default model files of the `clip` and `aesthetic` rewards (its tiny CLIP and
-  aesthetic head), and its caption splits as the default prompts;
+  aesthetic head), and its caption sets as the default prompts (train, test, held-out);
 * the reward `shapes_exact` (grpo_vision/shapes/rewards.py).
 
 The world builder (`grpo_vision.shapes.build`) is not imported here: training never needs it.
@@ -14,11 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import grpo_vision.shapes.rewards  # noqa: F401  (registers shapes_exact)
-from grpo_vision.policies import Bundle, register_policy_kind
+from grpo_vision.policies import Bundle, PromptSets, register_policy_kind
 from grpo_vision.prompts import PromptEntry
 
-TRAIN_PROMPTS = 512  # captions of data.world_train_split a run trains on (minus the eval prompts)
-EVAL_PROMPTS = 32  # held-out-composition captions it is evaluated on
+TRAIN_PROMPTS = 512  # captions of data.world_train_split a run trains on (minus both eval sets)
+EVAL_PROMPTS = 32  # captions in each eval set: test captions and held-out compositions
+EVAL_SEED = 1  # the eval sets are drawn with a fixed seed: every run.seed is scored on the same prompts
 CLIP_CONFIG = Path(__file__).parent / "shapes_clip.json"  # the tiny CLIP's open_clip architecture
 
 
@@ -30,13 +31,15 @@ def world_reward_defaults(world: Path) -> dict[str, dict]:
                           "clip_checkpoint": clip}}
 
 
-def world_prompts(cfg) -> tuple[list[PromptEntry], list[PromptEntry]]:
-    """The world's captions as (train, eval) prompts, drawn from the run's seed: `data.world_train_split`
-    for training, held-out compositions for evaluation (the core removes eval prompts from training)."""
+def world_prompts(cfg) -> PromptSets:
+    """The world's captions: training prompts of `data.world_train_split` drawn with the run's seed;
+    test captions of the base policy's training split (compositions it saw, captions RL never trains
+    on: the headline); captions naming a held-out pair, which no model trained on (the transfer row)."""
     from grpo_vision.shapes.scene import prompt_list
 
     train = [PromptEntry(p) for p in prompt_list(cfg.data.world_train_split, TRAIN_PROMPTS, cfg.run.seed)]
-    return train, [PromptEntry(p) for p in prompt_list("heldout", EVAL_PROMPTS, cfg.run.seed + 1)]
+    return PromptSets(train, [PromptEntry(p) for p in prompt_list("train", EVAL_PROMPTS, EVAL_SEED)],
+                      [PromptEntry(p) for p in prompt_list("heldout", EVAL_PROMPTS, EVAL_SEED)])
 
 
 @register_policy_kind("shapes", prompts=world_prompts)
