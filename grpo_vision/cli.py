@@ -49,7 +49,8 @@ def cmd_train(args) -> None:
         sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     skipped, updates, warnings = run_summary(load_metrics(run_dir),
                                              cfg.train.num_iterations * cfg.train.minibatches_per_pass)
-    print(f"[train] done: {run_dir / 'report.md'} ({skipped} of {updates} updates skipped)")
+    done = run_dir / "report.md" if cfg.log.report else run_dir
+    print(f"[train] done: {done} ({skipped} of {updates} updates skipped)")
     for message in warnings:  # exit 0 (the run finished), but not a silent success
         warn(message)
 
@@ -76,18 +77,42 @@ def cmd_sample(args) -> None:
 
 
 def cmd_eval(args) -> None:
-    from grpo_vision.evaluate import eval_params, evaluate, load_run
+    from grpo_vision.evaluate import eval_params, evaluate, load_run, run_eval_sets
     from grpo_vision.prompts import load_prompts
     from grpo_vision.rewards import CompositeReward
 
     run = load_run(args.run, args.step)
-    entries = load_prompts(args.prompts)
+    sets = {"prompts": load_prompts(args.prompts)} if args.prompts else run_eval_sets(args.run, run.cfg)
     device = next(run.policy.parameters()).device
-    rewards = CompositeReward.from_config(run.cfg.reward, device, run.bundle.reward_defaults, entries).load()
+    rewards = CompositeReward.from_config(run.cfg.reward, device, run.bundle.reward_defaults,
+                                          [e for entries in sets.values() for e in entries]).load()
     params = eval_params(run.cfg, args.temperature)
-    result = evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
-                      run.bundle.judge, seed=args.seed)
-    print(json.dumps({"run": str(args.run), "step": run.step, "temperature": params.temperature, **result}, indent=2))
+    results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
+                              run.bundle.judge, seed=args.seed) for name, entries in sets.items()}
+    head = {"run": str(args.run), "step": run.step, "temperature": params.temperature}
+    print(json.dumps({**head, **results["prompts"]} if args.prompts else {**head, "sets": results}, indent=2))
+
+
+def cmd_matrix(args) -> None:
+    from pathlib import Path
+
+    from grpo_vision.matrix import run_matrix
+
+    result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"),
+                        _items(args.kl, float, "--kl"), _items(args.seeds, int, "--seeds"), Path(args.out),
+                        args.jobs, args.images, "grpo-vision " + " ".join(sys.argv[1:]))
+    failed = [r["name"] for r in result["runs"] if r["status"] == "failed"]
+    print(f"[matrix] {Path(args.out) / 'matrix.md'}" + (f" ({len(failed)} failed: {', '.join(failed)})" if failed else ""))
+    if failed:
+        sys.exit(1)
+
+
+def _items(text: str, kind, option: str) -> list:
+    """A comma-separated option as a list of `kind`; ConfigError naming the option otherwise."""
+    try:
+        return [kind(t.strip()) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} {text!r}: expected a comma-separated list of {kind.__name__}") from None
 
 
 def cmd_demo(args) -> None:
@@ -171,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                             ("eval", "JSON: each reward's mean and 95%% interval, policy vs reference")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("run", help="run directory")
-        p.add_argument("--prompts", required=True, help="plain text (one prompt per line) or JSONL with 'prompt'")
+        p.add_argument("--prompts", required=name == "sample", default="",
+                       help="plain text (one prompt per line) or JSONL with 'prompt'" + (
+                           "" if name == "sample" else "; default: the run's test and held-out sets (JSON 'sets')"))
         p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
         p.add_argument("--seed", type=int, default=0,
                        help="image j of each prompt uses seed + j" if name == "sample" else
@@ -187,6 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
                            help="index: numbered PNGs + index.jsonl; geneval: GenEval's folders (--prompts is its "
                                 "evaluation_metadata.jsonl); flat: <prompt>_<k>.png (T2I-CompBench style)")
         p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
+
+    p = sub.add_parser("matrix", help="train on each reward, score every run with every reward: one table")
+    p.add_argument("config", help="YAML config every run starts from, e.g. configs/shapes.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. train.steps=36")
+    p.add_argument("--out", required=True, help="output directory (runs/, scores/, matrix.md, matrix.json, matrix.png)")
+    p.add_argument("--rewards", required=True,
+                   help="train rewards, comma-separated: a name or a + mix (clip+aesthetic, 4*clip+aesthetic)")
+    p.add_argument("--kl", default="0", help="KL coefficients (train.beta), comma-separated, e.g. 0,0.04")
+    p.add_argument("--seeds", default="0", help="run seeds, comma-separated")
+    p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once (CPU cores are split among them)")
+    p.add_argument("--images", type=positive_int, default=None, help="images per eval prompt (default log.eval_images)")
+    p.set_defaults(func=cmd_matrix)
 
     p = sub.add_parser("demo", help="Gradio app: two checkpoints (or the reference) side by side on the same seeds")
     p.add_argument("run", help="run directory")

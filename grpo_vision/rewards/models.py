@@ -25,6 +25,7 @@ import difflib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -110,6 +111,19 @@ def _clip_spec(model: str, checkpoint: str, keys: tuple[str, str], reward: str) 
                           "policy kind that ships its own CLIP (ShapesWorld does)")
     path = _local_path(checkpoint, keys[1], reward, "a local open_clip checkpoint file")
     return _architecture(model or DEFAULT_CLIP, keys[0], reward), str(path)
+
+
+def clip_image_encoder(options: dict, device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`images -> [B, D]` L2-normalised image embeddings from the `clip` reward's CLIP (`options` as in
+    reward.options.clip), the same cached model the reward scores with."""
+    name, checkpoint = _clip_spec(options.get("model", ""), options.get("checkpoint", ""),
+                                  ("reward.options.clip.model", "reward.options.clip.checkpoint"), "clip")
+
+    @torch.no_grad()
+    def embed(images: torch.Tensor) -> torch.Tensor:
+        model = _open_clip(name, checkpoint, str(device))[0]
+        return image_embeddings(model, images.float()).float()
+    return embed
 
 
 @register_reward("clip", options=ClipOptions)

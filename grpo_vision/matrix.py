@@ -1,0 +1,172 @@
+"""`grpo-vision matrix`: train on each reward, score with every reward, one table.
+
+One run per (train reward, KL coefficient, seed), everything else as the config says. Each run is a
+`grpo-vision train` process of its own, so a failed run is reported in its row and the others go on,
+and `--jobs` runs several at once. The runs live in `OUT/runs/<name>`; a second invocation reuses the
+finished ones and resumes the interrupted ones exactly (`train --resume`). The scoring (reference
+once, then every run, on the same prompts and seeds) is in matrix_score.py.
+
+Reward specs: a name (`clip`), or a `+` mix (`clip+aesthetic`, `4*clip+aesthetic`). A mix without
+explicit weights takes the config's `reward.weights` for the names it lists there, 1 otherwise; the
+only reward a single-name run trains on gets weight 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_vision.config import Config, ConfigError, derived_sizes, load_config, to_dict
+
+DONE = "matrix_run.json"  # written into a run's directory when its train process ends: {"rc": ...}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    reward: str  # the spec as given, e.g. "clip+aesthetic"
+    weights: tuple[tuple[str, float], ...]  # (reward name, weight) it trains on
+    beta: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.reward.replace('*', 'x')}-kl{self.beta:g}-s{self.seed}"
+
+    def overrides(self, runs_dir: Path) -> list[str]:
+        weights = "{" + ", ".join(f"{k}: {w}" for k, w in self.weights) + "}"
+        return [f"run.out_dir={runs_dir}", f"run.name={self.name}", f"run.seed={self.seed}", f"train.beta={self.beta}",
+                f"reward.weights={weights}", "reward.monitor=[]", "log.report=false", "log.sample_every=0"]
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    status: str  # "reused" | "trained" | "resumed" | "failed"
+    rc: int = 0
+    log: str = ""  # the train process's output, when it ran now
+    error: str = field(default="")  # the last lines of a failed run's log
+
+
+def parse_reward_spec(spec: str, base_weights: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """`clip`, `clip+aesthetic` or `4*clip+0.5*aesthetic` as (name, weight) pairs, each name checked."""
+    from grpo_vision.rewards import available_rewards, is_registered
+
+    terms = [t.strip() for t in spec.split("+")]
+    out = []
+    for term in terms:
+        weight, _, name = term.rpartition("*")
+        try:
+            w = float(weight) if weight else (base_weights.get(name, 1.0) if len(terms) > 1 else 1.0)
+        except ValueError:
+            raise ConfigError(f"--rewards: {term!r} in {spec!r} is not NAME or WEIGHT*NAME") from None
+        if not name or not is_registered(name):
+            raise ConfigError(f"--rewards: {name!r} in {spec!r} is not a reward; registered rewards: "
+                              f"{', '.join(available_rewards())}")
+        out.append((name, w))
+    if len({n for n, _ in out}) < len(out):
+        raise ConfigError(f"--rewards: {spec!r} names a reward twice")
+    return tuple(out)
+
+
+def plan(cfg: Config, rewards: list[str], betas: list[float], seeds: list[int]) -> list[RunSpec]:
+    """Every (train reward, KL, seed), in table order."""
+    if not rewards or not betas or not seeds:
+        raise ConfigError("matrix needs at least one train reward, KL coefficient and seed")
+    for beta in betas:
+        if beta > 0 and cfg.train.reference == "none":
+            raise ConfigError(f"--kl {beta} needs a reference: the config has train.reference: none")
+    return [RunSpec(r, parse_reward_spec(r, cfg.reward.weights), b, s) for r in rewards for b in betas for s in seeds]
+
+
+def run_config(config: str, overrides: list[str], spec: RunSpec, runs_dir: Path) -> Config:
+    return load_config(config, [*overrides, *spec.overrides(runs_dir)])
+
+
+def _same_config(a: Config, b: Config) -> bool:
+    da, db = to_dict(a), to_dict(b)
+    for d in (da, db):
+        d["run"].pop("out_dir")  # the same runs, whether --out was given as a relative or an absolute path
+    return da == db
+
+
+def run_state(run_dir: Path, expected: Config) -> str:
+    """"new", "finished", "failed" or "interrupted"; ConfigError when the directory holds another run."""
+    if not (run_dir / "config.yaml").is_file():
+        return "new"
+    if not _same_config(load_config(run_dir / "config.yaml"), expected):
+        raise ConfigError(f"{run_dir} holds a run with another config than this matrix gives it; "
+                          "choose another --out, or remove that directory to train it again")
+    done = run_dir / DONE
+    if done.is_file():
+        return "finished" if json.loads(done.read_text())["rc"] == 0 else "failed"
+    return "interrupted"
+
+
+def train_one(config: str, overrides: list[str], spec: RunSpec, out: Path, threads: int) -> RunResult:
+    """Train one run in its own process (fresh, or resumed where a previous invocation stopped)."""
+    runs_dir = out / "runs"
+    run_dir = runs_dir / spec.name
+    state = run_state(run_dir, run_config(config, overrides, spec, runs_dir))
+    if state == "finished":
+        return RunResult(spec, "reused")
+    print(f"[matrix] {spec.name}: {'training' if state == 'new' else 'resuming'}", flush=True)
+    log = out / "logs" / f"{spec.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    args = (["--resume", str(run_dir)] if state in ("interrupted", "failed") else
+            [config, *overrides, *spec.overrides(runs_dir)])
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with open(log, "w") as f:
+        rc = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", *args], stdout=f,
+                            stderr=subprocess.STDOUT, env=env).returncode
+    if run_dir.is_dir():
+        (run_dir / DONE).write_text(json.dumps({"rc": rc, "log": str(log)}))
+    status = "failed" if rc else ("resumed" if state != "new" else "trained")
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:]) if rc else ""
+    return RunResult(spec, status, rc, str(log), tail)
+
+
+def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path, jobs: int) -> list[RunResult]:
+    """Train every run not finished yet, `jobs` at a time; the CPU's cores are shared among them."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    for spec in specs:  # a bad config, or a run directory holding another one, is refused before anything trains
+        cfg = run_config(config, overrides, spec, out / "runs")
+        derived_sizes(cfg, 1)
+        run_state(out / "runs" / spec.name, cfg)
+
+    def one(spec: RunSpec) -> RunResult:
+        result = train_one(config, overrides, spec, out, threads)
+        print(f"[matrix] {spec.name}: {result.status}" + (f" (rc {result.rc}, log {result.log})" if result.rc else ""),
+              flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, specs))
+
+
+def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float], seeds: list[int],
+               out: Path, jobs: int = 1, images: int | None = None, command: str = "") -> dict:
+    """Train every run (reusing and resuming), score them and the reference, write the outputs."""
+    from grpo_vision.matrix_report import write_outputs
+    from grpo_vision.matrix_score import Scorer, score_runs
+
+    cfg = load_config(config, overrides)
+    specs = plan(cfg, rewards, betas, seeds)
+    out.mkdir(parents=True, exist_ok=True)
+    results = train_all(config, overrides, specs, out, jobs)
+    scorer = Scorer(cfg, images or cfg.log.eval_images)
+    scorer.use_rewards([name for spec in specs for name, _ in spec.weights])
+    reference, summaries = score_runs(scorer, out, [(r.spec.name, out / "runs" / r.spec.name) for r in results
+                                                    if r.status != "failed"])
+    runs = [{"name": r.spec.name, "reward": r.spec.reward, "weights": dict(r.spec.weights), "beta": r.spec.beta,
+             "seed": r.spec.seed, "status": r.status, "rc": r.rc, "log": r.log, "error": r.error,
+             "summary": summaries.get(r.spec.name)} for r in results]
+    header = {"command": command or f"grpo-vision matrix {config}", "config": config, "overrides": overrides,
+              "steps": cfg.train.steps, "images_per_prompt": scorer.n, "temperature": scorer.params.temperature,
+              "embedding": scorer.embedding, "sets": {k: [e.prompt for e in v] for k, v in scorer.sets.items()}}
+    write_outputs(out, header, reference, runs, [e.prompt for e in scorer.sets["test"]])
+    return {"reference": reference, "runs": runs}
