@@ -80,6 +80,9 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
     from grpo_vision.prompts import load_prompts
     test, heldout, trained = (load_prompts(run / "prompts" / f"{n}.jsonl") for n in ("test", "heldout", "train"))
     assert not {e.prompt for e in trained} & {e.prompt for e in (*test, *heldout)}
+    from grpo_vision.evaluate import run_eval_sets  # what `eval RUN` scores without --prompts
+    assert {k: [e.prompt for e in v] for k, v in run_eval_sets(run, None).items()} == \
+        {"test": [e.prompt for e in test], "heldout": [e.prompt for e in heldout]}
 
 
 def test_resume_is_exact(micro_world, tmp_path):
