@@ -217,8 +217,9 @@ def test_prompt_entries_that_weigh_no_reward_are_counted(micro_world, tmp_path, 
     prompts = tmp_path / "zero.jsonl"
     prompts.write_text('{"prompt": "a red circle", "rewards": {"clip": 0}}\n'
                        '{"prompt": "a blue square", "rewards": {"clip": 0, "aesthetic": 0}}\n')
-    run = train(micro_cfg(micro_world, tmp_path, "run.name=zero", f"data.train_prompts={prompts}", "train.steps=1"),
-                progress=False)
+    (tmp_path / "test.txt").write_text("a green circle\n")  # a test set of its own: nothing is held back
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=zero", f"data.train_prompts={prompts}",
+                          f"data.eval_prompts={tmp_path / 'test.txt'}", "train.steps=1"), progress=False)
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["train/steps_without_signal"] == 1
     assert "every prompt entry of the step gives weight 0 to every reward" in capfd.readouterr().err
@@ -284,10 +285,10 @@ def test_unreadable_prompts_and_a_step_too_large_for_memory_are_refused_by_the_c
     words = tmp_path / "words.txt"
     words.write_text("a red circle\na teal hexagon\n")
     assert f"{words}, line 2: words the policy does not know: 'teal', 'hexagon' (its vocabulary: a " in \
-        cli(f"data.train_prompts={words}")
+        cli(f"data.train_prompts={words}", "data.test_prompts=1")
     json_line = tmp_path / "mixed.txt"
     json_line.write_text('a red circle\n{"prompt": "a blue square"}\n')
-    assert "mixed.txt, line 2: looks like JSON" in cli(f"data.train_prompts={json_line}")
+    assert "mixed.txt, line 2: looks like JSON" in cli(f"data.train_prompts={json_line}", "data.test_prompts=1")
     # Before: minutes of work, then an out-of-memory traceback. 6.4 million images of 64 x 64 are more than
     # 900 GiB as float32, beyond any machine, so this refusal does not depend on where the test runs
     error = cli("sample.prompts_per_step=100000", "sample.group_size=64")
