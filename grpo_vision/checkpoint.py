@@ -137,7 +137,7 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
         if names:
             raise CheckpointError(f"checkpoint {path / 'policy.safetensors'} does not match this run's policy: "
                                   f"{problem} {names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)} in all); "
-                                  "was it written by a run with another policy or train.reference (lora) setting?")
+                                  "was it written by a run with another policy or train.adapter setting?")
     with torch.no_grad():
         for name, value in weights.items():
             own[name].copy_(value)

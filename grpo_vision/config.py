@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -69,17 +70,28 @@ class TrainConfig:
     beta: float = 0.0  # weight of the k3 KL penalty against the reference policy
     epsilon_low: float = 0.2  # ratio clip below: 1 - epsilon_low
     epsilon_high: float = 0.28  # ratio clip above: 1 + epsilon_high (DAPO "clip higher")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "bnpo"  # loss normalisation, see grpo.py
+    # loss normalisation or variant (TRL's names, grpo.py): grpo, bnpo, dr_grpo, dapo (token sum over the
+    # global batch's tokens), cispo (clipped detached IS weight x log-prob; epsilon_high is its cap, e.g. 5.0)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "bnpo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # "sequence": one clipped ratio per image (GSPO)
+    delta: float = 0.0  # cap the ratio at delta for negative-advantage tokens too (INTELLECT-2); 0 = off
+    # only tokens whose sampling entropy is in this top fraction of the step carry the policy term (1 = all;
+    # "Beyond the 80/20 rule" keeps 0.2); the KL term still covers every token
+    top_entropy_quantile: float = 1.0
     adv_scale: Literal["group", "batch", "none"] = "group"  # divide advantages by this std
-    reference: Literal["frozen", "lora", "none"] = "frozen"  # where reference log-probs come from
+    # train a peft adapter instead of every weight: LoRA, or LoHa / LoKr of the LyCORIS family; none = full fine-tune
+    adapter: Literal["none", "lora", "loha", "lokr"] = "none"
+    # where reference log-probs come from: a frozen copy, the policy with its adapter disabled (multiplier 0;
+    # needs train.adapter; no second copy), or none. "lora" (older configs) reads as adapter with adapter lora
+    reference: Literal["frozen", "adapter", "lora", "none"] = "frozen"
     ref_sync_every: int = 0  # copy the policy into the reference every N steps; 0 = never
     # With beta 0 the reference is only a yardstick: measure the logged KL on the first N of each
     # process's sequences a step (0 = all), which saves reference forward passes. With beta > 0
     # every sequence needs its reference log-probs, and this is ignored
     kl_metric_sequences: int = 0
-    lora_rank: int = 16  # LoRA rank when reference == "lora"
-    lora_alpha: float = 32.0  # LoRA scaling numerator when reference == "lora"
-    lora_targets: list[str] = field(  # module names that receive LoRA adapters
+    adapter_rank: int = 16  # the adapter's rank r (LoRA, LoHa, LoKr)
+    adapter_alpha: float = 32.0  # the adapter's scaling numerator: its update is scaled by alpha / r
+    adapter_targets: list[str] = field(  # module names that receive the adapter
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
     )
 
@@ -100,8 +112,12 @@ class RewardConfig:
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
 
 
-# The flat reward keys of earlier versions, now options of their reward (read with a warning)
+# The flat reward keys of earlier versions, now options of their reward, and the LoRA-only adapter keys
+# (read with a warning; at their old defaults, silently)
 MOVED_KEYS.update({
+    "train.lora_rank": (("train.adapter_rank",), 16),
+    "train.lora_alpha": (("train.adapter_alpha",), 32.0),
+    "train.lora_targets": (("train.adapter_targets",), ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "reward.clip_model": (("reward.options.clip.model", "reward.options.aesthetic.clip_model"), ""),
     "reward.clip_checkpoint": (("reward.options.clip.checkpoint", "reward.options.aesthetic.clip_checkpoint"), ""),
     "reward.aesthetic_checkpoint": (("reward.options.aesthetic.checkpoint",), ""),
@@ -170,6 +186,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def validate(cfg: Config) -> None:
     """Range checks that types alone cannot express."""
     s, t = cfg.sample, cfg.train
+    if t.reference == "lora":  # the value of earlier versions: the policy trained LoRA, the reference disabled it
+        warnings.warn("'train.reference: lora' is now 'train.reference: adapter' with 'train.adapter: lora'; "
+                      "write those", stacklevel=2)
+        t.reference, t.adapter = "adapter", "lora" if t.adapter == "none" else t.adapter
     for key, value, allowed, ok in _float_ranges(cfg):
         # isfinite first: NaN fails every comparison and inf passes `> 0`, and either reaches the
         # optimizer or the sampler as a silent no-op or as NaN weights
@@ -189,10 +209,20 @@ def validate(cfg: Config) -> None:
         (t.ref_sync_every >= 0, "train.ref_sync_every must be >= 0"),
         (t.kl_metric_sequences >= 0, "train.kl_metric_sequences must be >= 0 (0 = every sequence)"),
         (t.max_skipped_updates >= 0, "train.max_skipped_updates must be >= 0 (0 = never stop)"),
-        (t.lora_rank >= 1, "train.lora_rank must be >= 1"),
+        (t.adapter_rank >= 1, "train.adapter_rank must be >= 1"),
+        (t.reference != "adapter" or t.adapter != "none",
+         "train.reference: adapter is the policy with its adapter disabled, and train.adapter is none: set "
+         "train.adapter to lora, loha or lokr, or train.reference to frozen"),
         (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
+        (t.loss_type != "cispo" or t.epsilon_high > 1,
+         f"train.loss_type=cispo caps the importance weight at train.epsilon_high itself (ScaleRL's eps_max), so it "
+         f"must be above 1; got {t.epsilon_high}: set train.epsilon_high=5.0 (the ScaleRL recipe)"),
+        (t.delta == 0 or (t.loss_type != "cispo" and t.delta > 1 + t.epsilon_high),
+         f"train.delta caps the ratio of the clipped losses above 1 + train.epsilon_high = {1 + t.epsilon_high:g} "
+         f"and does not apply to cispo; got {t.delta} with loss_type "
+         f"{t.loss_type}: set it above {1 + t.epsilon_high:g}, or 0 for off"),
         (not (t.beta > 0 and t.reference == "none"),
-         "train.beta > 0 needs a reference policy: set train.reference to frozen or lora, or beta to 0"),
+         "train.beta > 0 needs a reference policy: set train.reference to frozen or adapter, or beta to 0"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward, e.g. {clip: 1.0}"),
         (all(math.isfinite(w) for w in cfg.reward.weights.values()),
          f"reward.weights must be finite numbers, got {cfg.reward.weights}"),
@@ -224,7 +254,9 @@ def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
         ("train.beta", t.beta, ">= 0", lambda v: v >= 0),
         ("train.epsilon_low", t.epsilon_low, "in [0, 1)", lambda v: 0 <= v < 1),
         ("train.epsilon_high", t.epsilon_high, ">= 0", lambda v: v >= 0),
-        ("train.lora_alpha", t.lora_alpha, "> 0", lambda v: v > 0),
+        ("train.delta", t.delta, ">= 0 (0 = off)", lambda v: v >= 0),
+        ("train.top_entropy_quantile", t.top_entropy_quantile, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
+        ("train.adapter_alpha", t.adapter_alpha, "> 0", lambda v: v > 0),
     ]
     ranges += [(f"train.adam_betas[{i}]", b, "in [0, 1)", lambda v: 0 <= v < 1) for i, b in enumerate(t.adam_betas)]
     ranges += [(f"log.eval_temperatures[{i}]", x, "> 0", lambda v: v > 0)

@@ -124,7 +124,7 @@ class DemoRun:
 
 
 def reference_label(mode: str, synced: bool) -> str:
-    what = {"frozen": "a frozen copy of the base policy", "lora": "the policy with its LoRA adapters disabled",
+    what = {"frozen": "a frozen copy of the base policy", "adapter": "the policy with its adapter disabled",
             "none": "this run has none, train.reference: none; showing the base policy"}[mode]
     return f"reference ({what}{', synced from the policy during training' if synced else ''})"
 

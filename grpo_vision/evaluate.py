@@ -21,7 +21,7 @@ from grpo_vision.judge import Judge, judge_tables
 from grpo_vision.metrics import interval
 from grpo_vision.policies import Bundle, load_bundle, prompt_lists, resolve_device
 from grpo_vision.prompts import PromptEntry, load_prompts
-from grpo_vision.reference import Reference, add_lora
+from grpo_vision.reference import Reference, add_adapter
 from grpo_vision.sampling import SamplingParams, sample_batched
 
 
@@ -29,7 +29,7 @@ from grpo_vision.sampling import SamplingParams, sample_batched
 class LoadedRun:
     cfg: Config
     bundle: Bundle
-    policy: torch.nn.Module  # with the checkpoint's weights (LoRA-wrapped if the run used LoRA)
+    policy: torch.nn.Module  # with the checkpoint's weights (peft-wrapped if the run trained an adapter)
     reference: Reference
     step: int
 
@@ -44,8 +44,9 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | None = 
     device = device or resolve_device(cfg.run.device)
     bundle = load_bundle(cfg.policy, device)
     policy = bundle.policy
-    if cfg.train.reference == "lora":
-        policy = add_lora(policy, cfg.train.lora_rank, cfg.train.lora_alpha, cfg.train.lora_targets)
+    t = cfg.train
+    if t.adapter != "none":
+        policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
     reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, device).policy)
     state, ref_state = load_checkpoint(ckpt, policy)
     if ref_state is not None:

@@ -19,7 +19,21 @@ Loss (PPO-clip applied per token, with the sequence's advantage on every token):
 `eps_high > eps_low` is DAPO's clip-higher (arXiv 2503.14476). The aggregation is TRL's
 `loss_type`: "grpo" averages each sequence's tokens then the sequences; "bnpo" averages all
 unmasked tokens in the batch (DAPO's token-level loss); "dr_grpo" divides the token sum by a
-constant, sequences * max_tokens (Dr. GRPO), so no sequence's length re-weights its tokens.
+constant, sequences * max_tokens (Dr. GRPO), so no sequence's length re-weights its tokens;
+"dapo" divides the token sum by `num_items`, the active tokens of the whole global batch (all
+micro-batches and processes of one optimizer update), TRL's default.
+
+Variants (names and formulas as in TRL's GRPOTrainer, `grpo_trainer.py` `_compute_loss`):
+
+* "cispo" (MiniMax-M1, arXiv 2506.13585): l_t = sg(min(r_t, eps_high)) * A * logp_t, the importance
+  weight clipped and detached instead of the surrogate; every token keeps a gradient. Here eps_high
+  is the weight's upper bound itself (ScaleRL's eps_max, 5.0), not 1 + eps_high. Aggregated as "dapo".
+* importance_sampling_level "sequence" (GSPO, arXiv 2507.18071): one ratio per sequence,
+  s_i = exp(mean_t(logp_t - old_t)), the geometric mean of its token ratios, clipped per sequence.
+* delta (INTELLECT-2, arXiv 2505.07291): r_t is also capped at delta in the unclipped term, so a
+  token with A < 0 and a huge ratio cannot dominate (two-sided clipping; delta > 1 + eps_high).
+* policy_mask (top_entropy_quantile, "Beyond the 80/20 rule", arXiv 2506.01939): only the tokens it
+  keeps carry the policy term; the KL and the normalisation still count every unmasked token.
 """
 
 from __future__ import annotations
@@ -28,7 +42,8 @@ import torch
 from torch import Tensor
 
 SCALES = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+IS_LEVELS = ("token", "sequence")
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -134,7 +149,8 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.expm1(d) - d  # same shape as inputs
 
 
-def _aggregate(x: Tensor, mask: Tensor, loss_type: str, max_tokens: int | None) -> Tensor:
+def _aggregate(x: Tensor, mask: Tensor, loss_type: str, max_tokens: int | None,
+               num_items: float | Tensor | None = None) -> Tensor:
     """Reduce per-token values `[B*G, N]` to a scalar the way TRL's `loss_type` does."""
     x = torch.where(mask, x, torch.zeros_like(x))  # [B*G, N]
     if loss_type == "grpo":
@@ -142,8 +158,63 @@ def _aggregate(x: Tensor, mask: Tensor, loss_type: str, max_tokens: int | None) 
         return per_seq.mean()
     if loss_type == "bnpo":
         return x.sum() / mask.sum().clamp(min=1)
+    if loss_type in ("dapo", "cispo"):  # the global batch's token count, given by the caller
+        items = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=x.dtype)
+        return x.sum() / items.clamp(min=1)
     n_max = x.shape[1] if max_tokens is None else max_tokens
     return x.sum() / (x.shape[0] * n_max)  # dr_grpo
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """Tokens `[B*G, N]` whose entropy is in the top `quantile` of the unmasked ones (1.0: all).
+
+    The threshold is the (1 - quantile) quantile of the unmasked entropies, ties kept, as TRL's
+    `get_high_entropy_mask` (top_entropy_quantile; the paper keeps the top 20%). Pass the whole
+    global batch's entropies so every process uses one threshold.
+    """
+    mask = mask.bool()
+    if quantile >= 1.0 or not mask.any():
+        return mask
+    threshold = torch.quantile(entropy[mask].float(), 1.0 - quantile)  # []
+    return mask & (entropy >= threshold.to(entropy.dtype))  # [B*G, N]
+
+
+def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float,
+                    epsilon_high: float, loss_type: str, importance_sampling_level: str,
+                    delta: float | None) -> tuple[Tensor, Tensor]:
+    """Per-token policy terms l_t `[B*G, N]` (to maximise) and the ratios `[B*G, N]` they used.
+
+    logp, old: `[B*G, N]` with masked entries already zeroed; adv: `[B*G, 1]`.
+    """
+    # old is detached, so at logp == old the ratio is 1 with d ratio / d logp = 1: the
+    # exp(x - x.detach()) identity, giving the plain policy-gradient A * grad(logp).
+    log_ratio = logp - old  # [B*G, N]
+    if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
+        log_ratio = masked_mean(log_ratio, mask, dim=1)[:, None].expand_as(logp)  # [B*G, N], one value a row
+    ratio = log_ratio.exp()  # [B*G, N]
+    if loss_type == "cispo":
+        weight = ratio.clamp(max=epsilon_high).detach()  # [B*G, N] the clipped IS weight, a constant
+        return weight * adv * logp, ratio  # [B*G, N] gradient weight * A * grad(logp) on every token
+    capped = ratio if delta is None else ratio.clamp(max=delta)  # [B*G, N] INTELLECT-2's upper cap
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv  # [B*G, N]
+    return torch.minimum(capped * adv, clipped), ratio  # [B*G, N]
+
+
+def _check(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
+           beta: float, loss_type: str, importance_sampling_level: str) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
+    if importance_sampling_level not in IS_LEVELS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; choose one of {IS_LEVELS}")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs (the KL term is measured against the reference)")
+    if old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
+            f"mask {tuple(mask.shape)} must have the same shape [B*G, N]"
+        )
+    if advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"advantages must be [B*G]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
 
 
 def grpo_loss(
@@ -158,37 +229,30 @@ def grpo_loss(
     epsilon_high: float = 0.2,
     loss_type: str = "grpo",
     max_tokens: int | None = None,
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    policy_mask: Tensor | None = None,
+    num_items: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO loss (scalar, to minimise) and detached 0-d metrics.
 
-    logprobs/old_logprobs/ref_logprobs/mask: `[B*G, N]`; advantages: `[B*G]`. Masked tokens never
-    reach the loss or its gradient, even when their inputs are NaN/inf. old_logprobs and
-    ref_logprobs are constants. ref_logprobs may be None only when beta == 0.
+    logprobs/old_logprobs/ref_logprobs/mask/policy_mask: `[B*G, N]`; advantages: `[B*G]`. Masked
+    tokens never reach the loss or its gradient, even when their inputs are NaN/inf. old_logprobs and
+    ref_logprobs are constants; ref_logprobs may be None only when beta == 0. `num_items` is the
+    "dapo" / "cispo" normaliser (default: this batch's unmasked tokens).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
-    if beta > 0 and ref_logprobs is None:
-        raise ValueError("beta > 0 needs ref_logprobs (the KL term is measured against the reference)")
-    if old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
-            f"mask {tuple(mask.shape)} must have the same shape [B*G, N]"
-        )
-    if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [B*G]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
+    _check(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta, loss_type, importance_sampling_level)
     mask = mask.bool()  # [B*G, N]
+    pg_mask = mask if policy_mask is None else mask & policy_mask.bool()  # [B*G, N] tokens with a policy term
     zeros = torch.zeros_like(logprobs)  # [B*G, N]
     # Replace masked entries before any arithmetic: where() sends them no gradient and no NaN.
     logp = torch.where(mask, logprobs, zeros)  # [B*G, N]
     old = torch.where(mask, old_logprobs.detach(), zeros)  # [B*G, N]
     adv = advantages.detach().to(logp.dtype)[:, None]  # [B*G, 1]
-
-    # old is detached, so at logp == old the ratio is 1 with d ratio / d logp = 1: the
-    # exp(x - x.detach()) identity, giving the plain policy-gradient A * grad(logp).
-    ratio = (logp - old).exp()  # [B*G, N]
-    unclipped = ratio * adv  # [B*G, N]
-    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv  # [B*G, N]
-    surrogate = torch.minimum(unclipped, clipped)  # [B*G, N]
+    surrogate, ratio = surrogate_terms(logp, old, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                                       loss_type=loss_type, importance_sampling_level=importance_sampling_level,
+                                       delta=delta)  # [B*G, N] each
+    surrogate = torch.where(pg_mask, surrogate, zeros)  # [B*G, N]
 
     if ref_logprobs is not None:
         ref = torch.where(mask, ref_logprobs.detach(), zeros)  # [B*G, N]
@@ -196,13 +260,17 @@ def grpo_loss(
     else:
         kl = zeros  # [B*G, N]
     per_token = surrogate - beta * kl  # [B*G, N]
-    loss = -_aggregate(per_token, mask, loss_type, max_tokens)
+    loss = -_aggregate(per_token, mask, loss_type, max_tokens, num_items)
 
     with torch.no_grad():
-        # The min picks the clipped (constant, zero-gradient) term only on one side per sign of A:
-        # A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low. Elsewhere r*A is the min.
-        clip_low = (adv < 0) & (ratio < 1 - epsilon_low)  # [B*G, N]
-        clip_high = (adv > 0) & (ratio > 1 + epsilon_high)  # [B*G, N]
+        if loss_type == "cispo":  # only the weight's upper bound clips, on either sign of A
+            clip_low, clip_high = torch.zeros_like(mask), ratio > epsilon_high  # [B*G, N]
+        else:
+            # The min picks the clipped (constant, zero-gradient) term only on one side per sign of A:
+            # A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low. Elsewhere r*A is the min.
+            clip_low = (adv < 0) & (ratio < 1 - epsilon_low)  # [B*G, N]
+            clip_high = (adv > 0) & (ratio > 1 + epsilon_high)  # [B*G, N]
+        capped_by_delta = (adv < 0) & (ratio > delta) if delta is not None else torch.zeros_like(mask)  # [B*G, N]
         any_token = mask.any()
         inf = torch.full_like(ratio, torch.inf)  # [B*G, N]
         one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
@@ -211,10 +279,12 @@ def grpo_loss(
             "clip_frac_low": masked_mean(clip_low.to(ratio.dtype), mask),
             "clip_frac_high": masked_mean(clip_high.to(ratio.dtype), mask),
             "clip_frac": masked_mean((clip_low | clip_high).to(ratio.dtype), mask),
+            "delta_frac": masked_mean(capped_by_delta.to(ratio.dtype), mask),
             "ratio_mean": masked_mean(ratio, mask),
             # With no unmasked token at all, report the neutral ratio 1 rather than +-inf.
             "ratio_max": torch.where(any_token, torch.where(mask, ratio, -inf).amax(), one),
             "ratio_min": torch.where(any_token, torch.where(mask, ratio, inf).amin(), one),
-            "policy_loss": -_aggregate(surrogate, mask, loss_type, max_tokens),
+            "policy_loss": -_aggregate(surrogate, mask, loss_type, max_tokens, num_items),
+            "policy_token_frac": masked_mean(pg_mask.to(ratio.dtype), mask),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}

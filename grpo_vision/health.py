@@ -18,6 +18,9 @@ import sys
 import torch
 from tqdm import tqdm
 
+# Above float32 noise (a KV-cache decode and a full forward pass differ by about 1e-6 nats a token)
+# and below what a real mismatch gives (bf16 scoring of a float32 sample is about 1e-2)
+DRIFT_WARN = 1e-3
 COUNTERS = ("skipped_updates", "skipped_in_a_row", "steps_no_spread", "steps_without_signal")
 
 
@@ -88,6 +91,18 @@ class RunHealth:
         else:
             self.counters["skipped_updates"] += 1
             self.counters["skipped_in_a_row"] += 1
+
+    def after_drift(self, step: int, drift: float) -> None:
+        """Warn once when the rollout's log-probs and the teacher-forced ones differ by more than float
+        noise (`rollout/logp_drift`, nats per token): the policy is then trained on another
+        distribution than the one it sampled from."""
+        if drift > DRIFT_WARN:
+            self._warn_once("drift", f"step {step + 1}: rollout/logp_drift is {drift:.3g} nats per token: the "
+                                     "sampler's log-probs and the update's teacher-forced ones differ beyond float "
+                                     "noise. Usual causes: temperature, top-k / top-p or CFG differ between "
+                                     "sampling and scoring, or the precision does (train.mixed_precision, "
+                                     "policy.dtype); a policy whose KV-cache decode does not match its full "
+                                     "forward pass")
 
     def too_many_skipped(self) -> bool:
         return bool(self.max_skipped) and self.counters["skipped_in_a_row"] >= self.max_skipped

@@ -101,8 +101,8 @@ def available_memory(device: torch.device) -> int | None:
 
 
 # the knob that shrinks each part, for the refusal message
-KNOBS = {"weights": "a smaller policy, policy.dtype, or train.reference=lora (no second copy)",
-         "optimizer": "train.reference=lora (trains adapters only) or a smaller policy",
+KNOBS = {"weights": "a smaller policy, policy.dtype, or train.adapter=lora with train.reference=adapter (no second copy)",
+         "optimizer": "train.adapter=lora (trains an adapter only) or a smaller policy",
          "step": "sample.prompts_per_step (or sample.group_size): every image of a step is held at once",
          "sampling": "sample.batch_size (sequences per sampler call)",
          "training": "train.micro_batch_size (sequences per forward/backward)"}

@@ -1,14 +1,17 @@
-"""The reference policy for the KL term: a frozen copy, the base model under disabled LoRA, or none.
+"""The reference policy for the KL term: a frozen copy, the base model under a disabled adapter, or none.
 
-* ``frozen``: a deep copy of the initial policy with gradients off (doubles the weights in memory).
-* ``lora``:   the policy trains peft LoRA adapters only; reference log-probs are the same network
-              with the adapters disabled (`disable_adapter()`), so no second copy is kept.
-* ``none``:   no reference; only valid with beta = 0. Sample grids and evaluation still compare
-              with the base model, loaded once, on the policy's device, when first asked for.
+* ``frozen``:  a deep copy of the initial policy with gradients off (doubles the weights in memory).
+* ``adapter``: the policy trains a peft adapter only (`train.adapter`: LoRA, or LoHa / LoKr of the
+               LyCORIS family); reference log-probs are the same network with the adapter disabled
+               (`disable_adapter()`, LyCORIS's multiplier 0), so no second copy is kept.
+* ``none``:    no reference; only valid with beta = 0. Sample grids and evaluation still compare
+               with the base model, loaded once, on the policy's device, when first asked for.
 
 `ref_sync_every = N` replaces the reference with the current policy every N steps (a moving anchor,
-like TRL's `sync_ref_model` with mixup alpha 1). Under LoRA that means merging the adapters into
-the base weights and starting fresh adapters, so the reference (adapters off) equals the policy.
+like TRL's `sync_ref_model` with mixup alpha 1). Under an adapter that means folding its update into
+the base weights and zeroing the factor peft zeroes at initialisation, so the reference (adapter off)
+equals the policy and the adapter starts again from no change, its tensors (and their optimizer
+state) kept.
 """
 
 from __future__ import annotations
@@ -22,25 +25,46 @@ import torch
 
 from grpo_vision.sampling import SamplingParams, sequence_logprobs
 
+ADAPTERS = ("lora", "loha", "lokr")
+# The factor of each adapter that peft initialises to zero (LoRA's B, LoHa's second Hadamard factor,
+# LoKr's first Kronecker factor): zero, it makes the adapter's update zero whatever the others hold
+ZERO_FACTORS = ("lora_B", "hada_w2_b", "lokr_w1", "lokr_w1_a")
+TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
-def add_lora(policy, rank: int, alpha: float, targets: list[str]):
-    from peft import LoraConfig, get_peft_model
 
-    allowed = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    if not set(targets) <= allowed:
-        raise ValueError(f"train.lora_targets {sorted(set(targets) - allowed)} not supported; "
-                         f"choose from {sorted(allowed)}")
+def add_adapter(policy, kind: str, rank: int, alpha: float, targets: list[str]):
+    """`policy` wrapped by peft with a fresh adapter of `kind` on `targets`: its update starts at zero."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig, get_peft_model
+
+    if kind not in ADAPTERS:
+        raise ValueError(f"train.adapter must be one of {ADAPTERS}, got {kind!r}")
+    if not set(targets) <= TARGETS:
+        raise ValueError(f"train.adapter_targets {sorted(set(targets) - TARGETS)} not supported; "
+                         f"choose from {sorted(TARGETS)}")
     scope = getattr(policy, "lora_scope", None)  # module prefix a policy confines adapters to (Janus: its LM)
     if scope:  # a string target is a regex that peft full-matches against each module name
         targets = rf"{re.escape(scope)}\..*\.({'|'.join(targets)})"
-    return get_peft_model(policy, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0))
+    config = {"lora": lambda: LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0),
+              "loha": lambda: LoHaConfig(r=rank, alpha=alpha, target_modules=targets),
+              "lokr": lambda: LoKrConfig(r=rank, alpha=alpha, target_modules=targets)}[kind]()
+    return get_peft_model(policy, config)
+
+
+def adapter_layers(policy):
+    """The peft layers of `policy` with their adapter names: [(module, name), ...]."""
+    return [(m, name) for m in policy.modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")
+            for name in getattr(m, "active_adapters", [])]
+
+
+def is_adapter_weight(name: str) -> bool:
+    return any(f"{prefix}_" in name for prefix in ("lora", "hada", "lokr"))
 
 
 class Reference:
     def __init__(self, policy, mode: str, load_base: Callable[[], torch.nn.Module] | None = None):
         """`load_base()` loads the base policy from disk: what `sampler` gives without a reference."""
-        if mode not in ("frozen", "lora", "none"):
-            raise ValueError(f"reference must be frozen, lora or none, got {mode!r}")
+        if mode not in ("frozen", "adapter", "none"):
+            raise ValueError(f"reference must be frozen, adapter or none, got {mode!r}")
         self.mode = mode
         self.model = None
         self._load_base = load_base
@@ -57,7 +81,7 @@ class Reference:
             return None
         chunks = []
         for i in range(0, cond.shape[0], micro_batch):
-            if self.mode == "lora":
+            if self.mode == "adapter":
                 with policy.disable_adapter():
                     chunks.append(sequence_logprobs(policy, cond[i:i + micro_batch], tokens[i:i + micro_batch], params))
             else:
@@ -69,7 +93,7 @@ class Reference:
         evaluation, the demo). Without a reference: the base policy, loaded once, on `policy`'s device."""
         if self.mode == "frozen":
             return self.model, nullcontext()
-        if self.mode == "lora":
+        if self.mode == "adapter":
             return policy, policy.disable_adapter()
         if self._base is None:
             if self._load_base is None:
@@ -84,12 +108,13 @@ class Reference:
         """Make the reference equal to the current policy."""
         if self.mode == "frozen":
             self.model.load_state_dict(policy.state_dict())
-        elif self.mode == "lora":
-            for module in policy.modules():  # fold each adapter into its base weight, then zero it
-                if hasattr(module, "get_delta_weight") and hasattr(module, "lora_B"):
-                    for name in module.lora_B:
-                        module.base_layer.weight += module.get_delta_weight(name)
-                        torch.nn.init.zeros_(module.lora_B[name].weight)
+        elif self.mode == "adapter":
+            for module, name in adapter_layers(policy):  # fold each adapter into its base weight, then zero it
+                module.base_layer.weight += module.get_delta_weight(name)
+                for factor in ZERO_FACTORS:
+                    if name in getattr(module, factor, {}):
+                        weight = getattr(module, factor)[name]
+                        torch.nn.init.zeros_(weight if isinstance(weight, torch.Tensor) else weight.weight)
         self.synced = self.mode != "none"
 
     def state_dict(self, policy) -> dict | None:
@@ -98,7 +123,7 @@ class Reference:
             return None
         if self.mode == "frozen":
             return self.model.state_dict()
-        return {n: p for n, p in policy.state_dict().items() if "lora_" not in n}  # merged base weights
+        return {n: p for n, p in policy.state_dict().items() if not is_adapter_weight(n)}  # merged base weights
 
     @torch.no_grad()
     def load_state_dict(self, policy, state: dict) -> None:

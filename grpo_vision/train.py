@@ -23,26 +23,18 @@ from tqdm import tqdm
 
 from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
-from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, normalize_then_sum
-from grpo_vision.health import NonFiniteWeightsError, RunHealth, weights_finite
+from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
+from grpo_vision.health import NonFiniteWeightsError, RunHealth
 from grpo_vision.memory import report_memory
 from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
 from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_bundle, resolve_device
 from grpo_vision.prompts import save_prompts
-from grpo_vision.reference import Reference, add_lora
+from grpo_vision.reference import Reference, add_adapter
 from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.runlock import RunLock, check_run_dir
-from grpo_vision.sampling import SamplingParams, sample_batched, sequence_logprobs
+from grpo_vision.sampling import SamplingParams, sample_batched
 from grpo_vision.signals import GracefulStop, Interrupted
-
-
-@dataclass
-class StepBatch:  # what one step hands from sampling to the update, on this process
-    cond: torch.Tensor  # [n, L] condition ids, n = images on this process
-    tokens: torch.Tensor  # [n, N] sampled image tokens
-    old_logprobs: torch.Tensor  # [n, N] log-probs of the sampling policy (cached for every pass)
-    ref_logprobs: torch.Tensor | None  # [n, N] reference log-probs (None without a reference)
-    advantages: torch.Tensor  # [n] group-relative advantages
+from grpo_vision.update import StepBatch, old_logprobs, reference_logprobs, update
 
 
 def step_seed(seed: int, step: int, salt: int) -> int:
@@ -55,7 +47,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     run_dir: Path
     params: SamplingParams  # the rollout's sampling settings
     bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
-    policy: torch.nn.Module  # the bundle's policy, LoRA-wrapped when reference == "lora"
+    policy: torch.nn.Module  # the bundle's policy, peft-wrapped when train.adapter is set
     trainable: list[torch.Tensor]  # parameters the optimizer updates
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -83,8 +75,8 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     params = SamplingParams.from_config(cfg.sample)
     bundle = load_bundle(cfg.policy, acc.device)
     policy = bundle.policy
-    if t.reference == "lora":
-        policy = add_lora(policy, t.lora_rank, t.lora_alpha, t.lora_targets)
+    if t.adapter != "none":
+        policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
     reference = Reference(policy, t.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     # before any sampling: a batch that cannot fit stops here, naming the knob to lower
@@ -170,11 +162,12 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             old = old_logprobs(policy, cond, rollout, params, acc, t.micro_batch_size)
             with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
                 ref = reference_logprobs(policy, reference, cond, rollout.tokens, params, t)
-            batch = StepBatch(cond, rollout.tokens, old, ref, adv)
+            batch = StepBatch(cond, rollout.tokens, rollout.logprobs, old, ref, adv, rollout.entropy)
             # ---------------------------------------------------------- UPDATE
             policy.train()
             t1 = time.perf_counter()
-            losses = update(policy, st.trainable, optimizer, scheduler, batch, params, cfg, acc, step, health)
+            losses = update(policy, st.trainable, optimizer, scheduler, batch, params, cfg, acc, step, health,
+                            lambda salt: step_seed(cfg.run.seed, step, salt))
             t_update = time.perf_counter() - t1
             if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
                 reference.sync(policy)
@@ -238,93 +231,6 @@ def lr_factor(update: int, cfg: Config, total_updates: int) -> float:
         return (update + 1) / t.warmup_steps
     frac = (update - t.warmup_steps) / max(1, total_updates - t.warmup_steps)
     return {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1 - frac}[t.lr_schedule]
-
-
-@torch.no_grad()
-def old_logprobs(policy, cond, rollout, params, acc, micro: int) -> torch.Tensor:
-    """The rollout's own log-probs, or, under mixed precision, a teacher-forced pass with the same
-    autocast as the update, so that the first pass's ratio is exactly 1 (as TRL does)."""
-    if acc.mixed_precision == "no":
-        return rollout.logprobs
-    with acc.autocast():
-        return torch.cat([sequence_logprobs(policy, cond[i:i + micro], rollout.tokens[i:i + micro], params)
-                          for i in range(0, cond.shape[0], micro)])
-
-
-def reference_logprobs(policy, reference: Reference, cond, tokens, params, t) -> torch.Tensor | None:
-    """Reference log-probs `[n, N]`; with beta 0 and `kl_metric_sequences`, only the first rows are
-    computed (the KL is only logged) and the others are NaN, meaning "not measured"."""
-    if t.reference == "none":
-        return None
-    n = cond.shape[0]
-    measured = min(n, t.kl_metric_sequences) if t.beta == 0 and t.kl_metric_sequences else n
-    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, t.micro_batch_size)
-    if measured == n:
-        return ref
-    return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
-
-
-def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, acc, step: int,
-           health: RunHealth) -> dict:
-    """`num_iterations` passes over the step's rollouts, `minibatches_per_pass` optimizer updates each.
-    The logged KL is the token mean of k3 over the sequences whose reference log-probs were measured
-    (all of them with beta > 0), whether or not it is in the loss."""
-    t, n = cfg.train, batch.tokens.shape[0]
-    mask = torch.ones_like(batch.tokens, dtype=torch.bool)  # image sequences have a fixed length
-    sums, count = {}, 0
-    kl_sum = torch.zeros((), device=batch.tokens.device)  # the logged KL, summed on the device:
-    kl_tokens = torch.zeros((), device=batch.tokens.device)  # one sync at the end, not one per micro-batch
-    for it in range(t.num_iterations):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(step_seed(cfg.run.seed, step, 2**31 + it)))
-        for minibatch in order.view(t.minibatches_per_pass, -1):
-            micro_batches = minibatch.view(-1, t.micro_batch_size)
-            for idx in micro_batches:
-                with acc.autocast():
-                    logp = sequence_logprobs(policy, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
-                ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
-                loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if t.beta > 0 else None,
-                                    batch.advantages[idx], mask[idx], beta=t.beta, epsilon_low=t.epsilon_low,
-                                    epsilon_high=t.epsilon_high, loss_type=t.loss_type,
-                                    max_tokens=batch.tokens.shape[1])
-                if ref is not None:  # the KL to the reference, where it was measured
-                    seen = mask[idx] & ~ref.isnan()
-                    kl_sum += (k3_kl(logp.detach().float(), ref.nan_to_num()) * seen).sum()
-                    kl_tokens += seen.sum()
-                (loss / len(micro_batches)).backward()
-                for k, v in {"loss": loss, **m}.items():
-                    sums[k] = sums.get(k, 0.0) + float(v.detach())
-                count += 1
-            grad_norm = sync_and_clip(trainable, acc, t.max_grad_norm)
-            if math.isfinite(grad_norm):  # else a non-finite loss or gradient skips this update
-                optimizer.step()
-                if not weights_finite(trainable):  # finite gradients, yet e.g. a huge lr overflowed a weight
-                    raise NonFiniteWeightsError(
-                        f"an optimizer update at step {step + 1} made the policy's weights non-finite (gradient "
-                        f"norm {grad_norm:.3g}, learning rate {scheduler.get_last_lr()[0]:.3g}); lower train.lr")
-            health.after_update(applied=math.isfinite(grad_norm))
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-    means = {k: acc.reduce(torch.tensor(v / count, device=acc.device), "mean").item() for k, v in sums.items()}
-    kl = 0.0
-    if batch.ref_logprobs is not None:
-        kl = (acc.reduce(kl_sum.to(acc.device), "sum") / acc.reduce(kl_tokens.to(acc.device), "sum")).item()
-    return {"loss/total": means["loss"], "loss/policy": means["policy_loss"], "loss/kl": kl,
-            "loss/clip_frac_low": means["clip_frac_low"], "loss/clip_frac_high": means["clip_frac_high"],
-            "loss/ratio_mean": means["ratio_mean"], "train/grad_norm": grad_norm}
-
-
-def sync_and_clip(params: list[torch.Tensor], acc, max_norm: float) -> float:
-    """Average gradients across processes, clip their global norm; returns the norm before clipping."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    if acc.num_processes > 1:
-        flat = torch.cat([g.flatten() for g in grads])
-        flat = acc.reduce(flat, "mean")
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return float(norm)
 
 
 def resume_config(run_dir: str | Path, overrides: list[str]) -> Config:

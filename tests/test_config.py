@@ -25,11 +25,11 @@ def test_configs_folder_is_not_empty():
 
 def test_defaults_run_and_overrides_apply():
     cfg = load_config(None, ["train.lr=1e-5", "sample.group_size=16", "reward.weights={clip: 2}",
-                             "train.lora_targets=[q_proj]", "sample.logprob_mode=conditional"])
+                             "train.adapter_targets=[q_proj]", "sample.logprob_mode=conditional"])
     assert cfg.train.lr == 1e-5 and isinstance(cfg.train.lr, float)  # YAML 1.1 reads 1e-5 as a string
     assert cfg.sample.group_size == 16
     assert cfg.reward.weights == {"clip": 2.0}
-    assert cfg.train.lora_targets == ["q_proj"]
+    assert cfg.train.adapter_targets == ["q_proj"]
     assert cfg.sample.logprob_mode == "conditional"
 
 
@@ -185,9 +185,9 @@ def test_retired_key_in_an_old_run_config_warns_and_loads(tmp_path):
     ("train.weight_decay=-1", "train.weight_decay must be a finite number >= 0, got -1.0"),
     ("train.max_grad_norm=nan", "train.max_grad_norm must be a finite number > 0, or 0 for no clipping, got nan"),
     ("train.max_grad_norm=-1", "train.max_grad_norm must be a finite number > 0, or 0 for no clipping"),
-    ("train.lora_alpha=0", "train.lora_alpha must be a finite number > 0, got 0.0"),
+    ("train.adapter_alpha=0", "train.adapter_alpha must be a finite number > 0, got 0.0"),
     ("log.eval_temperatures=[1.0, inf]", "log.eval_temperatures[1] must be a finite number > 0, got inf"),
-    ("train.lora_rank=0", "train.lora_rank must be >= 1"),
+    ("train.adapter_rank=0", "train.adapter_rank must be >= 1"),
     ("train.warmup_steps=-1", "train.warmup_steps must be >= 0"),
 ])
 def test_float_knobs_must_be_finite_and_in_range(override, needle):

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from grpo_vision.grpo import frac_zero_std, group_advantages, grpo_loss, k3_kl, masked_mean, normalize_then_sum
+from grpo_vision.grpo import (
+    frac_zero_std, group_advantages, grpo_loss, high_entropy_mask, k3_kl, masked_mean, normalize_then_sum,
+)
 
 EPS = 1e-4
 NAN = float("nan")
@@ -220,7 +222,7 @@ def test_k3_nonnegative_and_zero_at_ref():
 # ---------------------------------------------------------------- masking and gradients
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
 def test_masked_tokens_change_nothing(loss_type):
     g = torch.Generator().manual_seed(1)
     base = torch.randn(3, 4, generator=g)
@@ -273,7 +275,7 @@ def test_equal_reward_groups_give_zero_loss_and_gradient():
 def test_empty_sequences_do_not_nan():
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.zeros(2, 3, dtype=torch.bool)
-    for loss_type in ("grpo", "bnpo", "dr_grpo"):
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
         loss, m = grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(2), mask, beta=0.1,
                             loss_type=loss_type)
         assert loss.item() == 0.0
@@ -293,8 +295,10 @@ def test_constants_are_detached_and_masked_mean():
 
 def test_loss_errors():
     logp, old, adv, mask = hand_batch()
-    with pytest.raises(ValueError, match="grpo.*bnpo.*dr_grpo"):
+    with pytest.raises(ValueError, match="grpo.*bnpo.*dr_grpo.*dapo.*cispo"):
         grpo_loss(logp, old, None, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match="token.*sequence"):
+        grpo_loss(logp, old, None, adv, mask, importance_sampling_level="batch")
     with pytest.raises(ValueError, match="ref_logprobs"):
         grpo_loss(logp, old, None, adv, mask, beta=0.04)
 
@@ -312,3 +316,123 @@ def test_normalize_then_sum_z_scores_each_reward_within_its_group_then_weighs():
     # the point of it: a reward's scale no longer sets its share of the advantage
     scaled = rewards * torch.tensor([1.0, 1000.0])
     torch.testing.assert_close(normalize_then_sum(scaled, weights, 2)[:3], total[:3], atol=2e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- the algorithm menu (TRL's names)
+
+
+def test_dapo_is_bnpo_on_one_process_and_the_global_token_mean_across_two():
+    # TRL: dapo divides the token sum by the global batch's active tokens over num_processes, and
+    # DDP then averages the processes' gradients; bnpo averages each process's own token mean.
+    logp, old, adv, mask = hand_batch()  # token sum 0.4 over 5 tokens (see hand_batch)
+    bnpo, _ = grpo_loss(logp, old, None, adv, mask, loss_type="bnpo")
+    dapo, _ = grpo_loss(logp, old, None, adv, mask, loss_type="dapo")
+    assert_close(dapo, bnpo)
+    assert_close(dapo, t(-0.08))
+    # A second process holds one token, r = 1 and A = +1: token sum 1 over 1 token.
+    logp2, old2 = ratios_to_logprobs([[1.0, 1.0]])
+    mask2, adv2 = torch.tensor([[1, 0]], dtype=torch.bool), t([1.0])
+    # bnpo: mean(-0.4/5, -1/1) = -0.54. dapo: global 6 tokens, each process divides by 6/2 = 3:
+    # mean(-0.4/3, -1/3) = -1.4/6, the token mean of the whole global batch.
+    per_proc = [grpo_loss(lp, o, None, a, m, loss_type=lt, num_items=6 / 2 if lt == "dapo" else None)[0]
+                for lt in ("bnpo", "dapo") for lp, o, a, m in ((logp, old, adv, mask), (logp2, old2, adv2, mask2))]
+    assert_close((per_proc[0] + per_proc[1]) / 2, t(-0.54))
+    assert_close((per_proc[2] + per_proc[3]) / 2, t(-1.4 / 6))
+
+
+@pytest.mark.parametrize(
+    "r, a, grad, clipped",
+    [
+        # loss = -sg(min(r, 5)) * A * logp / 1 token: d loss / d logp = -min(r, 5) * A
+        (1.5, +1, -1.5, False),  # the clipped surrogate would give 0 here (r > 1.28): CISPO keeps it
+        (6.0, +1, -5.0, True),  # the weight is capped at eps_high = 5
+        (0.5, -1, 0.5, False),  # r < 0.8 with A < 0: PPO-clip gives 0, CISPO -r * A = 0.5
+    ],
+)
+def test_cispo_clips_the_detached_weight_not_the_surrogate(r, a, grad, clipped):
+    value, m, g = one_token(r, a, loss_type="cispo", epsilon_high=5.0)
+    assert g == pytest.approx(grad)
+    assert value == pytest.approx(min(r, 5.0) * a * math.log(r))  # l = w * A * logp, logp = ln r (old = 0)
+    assert m["clip_frac_high"].item() == clipped and m["clip_frac_low"].item() == 0
+
+
+def test_sequence_level_ratio_is_the_exponent_of_the_mean_token_log_ratio():
+    # token log-ratios [0.1, 0.3]: s = exp(0.2) = 1.2214 (inside [0.8, 1.28]), A = +1, grpo over 2 tokens:
+    # loss = -(s + s) / 2 = -s; d loss / d logp_t = -s * (1/2): the sequence ratio moves with each token.
+    logp = t([[0.1, 0.3]]).requires_grad_()
+    loss, m = grpo_loss(logp, torch.zeros(1, 2, dtype=F64), None, t([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                        epsilon_high=0.28, importance_sampling_level="sequence")
+    loss.backward()
+    s = math.exp(0.2)
+    assert_close(loss, t(-s))
+    assert_close(logp.grad, t([[-s / 2, -s / 2]]))
+    assert m["ratio_max"].item() == pytest.approx(s) and m["ratio_min"].item() == pytest.approx(s)
+    # token ratios [4, 1] (geometric mean 2 > 1.28): the whole sequence is clipped, no gradient; token
+    # level clips only the first token and keeps the second's gradient
+    for level, grad in (("sequence", [0.0, 0.0]), ("token", [0.0, -0.5])):
+        logp, old = ratios_to_logprobs([[4.0, 1.0]])
+        loss, m = grpo_loss(logp, old, None, t([1.0]), torch.ones(1, 2, dtype=torch.bool), epsilon_high=0.28,
+                            importance_sampling_level=level)
+        loss.backward()
+        assert_close(logp.grad, t([grad]))
+    assert m["clip_frac_high"].item() == 0.5  # token level: one of two tokens
+
+
+def test_sequence_level_equals_token_level_on_policy():
+    # at r = 1 (the first update) both levels give the same loss and gradient
+    g = torch.Generator().manual_seed(4)
+    logp0 = torch.randn(3, 5, dtype=F64, generator=g)
+    adv, mask = torch.randn(3, dtype=F64, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    grads = []
+    for level in ("token", "sequence"):
+        logp = logp0.clone().requires_grad_()
+        loss, _ = grpo_loss(logp, logp0, None, adv, mask, loss_type="grpo", importance_sampling_level=level)
+        loss.backward()
+        grads.append((loss.detach(), logp.grad))
+    assert_close(grads[0][0], grads[1][0])
+    assert_close(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize(
+    "r, a, delta, term, grad",
+    [
+        (3.0, -1, 2.0, -2.0, 0.0),  # min(min(3, 2) * -1, 1.28 * -1) = -2: capped, no gradient
+        (3.0, -1, None, -3.0, 3.0),  # no cap: -3, d(-l)/dlogp = -A * r = 3
+        (1.5, -1, 2.0, -1.5, 1.5),  # below the cap: unchanged
+        (3.0, +1, 2.0, 1.28, 0.0),  # A > 0: the usual clip at 1 + eps_high decides (delta > 1.28)
+    ],
+)
+def test_delta_caps_the_ratio_of_negative_advantage_tokens(r, a, delta, term, grad):
+    value, m, g = one_token(r, a, epsilon_high=0.28, delta=delta)
+    assert value == pytest.approx(term) and g == pytest.approx(grad)
+    assert m["delta_frac"].item() == (delta is not None and a < 0 and r > delta)
+
+
+def test_high_entropy_mask_by_hand():
+    # unmasked entropies 0.1 0.3 0.5 0.7 0.9; top 40% -> the 0.6 quantile = 0.5 + 0.4 * (0.7 - 0.5) = 0.58
+    entropy = t([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # the masked 5.0 neither counts nor is kept
+    assert high_entropy_mask(entropy, mask, 0.4).tolist() == [[False, False, True], [False, True, False]]
+    assert torch.equal(high_entropy_mask(entropy, mask, 1.0), mask)
+    assert high_entropy_mask(t([[1.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool), 0.2).all()  # ties are kept
+
+
+def test_policy_mask_keeps_the_policy_term_only_where_it_says_and_quantile_one_is_the_plain_loss():
+    logp, old, adv, mask = hand_batch()
+    # keep seq0 tok0 (term 1) and seq1 tok1 (term -1.5): bnpo still divides by all 5 tokens -> -(-0.5 / 5)
+    keep = torch.tensor([[1, 0, 0], [0, 1, 0]], dtype=torch.bool)
+    loss, m = grpo_loss(logp, old, None, adv, mask, loss_type="bnpo", policy_mask=keep)
+    assert_close(loss, t(0.1))
+    assert_close(m["policy_token_frac"], t(0.4))
+    loss.backward()  # bnpo weight 1/5: seq0 tok0 -A*r/5 = -0.2; seq1 tok1 -A*r/5 = 1.5/5 = 0.3
+    assert_close(logp.grad, t([[-0.2, 0, 0], [0, 0.3, 0]]))
+    # the KL term is not masked: at ref - logp = ln 2 every token adds beta * (1 - ln 2)
+    logp2 = torch.zeros(1, 2, dtype=F64)
+    ref = torch.full((1, 2), math.log(2), dtype=F64)
+    none_kept = torch.zeros(1, 2, dtype=torch.bool)
+    loss, _ = grpo_loss(logp2, logp2, ref, t([1.0]), torch.ones(1, 2), beta=0.1, policy_mask=none_kept)
+    assert_close(loss, t(0.1 * (1 - math.log(2))))
+    everything = high_entropy_mask(torch.rand(2, 3, dtype=F64), mask, 1.0)
+    logp, old, adv, mask = hand_batch()
+    plain = grpo_loss(logp, old, None, adv, mask, loss_type="bnpo")[0]
+    assert_close(grpo_loss(logp, old, None, adv, mask, loss_type="bnpo", policy_mask=everything)[0], plain)

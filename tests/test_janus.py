@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from grpo_vision.config import ConfigError, PolicyConfig, load_config
 from grpo_vision.janus_policy import NO_TOKEN, JanusImagePolicy, JanusVQTokenizer
 from grpo_vision.policies import load_bundle
-from grpo_vision.reference import add_lora
+from grpo_vision.reference import add_adapter
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 from grpo_vision.train import train
 
@@ -186,7 +186,7 @@ def test_load_bundle_freezes_understanding_and_lora_stays_in_the_language_model(
     trainable = {n for n, p in bundle.policy.named_parameters() if p.requires_grad}
     assert trainable and all(n.startswith(("model.model.language_model.layers", "model.model.language_model.norm",
                                            "model.model.generation_")) for n in trainable)
-    wrapped = add_lora(bundle.policy, 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    wrapped = add_adapter(bundle.policy, "lora", 4, 8.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
     lora = [n for n, p in wrapped.named_parameters() if p.requires_grad]
     assert len(lora) == 2 * 4 * 2  # A and B, 4 projections, 2 layers: none in the SigLIP tower
     assert all("language_model.layers" in n and "lora_" in n for n in lora)
@@ -214,7 +214,8 @@ def write_config(tmp_path: Path, janus_dir: Path, reference: str) -> Path:
         "policy": {"kind": "janus", "path": str(janus_dir)},
         "sample": {"prompts_per_step": 2, "group_size": 4, "cfg_scale": 3.0, "batch_size": 8},
         "train": {"steps": 2, "micro_batch_size": 4, "num_iterations": 2, "beta": 0.04, "lr": 1e-3,
-                  "reference": reference, "lora_rank": 4},
+                  **({"adapter": "lora", "reference": "adapter", "adapter_rank": 4} if reference == "lora" else
+                     {"reference": reference})},
         "reward": {"weights": {"jpeg_compressibility": 1.0}, "monitor": []},
         "data": {"train_prompts": str(tmp_path / "train.txt"), "eval_prompts": str(tmp_path / "eval.txt")},
         "log": {"sample_every": 1, "checkpoint_every": 0, "eval_images": 1, "tensorboard": False},

@@ -136,7 +136,7 @@ def nan_loss(*args, **kwargs):  # grpo_loss, poisoned: as an fp16 overflow would
 
 
 def test_a_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp_path, monkeypatch):
-    monkeypatch.setattr("grpo_vision.train.grpo_loss", nan_loss)
+    monkeypatch.setattr("grpo_vision.update.grpo_loss", nan_loss)
     run = train(micro_cfg(micro_world, tmp_path, "run.name=nanloss", "train.max_skipped_updates=0"), progress=False)
     lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["step"] == 2 and lines[-1]["train/skipped_updates"] == 4  # 2 steps x 2 passes
@@ -150,7 +150,7 @@ def test_a_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp
 
 
 def test_skipped_updates_in_a_row_stop_the_run_with_a_checkpoint(micro_world, tmp_path, monkeypatch):
-    monkeypatch.setattr("grpo_vision.train.grpo_loss", nan_loss)
+    monkeypatch.setattr("grpo_vision.update.grpo_loss", nan_loss)
     cfg = micro_cfg(micro_world, tmp_path, "run.name=stuck", "train.steps=5", "train.max_skipped_updates=3",
                     "log.checkpoint_every=0")
     # two updates a step: the third skipped update in a row falls in step 2, checked when step 2 ends
@@ -163,7 +163,7 @@ def test_skipped_updates_in_a_row_stop_the_run_with_a_checkpoint(micro_world, tm
 
 
 def test_non_finite_weights_stop_the_run_and_name_the_last_finite_checkpoint(micro_world, tmp_path, monkeypatch):
-    import grpo_vision.train as train_module
+    import grpo_vision.update as update_module
 
     calls = []
 
@@ -171,7 +171,7 @@ def test_non_finite_weights_stop_the_run_and_name_the_last_finite_checkpoint(mic
         calls.append(1)
         return len(calls) < 3 and weights_finite(params)
 
-    monkeypatch.setattr(train_module, "weights_finite", breaks_at_the_third_update)
+    monkeypatch.setattr(update_module, "weights_finite", breaks_at_the_third_update)
     cfg = micro_cfg(micro_world, tmp_path, "run.name=broken", "train.steps=3", "log.checkpoint_every=1")
     last = tmp_path / "broken" / "checkpoints" / "step_000001"
     with pytest.raises(NonFiniteWeightsError, match=rf"an optimizer update at step 2 made the policy's weights "
@@ -342,6 +342,9 @@ def test_bf16_mixed_precision_starts_at_ratio_one_and_zero_kl(micro_world, tmp_p
     assert m["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert m["loss/kl"] == pytest.approx(0.0, abs=1e-6)
     assert all(v is not None and math.isfinite(v) for v in m.values()), m
+    # ... but the sampler drew in float32: the on-policy gauge sees the gap and names precision as a cause
+    assert m["rollout/logp_drift"] > 1e-3
+    assert "rollout/logp_drift is" in out.stderr and "precision" in out.stderr
 
 
 def test_a_new_run_never_overwrites_an_existing_one(micro_world, tmp_path):
