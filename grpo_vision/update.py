@@ -67,7 +67,7 @@ def policy_tokens(batch: StepBatch, mask: torch.Tensor, quantile: float, acc) ->
     if quantile >= 1.0:
         return mask
     entropy = acc.gather(batch.entropy.contiguous())  # [B*G, N] global, in process order
-    keep = high_entropy_mask(entropy, acc.gather(mask.contiguous()), quantile)  # [B*G, N]
+    keep = high_entropy_mask(entropy, acc.gather(mask.to(torch.uint8)).bool(), quantile)  # [B*G, N]
     first = acc.process_index * batch.tokens.shape[0]
     return keep[first:first + batch.tokens.shape[0]]  # [n, N] this process's rows
 

@@ -102,14 +102,17 @@ def test_resume_is_exact(micro_world, tmp_path):
     assert [m["loss/total"] for m in la] == [m["loss/total"] for m in lb]
 
 
-def test_two_processes_match_one(micro_world, tmp_path):
-    # Both on the CPU (the two-process run is launched with --cpu), also where a GPU is present
-    one = train(micro_cfg(micro_world, tmp_path, "run.name=one", "train.steps=1", "run.device=cpu"), progress=False)
+@pytest.mark.parametrize("options", [[], ["train.loss_type=dapo", "train.top_entropy_quantile=0.3"]])
+def test_two_processes_match_one(micro_world, tmp_path, options):
+    # Both on the CPU (the two-process run is launched with --cpu), also where a GPU is present. With
+    # dapo each process divides by its share of the global token count; the entropy threshold is global
+    one = train(micro_cfg(micro_world, tmp_path, "run.name=one", "train.steps=1", "run.device=cpu", *options),
+                progress=False)
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu",
                           "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={micro_world}",
                           f"run.out_dir={tmp_path}", "run.name=two", "train.steps=1", "log.sample_every=0",
-                          "log.eval_images=1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "log.eval_images=1", *options], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     m1 = json.loads((one / "metrics.jsonl").read_text().splitlines()[0])
     m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
