@@ -1,7 +1,7 @@
 """Checkpoints, written atomically: a step directory is complete or absent, never half-written.
 
     run/checkpoints/step_000050/
-      policy.safetensors      trainable policy weights (the full policy, or only LoRA adapters)
+      policy.safetensors      trainable policy weights (the full policy, or only its adapter)
       reference.safetensors   the reference's weights when it was synced from the policy
       optimizer.safetensors   AdamW and LR-scheduler state
       trainer_state.json      step and counters (the run's config is run/config.yaml)
@@ -35,7 +35,7 @@ from grpo_vision.safe_state import UnsafeFileError, load_pickled_tensors, load_s
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters that train (LoRA adapters only under LoRA), detached and contiguous."""
+    """Parameters that train (the adapter only, when the run trains one), detached and contiguous."""
     return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 

@@ -217,10 +217,12 @@ def validate(cfg: Config) -> None:
         (t.loss_type != "cispo" or t.epsilon_high > 1,
          f"train.loss_type=cispo caps the importance weight at train.epsilon_high itself (ScaleRL's eps_max), so it "
          f"must be above 1; got {t.epsilon_high}: set train.epsilon_high=5.0 (the ScaleRL recipe)"),
-        (t.delta == 0 or (t.loss_type != "cispo" and t.delta > 1 + t.epsilon_high),
-         f"train.delta caps the ratio of the clipped losses above 1 + train.epsilon_high = {1 + t.epsilon_high:g} "
-         f"and does not apply to cispo; got {t.delta} with loss_type "
-         f"{t.loss_type}: set it above {1 + t.epsilon_high:g}, or 0 for off"),
+        (t.delta == 0 or t.loss_type != "cispo",
+         "train.delta caps the ratio of the clipped losses; cispo clips its weight at train.epsilon_high instead: "
+         "set train.delta=0"),
+        (t.delta == 0 or t.loss_type == "cispo" or t.delta > 1 + t.epsilon_high,
+         f"train.delta caps the ratio above the clip, so it must exceed 1 + train.epsilon_high = "
+         f"{1 + t.epsilon_high:g}; got {t.delta}: set it higher, or 0 for off"),
         (not (t.beta > 0 and t.reference == "none"),
          "train.beta > 0 needs a reference policy: set train.reference to frozen or adapter, or beta to 0"),
         (bool(cfg.reward.weights), "reward.weights must name at least one reward, e.g. {clip: 1.0}"),
@@ -237,6 +239,14 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if t.adapter != "none" and t.reference == "frozen":
+        warnings.warn("train.adapter with train.reference: frozen keeps a second full copy of the policy as the "
+                      "reference; train.reference: adapter is the same reference (the adapter disabled) without it",
+                      stacklevel=2)
+    if t.reference == "adapter" and t.ref_sync_every and cfg.policy.dtype != "float32":
+        warnings.warn(f"train.ref_sync_every folds the adapter into {cfg.policy.dtype} base weights, which rounds "
+                      "it: after a sync the policy moves by that rounding and the reference equals it only "
+                      "approximately", stacklevel=2)
 
 
 def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:

@@ -78,7 +78,7 @@ class DemoRun:
     def __init__(self, run_dir: str | Path):
         self.run_dir = check_run_dir(run_dir)
         self._runs: dict[int, LoadedRun] = {}
-        self.lock = threading.Lock()  # one generation at a time: a LoRA reference toggles shared weights
+        self.lock = threading.Lock()  # one generation at a time: an adapter reference toggles shared weights
         self.latest = checkpoint_steps(self.run_dir)[-1]  # "reference" is the reference saved with this step
         latest = self.load(self.latest)
         self.cfg, self.bundle = latest.cfg, latest.bundle

@@ -263,7 +263,7 @@ def grpo_loss(
     loss = -_aggregate(per_token, mask, loss_type, max_tokens, num_items)
 
     with torch.no_grad():
-        if loss_type == "cispo":  # only the weight's upper bound clips, on either sign of A
+        if loss_type == "cispo":  # only the weight's cap clips, counted on either sign of A (TRL: A > 0 only)
             clip_low, clip_high = torch.zeros_like(mask), ratio > epsilon_high  # [B*G, N]
         else:
             # The min picks the clipped (constant, zero-gradient) term only on one side per sign of A:

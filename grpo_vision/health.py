@@ -18,9 +18,10 @@ import sys
 import torch
 from tqdm import tqdm
 
-# Above float32 noise (a KV-cache decode and a full forward pass differ by about 1e-6 nats a token)
-# and below what a real mismatch gives (bf16 scoring of a float32 sample is about 1e-2)
-DRIFT_WARN = 1e-3
+# rollout/logp_drift above which a run warns (docs/usage.md has the measured values): float32 noise
+# stays far below the first, bf16 / fp16 rounding (weights or autocast) below the second; a sampler
+# and a scorer that disagree on temperature, top-k or CFG give gaps of tenths of a nat
+DRIFT_WARN = {"float32": 1e-3, "low_precision": 5e-2}
 COUNTERS = ("skipped_updates", "skipped_in_a_row", "steps_no_spread", "steps_without_signal")
 
 
@@ -51,10 +52,11 @@ class RunHealth:
     """Counts the steps that cannot teach anything and warns about them once on stderr (`loud` on the
     main process only); stops the run after `max_skipped` skipped updates in a row (0 = never)."""
 
-    def __init__(self, counters: dict, max_skipped: int, loud: bool):
+    def __init__(self, counters: dict, max_skipped: int, loud: bool, drift_limit: float = DRIFT_WARN["float32"]):
         for key in COUNTERS:  # checkpoints written before a counter existed resume with it at 0
             counters.setdefault(key, 0)
         self.counters, self.max_skipped, self.loud = counters, max_skipped, loud
+        self.drift_limit = drift_limit
         self.warned: set[str] = set()
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -96,7 +98,7 @@ class RunHealth:
         """Warn once when the rollout's log-probs and the teacher-forced ones differ by more than float
         noise (`rollout/logp_drift`, nats per token): the policy is then trained on another
         distribution than the one it sampled from."""
-        if drift > DRIFT_WARN:
+        if drift > self.drift_limit:
             self._warn_once("drift", f"step {step + 1}: rollout/logp_drift is {drift:.3g} nats per token: the "
                                      "sampler's log-probs and the update's teacher-forced ones differ beyond float "
                                      "noise. Usual causes: temperature, top-k / top-p or CFG differ between "

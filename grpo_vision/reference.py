@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import re
 from contextlib import nullcontext
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -56,8 +57,18 @@ def adapter_layers(policy):
             for name in getattr(m, "active_adapters", [])]
 
 
+@lru_cache(maxsize=1)
+def _adapter_parts() -> frozenset[str]:
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+    from peft.tuners.lora import LoraLayer
+
+    return frozenset(n for layer in (LoraLayer, LoHaLayer, LoKrLayer) for n in layer.adapter_layer_names)
+
+
 def is_adapter_weight(name: str) -> bool:
-    return any(f"{prefix}_" in name for prefix in ("lora", "hada", "lokr"))
+    """True for a parameter of a peft adapter (a dotted part such as `lora_A` or `hada_w1_a`)."""
+    return not _adapter_parts().isdisjoint(name.split("."))
 
 
 class Reference:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
-from grpo_vision.health import NonFiniteWeightsError, RunHealth
+from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
 from grpo_vision.memory import report_memory
 from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
 from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_bundle, resolve_device
@@ -124,7 +124,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                             {"counters": counters})
         acc.wait_for_everyone()
 
-    health = RunHealth(counters, t.max_skipped_updates, loud=main)
+    low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
+    health = RunHealth(counters, t.max_skipped_updates, loud=main,
+                       drift_limit=DRIFT_WARN["low_precision" if low_precision else "float32"])
     stop = GracefulStop()
     step = start
     try:

@@ -111,3 +111,16 @@ def test_older_lora_keys_read_as_the_adapter_keys(tmp_path):
     assert "'train.lora_rank' moved to 'train.adapter_rank'" in text and "'train.reference: adapter'" in text
     with pytest.raises(Exception, match="train.reference: adapter is the policy with its adapter disabled"):
         load_config(None, ["train.reference=adapter"])
+    with pytest.warns(UserWarning, match="keeps a second full copy of the policy"):
+        load_config(None, ["train.adapter=loha"])  # reference frozen by default
+    with pytest.warns(UserWarning, match="folds the adapter into bfloat16 base weights, which rounds it"):
+        load_config(None, ["train.adapter=lora", "train.reference=adapter", "train.ref_sync_every=5",
+                           "policy.dtype=bfloat16"])
+
+
+def test_adapter_weights_are_told_by_peft_names_not_substrings():
+    assert is_adapter_weight("base_model.model.layers.0.attn.q_proj.lora_A.default.weight")
+    assert is_adapter_weight("base_model.model.layers.0.attn.q_proj.hada_w2_b.default")
+    assert is_adapter_weight("base_model.model.layers.0.mlp.up_proj.lokr_w1.default")
+    assert not is_adapter_weight("base_model.model.flora_proj.weight")  # a plugin's own weight
+    assert not is_adapter_weight("base_model.model.layers.0.attn.q_proj.base_layer.weight")

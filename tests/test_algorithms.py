@@ -52,11 +52,13 @@ def test_each_option_trains_two_steps_through_the_cli(micro_world, tmp_path, opt
 
 
 def test_dapo_and_bnpo_agree_on_one_process(micro_world, tmp_path):
-    # Every image has the same number of tokens, so the global token mean (dapo) equals the mean of the
-    # micro-batches' token means (bnpo): the same losses and gradients up to float rounding.
+    # Every image has the same number of tokens, so the token mean over an update's minibatch (dapo)
+    # equals the mean of its micro-batches' token means (bnpo): the same losses and gradients up to float
+    # rounding, over two updates a pass (a normaliser counting the whole step's tokens would halve dapo's).
     runs = [train(load_config(ROOT / "configs" / "shapes_micro.yaml",
                               [f"policy.path={micro_world}", f"run.out_dir={tmp_path}", f"run.name={lt}",
                                "train.steps=1", "log.report=false", "log.sample_every=0", "train.micro_batch_size=2",
+                               "train.minibatches_per_pass=2",
                                f"train.loss_type={lt}"]), progress=False) for lt in ("bnpo", "dapo")]
     a, b = (metrics_of(r)[0] for r in runs)
     for key in ("loss/policy", "loss/total", "train/grad_norm", "loss/ratio_mean"):
@@ -65,12 +67,13 @@ def test_dapo_and_bnpo_agree_on_one_process(micro_world, tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("train.loss_type=cispo", r"cispo caps the importance weight at train.epsilon_high .* set train.epsilon_high=5.0"),
-    ("train.delta=1.1", r"train.delta caps the ratio .* above 1 \+ train.epsilon_high = 1.28"),
+    ("train.delta=1.1", r"train.delta caps the ratio above the clip, so it must exceed 1 \+ train.epsilon_high = "
+                        r"1.28; got 1.1: set it higher, or 0 for off"),
     ("train.top_entropy_quantile=0", r"train.top_entropy_quantile must be a finite number in \(0, 1\]"),
     ("train.importance_sampling_level=batch", r"importance_sampling_level"),
 ])
 def test_option_errors_name_the_key_and_the_fix(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(None, [override])
-    with pytest.raises(ConfigError, match="does not apply to cispo"):
-        load_config(None, ["train.loss_type=cispo", "train.epsilon_high=5", "train.delta=6"])
+    with pytest.raises(ConfigError, match="cispo clips its weight at train.epsilon_high instead: set train.delta=0"):
+        load_config(None, ["train.loss_type=cispo", "train.epsilon_high=5", "train.delta=7"])
