@@ -6,6 +6,7 @@
       optimizer.safetensors   AdamW and LR-scheduler state
       trainer_state.json      step and counters (the run's config is run/config.yaml)
       rng.safetensors         torch / numpy / python RNG states
+      iterative.safetensors   iterative RL only: the replay buffer and what the learning rewards learned
     run/checkpoints/latest    name of the newest complete step directory
 
 No file holds a pickle, so loading a checkpoint someone shared never runs code from it: tensors are
@@ -40,7 +41,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, reference_state: dict | None,
-                    state: dict) -> Path:
+                    state: dict, iterative: dict | None = None) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
@@ -55,6 +56,8 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
                    tmp / "optimizer.safetensors")
         save_state({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                    tmp / "rng.safetensors")
+        if iterative is not None:
+            save_state(iterative, tmp / "iterative.safetensors")
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
         _fsync_dir(tmp)
     except Exception as e:
@@ -156,6 +159,12 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
     ref = path / "reference.safetensors"
     state = _read(path / "trainer_state.json", lambda f: json.loads(f.read_text()))
     return state, (_read(ref, load_file) if ref.is_file() else None)
+
+
+def load_iterative_state(path: Path) -> dict | None:
+    """The replay buffer and learned rewards' state of a checkpoint (iterative RL), or None if it has none."""
+    file = Path(path) / "iterative.safetensors"
+    return _read(file, load_state) if file.is_file() else None
 
 
 class CheckpointError(ValueError):

@@ -86,6 +86,8 @@ def cmd_eval(args) -> None:
     device = next(run.policy.parameters()).device
     rewards = CompositeReward.from_config(run.cfg.reward, device, run.bundle.reward_defaults,
                                           [e for entries in sets.values() for e in entries]).load()
+    if run.learned_rewards:  # a reward that learned (clip_refit) scores as it had learned by this step
+        rewards.load_state_dict(run.learned_rewards)
     params = eval_params(run.cfg, args.temperature)
     results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
                               run.bundle.judge, seed=args.seed) for name, entries in sets.items()}

@@ -85,6 +85,9 @@ class TrainConfig:
     # needs train.adapter; no second copy), or none. "lora" (older configs) reads as adapter with adapter lora
     reference: Literal["frozen", "adapter", "lora", "none"] = "frozen"
     ref_sync_every: int = 0  # copy the policy into the reference every N steps; 0 = never
+    # iterative RL (DeepSeekMath 4.2; not num_iterations, the passes per rollout): train.steps split into this
+    # many equal iterations; at each boundary the reference becomes the policy and learning rewards update
+    iterations: int = 1
     # With beta 0 the reference is only a yardstick: measure the logged KL on the first N of each
     # process's sequences a step (0 = all), which saves reference forward passes. With beta > 0
     # every sequence needs its reference log-probs, and this is ignored
@@ -110,6 +113,10 @@ class RewardConfig:
     # "sum_then_normalize" weights the raw values; "normalize_then_sum" z-scores each reward within its
     # group first (GDPO), so rewards on different scales need no hand-tuned weights to count equally
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    # iterative RL: a learning reward (e.g. clip_refit) updates at each boundary on that iteration's samples
+    # plus earlier ones replayed as this fraction of the update set (DeepSeekMath replays 10%)
+    replay_fraction: float = 0.1
+    replay_capacity: int = 8192  # earlier samples (image tokens and prompts) kept for replay; a random subset
 
 
 # The flat reward keys of earlier versions, now options of their reward, and the LoRA-only adapter keys
@@ -207,6 +214,12 @@ def validate(cfg: Config) -> None:
         (t.minibatches_per_pass >= 1, "train.minibatches_per_pass must be >= 1"),
         (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
         (t.ref_sync_every >= 0, "train.ref_sync_every must be >= 0"),
+        (t.iterations >= 1, "train.iterations must be >= 1 (1 = no iterative RL)"),
+        (t.iterations < 1 or t.steps % t.iterations == 0,
+         f"train.steps ({t.steps}) must split into train.iterations ({t.iterations}) equal iterations: make "
+         f"train.steps a multiple of {t.iterations}, or pick iterations among "
+         f"{[k for k in range(1, min(t.steps, 64) + 1) if t.steps % k == 0]}"),
+        (cfg.reward.replay_capacity >= 0, "reward.replay_capacity must be >= 0 (0 = no replay)"),
         (t.kl_metric_sequences >= 0, "train.kl_metric_sequences must be >= 0 (0 = every sequence)"),
         (t.max_skipped_updates >= 0, "train.max_skipped_updates must be >= 0 (0 = never stop)"),
         (t.adapter_rank >= 1, "train.adapter_rank must be >= 1"),
@@ -267,6 +280,7 @@ def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
         ("train.delta", t.delta, ">= 0 (0 = off)", lambda v: v >= 0),
         ("train.top_entropy_quantile", t.top_entropy_quantile, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
         ("train.adapter_alpha", t.adapter_alpha, "> 0", lambda v: v > 0),
+        ("reward.replay_fraction", cfg.reward.replay_fraction, "in [0, 1) (0 = no replay)", lambda v: 0 <= v < 1),
     ]
     ranges += [(f"train.adam_betas[{i}]", b, "in [0, 1)", lambda v: 0 <= v < 1) for i, b in enumerate(t.adam_betas)]
     ranges += [(f"log.eval_temperatures[{i}]", x, "> 0", lambda v: v > 0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.checkpoint import find_checkpoint, load_checkpoint
+from grpo_vision.checkpoint import find_checkpoint, load_checkpoint, load_iterative_state
 from grpo_vision.config import Config, load_config
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.judge import Judge, judge_tables
@@ -32,6 +32,7 @@ class LoadedRun:
     policy: torch.nn.Module  # with the checkpoint's weights (peft-wrapped if the run trained an adapter)
     reference: Reference
     step: int
+    learned_rewards: dict | None = None  # iterative RL: what learning rewards had learned by this checkpoint
 
 
 def load_run(run_dir: str | Path, step: int | None = None, device: str | None = None) -> LoadedRun:
@@ -51,7 +52,8 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str | None = 
     state, ref_state = load_checkpoint(ckpt, policy)
     if ref_state is not None:
         reference.load_state_dict(policy, ref_state)
-    return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"])
+    learned = load_iterative_state(ckpt)
+    return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"], learned["rewards"] if learned else None)
 
 
 def run_eval_sets(run_dir: str | Path, cfg: Config) -> dict[str, list[PromptEntry]]:

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from grpo_vision.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from grpo_vision.config import Config, derived_sizes, format_sizes, load_config, save_config
+from grpo_vision.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, save_checkpoint
+from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
+from grpo_vision.iterative import ReplayBuffer, starts_iteration, update_rewards
 from grpo_vision.memory import report_memory
 from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
 from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_bundle, resolve_device
@@ -56,6 +57,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     prompts: PromptSets  # train, and the two eval sets
     start: int  # the first step to run (0, or the resumed checkpoint's step)
     counters: dict  # RunHealth's counters, checkpointed
+    buffer: ReplayBuffer | None  # iterative RL with a learning reward: the samples it updates on
 
 
 def set_up(cfg: Config, resume: str | Path | None) -> RunState:
@@ -88,6 +90,14 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults,
                                           [*prompts.train, *prompts.test, *prompts.heldout])
     rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
+    buffer = None
+    if t.iterations > 1 and rewards.learners:
+        needs = [n for n in rewards.learners if getattr(rewards.fns[n], "needs_judge", False)]
+        if needs and bundle.judge is None:
+            raise ConfigError(f"reward {needs[0]!r} learns from a judge's verdicts between iterations, and policy "
+                              f"kind {cfg.policy.kind!r} has no judge: train on another reward, or set "
+                              "train.iterations=1 (it then scores without learning)")
+        buffer = ReplayBuffer(cfg.reward.replay_capacity)
     start, counters = 0, {"skipped_updates": 0}
     if resume:
         ckpt = latest_checkpoint(run_dir)
@@ -96,11 +106,20 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
             if ref_state is not None:
                 reference.load_state_dict(policy, ref_state)
             start, counters = state["step"], state["counters"]
+            learned = load_iterative_state(ckpt)
+            if buffer is not None and learned is None and start:
+                raise CheckpointError(f"{ckpt} has no iterative.safetensors, which this run's learning rewards "
+                                      f"({', '.join(rewards.learners)}) need to resume exactly: resume with the "
+                                      "config that wrote it")
+            if learned is not None:
+                rewards.load_state_dict(learned["rewards"])
+                if buffer is not None:
+                    buffer.load_state_dict(learned["buffer"])
         if main:
             print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
                   "starting at step 0", flush=True)
     return RunState(acc, run_dir, params, bundle, policy, trainable, optimizer, scheduler, reference,
-                    rewards, prompts, start, counters)
+                    rewards, prompts, start, counters, buffer)
 
 
 def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
@@ -120,8 +139,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
 
     def checkpoint(step: int) -> None:
         if main:
+            learned = {"buffer": st.buffer.state_dict(), "rewards": rewards.state_dict()} if st.buffer is not None else None
             save_checkpoint(run_dir, step, policy, optimizer, scheduler, reference.state_dict(policy),
-                            {"counters": counters})
+                            {"counters": counters}, learned)
         acc.wait_for_everyone()
 
     low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
@@ -132,6 +152,13 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     try:
         for step in bar:
             t0 = time.perf_counter()
+            iteration = {}
+            if starts_iteration(step, t.steps, t.iterations):  # iterative RL: a new anchor, rewards that learn
+                if reference.mode != "none":
+                    reference.sync(policy)
+                if st.buffer is not None:
+                    iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge, cfg.reward.replay_fraction,
+                                               np.random.default_rng([cfg.run.seed, step, 3]), s.batch_size, acc.device)
             # ---------------------------------------------------------- SAMPLING
             # Every process draws the same global prompt list and keeps its own whole groups.
             rng = np.random.default_rng([cfg.run.seed, step])
@@ -173,6 +200,10 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             t_update = time.perf_counter() - t1
             if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
                 reference.sync(policy)
+            if st.buffer is not None and step < t.steps - t.steps // t.iterations:  # kept once the step is done
+                # (the last iteration's are never used)
+                global_entries = [train_prompts[i] for i in chosen for _ in range(s.group_size)]
+                st.buffer.add(acc.gather(rollout.tokens.to(acc.device)).cpu(), global_entries)
             # ---------------------------------------------------------- LOG / CHECKPOINT
             metrics = {f"reward/{k}/mean": nanmean(v) for k, v in raw.items()}
             metrics |= {f"reward/{k}/std": nanstd(v) for k, v in raw.items()}
@@ -184,7 +215,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                         "policy/entropy": acc.reduce(rollout.entropy.mean().to(acc.device), "mean").item(),
                         "perf/step_s": time.perf_counter() - t0, "perf/sample_s": t_sample, "perf/update_s": t_update,
                         "perf/sample_tokens_per_s": n * policy.num_image_tokens / t_sample,
-                        "lr": scheduler.get_last_lr()[0]}
+                        "lr": scheduler.get_last_lr()[0], **iteration}
+            if t.iterations > 1:
+                metrics["iteration"] = step // (t.steps // t.iterations) + 1
             if main:
                 logger.log(step + 1, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")

@@ -25,6 +25,11 @@ class CompositeReward:
     `monitor` rewards are computed and logged but carry no weight (train on one reward, watch the
     others for reward hacking). A sample whose prompt entry has its own `rewards` mapping uses those
     weights instead of the defaults: that is how per-entry routing works.
+
+    A reward that can learn (iterative RL, train.iterations) has three more attributes besides the
+    call: `update(images, prompts, metadata, labels) -> {metric: float}`, and `state_dict()` /
+    `load_state_dict(state)`, which checkpoints hold so that a resumed run scores as a straight one.
+    `labels` are the judge's verdicts on the images (judge.py), None where there is no judge.
     """
 
     def __init__(self, weights: dict[str, float], monitor: Sequence[str], ctx: RewardContext,
@@ -60,8 +65,44 @@ class CompositeReward:
         """Build the rewards `names` not built yet (those named by per-entry weights, too)."""
         for name in names:
             if name not in self.fns:
-                self.fns[name] = make_reward(name, self.ctx, self.options.get(name))
+                fn = make_reward(name, self.ctx, self.options.get(name))
+                if hasattr(fn, "update") and not (hasattr(fn, "state_dict") and hasattr(fn, "load_state_dict")):
+                    raise ConfigError(f"reward {name!r} can learn (it has update()) but has no state_dict() and "
+                                      "load_state_dict(): a checkpoint could not hold what it learned, and a "
+                                      "resumed run would score differently; give it both")
+                self.fns[name] = fn
                 self.names.append(name)
+
+    @property
+    def learners(self) -> list[str]:
+        """The rewards that can learn between iterations (those with an `update` method)."""
+        return [n for n in self.names if hasattr(self.fns[n], "update")]
+
+    def update(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
+               labels: Sequence[dict | None]) -> dict[str, float]:
+        """Update every reward that learns; their metrics as `reward_update/<name>/<metric>`. If one
+        fails, every reward is put back as it was before this call and a RewardError names it."""
+        out, before = {}, _copy(self.state_dict())
+        for name in self.learners:
+            try:
+                metrics = self.fns[name].update(images, prompts, metadata, labels) or {}
+            except Exception as e:
+                self.load_state_dict(before)
+                raise RewardError(name, f"its update failed: {type(e).__name__}: {e}") from e
+            out |= {f"reward_update/{name}/{k}": float(v) for k, v in metrics.items()}
+        return out
+
+    def state_dict(self) -> dict[str, dict]:
+        """What the learning rewards have learned, by name (empty when none learns)."""
+        return {n: self.fns[n].state_dict() for n in self.learners}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        unknown = sorted(set(state) - set(self.learners))
+        if unknown:
+            raise ValueError(f"saved reward state for {unknown}, which this run's rewards {self.learners} do not "
+                             "learn: was the checkpoint written with another reward config?")
+        for name, s in state.items():
+            self.fns[name].load_state_dict(s)
 
     def load(self) -> CompositeReward:
         """Build every model-backed reward's model now rather than at its first call, so a missing or
@@ -101,3 +142,14 @@ class CompositeReward:
         total = torch.where(applies, values * w, torch.zeros_like(values)).sum(1)  # [B]
         total = torch.where(applies.any(1), total, torch.full_like(total, math.nan))
         return RewardOutput(total, raw, {n: w[:, j] for j, n in enumerate(self.names)})
+
+
+def _copy(tree):
+    """A deep copy of a state tree whose tensors may share storage with live weights."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_copy(v) for v in tree)
+    return tree

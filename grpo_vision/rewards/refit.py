@@ -1,0 +1,151 @@
+"""`clip_refit`: a CLIP reward that learns between the iterations of iterative RL (train.iterations).
+
+It scores as `clip` does (the cosine of open_clip's image and caption embeddings) but owns its copy
+of the CLIP, and at each iteration boundary `update(images, prompts, metadata, labels)` re-fits it
+on the policy's own samples, as DeepSeekMath retrains its reward model (Shao et al. 2024, arXiv
+2402.03300, section 4.2). The labels are a judge's verdicts: for each prompt, the images the judge
+accepts must score above those it rejects, so a caption the judge says is wrong for an image is that
+image's hard negative (NegCLIP's idea, Yuksekgonul et al. 2023, with the judge's verdicts in place of
+hand-made caption edits). GRPO's advantages only compare images of one prompt, so the loss is a
+pairwise logistic loss on exactly those comparisons, at CLIP's own temperature.
+
+    reward.weights: {clip_refit: 1.0}
+    reward.options.clip_refit: {model: ..., checkpoint: ..., lr: 1.0e-5, epochs: 2}
+
+The model stays in eval mode while it learns (BatchNorm statistics of the ResNet towers frozen), and
+each update is deterministic in (seed, update count): a resumed run re-fits exactly as a straight one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from grpo_vision.clip import clip_scores, image_embeddings, load_clip
+from grpo_vision.config import ConfigError
+from grpo_vision.rewards.base import RewardContext, RewardFn, register_reward
+from grpo_vision.rewards.models import _clip_spec
+
+
+@dataclass
+class ClipRefitOptions:
+    model: str = ""  # open_clip architecture or JSON config path, as reward.options.clip.model
+    checkpoint: str = ""  # the starting weights, as reward.options.clip.checkpoint
+    lr: float = 1.0e-5  # AdamW learning rate of each re-fit (a fresh optimizer per boundary)
+    epochs: int = 2  # passes over the update set per boundary
+    batch_prompts: int = 8  # prompts per optimizer step, each with all of its images in the update set
+    seed: int = 0  # the order of prompts in each pass: seeded by (seed, update count)
+
+
+def pairwise_loss(scores: torch.Tensor, groups: torch.Tensor, correct: torch.Tensor,
+                  scale: float | torch.Tensor) -> tuple[torch.Tensor | None, float, int]:
+    """Mean softplus(scale * (s_wrong - s_right)) over the pairs of one group (one prompt) in which the
+    judge accepts the first image and rejects the second; (loss or None without pairs, the fraction of
+    pairs already ordered right, the number of pairs). scores, groups `[N]`; correct `[N]` bool."""
+    same = groups[:, None] == groups[None, :]  # [N, N]
+    pairs = same & correct[:, None] & ~correct[None, :]  # [i right, j wrong]
+    n = int(pairs.sum())
+    if n == 0:
+        return None, math.nan, 0
+    margin = (scores[None, :] - scores[:, None])[pairs]  # s_wrong - s_right, [n]
+    return F.softplus(scale * margin).mean(), (margin < 0).float().mean().item(), n
+
+
+def _judged(labels: Sequence[dict | None]) -> list[int]:
+    """Indices of samples the judge gave a verdict on."""
+    return [i for i, v in enumerate(labels) if v is not None and v.get("correct") is not None]
+
+
+@register_reward("clip_refit", options=ClipRefitOptions)
+def clip_refit_reward(ctx: RewardContext, opts: ClipRefitOptions) -> RewardFn:
+    """The `clip` cosine from a CLIP of its own, re-fitted on judged samples between iterations."""
+    keys = ("reward.options.clip_refit.model", "reward.options.clip_refit.checkpoint")
+    name, checkpoint = _clip_spec(opts.model, opts.checkpoint, keys, "clip_refit")
+    for key, ok in (("lr", 0 < opts.lr <= 1), ("epochs", opts.epochs >= 1), ("batch_prompts", opts.batch_prompts >= 1)):
+        if not ok:
+            raise ConfigError(f"reward.options.clip_refit.{key} must be {'in (0, 1]' if key == 'lr' else '>= 1'}, "
+                              f"got {getattr(opts, key)}")
+    device = str(ctx.device)
+    held: dict = {"updates": 0}  # the model (loaded at the first call) and how many re-fits it has had
+
+    def model_and_tokenizer():
+        if "model" not in held:  # not the cached CLIP of `clip` and `aesthetic`: this one changes
+            held["model"], _, held["tokenizer"] = load_clip(name, checkpoint, device=device)
+        return held["model"], held["tokenizer"]
+
+    @torch.no_grad()
+    def reward(images, prompts, metadata):
+        model, tokenizer = model_and_tokenizer()
+        return torch.cat([clip_scores(model, tokenizer, images[i:i + ctx.batch_size].to(device).float(),
+                                      list(prompts[i:i + ctx.batch_size])).float().cpu()
+                          for i in range(0, len(prompts), ctx.batch_size)])
+
+    @torch.no_grad()
+    def pair_accuracy(images, group_ids, correct, prompts) -> tuple[float, int]:
+        scores = reward(images, prompts, [])
+        _, acc, n = pairwise_loss(scores, group_ids, correct, 1.0)
+        return acc, n
+
+    def update(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
+               labels: Sequence[dict | None]) -> dict[str, float]:
+        keep = _judged(labels)
+        if not keep:
+            raise ValueError("no sample has a judge's verdict: clip_refit learns from a judge (the policy kind's "
+                             "Bundle.judge), and got none")
+        model, tokenizer = model_and_tokenizer()
+        images = images[keep]
+        prompts = [prompts[i] for i in keep]
+        correct = torch.tensor([bool(labels[i]["correct"]) for i in keep])
+        index = {p: k for k, p in enumerate(dict.fromkeys(prompts))}
+        group_ids = torch.tensor([index[p] for p in prompts])
+        # prompts with both kinds of image: the only ones that give pairs
+        mixed = [k for k in range(len(index)) if 0 < correct[group_ids == k].sum() < (group_ids == k).sum()]
+        before, pairs = pair_accuracy(images, group_ids, correct, prompts)
+        out = {"samples": float(len(keep)), "judged_right": correct.float().mean().item(),
+               "pairs": float(pairs), "pair_acc_before": before}
+        if not mixed:
+            held["updates"] += 1
+            return out | {"pair_acc_after": before, "loss": math.nan}
+        gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + held["updates"])
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr,
+                                      weight_decay=0.0)
+        losses = []
+        for _ in range(opts.epochs):
+            order = torch.tensor(mixed)[torch.randperm(len(mixed), generator=gen)]
+            for start in range(0, len(order), opts.batch_prompts):
+                rows = torch.isin(group_ids, order[start:start + opts.batch_prompts]).nonzero().flatten()
+                with torch.enable_grad():
+                    img = image_embeddings(model, images[rows].to(device).float())  # [b, D]
+                    txt = model.encode_text(tokenizer([prompts[i] for i in rows.tolist()]).to(device),
+                                            normalize=True)  # [b, D]
+                    loss, _, _ = pairwise_loss((img * txt).sum(-1), group_ids[rows].to(device),
+                                               correct[rows].to(device), model.logit_scale.exp().detach())
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+        held["updates"] += 1
+        after, _ = pair_accuracy(images, group_ids, correct, prompts)
+        return out | {"pair_acc_after": after, "loss": sum(losses) / len(losses)}
+
+    def state_dict() -> dict:
+        state = {"updates": held["updates"]}
+        if held["updates"]:  # before the first re-fit the weights are the checkpoint file's
+            state["weights"] = {k: v.detach().cpu() for k, v in model_and_tokenizer()[0].state_dict().items()}
+        return state
+
+    def load_state_dict(state: dict) -> None:
+        held["updates"] = int(state["updates"])
+        if "weights" in state:
+            model_and_tokenizer()[0].load_state_dict(state["weights"])
+
+    reward.load = model_and_tokenizer
+    reward.update = update
+    reward.state_dict = state_dict
+    reward.load_state_dict = load_state_dict
+    reward.needs_judge = True  # update() learns from the judge's verdicts
+    return reward
