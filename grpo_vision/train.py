@@ -1,4 +1,5 @@
-"""GRPO training: one loop, read top to bottom. SAMPLING -> REWARD -> ADVANTAGE -> UPDATE -> LOG.
+"""GRPO training: one loop, read top to bottom. SAMPLING -> REWARD -> ADVANTAGE -> UPDATE -> LOG, and
+with train.iterations > 1 an ITERATION boundary before some steps (iterative.py).
 
 All randomness of a step is derived from (run.seed, step): which prompts, each image's sampling seed
 and the update order. A resumed run therefore continues exactly: it only needs the weights, the
@@ -21,7 +22,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from grpo_vision.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, save_checkpoint
+from grpo_vision.checkpoint import (
+    CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, save_checkpoint,
+)
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
@@ -139,7 +142,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
 
     def checkpoint(step: int) -> None:
         if main:
-            learned = {"buffer": st.buffer.state_dict(), "rewards": rewards.state_dict()} if st.buffer is not None else None
+            learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": rewards.state_dict()}
             save_checkpoint(run_dir, step, policy, optimizer, scheduler, reference.state_dict(policy),
                             {"counters": counters}, learned)
         acc.wait_for_everyone()
@@ -152,13 +155,16 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     try:
         for step in bar:
             t0 = time.perf_counter()
+            # ---------------------------------------------------------- ITERATION (iterative RL only)
+            # Before the first step of each later iteration: a new anchor, and the rewards that learn update.
             iteration = {}
-            if starts_iteration(step, t.steps, t.iterations):  # iterative RL: a new anchor, rewards that learn
+            if starts_iteration(step, t.steps, t.iterations):
                 if reference.mode != "none":
                     reference.sync(policy)
                 if st.buffer is not None:
-                    iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge, cfg.reward.replay_fraction,
-                                               np.random.default_rng([cfg.run.seed, step, 3]), s.batch_size, acc.device)
+                    replay_rng = np.random.default_rng([cfg.run.seed, step, 3])
+                    iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge,
+                                               cfg.reward.replay_fraction, replay_rng, s.batch_size, acc.device)
             # ---------------------------------------------------------- SAMPLING
             # Every process draws the same global prompt list and keeps its own whole groups.
             rng = np.random.default_rng([cfg.run.seed, step])
@@ -200,8 +206,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             t_update = time.perf_counter() - t1
             if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
                 reference.sync(policy)
-            if st.buffer is not None and step < t.steps - t.steps // t.iterations:  # kept once the step is done
-                # (the last iteration's are never used)
+            # the step's samples join the buffer once it is done (the last iteration's would never be used)
+            if st.buffer is not None and step < t.steps - t.steps // t.iterations:
                 global_entries = [train_prompts[i] for i in chosen for _ in range(s.group_size)]
                 st.buffer.add(acc.gather(rollout.tokens.to(acc.device)).cpu(), global_entries)
             # ---------------------------------------------------------- LOG / CHECKPOINT

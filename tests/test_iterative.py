@@ -174,6 +174,8 @@ def test_clip_refit_learns_the_judges_order_deterministically_and_leaves_the_cli
     assert torch.equal(fresh(images, prompts, []), after)
     with pytest.raises(ValueError, match="no sample has a judge's verdict"):
         a.update(images, prompts, [{}] * len(prompts), [None] * len(prompts))
+    with pytest.raises(ConfigError, match=r"reward.options.clip_refit.epochs must be >= 1, got 0"):
+        make_reward("clip_refit", RewardContext(), {**options, "epochs": 0})
 
 
 # ---------------------------------------------------------------- the trainer

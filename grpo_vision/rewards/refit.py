@@ -60,6 +60,85 @@ def _judged(labels: Sequence[dict | None]) -> list[int]:
     return [i for i, v in enumerate(labels) if v is not None and v.get("correct") is not None]
 
 
+class ClipRefit:
+    """The reward `clip_refit` builds: callable as a reward, with the methods of one that learns."""
+
+    needs_judge = True  # update() learns from the judge's verdicts: a run without a judge is refused
+
+    def __init__(self, name: str, checkpoint: str, opts: ClipRefitOptions, ctx: RewardContext):
+        self.name, self.checkpoint, self.opts = name, checkpoint, opts
+        self.device, self.batch_size = str(ctx.device), ctx.batch_size
+        self.updates = 0  # re-fits so far: with opts.seed, what each re-fit's shuffling is seeded by
+        self.model = self.tokenizer = None
+
+    def load(self):
+        """Its own CLIP, loaded once: not the cached CLIP of `clip` and `aesthetic`, since this one changes."""
+        if self.model is None:
+            self.model, _, self.tokenizer = load_clip(self.name, self.checkpoint, device=self.device)
+        return self.model
+
+    @torch.no_grad()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
+        self.load()
+        return torch.cat([clip_scores(self.model, self.tokenizer, images[i:i + self.batch_size].to(self.device).float(),
+                                      list(prompts[i:i + self.batch_size])).float().cpu()
+                          for i in range(0, len(prompts), self.batch_size)])
+
+    def update(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
+               labels: Sequence[dict | None]) -> dict[str, float]:
+        """Re-fit on the judged samples: `opts.epochs` passes over the prompts with both accepted and
+        rejected images, `opts.batch_prompts` prompts an AdamW step; pair accuracy before and after."""
+        keep = _judged(labels)
+        if not keep:
+            raise ValueError("no sample has a judge's verdict: clip_refit learns from a judge (the policy kind's "
+                             "Bundle.judge), and got none")
+        images, prompts = images[keep], [prompts[i] for i in keep]
+        correct = torch.tensor([bool(labels[i]["correct"]) for i in keep])
+        index = {p: k for k, p in enumerate(dict.fromkeys(prompts))}
+        groups = torch.tensor([index[p] for p in prompts])
+        # prompts with both kinds of image: the only ones that give pairs
+        mixed = [k for k in range(len(index)) if 0 < correct[groups == k].sum() < (groups == k).sum()]
+        _, before, pairs = pairwise_loss(self(images, prompts, []), groups, correct, 1.0)
+        out = {"samples": float(len(keep)), "judged_right": correct.float().mean().item(), "pairs": float(pairs),
+               "pair_acc_before": before}
+        losses = self._fit(images, prompts, groups, correct, mixed) if mixed else []
+        self.updates += 1
+        after = pairwise_loss(self(images, prompts, []), groups, correct, 1.0)[1] if mixed else before
+        return out | {"pair_acc_after": after, "loss": sum(losses) / len(losses) if losses else math.nan}
+
+    def _fit(self, images, prompts, groups, correct, mixed: list[int]) -> list[float]:
+        model, opts = self.load(), self.opts
+        gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + self.updates)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr, weight_decay=0.0)
+        losses = []
+        for _ in range(opts.epochs):
+            order = torch.tensor(mixed)[torch.randperm(len(mixed), generator=gen)]
+            for start in range(0, len(order), opts.batch_prompts):
+                rows = torch.isin(groups, order[start:start + opts.batch_prompts]).nonzero().flatten()
+                with torch.enable_grad():
+                    img = image_embeddings(model, images[rows].to(self.device).float())  # [b, D]
+                    text = self.tokenizer([prompts[i] for i in rows.tolist()]).to(self.device)
+                    txt = model.encode_text(text, normalize=True)  # [b, D]
+                    loss, _, _ = pairwise_loss((img * txt).sum(-1), groups[rows].to(self.device),
+                                               correct[rows].to(self.device), model.logit_scale.exp().detach())
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+        return losses
+
+    def state_dict(self) -> dict:
+        state = {"updates": self.updates}
+        if self.updates:  # before the first re-fit the weights are the checkpoint file's
+            state["weights"] = {k: v.detach().cpu() for k, v in self.load().state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = int(state["updates"])
+        if "weights" in state:
+            self.load().load_state_dict(state["weights"])
+
+
 @register_reward("clip_refit", options=ClipRefitOptions)
 def clip_refit_reward(ctx: RewardContext, opts: ClipRefitOptions) -> RewardFn:
     """The `clip` cosine from a CLIP of its own, re-fitted on judged samples between iterations."""
@@ -69,83 +148,4 @@ def clip_refit_reward(ctx: RewardContext, opts: ClipRefitOptions) -> RewardFn:
         if not ok:
             raise ConfigError(f"reward.options.clip_refit.{key} must be {'in (0, 1]' if key == 'lr' else '>= 1'}, "
                               f"got {getattr(opts, key)}")
-    device = str(ctx.device)
-    held: dict = {"updates": 0}  # the model (loaded at the first call) and how many re-fits it has had
-
-    def model_and_tokenizer():
-        if "model" not in held:  # not the cached CLIP of `clip` and `aesthetic`: this one changes
-            held["model"], _, held["tokenizer"] = load_clip(name, checkpoint, device=device)
-        return held["model"], held["tokenizer"]
-
-    @torch.no_grad()
-    def reward(images, prompts, metadata):
-        model, tokenizer = model_and_tokenizer()
-        return torch.cat([clip_scores(model, tokenizer, images[i:i + ctx.batch_size].to(device).float(),
-                                      list(prompts[i:i + ctx.batch_size])).float().cpu()
-                          for i in range(0, len(prompts), ctx.batch_size)])
-
-    @torch.no_grad()
-    def pair_accuracy(images, group_ids, correct, prompts) -> tuple[float, int]:
-        scores = reward(images, prompts, [])
-        _, acc, n = pairwise_loss(scores, group_ids, correct, 1.0)
-        return acc, n
-
-    def update(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
-               labels: Sequence[dict | None]) -> dict[str, float]:
-        keep = _judged(labels)
-        if not keep:
-            raise ValueError("no sample has a judge's verdict: clip_refit learns from a judge (the policy kind's "
-                             "Bundle.judge), and got none")
-        model, tokenizer = model_and_tokenizer()
-        images = images[keep]
-        prompts = [prompts[i] for i in keep]
-        correct = torch.tensor([bool(labels[i]["correct"]) for i in keep])
-        index = {p: k for k, p in enumerate(dict.fromkeys(prompts))}
-        group_ids = torch.tensor([index[p] for p in prompts])
-        # prompts with both kinds of image: the only ones that give pairs
-        mixed = [k for k in range(len(index)) if 0 < correct[group_ids == k].sum() < (group_ids == k).sum()]
-        before, pairs = pair_accuracy(images, group_ids, correct, prompts)
-        out = {"samples": float(len(keep)), "judged_right": correct.float().mean().item(),
-               "pairs": float(pairs), "pair_acc_before": before}
-        if not mixed:
-            held["updates"] += 1
-            return out | {"pair_acc_after": before, "loss": math.nan}
-        gen = torch.Generator().manual_seed(opts.seed * 1_000_003 + held["updates"])
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=opts.lr,
-                                      weight_decay=0.0)
-        losses = []
-        for _ in range(opts.epochs):
-            order = torch.tensor(mixed)[torch.randperm(len(mixed), generator=gen)]
-            for start in range(0, len(order), opts.batch_prompts):
-                rows = torch.isin(group_ids, order[start:start + opts.batch_prompts]).nonzero().flatten()
-                with torch.enable_grad():
-                    img = image_embeddings(model, images[rows].to(device).float())  # [b, D]
-                    txt = model.encode_text(tokenizer([prompts[i] for i in rows.tolist()]).to(device),
-                                            normalize=True)  # [b, D]
-                    loss, _, _ = pairwise_loss((img * txt).sum(-1), group_ids[rows].to(device),
-                                               correct[rows].to(device), model.logit_scale.exp().detach())
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
-        held["updates"] += 1
-        after, _ = pair_accuracy(images, group_ids, correct, prompts)
-        return out | {"pair_acc_after": after, "loss": sum(losses) / len(losses)}
-
-    def state_dict() -> dict:
-        state = {"updates": held["updates"]}
-        if held["updates"]:  # before the first re-fit the weights are the checkpoint file's
-            state["weights"] = {k: v.detach().cpu() for k, v in model_and_tokenizer()[0].state_dict().items()}
-        return state
-
-    def load_state_dict(state: dict) -> None:
-        held["updates"] = int(state["updates"])
-        if "weights" in state:
-            model_and_tokenizer()[0].load_state_dict(state["weights"])
-
-    reward.load = model_and_tokenizer
-    reward.update = update
-    reward.state_dict = state_dict
-    reward.load_state_dict = load_state_dict
-    reward.needs_judge = True  # update() learns from the judge's verdicts
-    return reward
+    return ClipRefit(name, checkpoint, opts, ctx)
