@@ -42,6 +42,7 @@ class ReplayBuffer:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
+        self.iteration = 0  # boundaries passed: a checkpoint taken after a boundary must not run it again
         self.tokens: list[torch.Tensor] = []  # this iteration's, one [n, N] tensor per step
         self.entries: list[PromptEntry] = []  # their prompt entries, one per row
         self.past_tokens = torch.zeros(0, 0, dtype=torch.long)  # [M, N] earlier iterations'
@@ -77,15 +78,17 @@ class ReplayBuffer:
             past_tokens, past_entries = past_tokens[torch.from_numpy(keep)], [past_entries[i] for i in keep]
         self.past_tokens, self.past_entries = past_tokens, past_entries
         self.tokens, self.entries = [], []
+        self.iteration += 1
 
     def _fresh(self) -> torch.Tensor:
         return torch.cat(self.tokens) if self.tokens else torch.zeros(0, 0, dtype=torch.long)
 
     def state_dict(self) -> dict:
-        return {"capacity": self.capacity, "tokens": self._fresh(), "entries": [_entry(e) for e in self.entries],
+        return {"iteration": self.iteration, "tokens": self._fresh(), "entries": [_entry(e) for e in self.entries],
                 "past_tokens": self.past_tokens, "past_entries": [_entry(e) for e in self.past_entries]}
 
     def load_state_dict(self, state: dict) -> None:
+        self.iteration = int(state["iteration"])
         self.tokens = [state["tokens"]] if len(state["entries"]) else []
         self.entries = [PromptEntry(**e) for e in state["entries"]]
         self.past_tokens, self.past_entries = state["past_tokens"], [PromptEntry(**e) for e in state["past_entries"]]

@@ -15,6 +15,7 @@ import math
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,9 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
                               f"kind {cfg.policy.kind!r} has no judge: train on another reward, or set "
                               "train.iterations=1 (it then scores without learning)")
         buffer = ReplayBuffer(cfg.reward.replay_capacity)
+    elif t.iterations > 1 and reference.mode == "none":
+        warnings.warn(f"train.iterations={t.iterations} does nothing here: there is no reference to reset "
+                      "(train.reference: none) and no reward that learns", stacklevel=2)
     start, counters = 0, {"skipped_updates": 0}
     if resume:
         ckpt = latest_checkpoint(run_dir)
@@ -161,7 +165,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             if starts_iteration(step, t.steps, t.iterations):
                 if reference.mode != "none":
                     reference.sync(policy)
-                if st.buffer is not None:
+                # not again after a checkpoint saved past it (a reward that failed later in the step)
+                if st.buffer is not None and st.buffer.iteration < step // (t.steps // t.iterations):
                     replay_rng = np.random.default_rng([cfg.run.seed, step, 3])
                     iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge,
                                                cfg.reward.replay_fraction, replay_rng, s.batch_size, acc.device)

@@ -109,9 +109,23 @@ class Learner:
         self.updates = int(state["updates"])
 
 
+class Brittle(Learner):
+    """python:tests.test_iterative:brittle, a reward whose scoring fails once it has learned, on request."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail_call = True
+
+    def __call__(self, images, prompts, metadata):
+        if self.updates and self.fail_call:
+            raise RuntimeError("scored after learning")
+        return super().__call__(images, prompts, metadata)
+
+
 learner = Learner()
 failing = Learner()
 failing.fail = True
+brittle = Brittle()
 
 
 def no_state(images, prompts, metadata):
@@ -238,6 +252,24 @@ def test_a_failing_reward_update_stops_the_run_with_a_checkpoint_that_resumes_in
     learned = load_iterative_state(run / "checkpoints" / "step_000002")
     assert len(learned["buffer"]["entries"]) == 16  # the iteration's samples, still there for the retry
     assert int(learned["rewards"]["python:tests.test_iterative:failing"]["updates"]) == 0  # put back
+
+
+def test_a_reward_failing_after_the_boundary_resumes_without_updating_twice(micro_world, tmp_path):
+    import importlib
+
+    name = "python:tests.test_iterative:brittle"
+    cfg = micro_cfg(micro_world, tmp_path, "train.steps=4", "train.iterations=2", "reward.weights={placebo: 1.0}",
+                    f"reward.monitor=[{name}]")
+    with pytest.raises(RewardError, match="scored after learning"):  # step 3: the boundary ran, then scoring failed
+        train(cfg, progress=False)
+    run = tmp_path / "shapes_micro"
+    saved = load_iterative_state(run / "checkpoints" / "step_000002")
+    assert int(saved["rewards"][name]["updates"]) == 1 and int(saved["buffer"]["iteration"]) == 1
+    importlib.import_module("tests.test_iterative").brittle.fail_call = False  # the instance the run imported
+    train(load_config(run / "config.yaml"), resume=run, progress=False)
+    final = load_iterative_state(run / "checkpoints" / "step_000004")
+    assert int(final["rewards"][name]["updates"]) == 1  # the boundary was not run a second time
+    assert [m["step"] for m in metrics_of(run)] == [1, 2, 3, 4]
 
 
 def test_iterative_rl_smoke_trains_two_steps_through_the_cli(micro_world, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -152,4 +153,4 @@ def _copy(tree):
         return {k: _copy(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         return type(tree)(_copy(v) for v in tree)
-    return tree
+    return copy.deepcopy(tree)  # numbers, strings, arrays: a learner may change them in place

@@ -137,6 +137,8 @@ class ClipRefit:
         self.updates = int(state["updates"])
         if "weights" in state:
             self.load().load_state_dict(state["weights"])
+        else:  # not re-fitted yet: the checkpoint file's weights, whatever a failed re-fit left in memory
+            self.model = None
 
 
 @register_reward("clip_refit", options=ClipRefitOptions)
