@@ -19,10 +19,17 @@ The optimizer, the LR schedule and the step count run on across boundaries.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 import torch
 
 from grpo_vision.prompts import PromptEntry
+
+
+def iteration_of(step: int, steps: int, iterations: int) -> int:
+    """The 0-based iteration that 0-based `step` belongs to (config checks that iterations divide steps)."""
+    return step // (steps // iterations)
 
 
 def starts_iteration(step: int, steps: int, iterations: int) -> bool:
@@ -84,18 +91,14 @@ class ReplayBuffer:
         return torch.cat(self.tokens) if self.tokens else torch.zeros(0, 0, dtype=torch.long)
 
     def state_dict(self) -> dict:
-        return {"iteration": self.iteration, "tokens": self._fresh(), "entries": [_entry(e) for e in self.entries],
-                "past_tokens": self.past_tokens, "past_entries": [_entry(e) for e in self.past_entries]}
+        return {"iteration": self.iteration, "tokens": self._fresh(), "entries": [asdict(e) for e in self.entries],
+                "past_tokens": self.past_tokens, "past_entries": [asdict(e) for e in self.past_entries]}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
         self.tokens = [state["tokens"]] if len(state["entries"]) else []
         self.entries = [PromptEntry(**e) for e in state["entries"]]
         self.past_tokens, self.past_entries = state["past_tokens"], [PromptEntry(**e) for e in state["past_entries"]]
-
-
-def _entry(e: PromptEntry) -> dict:
-    return {"prompt": e.prompt, "metadata": e.metadata, "rewards": e.rewards, "line": e.line}
 
 
 @torch.no_grad()

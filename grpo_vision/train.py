@@ -29,7 +29,7 @@ from grpo_vision.checkpoint import (
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
-from grpo_vision.iterative import ReplayBuffer, starts_iteration, update_rewards
+from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
 from grpo_vision.memory import report_memory
 from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
 from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_bundle, resolve_device
@@ -161,12 +161,12 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             t0 = time.perf_counter()
             # ---------------------------------------------------------- ITERATION (iterative RL only)
             # Before the first step of each later iteration: a new anchor, and the rewards that learn update.
-            iteration = {}
+            iteration, index = {}, iteration_of(step, t.steps, t.iterations)
             if starts_iteration(step, t.steps, t.iterations):
                 if reference.mode != "none":
                     reference.sync(policy)
                 # not again after a checkpoint saved past it (a reward that failed later in the step)
-                if st.buffer is not None and st.buffer.iteration < step // (t.steps // t.iterations):
+                if st.buffer is not None and st.buffer.iteration < index:
                     replay_rng = np.random.default_rng([cfg.run.seed, step, 3])
                     iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge,
                                                cfg.reward.replay_fraction, replay_rng, s.batch_size, acc.device)
@@ -212,7 +212,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
                 reference.sync(policy)
             # the step's samples join the buffer once it is done (the last iteration's would never be used)
-            if st.buffer is not None and step < t.steps - t.steps // t.iterations:
+            if st.buffer is not None and index < t.iterations - 1:
                 global_entries = [train_prompts[i] for i in chosen for _ in range(s.group_size)]
                 st.buffer.add(acc.gather(rollout.tokens.to(acc.device)).cpu(), global_entries)
             # ---------------------------------------------------------- LOG / CHECKPOINT
@@ -228,7 +228,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                         "perf/sample_tokens_per_s": n * policy.num_image_tokens / t_sample,
                         "lr": scheduler.get_last_lr()[0], **iteration}
             if t.iterations > 1:
-                metrics["iteration"] = step // (t.steps // t.iterations) + 1
+                metrics["iteration"] = index + 1
             if main:
                 logger.log(step + 1, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from grpo_vision.clip import clip_scores, image_embeddings, load_clip
 from grpo_vision.config import ConfigError
-from grpo_vision.rewards.base import RewardContext, RewardFn, register_reward
+from grpo_vision.rewards.base import RewardContext, RewardFn, batched, register_reward
 from grpo_vision.rewards.models import _clip_spec
 
 
@@ -67,9 +67,10 @@ class ClipRefit:
 
     def __init__(self, name: str, checkpoint: str, opts: ClipRefitOptions, ctx: RewardContext):
         self.name, self.checkpoint, self.opts = name, checkpoint, opts
-        self.device, self.batch_size = str(ctx.device), ctx.batch_size
+        self.device = str(ctx.device)
         self.updates = 0  # re-fits so far: with opts.seed, what each re-fit's shuffling is seeded by
         self.model = self.tokenizer = None
+        self._score = batched(self._scores, ctx.batch_size, ctx.device)  # chunks on the device, CPU results
 
     def load(self):
         """Its own CLIP, loaded once: not the cached CLIP of `clip` and `aesthetic`, since this one changes."""
@@ -77,12 +78,13 @@ class ClipRefit:
             self.model, _, self.tokenizer = load_clip(self.name, self.checkpoint, device=self.device)
         return self.model
 
+    def _scores(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        self.load()
+        return clip_scores(self.model, self.tokenizer, images.float(), prompts)
+
     @torch.no_grad()
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
-        self.load()
-        return torch.cat([clip_scores(self.model, self.tokenizer, images[i:i + self.batch_size].to(self.device).float(),
-                                      list(prompts[i:i + self.batch_size])).float().cpu()
-                          for i in range(0, len(prompts), self.batch_size)])
+        return self._score(images, prompts, metadata)
 
     def update(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
                labels: Sequence[dict | None]) -> dict[str, float]:
