@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from grpo_vision.hf_llama import to_hf_llama
 from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
 from grpo_vision.sampling import SamplingParams, sample
 
@@ -35,7 +36,7 @@ def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repea
     policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval()
     policy = policy.to(getattr(torch, dtype))  # both implementations run on the same weights
     c, N = policy.cfg, policy.num_image_tokens
-    hf = policy.to_hf_llama()
+    hf = to_hf_llama(policy)
     cond = policy.encode_prompts(["a small red circle left of a blue square"] * batch)  # [B, L]
     null = policy.null_condition(cond[:1])  # [1, L]
     seeds = list(range(batch))

@@ -41,7 +41,10 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, reference_state: dict | None,
-                    state: dict, iterative: dict | None = None) -> Path:
+                    state: dict, iterative: dict | None = None, weights: dict | None = None,
+                    optimizer_state: dict | None = None) -> Path:
+    """`weights` and `optimizer_state`, when given, are written instead of reading `policy` and
+    `optimizer` (under FSDP every process gathers them whole first: distributed.py)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
@@ -49,10 +52,11 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        save_file(trainable_state(policy), tmp / "policy.safetensors")
+        save_file(trainable_state(policy) if weights is None else weights, tmp / "policy.safetensors")
         if reference_state is not None:
             save_file({k: v.contiguous().cpu() for k, v in reference_state.items()}, tmp / "reference.safetensors")
-        save_state({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+        save_state({"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                    "scheduler": scheduler.state_dict()},
                    tmp / "optimizer.safetensors")
         save_state({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
                    tmp / "rng.safetensors")
@@ -145,20 +149,26 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
         for name, value in weights.items():
             own[name].copy_(value)
     if optimizer is not None:
-        # written before the pickle-free format
-        legacy = (path / "optimizer.pt").exists() and not (path / "optimizer.safetensors").exists()
-        opt = (_read(path / "optimizer.pt", load_pickled_tensors) if legacy
-               else _read(path / "optimizer.safetensors", load_state))
-        optimizer.load_state_dict(opt["optimizer"])
-        scheduler.load_state_dict(opt["scheduler"])
-        rng = (_read(path / "rng.pt", lambda f: load_pickled_tensors(f, numpy_arrays=True)) if legacy
-               else _read(path / "rng.safetensors", load_state))
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
-        random.setstate(rng["python"])
+        load_training_state(path, optimizer, scheduler)
     ref = path / "reference.safetensors"
     state = _read(path / "trainer_state.json", lambda f: json.loads(f.read_text()))
     return state, (_read(ref, load_file) if ref.is_file() else None)
+
+
+def load_training_state(path: Path, optimizer, scheduler, load_optimizer=None) -> None:
+    """The optimizer, scheduler and RNG states of a checkpoint; `load_optimizer(state)` replaces
+    `optimizer.load_state_dict` (FSDP loads a full state into shards: distributed.py)."""
+    path = Path(path)
+    legacy = (path / "optimizer.pt").exists() and not (path / "optimizer.safetensors").exists()  # pre-safetensors
+    opt = (_read(path / "optimizer.pt", load_pickled_tensors) if legacy
+           else _read(path / "optimizer.safetensors", load_state))
+    (load_optimizer or optimizer.load_state_dict)(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    rng = (_read(path / "rng.pt", lambda f: load_pickled_tensors(f, numpy_arrays=True)) if legacy
+           else _read(path / "rng.safetensors", load_state))
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
 
 
 def load_iterative_state(path: Path) -> dict | None:

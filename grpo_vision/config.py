@@ -67,6 +67,9 @@ class TrainConfig:
     minibatches_per_pass: int = 1  # optimizer updates per pass; each averages its micro-batches
     micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation unit)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast dtype for forward passes
+    # recompute each transformer block's activations in the backward pass instead of keeping them:
+    # activation memory falls from one copy per block to one block's, for about one more forward pass
+    gradient_checkpointing: bool = False
     beta: float = 0.0  # weight of the k3 KL penalty against the reference policy
     epsilon_low: float = 0.2  # ratio clip below: 1 - epsilon_low
     epsilon_high: float = 0.28  # ratio clip above: 1 + epsilon_high (DAPO "clip higher")

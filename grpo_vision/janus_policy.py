@@ -128,6 +128,9 @@ class JanusImagePolicy(nn.Module):
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.image_logits(cond, tokens)
 
+    def gradient_checkpointing_enable(self) -> None:
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<begin_of_image>) .. L+N-2 predict image tokens 0 .. N-1; the last is never input.
         ids, mask = self._ids_and_mask(cond)  # [B, L] each

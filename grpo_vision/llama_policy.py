@@ -7,7 +7,7 @@ One vocabulary holds special tokens, caption words and the VQ codebook, in that 
 A sequence is a left-padded caption, the image-start token `<boi>`, then the image's N codes in
 raster order (LlamaGen-style, arXiv 2406.06525, with 1D RoPE and a plain token vocabulary so that
 the weights map one-to-one onto transformers' `LlamaForCausalLM`: module names match, see
-`to_hf_llama`). Image-token logits use only the codebook rows of `lm_head`, which both restricts
+`hf_llama.py`). Image-token logits use only the codebook rows of `lm_head`, which both restricts
 sampling to the codebook and skips the word rows. Classifier-free guidance uses `<null>` in place of
 the caption; training drops captions to it at random (ShapesWorld's base-policy training).
 """
@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.checkpoint import CheckpointError
 
@@ -181,6 +182,7 @@ class LlamaImagePolicy(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.word_ids = {w: i + len(SPECIALS) for i, w in enumerate(cfg.words)}
         self._rope: dict = {}  # (device, dtype) -> cos/sin tables computed in float32
+        self.gradient_checkpointing = False  # train.gradient_checkpointing (transformers' name for it)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -269,6 +271,9 @@ class LlamaImagePolicy(nn.Module):
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.image_logits(cond, tokens)
 
+    def gradient_checkpointing_enable(self) -> None:
+        self.gradient_checkpointing = True
+
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<boi>) .. L+N-2 predict image tokens 0 .. N-1; the last token is never input.
         ids = torch.cat([cond, tokens[:, :-1] + self.cfg.image_offset], dim=1)  # [B, L+N-1]
@@ -280,8 +285,9 @@ class LlamaImagePolicy(nn.Module):
         start = cache.pos if cache is not None else 0
         T = x.shape[1]
         cos, sin = (t[start:start + T] for t in self._rope_tables(x))  # [T, hd] each
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, i)
+        remat = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.model.layers):  # non-reentrant recompute: works under DDP / FSDP hooks
+            x = checkpoint(layer, x, cos, sin, cache, i, use_reentrant=False) if remat else layer(x, cos, sin, cache, i)
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
@@ -317,33 +323,11 @@ class LlamaImagePolicy(nn.Module):
             raw = json.loads((directory / "policy_config.json").read_text())
             raw["image_grid"] = tuple(raw["image_grid"])
             policy = cls(LlamaPolicyConfig(**raw))
-            state = load_file(directory / "policy.safetensors", device=str(device))
+            device = torch.device(device)  # safetensors reads "cpu", not the "cpu:0" of a process under accelerate
+            state = load_file(directory / "policy.safetensors", device="cpu" if device.type == "cpu" else str(device))
         except Exception as e:  # JSON, a config field or safetensors: each raises its own kind
             raise CheckpointError(f"policy checkpoint {directory} is unreadable ({type(e).__name__}: {e}); "
                                   "rewrite it with save_pretrained (or rebuild the world)") from None
         policy.to(device=device, dtype=next(iter(state.values())).dtype)
         policy.load_state_dict(state)
-        return policy
-
-    def to_hf_llama(self):
-        """The same weights as a transformers `LlamaForCausalLM` (full vocabulary head)."""
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        c = self.cfg
-        hf_cfg = LlamaConfig(
-            vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
-            num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-            max_position_embeddings=c.cond_len + c.num_image_tokens, rms_norm_eps=c.norm_eps,
-            rope_theta=c.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-            hidden_act="silu", bos_token_id=BOS, pad_token_id=PAD, eos_token_id=None,
-        )
-        hf = LlamaForCausalLM(hf_cfg).to(self.lm_head.weight.dtype)
-        hf.load_state_dict(self.state_dict(), strict=True)
-        return hf.eval()
-
-    @classmethod
-    def from_hf_llama(cls, hf_model, cfg: LlamaPolicyConfig) -> "LlamaImagePolicy":
-        policy = cls(cfg).to(next(hf_model.parameters()).dtype)
-        state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
-        policy.load_state_dict(state, strict=True)
         return policy

@@ -50,6 +50,10 @@ class ImagePolicy(Protocol):
         """Teacher-forced logits `[B, N, K]` for image tokens `[B, N]`, one forward pass, with grad."""
         ...
 
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """`image_logits`: training calls the module itself, so that DDP's and FSDP's hooks run."""
+        ...
+
 
 def unknown_words(policy, prompt: str) -> list[str]:
     """The words of `prompt` that `policy` cannot read; none for a policy that reads any text."""

@@ -115,10 +115,10 @@ class Reference:
         return self._base, nullcontext()
 
     @torch.no_grad()
-    def sync(self, policy) -> None:
-        """Make the reference equal to the current policy."""
+    def sync(self, policy, weights: dict | None = None) -> None:
+        """Make the reference equal to the current policy (whose whole `weights` a sharded run passes)."""
         if self.mode == "frozen":
-            self.model.load_state_dict(policy.state_dict())
+            self.model.load_state_dict(policy.state_dict() if weights is None else weights)
         elif self.mode == "adapter":
             for module, name in adapter_layers(policy):  # fold each adapter into its base weight, then zero it
                 module.base_layer.weight += module.get_delta_weight(name)

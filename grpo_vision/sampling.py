@@ -182,10 +182,11 @@ def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Ten
     Equal to `sample(...).logprobs` for the same policy weights (a test checks ratio == 1).
     """
     B = cond.shape[0]
+    # the policy is called (its forward is image_logits), so that a DDP or FSDP wrapper's hooks run
     if params.guided and params.logprob_mode == "guided":
-        rows = torch.cat([cond, policy.null_condition(cond)])  # [2B, L]
-        logits = policy.image_logits(rows, tokens.repeat(2, 1))  # [2B, N, K]
+        null = getattr(policy, "module", policy).null_condition(cond)  # a DDP wrapper keeps the policy in .module
+        logits = policy(torch.cat([cond, null]), tokens.repeat(2, 1))  # [2B, N, K]
         c, un = logits[:B], logits[B:]
     else:  # conditional mode needs the conditional branch only
-        c, un = policy.image_logits(cond, tokens), None  # [B, N, K]
+        c, un = policy(cond, tokens), None  # [B, N, K]
     return token_logprobs(c, un, tokens, params)  # [B, N]

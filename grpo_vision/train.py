@@ -6,7 +6,8 @@ and the update order. A resumed run therefore continues exactly: it only needs t
 optimizer and scheduler state and the step, which every checkpoint holds.
 
 Processes (accelerate) each take whole groups; rewards are gathered so that every process computes
-the same advantages as a one-process run, and gradients are averaged before each optimizer update.
+the same advantages as a one-process run. The policy and its optimizer are prepared by accelerate:
+DDP averages gradients before each optimizer update, or FSDP shards them (distributed.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import torch
 from tqdm import tqdm
 
 from grpo_vision.checkpoint import (
-    CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, save_checkpoint,
+    CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, load_training_state, save_checkpoint,
 )
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
+from grpo_vision.distributed import (
+    full_state_dict, full_weights, is_fsdp, load_optimizer_state, optimizer_state, prepare, trainable_weights,
+)
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
 from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
@@ -53,6 +57,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     params: SamplingParams  # the rollout's sampling settings
     bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
     policy: torch.nn.Module  # the bundle's policy, peft-wrapped when train.adapter is set
+    model: torch.nn.Module  # the policy as accelerate prepared it (DDP / FSDP): the update's forward passes
     trainable: list[torch.Tensor]  # parameters the optimizer updates
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -81,6 +86,11 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     params = SamplingParams.from_config(cfg.sample)
     bundle = load_bundle(cfg.policy, acc.device)
     policy = bundle.policy
+    if t.gradient_checkpointing:
+        if not hasattr(policy, "gradient_checkpointing_enable"):
+            raise ConfigError(f"policy kind {cfg.policy.kind!r} cannot recompute activations: set "
+                              "train.gradient_checkpointing=false")
+        policy.gradient_checkpointing_enable()
     if t.adapter != "none":
         policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
     reference = Reference(policy, t.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
@@ -89,7 +99,6 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"], params.guided, acc.device,
                   main)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
     prompts = checked_prompt_sets(cfg, bundle)
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults,
                                           [*prompts.train, *prompts.test, *prompts.heldout])
@@ -105,11 +114,16 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     elif t.iterations > 1 and reference.mode == "none":
         warnings.warn(f"train.iterations={t.iterations} does nothing here: there is no reference to reset "
                       "(train.reference: none) and no reward that learns", stacklevel=2)
-    start, counters = 0, {"skipped_updates": 0}
+    start, counters, ckpt = 0, {"skipped_updates": 0}, latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:  # weights before accelerate shards them (FSDP); the optimizer's state after
+        state, ref_state = load_checkpoint(ckpt, policy)
+    model, optimizer = prepare(acc, policy, optimizer, t.adapter)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
     if resume:
-        ckpt = latest_checkpoint(run_dir)
         if ckpt is not None:
-            state, ref_state = load_checkpoint(ckpt, policy, optimizer, scheduler)
+            load_training_state(ckpt, optimizer, scheduler,
+                                lambda opt_state: load_optimizer_state(model, optimizer, opt_state, acc))
             if ref_state is not None:
                 reference.load_state_dict(policy, ref_state)
             start, counters = state["step"], state["counters"]
@@ -125,7 +139,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
         if main:
             print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
                   "starting at step 0", flush=True)
-    return RunState(acc, run_dir, params, bundle, policy, trainable, optimizer, scheduler, reference,
+    return RunState(acc, run_dir, params, bundle, policy, model, trainable, optimizer, scheduler, reference,
                     rewards, prompts, start, counters, buffer)
 
 
@@ -145,11 +159,15 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
 
     def checkpoint(step: int) -> None:
+        weights, opt_state = trainable_weights(st.model, acc), optimizer_state(st.model, optimizer, acc)  # all processes
         if main:
             learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": rewards.state_dict()}
             save_checkpoint(run_dir, step, policy, optimizer, scheduler, reference.state_dict(policy),
-                            {"counters": counters}, learned)
+                            {"counters": counters}, learned, weights=weights, optimizer_state=opt_state)
         acc.wait_for_everyone()
+
+    def sync_reference() -> None:  # a frozen copy takes every weight whole, gathered from FSDP's shards
+        reference.sync(policy, full_state_dict(st.model, acc) if reference.mode == "frozen" else None)
 
     low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
     health = RunHealth(counters, t.max_skipped_updates, loud=main,
@@ -164,7 +182,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             iteration, index = {}, iteration_of(step, t.steps, t.iterations)
             if starts_iteration(step, t.steps, t.iterations):
                 if reference.mode != "none":
-                    reference.sync(policy)
+                    sync_reference()
                 # not again after a checkpoint saved past it (a reward that failed later in the step)
                 if st.buffer is not None and st.buffer.iteration < index:
                     replay_rng = np.random.default_rng([cfg.run.seed, step, 3])
@@ -182,12 +200,15 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             seeds = [step_seed(cfg.run.seed, step, first + j) for j in range(len(prompts))]
             policy.eval()
             cond = policy.encode_prompts(prompts)  # [n, L]
-            rollout = sample_batched(policy, cond, seeds, params, s.batch_size)
+            with full_weights(st.model):
+                rollout = sample_batched(policy, cond, seeds, params, s.batch_size)
+            t_sample = time.perf_counter() - t0
             with torch.no_grad():
                 images = torch.cat([tokenizer.decode(rollout.tokens[i:i + s.batch_size])
                                     for i in range(0, len(prompts), s.batch_size)])  # [n, 3, H, W]
-            t_sample = time.perf_counter() - t0
+            t_decode = time.perf_counter() - t0 - t_sample
             # ---------------------------------------------------------- REWARD
+            t1 = time.perf_counter()
             out = rewards(images, prompts, [e.metadata for e in entries], [e.rewards for e in entries])
             total = acc.gather(out.total.to(acc.device)).cpu()  # [B*G] global, in group order
             raw = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.raw.items()}
@@ -195,7 +216,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             if cfg.reward.combine == "normalize_then_sum":
                 total = normalize_then_sum(torch.stack([raw[k] for k in rewards.names], 1),
                                            torch.stack([weights[k] for k in rewards.names], 1), s.group_size)
+            t_reward = time.perf_counter() - t1
             # ---------------------------------------------------------- ADVANTAGE
+            t1 = time.perf_counter()
             adv_all = group_advantages(total, s.group_size, t.adv_scale)  # [B*G], identical on every process
             n = len(prompts)
             adv = adv_all[first:first + n].to(acc.device)
@@ -203,14 +226,15 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
                 ref = reference_logprobs(policy, reference, cond, rollout.tokens, params, t)
             batch = StepBatch(cond, rollout.tokens, rollout.logprobs, old, ref, adv, rollout.entropy)
+            t_logprobs = time.perf_counter() - t1
             # ---------------------------------------------------------- UPDATE
             policy.train()
             t1 = time.perf_counter()
-            losses = update(policy, st.trainable, optimizer, scheduler, batch, params, cfg, acc, step, health,
+            losses = update(st.model, st.trainable, optimizer, scheduler, batch, params, cfg, acc, step, health,
                             lambda salt: step_seed(cfg.run.seed, step, salt))
             t_update = time.perf_counter() - t1
             if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
-                reference.sync(policy)
+                sync_reference()
             # the step's samples join the buffer once it is done (the last iteration's would never be used)
             if st.buffer is not None and index < t.iterations - 1:
                 global_entries = [train_prompts[i] for i in chosen for _ in range(s.group_size)]
@@ -224,7 +248,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                         "adv/frac_zero_std": spread, **losses,
                         **health.after_rewards(step, total, raw, weights, spread),
                         "policy/entropy": acc.reduce(rollout.entropy.mean().to(acc.device), "mean").item(),
-                        "perf/step_s": time.perf_counter() - t0, "perf/sample_s": t_sample, "perf/update_s": t_update,
+                        "perf/step_s": time.perf_counter() - t0, "perf/sample_s": t_sample, "perf/decode_s": t_decode,
+                        "perf/reward_s": t_reward, "perf/logprobs_s": t_logprobs, "perf/update_s": t_update,
                         "perf/sample_tokens_per_s": n * policy.num_image_tokens / t_sample,
                         "lr": scheduler.get_last_lr()[0], **iteration}
             if t.iterations > 1:
@@ -232,10 +257,12 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             if main:
                 logger.log(step + 1, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
-                if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == start):
-                    from grpo_vision.evaluate import save_sample_grid
-                    save_sample_grid(policy, reference, tokenizer, st.prompts.test[:4] + train_prompts[:4], params,
-                                     run_dir / "samples" / f"step_{step + 1:06d}.png")
+            if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == start):
+                with full_weights(st.model):  # every process: FSDP gathers the shards together
+                    if main:
+                        from grpo_vision.evaluate import save_sample_grid
+                        save_sample_grid(policy, reference, tokenizer, st.prompts.test[:4] + train_prompts[:4],
+                                         params, run_dir / "samples" / f"step_{step + 1:06d}.png")
             if signum := stop.agreed(acc):
                 checkpoint(step + 1)
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
@@ -257,10 +284,13 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                                     f"{e}; no checkpoint was saved before it") from e
     else:  # still under the lock: the report is part of the run
         stop.restore()  # no step is left to finish: a signal now stops at once
-        if main and cfg.log.report:
+        if cfg.log.report:
             from grpo_vision.report import final_report
 
-            final_report(run_dir, policy, reference, tokenizer, rewards, st.prompts, params, cfg, st.bundle.judge)
+            with full_weights(st.model):  # every process: FSDP gathers the shards together
+                if main:
+                    final_report(run_dir, policy, reference, tokenizer, rewards, st.prompts, params, cfg,
+                                 st.bundle.judge)
     finally:
         stop.restore()
         if logger:

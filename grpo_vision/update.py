@@ -1,4 +1,4 @@
-"""The UPDATE phase of a step: passes over the rollout, minibatches, micro-batches, gradient sync.
+"""The UPDATE phase of a step: passes over the rollout, minibatches, micro-batches (accelerate syncs gradients).
 
 `update` runs `num_iterations` passes over the step's sequences, each split into
 `minibatches_per_pass` optimizer updates of micro-batches; the loss is `grpo.grpo_loss` with the
@@ -16,6 +16,7 @@ measures two things the loss needs no extra pass for:
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +73,12 @@ def policy_tokens(batch: StepBatch, mask: torch.Tensor, quantile: float, acc) ->
     return keep[first:first + batch.tokens.shape[0]]  # [n, N] this process's rows
 
 
-def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, acc, step: int,
+def update(model, trainable, optimizer, scheduler, batch: StepBatch, params, cfg: Config, acc, step: int,
            health: RunHealth, seed_of) -> dict:
     """`num_iterations` passes over the step's rollouts, `minibatches_per_pass` optimizer updates each;
-    `seed_of(salt)` gives the seed of each pass's order. Returns the step's loss metrics."""
+    `seed_of(salt)` gives the seed of each pass's order. `model` is the policy as accelerate prepared
+    it: its backward passes average gradients across processes (DDP; FSDP reduce-scatters them), once
+    per optimizer update, on the last micro-batch. Returns the step's loss metrics."""
     t, n = cfg.train, batch.tokens.shape[0]
     mask = torch.ones_like(batch.tokens, dtype=torch.bool)  # image sequences have a fixed length
     keep = policy_tokens(batch, mask, t.top_entropy_quantile, acc)  # [n, N]
@@ -90,31 +93,36 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
             # over processes, so each divides by its share (TRL: num_items_in_batch / num_processes)
             num_items = (acc.reduce(mask[minibatch].sum().float(), "sum") / acc.num_processes
                          if t.loss_type in ("dapo", "cispo") else None)
-            for idx in micro_batches:
-                with acc.autocast():
-                    logp = sequence_logprobs(policy, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
-                ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
-                loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if t.beta > 0 else None,
-                                    batch.advantages[idx], mask[idx], beta=t.beta, epsilon_low=t.epsilon_low,
-                                    epsilon_high=t.epsilon_high, loss_type=t.loss_type,
-                                    max_tokens=batch.tokens.shape[1],
-                                    importance_sampling_level=t.importance_sampling_level,
-                                    delta=t.delta or None, policy_mask=keep[idx], num_items=num_items)
-                if ref is not None:  # the KL to the reference, where it was measured
-                    seen = mask[idx] & ~ref.isnan()
-                    kl_sum += (k3_kl(logp.detach().float(), ref.nan_to_num()) * seen).sum()
-                    kl_tokens += seen.sum()
-                if it == 0 and mb == 0:  # before the first optimizer update: the on-policy gauge
-                    drift_sum += (logp.detach().float() - batch.sample_logprobs[idx]).abs()[mask[idx]].sum()
-                    drift_tokens += mask[idx].sum()
-                (loss if num_items is not None else loss / len(micro_batches)).backward()
+            for j, idx in enumerate(micro_batches):
+                # DDP averages gradients in the last micro-batch's backward only; its forward must be
+                # inside no_sync too, since that is where DDP arms the reduction
+                with nullcontext() if j == len(micro_batches) - 1 else acc.no_sync(model):
+                    with acc.autocast():
+                        logp = sequence_logprobs(model, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
+                    ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
+                    loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if t.beta > 0 else None,
+                                        batch.advantages[idx], mask[idx], beta=t.beta, epsilon_low=t.epsilon_low,
+                                        epsilon_high=t.epsilon_high, loss_type=t.loss_type,
+                                        max_tokens=batch.tokens.shape[1],
+                                        importance_sampling_level=t.importance_sampling_level,
+                                        delta=t.delta or None, policy_mask=keep[idx], num_items=num_items)
+                    if ref is not None:  # the KL to the reference, where it was measured
+                        seen = mask[idx] & ~ref.isnan()
+                        kl_sum += (k3_kl(logp.detach().float(), ref.nan_to_num()) * seen).sum()
+                        kl_tokens += seen.sum()
+                    if it == 0 and mb == 0:  # before the first optimizer update: the on-policy gauge
+                        drift_sum += (logp.detach().float() - batch.sample_logprobs[idx]).abs()[mask[idx]].sum()
+                        drift_tokens += mask[idx].sum()
+                    acc.backward(loss if num_items is not None else loss / len(micro_batches))
                 for k, v in {"loss": loss, **m}.items():
                     # a dapo / cispo micro-batch holds its share of the minibatch's loss: log the whole
                     share = len(micro_batches) if num_items is not None and k in ("loss", "policy_loss") else 1
                     sums[k] = sums.get(k, 0.0) + float(v.detach()) * share
                 count += 1
-            grad_norm = sync_and_clip(trainable, acc, t.max_grad_norm)
-            if math.isfinite(grad_norm):  # else a non-finite loss or gradient skips this update
+            grad_norm = float(acc.clip_grad_norm_(trainable, t.max_grad_norm if t.max_grad_norm > 0 else math.inf))
+            # a non-finite loss or gradient skips the update; under fp16 the loss scaler's step skips it
+            # and lowers the scale (it must see every overflow)
+            if math.isfinite(grad_norm) or acc.scaler is not None:
                 optimizer.step()
                 if not weights_finite(trainable):  # finite gradients, yet e.g. a huge lr overflowed a weight
                     raise NonFiniteWeightsError(
@@ -138,16 +146,3 @@ def update(policy, trainable, optimizer, scheduler, batch: StepBatch, params, cf
         out["loss/policy_token_frac"] = means["policy_token_frac"]
     return out
 
-
-def sync_and_clip(params: list[torch.Tensor], acc, max_norm: float) -> float:
-    """Average gradients across processes, clip their global norm; returns the norm before clipping."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    if acc.num_processes > 1:
-        flat = torch.cat([g.flatten() for g in grads])
-        flat = acc.reduce(flat, "mean")
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-    return float(norm)

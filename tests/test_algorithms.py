@@ -26,6 +26,7 @@ def metrics_of(run: Path) -> list[dict]:
     (["train.importance_sampling_level=sequence"], None),
     (["train.delta=1.5"], "loss/delta_frac"),
     (["train.top_entropy_quantile=0.2"], "loss/policy_token_frac"),
+    (["train.gradient_checkpointing=true"], None),
 ])
 def test_each_option_trains_two_steps_through_the_cli(micro_world, tmp_path, options, metric):
     out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",

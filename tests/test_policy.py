@@ -1,8 +1,11 @@
 """The built-in Llama policy: KV-cache decoding, transformers interop, save/load."""
 
+import copy
+
 import pytest
 import torch
 
+from grpo_vision.hf_llama import from_hf_llama, hf_tokenizer, to_hf_llama
 from grpo_vision.llama_policy import BOI, BOS, NULL, PAD, UNK, LlamaImagePolicy
 from grpo_vision.policy import ImagePolicy
 
@@ -50,7 +53,7 @@ def test_too_long_caption_is_refused_with_its_text(tiny_policy):
 def test_image_logits_cover_the_codebook_rows_only(tiny_policy):
     cond = tiny_policy.encode_prompts(["a red circle"])
     tokens = torch.randint(0, 32, (1, 12))
-    h_full = tiny_policy.to_hf_llama()(torch.cat([cond, tokens[:, :-1] + tiny_policy.cfg.image_offset], 1)).logits
+    h_full = to_hf_llama(tiny_policy)(torch.cat([cond, tokens[:, :-1] + tiny_policy.cfg.image_offset], 1)).logits
     off = tiny_policy.cfg.image_offset
     with torch.no_grad():
         ours = tiny_policy.image_logits(cond, tokens)
@@ -59,10 +62,10 @@ def test_image_logits_cover_the_codebook_rows_only(tiny_policy):
 
 
 def test_export_to_transformers_and_back_gives_identical_logits(tiny_policy):
-    hf = tiny_policy.to_hf_llama()
+    hf = to_hf_llama(tiny_policy)
     assert type(hf).__name__ == "LlamaForCausalLM"
     assert set(hf.state_dict()) - {"model.rotary_emb.inv_freq"} == set(tiny_policy.state_dict())
-    back = LlamaImagePolicy.from_hf_llama(hf, tiny_policy.cfg)
+    back = from_hf_llama(hf, tiny_policy.cfg)
     cond = tiny_policy.encode_prompts(["a blue square"])
     tokens = torch.randint(0, 32, (1, 12))
     with torch.no_grad():
@@ -123,3 +126,27 @@ def test_attention_stays_float32_under_cpu_autocast():
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, attention(q.bfloat16().float(), k, v, causal=True, gqa=True))
     torch.testing.assert_close(attention(q, k, v, causal=True, gqa=True), plain)
+
+
+def test_the_transformers_tokenizer_reads_captions_as_encode_prompts_does(tiny_policy):
+    # TRL tokenizes the dataset's prompt text itself: the rows must be the policy's condition ids
+    tok = hf_tokenizer(tiny_policy.cfg)
+    captions = ["a red circle", "a blue square left of a red circle", "a mauve circle"]  # mauve: unknown
+    ids = tok(captions, padding="max_length", max_length=tiny_policy.cfg.cond_len, return_tensors="pt").input_ids
+    assert torch.equal(ids, tiny_policy.encode_prompts(captions))
+    assert tok.decode([tiny_policy.cfg.image_offset + 3]) == "<code_3>"
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_policy):
+    # recomputing each block in the backward pass runs the same ops again: equal gradients, less memory
+    cond = tiny_policy.encode_prompts(["a red circle", "a blue square"])
+    tokens = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for remat in (False, True):
+        policy = copy.deepcopy(tiny_policy).train()
+        if remat:
+            policy.gradient_checkpointing_enable()
+        policy(cond, tokens).log_softmax(-1).gather(-1, tokens[..., None]).sum().backward()
+        grads.append({n: p.grad for n, p in policy.named_parameters()})
+    assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7) for n in grads[0])
+    assert any(g.abs().sum() > 0 for g in grads[1].values())

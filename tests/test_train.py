@@ -104,16 +104,21 @@ def test_resume_is_exact(micro_world, tmp_path):
 
 @pytest.mark.parametrize("options", [[], ["train.loss_type=dapo", "train.top_entropy_quantile=0.3"]])
 def test_two_processes_match_one(micro_world, tmp_path, options):
-    # Both on the CPU (the two-process run is launched with --cpu), also where a GPU is present. With
-    # dapo each process divides by its share of the global token count; the entropy threshold is global
+    # Both on the CPU (run.device=cpu: gloo), also where a GPU is present. `accelerate launch --cpu`
+    # starts ONE process whatever --num_processes says; --multi_gpu is its torchrun launcher, which
+    # starts two (the sizes line proves it). With dapo each process divides by its share of the global
+    # token count; the entropy threshold is global. Two micro-batches per update: DDP's no_sync on the first
+    options = [*options, "train.micro_batch_size=2"]
     one = train(micro_cfg(micro_world, tmp_path, "run.name=one", "train.steps=1", "run.device=cpu", *options),
                 progress=False)
-    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu",
+    out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                           "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={micro_world}",
                           f"run.out_dir={tmp_path}", "run.name=two", "train.steps=1", "log.sample_every=0",
-                          "log.eval_images=1", *options], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          "log.eval_images=1", "run.device=cpu", *options],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "processes=2 " in out.stdout and "micro_batches_per_update=2" in out.stdout, out.stdout[-2000:]
     m1 = json.loads((one / "metrics.jsonl").read_text().splitlines()[0])
     m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
     for key in m1:

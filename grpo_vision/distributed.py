@@ -1,0 +1,102 @@
+"""The policy under accelerate: data-parallel (DDP) or sharded (FSDP2), and the weights each phase needs.
+
+`accelerate launch` decides how the run is distributed (`--multi_gpu`, or an FSDP config such as
+configs/accelerate_fsdp.yaml); `train` prepares the policy and its optimizer with accelerate and
+then needs three things this module gives, whatever was chosen:
+
+* the UPDATE's forward passes go through the prepared model, so that DDP's hooks average gradients
+  (`accelerator.no_sync` while micro-batches accumulate) and FSDP's hooks gather each block's shards;
+* SAMPLING reads the weights directly (a KV cache, fused projections), so under FSDP every shard is
+  gathered for the rollout and freed after it (`full_weights`);
+* checkpoints hold full, unsharded tensors, so a run resumes on any number of processes.
+
+Under FSDP the optimizer's state is saved keyed by parameter name (torch.distributed.checkpoint's
+full state dict), which only an FSDP run reads back; DDP and one-process runs keep the plain format.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+def is_fsdp(acc) -> bool:
+    return str(acc.distributed_type).endswith("FSDP")
+
+
+def prepare(acc, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, adapter: str):
+    """(model, optimizer) prepared by accelerate: `model` is what the update's forward passes call."""
+    if is_fsdp(acc):
+        if adapter != "none":  # peft's merge (reference sync) and adapter-only state dicts assume full tensors
+            raise ValueError("FSDP shards a full fine-tune; with train.adapter the trainable weights are small: "
+                             "launch with --multi_gpu (DDP) instead of an FSDP config, or set train.adapter=none")
+        if acc.mixed_precision != "no" and any(p.dtype != torch.float32 for p in policy.parameters()):
+            raise ValueError("FSDP with mixed precision keeps float32 master weights: set policy.dtype=float32")
+    return acc.prepare(policy, optimizer)
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def full_weights(model: torch.nn.Module):
+    """Inside: every parameter of `model` is a whole tensor (FSDP's shards gathered, kept through
+    forward passes); outside, sharded again. A no-op for a model that is not sharded."""
+    if not (units := _fsdp_modules(model)):
+        yield
+        return
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(True, recurse=False)
+
+
+def trainable_weights(model: torch.nn.Module, acc) -> dict[str, torch.Tensor]:
+    """The trainable parameters as whole CPU tensors, by name; under FSDP a collective every process
+    calls, and only the main process gets them."""
+    if not is_fsdp(acc):
+        from grpo_vision.checkpoint import trainable_state
+
+        return trainable_state(acc.unwrap_model(model))  # DDP's names would start with "module."
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {n: v.contiguous() for n, v in full.items() if n in names}
+
+
+def optimizer_state(model: torch.nn.Module, optimizer, acc) -> dict:
+    """The optimizer's state to checkpoint (under FSDP: whole tensors keyed by parameter name)."""
+    if not is_fsdp(acc):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                               cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict, acc) -> None:
+    if not is_fsdp(acc):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def full_state_dict(model: torch.nn.Module, acc) -> dict[str, torch.Tensor]:
+    """Every weight of `model` whole, on every process (a frozen reference syncing from the policy)."""
+    if not is_fsdp(acc):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
