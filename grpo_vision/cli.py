@@ -148,6 +148,22 @@ def cmd_bench_demo(args) -> None:
     _print_result(bench_demo(args.run, n=args.n, repeats=args.repeats, prompt=args.prompt), args.json)
 
 
+def cmd_bench_step(args) -> None:
+    from grpo_vision.bench_train import bench_step
+
+    _print_result(bench_step(args.config, args.overrides, steps=args.steps, warmup=args.warmup), args.json)
+
+
+def cmd_bench_trl(args) -> None:
+    try:
+        from grpo_vision.bench_train import bench_trl
+        import trl  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"bench trl needs TRL ({e}): pip install -e \".[bench]\"") from None
+    _print_result(bench_trl(args.config, args.overrides, rounds=args.rounds, steps_per_round=args.steps_per_round),
+                  args.json)
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -252,6 +268,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=4, help="timed calls (median reported)")
     p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
     p.set_defaults(func=cmd_bench_demo)
+
+    p = bench.add_parser("step", help="one training step of CONFIG by phase, images/s and peak memory")
+    p.add_argument("config", help="a config file, as for grpo-vision train")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--steps", type=positive_int, default=4, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="steps run first and not timed")
+    p.set_defaults(func=cmd_bench_step)
+    p = bench.add_parser("trl", help="images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench])")
+    p.add_argument("config", help="a config of the built-in Llama policy (e.g. configs/shapes.yaml)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (each trainer once per round)")
+    p.add_argument("--steps-per-round", type=int, default=3, help="steps per trainer and round; the first is not timed")
+    p.set_defaults(func=cmd_bench_trl)
 
     for add_commands in command_adders():  # plugins' own subcommands (ShapesWorld: world build | render | prompts)
         add_commands(sub)

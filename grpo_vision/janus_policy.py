@@ -129,7 +129,10 @@ class JanusImagePolicy(nn.Module):
         return self.image_logits(cond, tokens)
 
     def gradient_checkpointing_enable(self) -> None:
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5's name for it
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<begin_of_image>) .. L+N-2 predict image tokens 0 .. N-1; the last is never input.
