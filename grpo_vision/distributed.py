@@ -16,18 +16,27 @@ full state dict), which only an FSDP run reads back; DDP and one-process runs ke
 
 from __future__ import annotations
 
+import os
+import warnings
 from contextlib import contextmanager
 
 import torch
 
 
-def is_fsdp(acc) -> bool:
-    return str(acc.distributed_type).endswith("FSDP")
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """True for a model that FSDP2 sharded (accelerate's FSDP plugin calls `fully_shard`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def prepare(acc, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, adapter: str):
     """(model, optimizer) prepared by accelerate: `model` is what the update's forward passes call."""
-    if is_fsdp(acc):
+    fsdp = str(acc.distributed_type).endswith("FSDP")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp:
+        warnings.warn(f"an FSDP config was given, but accelerate runs {acc.distributed_type} here (it enables FSDP on "
+                      "GPUs only): the policy is not sharded", stacklevel=2)
+    if fsdp:
         if adapter != "none":  # peft's merge (reference sync) and adapter-only state dicts assume full tensors
             raise ValueError("FSDP shards a full fine-tune; with train.adapter the trainable weights are small: "
                              "launch with --multi_gpu (DDP) instead of an FSDP config, or set train.adapter=none")
@@ -37,9 +46,7 @@ def prepare(acc, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, adap
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    return [m for m in model.modules() if is_fsdp(m)]
 
 
 @contextmanager
@@ -49,6 +56,10 @@ def full_weights(model: torch.nn.Module):
     if not (units := _fsdp_modules(model)):
         yield
         return
+    # The root must initialise before any block runs: a block's own forward hook would otherwise make
+    # that block a root, and the next forward through the model fails ("FSDP requires running forward
+    # through the root module first"). unshard() initialises the parameters, not the root state.
+    model._get_fsdp_state()._lazy_init()
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -60,13 +71,13 @@ def full_weights(model: torch.nn.Module):
             unit.set_reshard_after_forward(True, recurse=False)
 
 
-def trainable_weights(model: torch.nn.Module, acc) -> dict[str, torch.Tensor]:
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainable parameters as whole CPU tensors, by name; under FSDP a collective every process
-    calls, and only the main process gets them."""
-    if not is_fsdp(acc):
+    calls, and only the first process gets them."""
+    if not is_fsdp(model):
         from grpo_vision.checkpoint import trainable_state
 
-        return trainable_state(acc.unwrap_model(model))  # DDP's names would start with "module."
+        return trainable_state(getattr(model, "module", model))  # DDP's own names start with "module."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     names = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -74,29 +85,36 @@ def trainable_weights(model: torch.nn.Module, acc) -> dict[str, torch.Tensor]:
     return {n: v.contiguous() for n, v in full.items() if n in names}
 
 
-def optimizer_state(model: torch.nn.Module, optimizer, acc) -> dict:
-    """The optimizer's state to checkpoint (under FSDP: whole tensors keyed by parameter name)."""
-    if not is_fsdp(acc):
+def optimizer_state(model: torch.nn.Module, optimizer) -> dict:
+    """The optimizer's state to checkpoint (under FSDP: whole tensors keyed by parameter name, on the
+    first process)."""
+    if not is_fsdp(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                               cpu_offload=True))
+    return get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),  # accelerate's wrapper
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict, acc) -> None:
-    if not is_fsdp(acc):
+def load_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    if not is_fsdp(model):
         optimizer.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), state,  # accelerate's wrapper
+                             options=StateDictOptions(full_state_dict=True))
 
 
-def full_state_dict(model: torch.nn.Module, acc) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every weight of `model` whole, on every process (a frozen reference syncing from the policy)."""
-    if not is_fsdp(acc):
-        return model.state_dict()
+    if not is_fsdp(model):
+        return getattr(model, "module", model).state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def as_float(norm) -> float:
+    """A gradient norm as a number; FSDP's is a DTensor, whole on every process once `full_tensor`."""
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)

@@ -29,7 +29,7 @@ from grpo_vision.checkpoint import (
 )
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.distributed import (
-    full_state_dict, full_weights, is_fsdp, load_optimizer_state, optimizer_state, prepare, trainable_weights,
+    full_state_dict, full_weights, load_optimizer_state, optimizer_state, prepare, trainable_weights,
 )
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
@@ -123,7 +123,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     if resume:
         if ckpt is not None:
             load_training_state(ckpt, optimizer, scheduler,
-                                lambda opt_state: load_optimizer_state(model, optimizer, opt_state, acc))
+                                lambda opt_state: load_optimizer_state(model, optimizer, opt_state))
             if ref_state is not None:
                 reference.load_state_dict(policy, ref_state)
             start, counters = state["step"], state["counters"]
@@ -159,7 +159,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
 
     def checkpoint(step: int) -> None:
-        weights, opt_state = trainable_weights(st.model, acc), optimizer_state(st.model, optimizer, acc)  # all processes
+        weights, opt_state = trainable_weights(st.model), optimizer_state(st.model, optimizer)  # every process: FSDP
         if main:
             learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": rewards.state_dict()}
             save_checkpoint(run_dir, step, policy, optimizer, scheduler, reference.state_dict(policy),
@@ -167,7 +167,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         acc.wait_for_everyone()
 
     def sync_reference() -> None:  # a frozen copy takes every weight whole, gathered from FSDP's shards
-        reference.sync(policy, full_state_dict(st.model, acc) if reference.mode == "frozen" else None)
+        reference.sync(policy, full_state_dict(st.model) if reference.mode == "frozen" else None)
 
     low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
     health = RunHealth(counters, t.max_skipped_updates, loud=main,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_vision.config import Config
+from grpo_vision.distributed import as_float
 from grpo_vision.grpo import grpo_loss, high_entropy_mask, k3_kl
 from grpo_vision.health import NonFiniteWeightsError, RunHealth, weights_finite
 from grpo_vision.sampling import sequence_logprobs
@@ -119,7 +120,7 @@ def update(model, trainable, optimizer, scheduler, batch: StepBatch, params, cfg
                     share = len(micro_batches) if num_items is not None and k in ("loss", "policy_loss") else 1
                     sums[k] = sums.get(k, 0.0) + float(v.detach()) * share
                 count += 1
-            grad_norm = float(acc.clip_grad_norm_(trainable, t.max_grad_norm if t.max_grad_norm > 0 else math.inf))
+            grad_norm = as_float(acc.clip_grad_norm_(trainable, t.max_grad_norm if t.max_grad_norm > 0 else math.inf))
             # a non-finite loss or gradient skips the update; under fp16 the loss scaler's step skips it
             # and lowers the scale (it must see every overflow)
             if math.isfinite(grad_norm) or acc.scaler is not None:
