@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import resource
 import statistics
+import sys
 import tempfile
 import time
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import torch
@@ -35,7 +37,8 @@ def _our_steps(config: str, overrides: list[str], steps: int, out_dir: str) -> t
     cfg = load_config(config, [*overrides, f"train.steps={steps}", f"run.out_dir={out_dir}", f"run.name={name}",
                                "log.report=false", "log.sample_every=0", "log.checkpoint_every=0",
                                "log.tensorboard=false"])
-    run = train(cfg, progress=False)
+    with redirect_stdout(sys.stderr):  # the run's own lines; stdout is the benchmark's JSON
+        run = train(cfg, progress=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     return rows, cfg.sample.prompts_per_step * cfg.sample.group_size
 
@@ -72,7 +75,7 @@ def _trl_trainer(cfg, out: Path):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_vision.hf_llama import hf_tokenizer, to_hf_llama
+    from grpo_vision.hf_llama import condition_text, hf_tokenizer, to_hf_llama
     from grpo_vision.policies import checked_prompt_sets, load_bundle
     from grpo_vision.rewards import CompositeReward
 
@@ -85,9 +88,6 @@ def _trl_trainer(cfg, out: Path):
     rewards = CompositeReward.from_config(cfg.reward, "cpu", bundle.reward_defaults, entries)
     rewards.load()
 
-    def padded(caption: str) -> str:  # the policy's left padding, as words the tokenizer reads as <pad>
-        return " ".join(["<pad>"] * (pc.max_caption_words - len(caption.split())) + [caption])
-
     def reward(prompts, completions, completion_ids, index, **_):
         codes = torch.tensor(completion_ids) - pc.image_offset  # [B*G, N] codebook ids
         if codes.shape[1] != pc.num_image_tokens or not 0 <= int(codes.min()) <= int(codes.max()) < pc.codebook_size:
@@ -97,10 +97,13 @@ def _trl_trainer(cfg, out: Path):
             images = torch.cat([bundle.tokenizer.decode(codes[i:i + s.batch_size])
                                 for i in range(0, len(codes), s.batch_size)])
         chosen = [entries[i] for i in index]
-        return rewards(images, [e.prompt for e in chosen], [e.metadata for e in chosen],
-                       [e.rewards for e in chosen]).total.tolist()
+        total = rewards(images, [e.prompt for e in chosen], [e.metadata for e in chosen],
+                        [e.rewards for e in chosen]).total  # [B*G]
+        means.append(total.nanmean().item())
+        return total.tolist()
 
     times: list[float] = []
+    means: list[float] = []  # the reward's mean at each TRL step
 
     class StepTimer(TrainerCallback):  # generation, reward, log-probs and the update all happen inside a step
         def on_step_begin(self, args, state, control, **kwargs):
@@ -122,10 +125,10 @@ def _trl_trainer(cfg, out: Path):
         scale_rewards={"group": "group", "batch": "batch", "none": "none"}[t.adv_scale],
         mask_truncated_completions=False, log_completions=False, bf16=False, model_init_kwargs={"dtype": "float32"},
     )
-    dataset = Dataset.from_list([{"prompt": padded(e.prompt), "index": i} for i, e in enumerate(entries)])
+    dataset = Dataset.from_list([{"prompt": condition_text(e.prompt, pc), "index": i} for i, e in enumerate(entries)])
     trainer = GRPOTrainer(model=str(out / "model"), reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[StepTimer()])
-    return trainer, times
+    return trainer, times, means
 
 
 def bench_trl(config: str, overrides: list[str], rounds: int = 3, steps_per_round: int = 3) -> dict:
@@ -138,19 +141,23 @@ def bench_trl(config: str, overrides: list[str], rounds: int = 3, steps_per_roun
     cfg = load_config(config, overrides)
     if cfg.policy.kind not in ("llama", "shapes"):
         raise ValueError(f"bench trl exports the built-in Llama policy; policy kind {cfg.policy.kind!r} is not one")
-    ours, theirs = [], []
-    with tempfile.TemporaryDirectory() as out:
-        trainer, trl_times = _trl_trainer(cfg, Path(out))
+    ours, theirs, our_rewards = [], [], []
+    with tempfile.TemporaryDirectory() as out, redirect_stdout(sys.stderr):  # TRL prints its logs
+        trainer, trl_times, trl_rewards = _trl_trainer(cfg, Path(out))
         for _ in range(rounds):
             rows, images = _our_steps(config, overrides, steps_per_round, out)
-            ours += [r["perf/step_s"] for r in rows[1:]]
+            ours += [row["perf/step_s"] for row in rows[1:]]
+            our_rewards += [row["reward/total/mean"] for row in rows]
             trainer.args.max_steps = steps_per_round
             before = len(trl_times)
-            trainer.train()
+            trainer.train()  # continues from the last round's weights; ours starts from the base each round
             theirs += trl_times[before + 1:]
     ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
     return {"config": config, "overrides": overrides, "trl_version": trl.__version__, "images_per_step": images,
             "rounds": rounds, "steps_timed_each": len(ours), "threads": torch.get_num_threads(),
             "step_s": {"grpo_vision": round(ours_s, 3), "trl": round(theirs_s, 3)},
             "images_per_s": {"grpo_vision": round(images / ours_s, 2), "trl": round(images / theirs_s, 2)},
-            "speedup_vs_trl": round(theirs_s / ours_s, 2), "target_met": theirs_s / ours_s >= 2.0}
+            "speedup_vs_trl": round(theirs_s / ours_s, 2), "target_met": theirs_s / ours_s >= 2.0,
+            # both train: the reward's mean over each trainer's steps (their prompts differ, so do the means)
+            "reward_mean": {"grpo_vision": round(statistics.mean(our_rewards), 4),
+                            "trl": round(statistics.mean(trl_rewards), 4)}}

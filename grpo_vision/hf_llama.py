@@ -3,13 +3,13 @@ tokenizer that reads captions into the policy's condition ids.
 
 Module names match one-to-one (llama_policy.py), so the export is a state-dict copy. The sampler
 benchmark compares `generate()` on the export with the KV-cache sampler; the TRL benchmark trains the
-export with TRL's `GRPOTrainer`, which needs a tokenizer whose `prompt` text gives the ids
-`encode_prompts` gives (left padding to `max_caption_words`, `<bos>` before, `<boi>` after).
+export with TRL's `GRPOTrainer`, which tokenizes prompt text itself: `condition_text` writes a caption
+as the words whose ids are `encode_prompts`'s row (the padding, `<bos>` and `<boi>` included).
 """
 
 from __future__ import annotations
 
-from grpo_vision.llama_policy import BOI, BOS, NULL, PAD, SPECIALS, UNK, LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.llama_policy import BOI, BOS, PAD, SPECIALS, UNK, LlamaImagePolicy, LlamaPolicyConfig
 
 
 def to_hf_llama(policy: LlamaImagePolicy):
@@ -36,21 +36,21 @@ def from_hf_llama(hf_model, cfg: LlamaPolicyConfig) -> LlamaImagePolicy:
     return policy
 
 
+def condition_text(caption: str, cfg: LlamaPolicyConfig) -> str:
+    """The caption as the words of its condition row: `<pad>`s, `<bos>`, the words, `<boi>`."""
+    words = caption.lower().split()
+    return " ".join([SPECIALS[PAD]] * (cfg.max_caption_words - len(words)) + [SPECIALS[BOS], *words, SPECIALS[BOI]])
+
+
 def hf_tokenizer(cfg: LlamaPolicyConfig):
-    """A `PreTrainedTokenizerFast` over the caption words: `tok([caption])` gives `encode_prompts`'s
-    row (left-padded to `max_caption_words`, then `<boi>`); image codes are ids from `image_offset` on,
+    """A `PreTrainedTokenizerFast` with one id per word of the policy's vocabulary: the ids of
+    `condition_text(caption)` are `encode_prompts`'s row. Image codes are ids from `image_offset` on,
     named `<code_k>`, so that decoding a completion never fails."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     names = [*SPECIALS, *cfg.words, *(f"<code_{k}>" for k in range(cfg.codebook_size))]
-    vocab = {name: i for i, name in enumerate(names)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=SPECIALS[UNK]))
+    tok = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token=SPECIALS[UNK]))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.post_processor = processors.TemplateProcessing(single=f"{SPECIALS[BOS]} $A {SPECIALS[BOI]}",
-                                                       special_tokens=[(SPECIALS[BOS], BOS), (SPECIALS[BOI], BOI)])
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[PAD], bos_token=SPECIALS[BOS],
-                                  unk_token=SPECIALS[UNK], padding_side="left",
-                                  model_max_length=cfg.cond_len)
-    out.null_token_id = NULL
-    return out
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[PAD], bos_token=SPECIALS[BOS],
+                                   unk_token=SPECIALS[UNK], padding_side="left")

@@ -36,5 +36,6 @@ def test_bench_trl_trains_the_exported_policy_with_trl_beside_the_loop(micro_wor
     assert "sample.cfg_scale=1.0" in result["overrides"]  # TRL has no CFG: both run without
     for name in ("grpo_vision", "trl"):
         assert math.isfinite(result["images_per_s"][name]) and result["images_per_s"][name] > 0
+    assert all(-1 <= v <= 1 for v in result["reward_mean"].values())  # a CLIP cosine, both trainers
     assert result["speedup_vs_trl"] == pytest.approx(result["step_s"]["trl"] / result["step_s"]["grpo_vision"],
                                                      rel=0.02)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from grpo_vision.hf_llama import from_hf_llama, hf_tokenizer, to_hf_llama
+from grpo_vision.hf_llama import condition_text, from_hf_llama, hf_tokenizer, to_hf_llama
 from grpo_vision.llama_policy import BOI, BOS, NULL, PAD, UNK, LlamaImagePolicy
 from grpo_vision.policy import ImagePolicy
 
@@ -132,8 +132,8 @@ def test_the_transformers_tokenizer_reads_captions_as_encode_prompts_does(tiny_p
     # TRL tokenizes the dataset's prompt text itself: the rows must be the policy's condition ids
     tok = hf_tokenizer(tiny_policy.cfg)
     captions = ["a red circle", "a blue square left of a red circle", "a mauve circle"]  # mauve: unknown
-    ids = tok(captions, padding="max_length", max_length=tiny_policy.cfg.cond_len, return_tensors="pt").input_ids
-    assert torch.equal(ids, tiny_policy.encode_prompts(captions))
+    ids = tok([condition_text(c, tiny_policy.cfg) for c in captions], return_tensors="pt").input_ids
+    assert torch.equal(ids, tiny_policy.encode_prompts(captions))  # <pad>s first, then <bos>, as ours
     assert tok.decode([tiny_policy.cfg.image_offset + 3]) == "<code_3>"
 
 
