@@ -1,7 +1,7 @@
 """The policy under accelerate: data-parallel (DDP) or sharded (FSDP2), and the weights each phase needs.
 
 `accelerate launch` decides how the run is distributed (`--multi_gpu`, or an FSDP config such as
-configs/accelerate_fsdp.yaml); `train` prepares the policy and its optimizer with accelerate and
+configs/accelerate/fsdp.yaml); `train` prepares the policy and its optimizer with accelerate and
 then needs three things this module gives, whatever was chosen:
 
 * the UPDATE's forward passes go through the prepared model, so that DDP's hooks average gradients

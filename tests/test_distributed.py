@@ -39,7 +39,7 @@ def test_training_under_accelerate_fsdp_resumes_exactly(micro_world, tmp_path):
     # weights and name-keyed optimizer state load back into the shards
     def launch(*args):
         out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                              str(ROOT / "configs" / "accelerate_fsdp.yaml"), "--num_processes",
+                              str(ROOT / "configs" / "accelerate" / "fsdp.yaml"), "--num_processes",
                               str(min(2, torch.cuda.device_count())), "--mixed_precision", "no",
                               "--fsdp_transformer_layer_cls_to_wrap", "Block", "-m", "grpo_vision.cli", "train",
                               *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
