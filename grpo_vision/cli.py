@@ -1,4 +1,8 @@
-"""The `grpo-vision` command line: one subcommand per job, each a thin shell over the library."""
+"""The `grpo-vision` command line: one subcommand per job, each a thin shell over the library.
+
+Start-up imports only the config (YAML) and plugin registries: torch and the models load inside the
+command that needs them, so `--help` answers at once.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +13,25 @@ import math
 import signal
 import sys
 
-from grpo_vision.checkpoint import CheckpointError
+from grpo_vision import __version__
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
-from grpo_vision.health import TrainingHealthError
 from grpo_vision.plugins import command_adders
-from grpo_vision.prompts import PromptsError
-from grpo_vision.rewards import RewardError
-from grpo_vision.runlock import RunLockedError
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows an option's default where it has a meaningful one (not an empty string)."""
+
+    def _get_help_string(self, action):
+        empty = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if empty or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):  # every subcommand's parser shows its defaults
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
 
 def cmd_config(args) -> None:
@@ -195,7 +211,8 @@ def positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpo-vision", description=__doc__)
+    parser = _Parser(prog="grpo-vision", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"grpo-vision {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("config", help="print the resolved config and derived sizes")
@@ -204,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=int, default=1, help="check divisibility for this many processes")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run)")
+    p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run); the main job takes "
+                                     "10-15 min on a 2-core CPU")
     p.add_argument("config", nargs="?", default="", help="YAML config, e.g. configs/shapes.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5 sample.group_size=16")
     p.add_argument("--resume", default="", metavar="RUN_DIR", help="continue a run exactly where it stopped")
@@ -251,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
     p.set_defaults(func=cmd_demo)
 
+    add_bench_commands(sub)
+    for add_commands in command_adders():  # plugins' own subcommands (ShapesWorld: world build | render | prompts)
+        add_commands(sub)
+    return parser
+
+
+def add_bench_commands(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="what", required=True)
     p = bench.add_parser("sampler", help="the sampler vs transformers generate() vs teacher forcing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -269,14 +294,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
     p.set_defaults(func=cmd_bench_demo)
 
-    p = bench.add_parser("step", help="one training step of CONFIG by phase, images/s and peak memory")
+    p = bench.add_parser("step", help="one training step of CONFIG by phase, images/s and peak memory (a minute or "
+                                      "two for the main job on a 2-core CPU)")
     p.add_argument("config", help="a config file, as for grpo-vision train")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--steps", type=positive_int, default=4, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not timed")
     p.set_defaults(func=cmd_bench_step)
-    p = bench.add_parser("trl", help="images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench])")
+    p = bench.add_parser("trl", help="images/s of this trainer and TRL's GRPOTrainer at equal settings (needs "
+                                     ".[bench]; about 3 min for the main job on a 2-core CPU)")
     p.add_argument("config", help="a config of the built-in Llama policy (e.g. configs/shapes.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -284,13 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-round", type=int, default=3, help="steps per trainer and round; the first is not timed")
     p.set_defaults(func=cmd_bench_trl)
 
-    for add_commands in command_adders():  # plugins' own subcommands (ShapesWorld: world build | render | prompts)
-        add_commands(sub)
-    return parser
-
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    # the errors a command reports in one line; imported after parsing, since they bring torch
+    from grpo_vision.checkpoint import CheckpointError
+    from grpo_vision.health import TrainingHealthError
+    from grpo_vision.prompts import PromptsError
+    from grpo_vision.rewards import RewardError
+    from grpo_vision.runlock import RunLockedError
+
     try:
         args.func(args)
     except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, RunLockedError) as e:

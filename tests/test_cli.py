@@ -72,3 +72,21 @@ def test_a_non_finite_learning_rate_is_one_line_on_stderr():
     out = run_cli("config", "configs/shapes_micro.yaml", "train.lr=inf")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == "grpo-vision: error: train.lr must be a finite number in (0, 1], got inf\n"
+
+
+def test_help_imports_no_model_library_and_shows_defaults():
+    # `grpo-vision --help` is fast because parsing imports neither torch nor the world's checker (scipy);
+    # checked by what is imported, not by a clock
+    heavy = ("torch", "scipy", "numpy", "grpo_vision.shapes.checker")
+    code = (f"import json, sys; from grpo_vision.cli import build_parser; build_parser(); "
+            f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout) == [], out.stderr
+    prompts_help = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "prompts", "--help"], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=120).stdout
+    assert "(default: heldout)" in prompts_help and "{all,plain," in prompts_help and "{," not in prompts_help
+    assert "(default: 0)" in prompts_help  # a zero default is shown; an empty one is not
+    version = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "--version"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+    from grpo_vision import __version__
+    assert version.stdout.strip() == f"grpo-vision {__version__}"

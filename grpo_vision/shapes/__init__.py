@@ -4,29 +4,21 @@
 caption, attribute by attribute.
 """
 
-from grpo_vision.shapes.checker import ATTRIBUTES, CheckResult, check, find_regions
-from grpo_vision.shapes.scene import (
-    BACKGROUNDS,
-    COLORS,
-    FORMS,
-    HELD_OUT,
-    IMAGE_SIZE,
-    RELATIONS,
-    SHAPES,
-    SIZES,
-    CaptionError,
-    CaptionSpec,
-    Obj,
-    Scene,
-    aesthetic_label,
-    all_words,
-    format_caption,
-    is_held_out,
-    parse_caption,
-    prompt_list,
-    render,
-    sample_scene,
-    scene_for_caption,
-)
+import importlib
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+# names re-exported from the submodules, loaded on first use (PEP 562), so that importing one
+# submodule (the CLI's `world` commands) does not import the checker and scipy
+_EXPORTS = {
+    "checker": ["ATTRIBUTES", "CheckResult", "check", "find_regions"],
+    "scene": ["BACKGROUNDS", "COLORS", "FORMS", "HELD_OUT", "IMAGE_SIZE", "RELATIONS", "SHAPES", "SIZES",
+              "CaptionError", "CaptionSpec", "Obj", "Scene", "aesthetic_label", "all_words", "format_caption",
+              "is_held_out", "parse_caption", "prompt_list", "render", "sample_scene", "scene_for_caption"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -15,7 +15,13 @@ def cmd_world_build(args) -> None:
 
     info = build_world(args.out or f"worlds/shapes{'_micro' if args.preset == 'micro' else ''}", args.preset,
                        args.seed)
-    print(json.dumps(info["quality"], indent=2))
+    q = info["quality"]
+    if args.json:
+        print(json.dumps(q, indent=2))
+    else:  # the headline figures; world.json holds them all
+        print(f"[world] checker on clean renders {q.get('checker_acc_clean', float('nan')):.3f}, VQ PSNR "
+              f"{q.get('vq_psnr_all', float('nan')):.1f} dB, CLIP hard-negative accuracy "
+              f"{q.get('clip_final_hard_acc', float('nan')):.3f} (all figures: world.json, or --json)")
 
 
 def cmd_world_render(args) -> None:
@@ -32,7 +38,7 @@ def cmd_world_prompts(args) -> None:
     from grpo_vision.policies import prompt_lists
     from grpo_vision.shapes.scene import all_captions
 
-    captions = all_captions(args.split, args.form or None)
+    captions = all_captions(args.split, None if args.form == "all" else args.form)
     if args.not_trained_in:
         config = Path(args.not_trained_in) / "config.yaml"
         if not config.is_file():
@@ -52,10 +58,12 @@ def add_commands(sub) -> None:
 
     world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
         dest="what", required=True)
-    p = world.add_parser("build", help="train the world's tokenizer, CLIP, aesthetic head and base policy")
+    p = world.add_parser("build", help="train the world's tokenizer, CLIP, aesthetic head and base policy: about an "
+                                       "hour on a 2-core CPU; a complete world is kept, not rebuilt")
     p.add_argument("--preset", default="default", choices=["micro", "default"], help="micro: seconds, for tests")
     p.add_argument("--out", default="", help="world directory (default: worlds/shapes or worlds/shapes_micro)")
     p.add_argument("--seed", type=int, default=0, help="seeds every stage; the build is deterministic")
+    p.add_argument("--json", action="store_true", help="print every quality figure as JSON")
     p.set_defaults(func=cmd_world_build)
     p = world.add_parser("render", help="ground-truth renders for the captions of a prompts file")
     p.add_argument("--prompts", required=True, help="plain text (one caption per line) or JSONL with 'prompt'")
@@ -66,8 +74,8 @@ def add_commands(sub) -> None:
     p = world.add_parser("prompts", help="a prompts file of the world's captions (e.g. held-out ones for eval)")
     p.add_argument("--split", default="heldout", choices=["train", "heldout", "all"],
                    help="the base policy's training compositions, the held-out ones, or both")
-    p.add_argument("--form", default="", choices=["", "plain", "size", "background", "relation"],
-                   help="one caption form (default: all four)")
+    p.add_argument("--form", default="all", choices=["all", "plain", "size", "background", "relation"],
+                   help="one caption form, or all four")
     p.add_argument("--not-trained-in", default="", metavar="RUN",
                    help="leave out every prompt this run trained on (from its config.yaml)")
     p.add_argument("--n", type=positive_int, default=None, help="at most N captions, drawn with --seed")
