@@ -294,19 +294,21 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
     p.set_defaults(func=cmd_bench_demo)
 
-    p = bench.add_parser("step", help="one training step of CONFIG by phase, images/s and peak memory (a minute or "
-                                      "two for the main job on a 2-core CPU)")
-    p.add_argument("config", help="a config file, as for grpo-vision train")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    def training_bench(name: str, help_text: str, config_help: str):  # the arguments of `train`, and --json
+        p = bench.add_parser(name, help=help_text)
+        p.add_argument("config", help=config_help)
+        p.add_argument("overrides", nargs="*", help="key=value overrides")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        return p
+
+    p = training_bench("step", "one training step of CONFIG by phase, images/s and peak memory (a minute or two "
+                               "for the main job on a 2-core CPU)", "a config file, as for grpo-vision train")
     p.add_argument("--steps", type=positive_int, default=4, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="steps run first and not timed")
     p.set_defaults(func=cmd_bench_step)
-    p = bench.add_parser("trl", help="images/s of this trainer and TRL's GRPOTrainer at equal settings (needs "
-                                     ".[bench]; about 3 min for the main job on a 2-core CPU)")
-    p.add_argument("config", help="a config of the built-in Llama policy (e.g. configs/shapes.yaml)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p = training_bench("trl", "images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench]; "
+                              "about 3 min for the main job on a 2-core CPU)",
+                       "a config of the built-in Llama policy (e.g. configs/shapes.yaml)")
     p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (each trainer once per round)")
     p.add_argument("--steps-per-round", type=int, default=3, help="steps per trainer and round; the first is not timed")
     p.set_defaults(func=cmd_bench_trl)

@@ -37,3 +37,25 @@ def micro_world(tmp_path_factory):
     path = tmp_path_factory.mktemp("worlds") / "shapes_micro"
     build_world(path, preset="micro", seed=0, progress=False, log=lambda _: None)
     return path
+
+
+@pytest.fixture
+def checkpointing_gradients():
+    """f(policy, prompts): the gradients of a log-likelihood without and with gradient checkpointing."""
+    return _checkpointing_gradients
+
+
+def _checkpointing_gradients(policy, prompts: list[str]) -> list[dict]:
+    import copy
+
+    cond = policy.encode_prompts(prompts)
+    tokens = torch.randint(0, policy.codebook_size, (len(prompts), policy.num_image_tokens),
+                           generator=torch.Generator().manual_seed(0))
+    grads = []
+    for remat in (False, True):
+        model = copy.deepcopy(policy).train()
+        if remat:
+            model.gradient_checkpointing_enable()
+        model(cond, tokens).log_softmax(-1).gather(-1, tokens[..., None]).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    return grads

@@ -156,19 +156,11 @@ def test_rollout_logprobs_equal_teacher_forced_logprobs(policy, params):
     assert logp.requires_grad and rollout.logprobs.mean() < -0.1  # not a degenerate, deterministic sampler
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(policy):
-    cond = policy.encode_prompts(PROMPTS)
-    tokens = torch.randint(0, policy.codebook_size, (len(PROMPTS), policy.num_image_tokens),
-                           generator=torch.Generator().manual_seed(0))
-    grads = []
-    for remat in (False, True):
-        model = copy.deepcopy(policy).train()
-        if remat:
-            model.gradient_checkpointing_enable()
-        model(cond, tokens).log_softmax(-1).gather(-1, tokens[..., None]).sum().backward()
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and grads[0]
-    assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6) for n in grads[0])
+def test_gradient_checkpointing_gives_the_same_gradients(policy, checkpointing_gradients):
+    # recomputing each block in the backward pass runs the same ops again: equal gradients, less memory
+    plain, remat = checkpointing_gradients(policy, PROMPTS)
+    assert plain.keys() == remat.keys() and any(g.abs().sum() > 0 for g in remat.values())
+    assert all(torch.allclose(plain[n], remat[n], rtol=1e-4, atol=1e-6) for n in plain)
 
 
 @torch.no_grad()
