@@ -31,6 +31,7 @@ class RunConfig:
     out_dir: str = "runs"  # parent folder of run directories
     seed: int = 0  # seeds prompts order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
+    threads: int = 0  # torch's CPU threads per process; 0 = OMP_NUM_THREADS if set, else its share of the usable cores
 
 
 @dataclass
@@ -208,6 +209,7 @@ def validate(cfg: Config) -> None:
     checks = [
         (s.group_size >= 2, "sample.group_size must be >= 2: GRPO normalises rewards within a group, "
                             "and a group of one has no spread to learn from"),
+        (cfg.run.threads >= 0, "run.threads must be >= 0 (0 = one per core this process may use)"),
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
         (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),

@@ -34,6 +34,7 @@ from grpo_vision.distributed import (
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
 from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
+from grpo_vision.machine import check_load, set_threads
 from grpo_vision.memory import report_memory
 from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
 from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_bundle, resolve_device
@@ -80,8 +81,11 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     check_run_dir(run_dir, fresh=not resume)  # in use, or (fresh start) already a run: refused before loading
     acc.wait_for_everyone()  # every process has looked before the main one writes anything there
     main = acc.is_main_process
+    threads = set_threads(cfg.run.threads, acc.num_processes)
     if main:
-        print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}", flush=True)
+        print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}  threads={threads}", flush=True)
+        if busy := check_load():
+            warnings.warn(busy, stacklevel=2)
     t = cfg.train
     params = SamplingParams.from_config(cfg.sample)
     bundle = load_bundle(cfg.policy, acc.device)

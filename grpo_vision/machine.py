@@ -1,0 +1,47 @@
+"""What the machine gives a run: CPU threads, and a warning when other jobs share it.
+
+On a shared 2-core machine the main job took 91 minutes instead of 10 with no word why (issue 25):
+torch's threads fought other processes for the cores. `run.threads` sets the threads; a 1-minute
+load average well above the cores at start-up is reported in one line, so a slow run says why.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BUSY = 1.5  # load per core above which the machine counts as shared
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity; a container's limit shows there), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(threads: int, processes: int = 1) -> int:
+    """Use `threads` torch threads; 0 keeps OMP_NUM_THREADS where it is set (torchrun and the matrix set
+    it), else takes this process's share of the available cores. Returns the number in use."""
+    if threads == 0 and os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    torch.set_num_threads(threads or max(1, available_cores() // processes))
+    return torch.get_num_threads()
+
+
+def load_warning(load: float, cores: int) -> str | None:
+    """A one-line warning when the 1-minute load average is well above the cores, else None."""
+    if load <= BUSY * cores:
+        return None
+    return (f"the machine is shared: load {load:.1f} on {cores} cores, so steps will be slower than on a quiet "
+            "machine (docs/experiments/main_job_seeds.md has quiet timings); run.threads limits this run's threads")
+
+
+def check_load() -> str | None:
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # not available here
+        return None
+    return load_warning(load, available_cores())

@@ -1,0 +1,27 @@
+"""Threads and the shared-machine warning (machine.py)."""
+
+import os
+
+import torch
+
+from grpo_vision.machine import available_cores, load_warning, set_threads
+
+
+def test_a_load_well_above_the_cores_is_one_line_naming_the_load_and_the_knob():
+    assert load_warning(2.9, 2) is None  # below 1.5 per core: a quiet enough machine
+    message = load_warning(7.5, 2)
+    assert "load 7.5 on 2 cores" in message and "run.threads" in message and "\n" not in message
+
+
+def test_threads_follow_run_threads_else_omp_num_threads_else_the_cores(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        assert set_threads(1) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        assert set_threads(0) == 1  # torchrun and the matrix set it: kept
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert set_threads(0) == available_cores() == len(os.sched_getaffinity(0))
+        assert set_threads(0, processes=available_cores() * 2) == 1  # a process's share, at least one
+    finally:
+        torch.set_num_threads(before)
