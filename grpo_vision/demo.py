@@ -224,19 +224,25 @@ def _mean(values: list[float]) -> float | None:
 
 
 def _row(name: str, a: float | None, b: float | None) -> list:
-    r = lambda x: None if x is None else round(x, 5)  # noqa: E731
+    r = lambda x: None if x is None else round(x, 4)  # noqa: E731
     return [name, r(a), r(b), None if a is None or b is None else r(a - b)]
 
 
+def _percent_row(name: str, a: float | None, b: float | None) -> list:  # an accuracy: percent, change in points
+    p = lambda x: "n/a" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    return [name, p(a), p(b), "n/a" if a is None or b is None else f"{100 * (a - b):+.1f} pts"]
+
+
 def summary_rows(left: Side, right: Side) -> list[list]:
-    """[score, left mean, right mean, left - right] per reward, then the checker's accuracy per attribute."""
+    """[score, left mean, right mean, left - right] per reward, then the judge's accuracy per attribute
+    in percent (the change in points)."""
     rows = [_row(name, _mean(left.rewards[name].tolist()), _mean(right.rewards[name].tolist()))
             for name in left.rewards]
     if left.checks and left.checks[0] is not None:
         for attr in left.checks[0]:
             a, b = (_mean([float(c[attr]) for c in s.checks if c[attr] is not None]) for s in (left, right))
             if a is not None:
-                rows.append(_row(f"checker: {attr}", a, b))
+                rows.append(_percent_row(f"judge: {attr}", a, b))
     return rows
 
 

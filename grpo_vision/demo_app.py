@@ -25,6 +25,10 @@ CSS = """.pixelated img { image-rendering: pixelated; }
 .pixelated .thumbnail-item > img { aspect-ratio: 1; height: auto; }
 .pixelated .caption-label { position: static; white-space: pre-line; max-width: 100%; font-size: 11px; }
 .pixelated .fixed-height { min-height: 0; }"""
+COLUMNS = ["score", "left", "right", "left - right"]
+EMPTY_STATE = ("Nothing compared yet. Type a prompt or click an example, then **Generate**: each side samples the "
+               "same seeds, so what differs between them is the checkpoint. Under each image: its rewards and, where "
+               "the world has a judge, ✓ / ✗ per attribute.")
 
 
 def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
@@ -50,7 +54,7 @@ def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
             # short since the page loaded); escaped, because gr.Error renders HTML
             raise gr.Error(html.escape(str(e), quote=False), print_exception=False) from None
         path = grid_png(left, right, text, seeds, out_dir / f"compare_{next(calls):05d}.png")
-        table = pd.DataFrame(summary_rows(left, right), columns=["score", "left", "right", "left - right"])
+        table = pd.DataFrame(summary_rows(left, right), columns=COLUMNS)
         details = {"left": side_json(left, seeds), "right": side_json(right, seeds)}
         status = (f"**left:** {left.label} · **right:** {right.label} · prompt {text!r} · {len(seeds)} images each, "
                   f"seeds {seeds[0]}..{seeds[-1]} · {time.perf_counter() - start:.2f} s")
@@ -91,11 +95,12 @@ def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
                                              elem_id=f"gallery-{('left', 'right')[k]}", elem_classes="pixelated",
                                              height="auto")
                         sides.append((pick, gallery))
-            status = gr.Markdown(elem_id="status")
-            summary = gr.Dataframe(label="mean per side (rewards; checker accuracy per attribute)", interactive=False)
-            download = gr.DownloadButton("Download side-by-side PNG", elem_id="download")
+            status = gr.Markdown(EMPTY_STATE, elem_id="status", label="status")
+            summary = gr.Dataframe(pd.DataFrame(columns=COLUMNS), label="mean per side (rewards; the judge's "
+                                   "accuracy per attribute)", interactive=False)
+            download = gr.DownloadButton("Download side-by-side PNG", elem_id="download", label="side-by-side PNG")
             with gr.Accordion("per-image scores (JSON)", open=False):
-                details = gr.JSON()
+                details = gr.JSON(label="per-image scores")
         with gr.Tab("Training curves"):
             plot = gr.Plot(label="reward and KL over steps (metrics.jsonl)")
             reload = gr.Button("Reload checkpoints and metrics")
@@ -113,4 +118,15 @@ def serve(run: DemoRun | str | Path, host: str = "127.0.0.1", port: int | None =
     """Serve the app until Ctrl-C (port None: the first free one from 7860)."""
     run = run if isinstance(run, DemoRun) else DemoRun(run)
     print(f"[demo] {run.run_dir}: checkpoints {', '.join(run.choices()[:-1])}; {run.reference_label}", flush=True)
-    build_app(run).launch(server_name=host, server_port=port, css=CSS, footer_links=["api", "settings"])
+    app = build_app(run)
+    # quiet: Gradio's own start-up lines suggest share=True, a public link this command does not offer
+    app.launch(server_name=host, server_port=port, css=CSS, footer_links=["api", "settings"], quiet=True,
+               prevent_thread_lock=True)
+    url = f"http://{host}:{app.server_port}"
+    print(f"[demo] open {url} (Ctrl-C stops it); from another machine, tunnel it: ssh -L {app.server_port}:"
+          f"127.0.0.1:{app.server_port} <this host>, then open http://127.0.0.1:{app.server_port} there "
+          "(docs/security.md)", flush=True)
+    try:
+        app.block_thread()
+    finally:
+        app.close()

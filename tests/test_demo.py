@@ -84,7 +84,7 @@ def test_summary_means_skip_nan_and_subtract():
     # clip: left (0.2 + 0.4) / 2 = 0.3 (NaN skipped), right 0.6 / 3 = 0.2, difference 0.1.
     # exact applies nowhere: no means. count: 2/3 vs 1/3; size never applies, so it has no row.
     assert rows == [["clip", 0.3, 0.2, 0.1], ["exact", None, None, None],
-                    ["checker: count", 0.66667, 0.33333, 0.33333], ["checker: correct", 0.66667, 0.33333, 0.33333]]
+                    ["judge: count", "66.7%", "33.3%", "+33.3 pts"], ["judge: correct", "66.7%", "33.3%", "+33.3 pts"]]
 
 
 def test_grid_png_places_each_image_upscaled_under_its_side(tmp_path):
@@ -171,9 +171,11 @@ def test_api_same_seed_same_images_new_seed_new_images(client):
         assert details[s]["seeds"] == [5, 6, 7] and len(details[s]["checker"]) == 3
     assert details["right"]["label"] == "reference (a frozen copy of the base policy)"
     for row in summary["data"]:  # each mean is the mean of the per-image scores
-        if not row[0].startswith("checker"):
-            assert row[1] == pytest.approx(np.mean(details["left"]["rewards"][row[0]]), abs=1e-5)
-            assert row[3] == pytest.approx(row[1] - row[2], abs=2e-5)
+        if not row[0].startswith("judge"):  # rounded to 4 decimals
+            assert row[1] == pytest.approx(np.mean(details["left"]["rewards"][row[0]]), abs=6e-5)
+            assert row[3] == pytest.approx(row[1] - row[2], abs=2e-4)
+        else:  # accuracies in percent, changes in points
+            assert row[1].endswith("%") and row[3].endswith(" pts")
     assert "clip" in left[0]["caption"] and "count" in left[0]["caption"]
     assert Image.open(grid).size[0] > 2 * 3 * 128
     assert "seeds 5..7" in status
@@ -257,6 +259,8 @@ def test_browser_types_a_prompt_and_sees_both_galleries(request, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1200})
             page.goto(url)
+            page.get_by_text("Nothing compared yet").first.wait_for(timeout=30_000)  # the empty state explains
+            page.screenshot(path=str(tmp_path / "demo_empty.png"), full_page=True)
             page.locator("#prompt textarea").fill(PROMPT)
             page.locator("#generate").click()
             page.wait_for_function("""() => ['left', 'right'].every(s => {
@@ -271,5 +275,24 @@ def test_browser_types_a_prompt_and_sees_both_galleries(request, tmp_path):
             browser.close()
     artifacts = ROOT / "test-artifacts"
     artifacts.mkdir(exist_ok=True)
-    shutil.copy(tmp_path / "demo.png", artifacts / "demo.png")
+    for name in ("demo_empty.png", "demo.png"):  # looked at by a person, not by this test
+        shutil.copy(tmp_path / name, artifacts / name)
     assert Image.open(artifacts / "demo.png").size[0] >= 1000
+
+
+def test_the_demo_command_prints_its_address_and_how_to_reach_it_safely(demo_run):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_vision.cli", "demo", str(demo_run), "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # the start-up lines, until the address
+            lines.append(line)
+            if line.startswith("[demo] open"):
+                break
+        text = "".join(lines)
+        assert f"[demo] open http://127.0.0.1:{port}" in text and f"ssh -L {port}:127.0.0.1:{port}" in text
+        assert "share=True" not in text  # Gradio's suggestion of a public link is not printed
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
