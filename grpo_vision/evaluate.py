@@ -8,6 +8,7 @@ seed, so differences come from the weights, not from the sampling noise.
 
 from __future__ import annotations
 
+import textwrap
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from grpo_vision.checkpoint import find_checkpoint, load_checkpoint, load_iterative_state
 from grpo_vision.config import Config, load_config
 from grpo_vision.images import Cell, paint_grid, to_uint8
-from grpo_vision.judge import Judge, judge_tables
+from grpo_vision.judge import Judge, judge_tables, paired_changes
 from grpo_vision.metrics import interval
 from grpo_vision.policies import Bundle, load_bundle, prompt_lists, resolve_device
 from grpo_vision.prompts import PromptEntry, load_prompts
@@ -91,16 +92,23 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
     meta = [e.metadata for e in entries for _ in range(n)]
     result = {"prompts": len(entries), "images_per_prompt": n, "models": {}}
     ref_model, ref_ctx = reference.sampler(policy)
+    raw, verdicts = {}, {}
     for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):
         with ctx:
             images = generate(model, tokenizer, prompts, seeds, params)
-        out = rewards(images, prompts, meta)
-        table, by_form = judge_tables(judge, images, prompts)
-        result["models"][name] = {"rewards": {k: interval(v) for k, v in out.raw.items()}, "checker": table,
+        raw[name] = rewards(images, prompts, meta).raw
+        verdicts[name] = judge.verdicts(images, prompts) if judge is not None else None
+        table, by_form = judge_tables(judge, images, prompts, verdicts[name])
+        result["models"][name] = {"rewards": {k: interval(v) for k, v in raw[name].items()}, "checker": table,
                                   "checker_by_form": by_form}
     result["difference"] = {k: _diff(result, "rewards", k) for k in result["models"]["policy"]["rewards"]}
+    # paired per image (the same prompt and seed on both sides): the interval of the change itself
+    result["difference_ci"] = {k: interval(raw["policy"][k].double() - raw["reference"][k].double())
+                               for k in raw["policy"]}
     if result["models"]["policy"]["checker"]:
         result["checker_difference"] = {k: _diff(result, "checker", k) for k in result["models"]["policy"]["checker"]}
+        result["checker_difference_ci"] = paired_changes(verdicts["policy"], verdicts["reference"],
+                                                         list(result["models"]["policy"]["checker"]))
     return result
 
 
@@ -111,17 +119,47 @@ def _diff(result: dict, table: str, key: str):
 
 @torch.no_grad()
 def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[PromptEntry], params: SamplingParams,
-                     path: Path, seeds_per_prompt: int = 2) -> None:
-    """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right."""
+                     path: Path, seeds_per_prompt: int = 2, judge: Judge | None = None, scale: int = 2) -> None:
+    """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right,
+    each image `scale` times its size; under each, the judge's verdict per attribute (✓ / ✗) where
+    the policy kind has a judge, and the judge's own rendering of the prompt (ground truth) last,
+    where the judge can draw one (ShapesWorld)."""
     prompts = [e.prompt for e in entries for _ in range(seeds_per_prompt)]
     seeds = [j for _ in entries for j in range(seeds_per_prompt)]
-    pol = to_uint8(generate(policy, tokenizer, prompts, seeds, params))
+    images = {"policy": generate(policy, tokenizer, prompts, seeds, params)}
     model, context = reference.sampler(policy)
     with context:
-        ref = to_uint8(generate(model, tokenizer, prompts, seeds, params))
+        images["reference"] = generate(model, tokenizer, prompts, seeds, params)
+    marks = {side: verdict_lines(judge, batch, prompts) for side, batch in images.items()}
+    cells = {side: [Cell(img, marks[side][i]) for i, img in enumerate(to_uint8(batch))] for side, batch in images.items()}
+    draw = getattr(judge, "render", None)
+    truth = [draw(e.prompt, 0) if draw else None for e in entries]
     k = seeds_per_prompt
-    rows = [[Cell(img) for img in (*pol[r * k:(r + 1) * k], *ref[r * k:(r + 1) * k])] for r in range(len(entries))]
-    sheet = paint_grid(rows, headings=[(0, "policy"), (k, "reference")], row_labels=[e.prompt[:38] for e in entries],
-                       label_width=230, split=k)
+    rows = [[*cells["policy"][r * k:(r + 1) * k], *cells["reference"][r * k:(r + 1) * k],
+             *([Cell(truth[r], ["ground truth"])] if truth[r] is not None else [])] for r in range(len(entries))]
+    headings = [(0, "policy"), (k, "reference")] + ([(2 * k, "what the prompt\ndescribes")] if any(
+        t is not None for t in truth) else [])
+    sheet = paint_grid(rows, headings=headings, row_labels=[textwrap.fill(e.prompt, 26) for e in entries],
+                       label_width=180, split=k, scale=scale, line=13)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
+
+
+def verdict_lines(judge: Judge | None, images: torch.Tensor, prompts: list[str]) -> list[list[str]]:
+    """Per image, its verdicts as caption lines that fit under a 128 px tile ('✓ count  ✗ color'); none
+    without a judge."""
+    if judge is None:
+        return [[] for _ in prompts]
+    out = []
+    for verdict in judge.verdicts(images, prompts):
+        lines = []
+        for a, ok in (verdict or {}).items():
+            if a == "correct" or ok is None:
+                continue
+            mark = f"{'✓' if ok else '✗'} {a}"
+            if lines and len(lines[-1]) + 2 + len(mark) <= 19:
+                lines[-1] += "  " + mark
+            else:
+                lines.append(mark)
+        out.append(lines)
+    return out

@@ -20,6 +20,18 @@ class Cell:
     caption: Sequence[str] = ()  # text lines under the image
 
 
+def font(size: int):
+    """DejaVu Sans (shipped with matplotlib: spaces, ✓ and ✗ render); PIL's own font if it is missing."""
+    from PIL import ImageFont
+
+    try:
+        import matplotlib
+
+        return ImageFont.truetype(f"{matplotlib.get_data_path()}/fonts/ttf/DejaVuSans.ttf", size)
+    except (ImportError, OSError):
+        return ImageFont.load_default()
+
+
 def paint_grid(rows: Sequence[Sequence[Cell | None]], *, title: str = "", headings: Sequence[tuple[int, str]] = (),
                row_labels: Sequence[str] = (), label_width: int = 0, scale: int = 1, split: int | None = None,
                split_gap: int = 10, pad: int = 2, line: int = 11):
@@ -39,19 +51,22 @@ def paint_grid(rows: Sequence[Sequence[Cell | None]], *, title: str = "", headin
     columns = max((len(r) for r in rows), default=0)
     sheet = Image.new("RGB", (x(columns) + 4, top + head + len(rows) * cell_h), "white")
     draw = ImageDraw.Draw(sheet)
+    face = font(line - 2)
     if title:
-        draw.text((4, 2), title, fill="black")
+        draw.text((4, 2), title, fill="black", font=face)
     for col, text in headings:
-        draw.text((x(col), top + 2), text, fill="black")
+        draw.text((x(col), top + 2), text, fill="black", font=face)
     for r, row in enumerate(rows):
         y = top + head + r * cell_h
-        if r < len(row_labels):
-            draw.text((2, y + size // 2 - 6), row_labels[r], fill="black")
+        if r < len(row_labels):  # a label may hold several lines, centred on the row
+            label = row_labels[r].split("\n")
+            for j, text in enumerate(label):
+                draw.text((2, y + size // 2 - len(label) * line // 2 + j * line), text, fill="black", font=face)
         for col, cell in enumerate(row):
             if cell is None:
                 continue
             img = Image.fromarray(cell.image)
             sheet.paste(img.resize((size, size), Image.NEAREST) if scale != 1 else img, (x(col), y))
             for j, text in enumerate(cell.caption):
-                draw.text((x(col), y + size + 2 + j * line), text, fill="black")
+                draw.text((x(col), y + size + 2 + j * line), text, fill="black", font=face)
     return sheet

@@ -38,14 +38,19 @@ class Judge(Protocol):
         """Why the judge cannot read `prompt`, or None when it can."""
         ...
 
+    # Optional: `render(prompt, seed) -> uint8 [H, W, 3] | None`, an image the prompt describes (the
+    # ground truth shown beside samples; ShapesWorld draws its scene). Sample sheets look it up by name.
 
-def judge_tables(judge: Judge | None, images: torch.Tensor, prompts: list[str]) -> tuple[dict | None, dict | None]:
+
+def judge_tables(judge: Judge | None, images: torch.Tensor, prompts: list[str],
+                 results: list[Verdict | None] | None = None) -> tuple[dict | None, dict | None]:
     """The judge's accuracy per attribute (mean and 95% interval), and its all-attributes-right rate
-    per prompt form, from one verdict per image; (None, None) without a judge or when it cannot read
-    one of the prompts (a mixed set would compare different things)."""
+    per prompt form, from one verdict per image (`results`, when already judged); (None, None)
+    without a judge or when it cannot read one of the prompts (a mixed set would compare different
+    things)."""
     if judge is None:
         return None, None
-    results = judge.verdicts(images, prompts)
+    results = judge.verdicts(images, prompts) if results is None else results
     if any(r is None for r in results):
         return None, None
     forms = [judge.form(p) for p in prompts]
@@ -56,3 +61,14 @@ def judge_tables(judge: Judge | None, images: torch.Tensor, prompts: list[str]) 
     by_form = {f: interval(torch.tensor([float(r["correct"]) for g, r in zip(forms, results) if g == f]))
                for f in judge.forms if f in forms}
     return table, by_form
+
+
+def paired_changes(policy: list[Verdict | None], reference: list[Verdict | None], keys: Sequence[str]) -> dict:
+    """Per attribute: the mean and 95% interval of policy minus reference over the images both were
+    judged on with the same seed (the attribute applying to both), as fractions."""
+    out = {}
+    for key in keys:
+        d = [float(p[key]) - float(r[key]) for p, r in zip(policy, reference)
+             if p is not None and r is not None and p.get(key) is not None and r.get(key) is not None]
+        out[key] = interval(torch.tensor(d, dtype=torch.float64))
+    return out

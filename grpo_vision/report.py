@@ -10,6 +10,7 @@ from grpo_vision.evaluate import eval_temperatures, evaluate, save_sample_grid
 from grpo_vision.health import run_summary
 from grpo_vision.metrics import load_metrics
 from grpo_vision.plots import curves_figure, judge_figure, save_figure
+from grpo_vision.report_text import change_table, rate_change, rate_value, what_changed
 
 
 def _temperature_table(by_temperature: dict) -> list[str]:
@@ -31,7 +32,7 @@ def _temperature_table(by_temperature: dict) -> list[str]:
             cells.append(f"{100 * a:.1f}% -> {100 * b:.1f}% ({100 * (b - a):+.1f} pts)")
         for n in names:
             a, b = ref["rewards"][n]["mean"], pol["rewards"][n]["mean"]
-            cells.append("n/a" if a is None or b is None else f"{a:.4f} -> {b:.4f}")
+            cells.append("n/a" if a is None or b is None else f"{a:.3f} -> {b:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -41,26 +42,6 @@ def _warning_paragraph(warnings: list[str]) -> list[str]:
     if not warnings:
         return []
     return ["## Warning: this run may not have learned", "", *[f"- {w}" for w in warnings], ""]
-
-
-def _fmt(entry: dict) -> str:
-    if entry["mean"] is None:
-        return "n/a"
-    lo, hi = entry["ci95"] if entry["ci95"] else (float("nan"), float("nan"))
-    return f"{entry['mean']:.4f} [{lo:.4f}, {hi:.4f}]"
-
-
-def _change_rows(result: dict, judged: bool) -> list[str]:
-    """One table row per reward (and the judge's all-right rate): reference, policy, change."""
-    lines = ["| measured by | reference | policy | change |", "|---|---|---|---|"]
-    for name, diff in result["difference"].items():
-        ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
-        lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | {'n/a' if diff is None else f'{diff:+.4f}'} |")
-    if judged and result["models"]["policy"]["checker"]:
-        ref, pol = (result["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
-        lines.append(f"| judge: all attributes right | {_fmt(ref)} | {_fmt(pol)} | "
-                     f"{100 * result['checker_difference']['correct']:+.1f} pts |")
-    return lines
 
 
 def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, params, cfg, judge=None) -> dict:
@@ -87,41 +68,45 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     metrics = load_metrics(run_dir)
     save_figure(curves_figure(metrics), run_dir / "curves.png")
     save_sample_grid(policy, reference, tokenizer, sets.test[:8], replace(params, temperature=temperatures[0]),
-                     run_dir / "final_samples.png")
+                     run_dir / "final_samples.png", judge=judge)
     last = metrics[-1] if metrics else {}
     skipped, updates, warnings = run_summary(metrics, cfg.train.num_iterations * cfg.train.minibatches_per_pass)
+    kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
+    trained = [k for k, w in cfg.reward.weights.items() if w]
     lines = [f"# GRPO report: {run_dir.name}", "",
              f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
              *_warning_paragraph(warnings),
+             *what_changed(result, trained, list(cfg.reward.monitor), kl),
              f"Evaluation: {result['prompts']} test prompts (the training prompts' distribution, never trained on; "
              f"prompts/test.jsonl) x {result['images_per_prompt']} images, the same seeds for policy and reference, "
              f"sampled at temperature {result['temperature']} (training sampled at {params.temperature}); "
-             "mean [95% interval].", "",
-             "## Test prompts", "", *_change_rows(result, judged=True)]
+             "mean [95% interval]; changes are paired per image.", "",
+             "## Test prompts", "", *change_table(result)]
     if result["models"]["policy"]["checker"]:
         save_figure(judge_figure(result), run_dir / "checker.png")
         lines += ["", f"## {judge.name}, per attribute (test prompts)", "",
-                  "| attribute | reference | policy | change |", "|---|---|---|---|"]
-        for name, diff in result["checker_difference"].items():
+                  "| attribute | reference | policy | change (paired, 95% interval) |", "|---|---|---|---|"]
+        for name in result["checker_difference"]:
             ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
-            lines.append(f"| {name} | {_fmt(ref)} | {_fmt(pol)} | "
-                         f"{'n/a' if diff is None else f'{100 * diff:+.1f} pts'} |")
+            label = "all attributes right" if name == "correct" else name
+            lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
+                         f"{rate_change(result['checker_difference_ci'].get(name))} |")
         lines += ["", "![checker accuracy](checker.png)", "",
                   "All attributes right, by prompt form:",
                   "", "| form | reference | policy | change |", "|---|---|---|---|"]
         for form, pol in result["models"]["policy"]["checker_by_form"].items():
             ref = result["models"]["reference"]["checker_by_form"][form]
-            lines.append(f"| {form} | {_fmt(ref)} | {_fmt(pol)} | {100 * (pol['mean'] - ref['mean']):+.1f} pts |")
+            lines.append(f"| {form} | {rate_value(ref)} | {rate_value(pol)} | "
+                         f"{100 * (pol['mean'] - ref['mean']):+.1f} pts |")
     if "heldout" in result:
         lines += ["", "## Transfer: held-out compositions", "",
                   f"{result['heldout']['prompts']} prompts that no model trained on (prompts/heldout.jsonl), the same "
                   "images per prompt and temperature: does what RL taught carry over to compositions never seen?", "",
-                  *_change_rows(result["heldout"], judged=True)]
+                  *change_table(result["heldout"])]
     if len(by_temperature) > 1:
         lines += _temperature_table(by_temperature)
-    kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
     lines += ["", "## What it cost", "",
               f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",
               f"Skipped optimizer updates (non-finite loss or gradient): {skipped} of {updates}.",

@@ -266,7 +266,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                     if main:
                         from grpo_vision.evaluate import save_sample_grid
                         save_sample_grid(policy, reference, tokenizer, st.prompts.test[:4] + train_prompts[:4],
-                                         params, run_dir / "samples" / f"step_{step + 1:06d}.png")
+                                         params, run_dir / "samples" / f"step_{step + 1:06d}.png",
+                                         judge=st.bundle.judge)
             if signum := stop.agreed(acc):
                 checkpoint(step + 1)
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "

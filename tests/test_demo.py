@@ -104,10 +104,16 @@ def test_grid_png_places_each_image_upscaled_under_its_side(tmp_path):
 def test_curves_figure_plots_each_reward_and_kl_per_step():
     metrics = [{"step": 1, "reward/clip/mean": 0.1, "reward/total/mean": 1.0, "loss/kl": 0.0},
                {"step": 2, "reward/clip/mean": 0.3, "reward/total/mean": 2.0, "loss/kl": 0.01}]
+    metrics += [{"step": 3, "reward/clip/mean": None, "reward/total/mean": 3.0, "loss/kl": 0.02}]  # clip not logged
     fig = curves_figure(metrics)
-    assert [ax.get_title() for ax in fig.axes] == ["reward/clip", "reward/total", "loss/kl"]
-    assert list(fig.axes[0].lines[0].get_ydata()) == [0.1, 0.3]
-    assert list(fig.axes[2].lines[0].get_xdata()) == [1, 2]
+    assert [ax.get_title() for ax in fig.axes] == ["clip (mean over the step's images)",
+                                                   "total reward (what advantages come from)",
+                                                   "KL to the reference (k3, per token)"]
+    assert all(ax.get_xlabel() == "training step" for ax in fig.axes)
+    raw, line = fig.axes[0].lines  # each step's point, then the moving average (a tenth of 3 steps: 1)
+    assert list(raw.get_ydata())[:2] == [0.1, 0.3] and math.isnan(raw.get_ydata()[2])
+    assert list(line.get_ydata()) == [0.1, 0.3, 0.3]  # a missing value carries the last average
+    assert list(fig.axes[2].lines[0].get_xdata()) == [1, 2, 3]
     assert not curves_figure([]).axes  # no metrics yet: a note, no empty panels
 
 

@@ -77,6 +77,10 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
     # two eval sets: test prompts (the headline) and held-out compositions (transfer), fixed in the run
     assert result["eval_set"] == "test" and result["heldout"]["prompts"] == result["prompts"]
     assert "## Test prompts" in report and "## Transfer: held-out compositions" in report
+    assert report.index("## What changed") < report.index("## Test prompts")  # the story first, then the tables
+    from PIL import Image
+    sheet = Image.open(run / "final_samples.png")  # 8 test prompts, one row each, 128 px tiles and their verdicts
+    assert sheet.height >= 8 * 128 and sheet.width >= 4 * 128 + 128  # policy x2, reference x2, ground truth
     from grpo_vision.prompts import load_prompts
     test, heldout, trained = (load_prompts(run / "prompts" / f"{n}.jsonl") for n in ("test", "heldout", "train"))
     assert not {e.prompt for e in trained} & {e.prompt for e in (*test, *heldout)}

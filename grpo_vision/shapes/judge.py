@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from grpo_vision.shapes.checker import ATTRIBUTES, check
-from grpo_vision.shapes.scene import FORMS, CaptionError, as_policy_reads, parse_caption
+from grpo_vision.shapes.layout import scene_for_caption
+from grpo_vision.shapes.scene import FORMS, CaptionError, as_policy_reads, parse_caption, render
 
 
 class ShapesJudge:
@@ -30,6 +32,14 @@ class ShapesJudge:
     def form(self, prompt: str) -> str | None:
         try:
             return parse_caption(as_policy_reads(prompt)).form
+        except CaptionError:
+            return None
+
+    def render(self, prompt: str, seed: int):
+        """The world's own drawing of `prompt`: a scene that satisfies it, uint8 [64, 64, 3]; None when
+        the judge cannot read it."""
+        try:
+            return render(scene_for_caption(as_policy_reads(prompt), np.random.default_rng(seed)))
         except CaptionError:
             return None
 

@@ -1,0 +1,128 @@
+"""The words of report.md, from eval.json's numbers: one unit per quantity, and "What changed".
+
+Rewards are shown in their own units with 3 decimals; the judge's accuracies in percent, their
+changes in points. Every change is paired per image (the same prompt and seed for policy and
+reference) with its 95% interval, and called a rise or a fall only when that interval excludes 0.
+
+Possible reward hacking is named the way the reward-hacking literature reads a reward-swap table
+(a trained reward up, an independent measure down: Gao et al. 2022, "Scaling laws for reward model
+overoptimization"; docs/experiments/reward_matrix.md): a trained reward rises while the exact judge
+or a monitored reward falls.
+"""
+
+from __future__ import annotations
+
+
+def _sign(change: dict | None) -> int:
+    """+1 / -1 when the change's 95% interval excludes 0, else 0."""
+    if not change or change.get("mean") is None or not change.get("ci95"):
+        return 0
+    lo, hi = change["ci95"]
+    return 1 if lo > 0 else -1 if hi < 0 else 0
+
+
+def reward_value(entry: dict) -> str:
+    if entry["mean"] is None:
+        return "n/a"
+    lo, hi = entry["ci95"] or (float("nan"), float("nan"))
+    return f"{entry['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def reward_change(change: dict | None) -> str:
+    if not change or change.get("mean") is None:
+        return "n/a"
+    lo, hi = change["ci95"] or (float("nan"), float("nan"))
+    return f"{change['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+
+
+def rate_value(entry: dict) -> str:
+    if entry["mean"] is None:
+        return "n/a"
+    lo, hi = entry["ci95"] or (float("nan"), float("nan"))  # a rate's normal interval, kept inside [0, 100]
+    return f"{100 * entry['mean']:.1f}% [{100 * max(lo, 0.0):.1f}, {100 * min(hi, 1.0):.1f}]"
+
+
+def rate_change(change: dict | None) -> str:
+    if not change or change.get("mean") is None:
+        return "n/a"
+    lo, hi = change["ci95"] or (float("nan"), float("nan"))
+    return f"{100 * change['mean']:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
+def duplicate_of_judge(result: dict) -> str | None:
+    """The reward that is the judge's all-right rate itself (ShapesWorld's shapes_exact): the same mean
+    and interval on both sides. Its row would repeat the judge's."""
+    models = result["models"]
+    if not models["policy"]["checker"]:
+        return None
+    for name in models["policy"]["rewards"]:
+        if all(models[m]["rewards"][name] == models[m]["checker"]["correct"] for m in ("policy", "reference")):
+            return name
+    return None
+
+
+def change_table(result: dict) -> list[str]:
+    """One row per reward, then the judge's all-right rate: reference, policy, paired change."""
+    lines = ["| measured by | reference | policy | change (paired, 95% interval) |", "|---|---|---|---|"]
+    twin = duplicate_of_judge(result)
+    for name in result["models"]["policy"]["rewards"]:
+        if name == twin:
+            continue
+        ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
+        lines.append(f"| {name} | {reward_value(ref)} | {reward_value(pol)} | "
+                     f"{reward_change(result.get('difference_ci', {}).get(name))} |")
+    if result["models"]["policy"]["checker"]:
+        ref, pol = (result["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
+        label = "judge: all attributes right" + (f" (= reward `{twin}`)" if twin else "")
+        lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
+                     f"{rate_change(result.get('checker_difference_ci', {}).get('correct'))} |")
+    return lines
+
+
+def _names(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def what_changed(result: dict, trained: list[str], monitored: list[str], kl: list[float]) -> list[str]:
+    """The paragraph at the top of the report: what rose and fell beyond its interval, a plain line
+    when that looks like reward hacking, and the KL it cost."""
+    changes = result.get("difference_ci", {})
+    judged = result.get("checker_difference_ci", {})
+    up = lambda names: [n for n in names if _sign(changes.get(n)) > 0]  # noqa: E731
+    down = lambda names: [n for n in names if _sign(changes.get(n)) < 0]  # noqa: E731
+    said = []
+    for verb, names in (("rose", up(trained)), ("fell", down(trained))):
+        if names:
+            said.append(f"The trained reward{'s' if len(names) > 1 else ''} {_names(names)} {verb} "
+                        f"({'; '.join(f'{n} {reward_change(changes[n])}' for n in names)}).")
+    flat = [n for n in trained if n not in up(trained) + down(trained)]
+    if flat:
+        said.append(f"The trained reward{'s' if len(flat) > 1 else ''} {_names(flat)} did not move beyond "
+                    f"{'its interval' if len(flat) == 1 else 'their intervals'}.")
+    watched = [n for n in monitored if n != duplicate_of_judge(result)]
+    watched_down = down(watched)
+    moved = [f"{n} {'rose' if _sign(changes[n]) > 0 else 'fell'} ({reward_change(changes[n])})"
+             for n in watched if _sign(changes.get(n))]
+    if moved:
+        said.append(f"Monitored, not trained on: {'; '.join(moved)}.")
+    if judged:
+        ref = result["models"]["reference"]["checker"]["correct"]["mean"]
+        pol = result["models"]["policy"]["checker"]["correct"]["mean"]
+        said.append(f"The exact judge's all-attributes-right rate went from {100 * ref:.1f}% to {100 * pol:.1f}% "
+                    f"({rate_change(judged.get('correct'))}).")
+        attrs = [a for a in judged if a != "correct"]
+        for verb, sign in (("Rose", 1), ("Fell", -1)):
+            moved = [a for a in attrs if _sign(judged[a]) == sign]
+            if moved:
+                said.append(f"{verb} beyond their intervals: "
+                            f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in moved)}.")
+    judge_down = [a for a in judged if _sign(judged[a]) < 0]
+    if up(trained) and (judge_down or watched_down):
+        fell = ([f"the judge's {_names(judge_down)} accuracy"] if judge_down else []) + watched_down
+        said.append(f"**Possible reward hacking:** {_names(up(trained))} rose while {_names(fell)} fell: the "
+                    "policy may be learning what the reward model scores rather than what the prompts ask. "
+                    "Look at the samples below before trusting the trained reward's gain.")
+    if kl:
+        said.append(f"It cost a KL to the reference of {kl[-1]:.3f} per token at the last step "
+                    f"(max {max(kl):.3f}).")
+    return ["## What changed", "", " ".join(said), ""]

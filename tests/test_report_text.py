@@ -1,0 +1,61 @@
+"""report.md's words from eval.json's numbers: units, the judge's duplicate row, "What changed"."""
+
+from grpo_vision.report_text import change_table, duplicate_of_judge, rate_change, reward_change, what_changed
+
+
+def entry(mean, lo, hi):
+    return {"mean": mean, "ci95": [lo, hi], "n": 256}
+
+
+def result():
+    """The main job's shape: CLIP and the aesthetic head trained, the judge's rate as a monitored reward;
+    colour and relation fall beyond their intervals while count rises (the issue's hacked run)."""
+    judge = {"correct": (entry(0.242, 0.19, 0.29), entry(0.371, 0.31, 0.43)),
+             "count": (entry(0.70, 0.64, 0.76), entry(0.85, 0.81, 0.89)),
+             "color": (entry(0.80, 0.75, 0.85), entry(0.675, 0.62, 0.73)),
+             "relation": (entry(0.60, 0.45, 0.75), entry(0.397, 0.25, 0.55))}
+    rewards = {"clip": (entry(0.644, 0.63, 0.66), entry(0.695, 0.68, 0.71)),
+               "aesthetic": (entry(7.92, 7.8, 8.0), entry(8.35, 8.2, 8.5)),
+               "shapes_exact": judge["correct"]}
+    models = {m: {"rewards": {k: v[i] for k, v in rewards.items()}, "checker": {k: v[i] for k, v in judge.items()}}
+              for i, m in enumerate(("reference", "policy"))}
+    return {"models": models,
+            "difference_ci": {"clip": entry(0.051, 0.014, 0.088), "aesthetic": entry(0.43, 0.33, 0.53),
+                              "shapes_exact": entry(0.129, 0.06, 0.198)},
+            "checker_difference_ci": {"correct": entry(0.129, 0.06, 0.198), "count": entry(0.15, 0.08, 0.22),
+                                      "color": entry(-0.125, -0.2, -0.05), "relation": entry(-0.203, -0.38, -0.03)}}
+
+
+def test_units_one_per_quantity():
+    assert reward_change(entry(0.05123, 0.0141, 0.0883)) == "+0.051 [+0.014, +0.088]"
+    assert rate_change(entry(0.129, 0.06, 0.198)) == "+12.9 pts [+6.0, +19.8]"  # accuracies in points
+
+
+def test_the_judge_as_a_reward_is_one_row_not_two():
+    r = result()
+    assert duplicate_of_judge(r) == "shapes_exact"
+    table = "\n".join(change_table(r))
+    assert "| shapes_exact |" not in table
+    assert "| judge: all attributes right (= reward `shapes_exact`) | 24.2% [19.0, 29.0] | 37.1% [31.0, 43.0] | " \
+           "+12.9 pts [+6.0, +19.8] |" in table
+    assert "| clip | 0.644 [0.630, 0.660] | 0.695 [0.680, 0.710] | +0.051 [+0.014, +0.088] |" in table
+
+
+def test_what_changed_names_rises_falls_hacking_and_the_kl():
+    text = " ".join(what_changed(result(), ["clip", "aesthetic"], ["shapes_exact"], [0.05, 0.20, 0.144]))
+    assert "The trained rewards clip and aesthetic rose (clip +0.051 [+0.014, +0.088]; aesthetic +0.430" in text
+    assert "from 24.2% to 37.1% (+12.9 pts [+6.0, +19.8])" in text
+    assert "Rose beyond their intervals: count +15.0 pts" in text
+    assert "Fell beyond their intervals: color -12.5 pts [-20.0, -5.0]; relation -20.3 pts" in text
+    assert "**Possible reward hacking:** clip and aesthetic rose while the judge's color and relation accuracy fell" \
+        in text
+    assert "KL to the reference of 0.144 per token at the last step (max 0.200)" in text
+    assert "shapes_exact rose" not in text  # the judge's own rate is said once, as the judge's
+
+
+def test_no_hacking_line_when_nothing_independent_falls():
+    r = result()
+    r["checker_difference_ci"]["color"] = entry(-0.05, -0.12, 0.02)  # inside its interval: not a fall
+    r["checker_difference_ci"]["relation"] = entry(0.01, -0.1, 0.12)
+    text = " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
+    assert "reward hacking" not in text and "Fell beyond" not in text and "KL" not in text
