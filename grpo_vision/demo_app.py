@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import html
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,8 +34,6 @@ EMPTY_STATE = ("Nothing compared yet. Type a prompt or click an example, then **
 
 def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
     """The gr.Blocks app; `out_dir` holds the downloadable grids (default: a fresh temporary directory)."""
-    import tempfile
-
     import gradio as gr  # imported here: a bad run directory fails before paying for it
     import pandas as pd
 
