@@ -73,6 +73,7 @@ def curves_figure(metrics: list[dict]):
 def judge_figure(result: dict):
     """The judge's accuracy per attribute, reference beside policy (an eval.json result)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
 
     names = [k for k, v in result["models"]["policy"]["checker"].items() if v["mean"] is not None]
     fig = Figure(figsize=(6.4, 2.8))
@@ -80,8 +81,9 @@ def judge_figure(result: dict):
     for offset, model in ((-0.2, "reference"), (0.2, "policy")):
         table = result["models"][model]["checker"]
         ax.bar([i + offset for i in range(len(names))], [table[n]["mean"] for n in names], width=0.4, label=model)
-    ax.set_xticks(range(len(names)), names, fontsize=8)
+    ax.set_xticks(range(len(names)), ["all right" if n == "correct" else n for n in names], fontsize=8)
     ax.set_ylim(0, 1)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_ylabel("accuracy")
     ax.set_title("After training: the judge's accuracy per attribute on the test prompts", fontsize=9)
     ax.legend(fontsize=8)

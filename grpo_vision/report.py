@@ -10,14 +10,14 @@ from grpo_vision.evaluate import eval_temperatures, evaluate, save_sample_grid
 from grpo_vision.health import run_summary
 from grpo_vision.metrics import load_metrics
 from grpo_vision.plots import curves_figure, judge_figure, save_figure
-from grpo_vision.report_text import change_table, rate_change, rate_value, what_changed
+from grpo_vision.report_text import change_table, duplicate_of_judge, rate_change, rate_value, what_changed
 
 
 def _temperature_table(by_temperature: dict) -> list[str]:
     """Both models at each eval temperature: the judge's all-attributes rate (where the policy kind has
     a judge) and each reward's mean."""
     first = next(iter(by_temperature.values()))
-    names = list(first["models"]["policy"]["rewards"])
+    names = [n for n in first["models"]["policy"]["rewards"] if n != duplicate_of_judge(first)]
     checked = bool(first["models"]["policy"]["checker"])
     head = ["temperature"] + (["checker: all right, reference -> policy"] if checked else []) + \
            [f"{n}: reference -> policy" for n in names]
@@ -111,7 +111,9 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
               f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",
               f"Skipped optimizer updates (non-finite loss or gradient): {skipped} of {updates}.",
               f"Wall time: {sum(m.get('perf/step_s', 0) for m in metrics) / 60:.1f} min of steps.", "",
-              "![training curves](curves.png)", "", "## Samples (test prompts): policy | reference", "",
+              "![training curves](curves.png)", "",
+              "## Samples (test prompts): policy | reference, the same seeds" +
+              (" | what the prompt describes" if getattr(judge, "render", None) else ""), "",
               "![samples](final_samples.png)", ""]
     (run_dir / "report.md").write_text("\n".join(lines))
     print(f"[report] {run_dir / 'report.md'}", flush=True)

@@ -116,6 +116,11 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
             if moved:
                 said.append(f"{verb} beyond their intervals: "
                             f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in moved)}.")
+        unclear = [a for a in attrs if not _sign(judged[a]) and judged[a].get("mean") is not None
+                   and abs(judged[a]["mean"]) >= 0.05]  # 5 points or more, inside the interval
+        if unclear:
+            said.append(f"Moved 5 points or more but within their intervals (more images would tell): "
+                        f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in unclear)}.")
     judge_down = [a for a in judged if _sign(judged[a]) < 0]
     if up(trained) and (judge_down or watched_down):
         fell = ([f"the judge's {_names(judge_down)} accuracy"] if judge_down else []) + watched_down

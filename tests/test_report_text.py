@@ -51,6 +51,7 @@ def test_what_changed_names_rises_falls_hacking_and_the_kl():
         in text
     assert "KL to the reference of 0.144 per token at the last step (max 0.200)" in text
     assert "shapes_exact rose" not in text  # the judge's own rate is said once, as the judge's
+    assert "within their intervals" not in text  # every attribute that moved, moved beyond its interval
 
 
 def test_no_hacking_line_when_nothing_independent_falls():
@@ -59,3 +60,6 @@ def test_no_hacking_line_when_nothing_independent_falls():
     r["checker_difference_ci"]["relation"] = entry(0.01, -0.1, 0.12)
     text = " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
     assert "reward hacking" not in text and "Fell beyond" not in text and "KL" not in text
+    # colour's -5 points is said as unresolved; relation's +1 is too small to mention
+    assert "Moved 5 points or more but within their intervals (more images would tell): color -5.0 pts " \
+           "[-12.0, +2.0]." in text
