@@ -21,32 +21,32 @@ def _sign(change: dict | None) -> int:
     return 1 if lo > 0 else -1 if hi < 0 else 0
 
 
-def reward_value(entry: dict) -> str:
-    if entry["mean"] is None:
+def _fmt(entry: dict | None, scale: float, signed: bool, unit: str, rate: bool = False) -> str:
+    """'mean [lo, hi]' scaled, with the sign shown for changes; a rate's interval kept in [0, 100]."""
+    if not entry or entry.get("mean") is None:
         return "n/a"
     lo, hi = entry["ci95"] or (float("nan"), float("nan"))
-    return f"{entry['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
+    if rate:  # a rate's normal-approximation interval can leave [0, 1]
+        lo, hi = max(lo, 0.0), min(hi, 1.0)
+    digits, sign = 1 if scale == 100 else 3, "+" if signed else ""  # points to 0.1, rewards to 0.001
+    f = lambda v: f"{scale * v:{sign}.{digits}f}"  # noqa: E731
+    return f"{f(entry['mean'])}{unit} [{f(lo)}, {f(hi)}]"
+
+
+def reward_value(entry: dict) -> str:
+    return _fmt(entry, 1, signed=False, unit="")
 
 
 def reward_change(change: dict | None) -> str:
-    if not change or change.get("mean") is None:
-        return "n/a"
-    lo, hi = change["ci95"] or (float("nan"), float("nan"))
-    return f"{change['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+    return _fmt(change, 1, signed=True, unit="")
 
 
 def rate_value(entry: dict) -> str:
-    if entry["mean"] is None:
-        return "n/a"
-    lo, hi = entry["ci95"] or (float("nan"), float("nan"))  # a rate's normal interval, kept inside [0, 100]
-    return f"{100 * entry['mean']:.1f}% [{100 * max(lo, 0.0):.1f}, {100 * min(hi, 1.0):.1f}]"
+    return _fmt(entry, 100, signed=False, unit="%", rate=True)
 
 
 def rate_change(change: dict | None) -> str:
-    if not change or change.get("mean") is None:
-        return "n/a"
-    lo, hi = change["ci95"] or (float("nan"), float("nan"))
-    return f"{100 * change['mean']:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return _fmt(change, 100, signed=True, unit=" pts")
 
 
 def duplicate_of_judge(result: dict) -> str | None:
