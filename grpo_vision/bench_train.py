@@ -66,7 +66,8 @@ def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 
 # The settings both trainers share in `bench trl`: what TRL can do (no CFG, no monitored rewards, no
 # reference unless beta > 0, one optimizer update per rollout), with the config's clip reward only.
 TRL_EQUAL = ["sample.cfg_scale=1.0", "reward.weights={clip: 1.0}", "reward.monitor=[]", "train.minibatches_per_pass=1",
-             "train.num_iterations=1", "train.reference=none", "train.beta=0.0", "train.mixed_precision=no"]
+             "train.num_iterations=1", "train.reference=none", "train.beta=0.0", "train.mixed_precision=no",
+             "train.warmup_steps=0", "train.lr_schedule=constant"]
 
 
 def _trl_trainer(cfg, out: Path):
@@ -124,6 +125,7 @@ def _trl_trainer(cfg, out: Path):
         beta=t.beta, num_iterations=1, epsilon=t.epsilon_low, epsilon_high=t.epsilon_high, loss_type=t.loss_type,
         scale_rewards={"group": "group", "batch": "batch", "none": "none"}[t.adv_scale],
         mask_truncated_completions=False, log_completions=False, bf16=False, model_init_kwargs={"dtype": "float32"},
+        gradient_checkpointing=cfg.train.gradient_checkpointing,  # TRL 1.16 turns it on by default
     )
     dataset = Dataset.from_list([{"prompt": condition_text(e.prompt, pc), "index": i} for i, e in enumerate(entries)])
     trainer = GRPOTrainer(model=str(out / "model"), reward_funcs=reward, args=args, train_dataset=dataset,

@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import signal
 import sys
 
 from grpo_vision import __version__
+from grpo_vision.cli_args import at_least_two, non_negative_int, positive_float, positive_int
 from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
 
@@ -188,28 +188,6 @@ def _print_result(result: dict, as_json: bool) -> None:
             print(f"{k}: {v}")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (images per prompt, benchmark repeats)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (a sampling temperature)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="grpo-vision", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"grpo-vision {__version__}")
@@ -304,13 +282,14 @@ def add_bench_commands(sub) -> None:
     p = training_bench("step", "one training step of CONFIG by phase, images/s and peak memory (a minute or two "
                                "for the main job on a 2-core CPU)", "a config file, as for grpo-vision train")
     p.add_argument("--steps", type=positive_int, default=4, help="timed steps (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="steps run first and not timed")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="steps run first and not timed")
     p.set_defaults(func=cmd_bench_step)
     p = training_bench("trl", "images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench]; "
                               "about 3 min for the main job on a 2-core CPU)",
                        "a config of the built-in Llama policy (e.g. configs/shapes.yaml)")
     p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (each trainer once per round)")
-    p.add_argument("--steps-per-round", type=int, default=3, help="steps per trainer and round; the first is not timed")
+    p.add_argument("--steps-per-round", type=at_least_two, default=3,
+                   help="steps per trainer and round; the first is not timed")
     p.set_defaults(func=cmd_bench_trl)
 
 

@@ -40,6 +40,8 @@ def prepare(acc, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, adap
         if adapter != "none":  # peft's merge (reference sync) and adapter-only state dicts assume full tensors
             raise ValueError("FSDP shards a full fine-tune; with train.adapter the trainable weights are small: "
                              "launch with --multi_gpu (DDP) instead of an FSDP config, or set train.adapter=none")
+        if acc.mixed_precision == "fp16":  # accelerate would unscale a subset of the parameters twice
+            raise ValueError("FSDP with fp16 mixed precision is not supported here: set train.mixed_precision=bf16")
         if acc.mixed_precision != "no" and any(p.dtype != torch.float32 for p in policy.parameters()):
             raise ValueError("FSDP with mixed precision keeps float32 master weights: set policy.dtype=float32")
     return acc.prepare(policy, optimizer)

@@ -15,7 +15,8 @@ BUSY = 1.5  # load per core above which the machine counts as shared
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its affinity; a container's limit shows there), at least 1."""
+    """The cores this process may run on (its CPU affinity; a cgroup CPU quota does not show there:
+    set run.threads under one), at least 1."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not on Linux

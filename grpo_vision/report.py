@@ -78,7 +78,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
              *_warning_paragraph(warnings),
-             *what_changed(result, trained, list(cfg.reward.monitor), kl),
+             *what_changed(result, trained, list(cfg.reward.monitor), kl if cfg.train.reference != "none" else []),
              f"Evaluation: {result['prompts']} test prompts (the training prompts' distribution, never trained on; "
              f"prompts/test.jsonl) x {result['images_per_prompt']} images, the same seeds for policy and reference, "
              f"sampled at temperature {result['temperature']} (training sampled at {params.temperature}); "

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 
 def _sign(change: dict | None) -> int:
-    """+1 / -1 when the change's 95% interval excludes 0, else 0."""
+    """+1 / -1 when the change's 95% interval excludes 0, else 0 (also for an interval of no width:
+    identical paired differences, or a single one, say nothing about noise)."""
     if not change or change.get("mean") is None or not change.get("ci95"):
         return 0
     lo, hi = change["ci95"]
+    if not hi > lo:
+        return 0
     return 1 if lo > 0 else -1 if hi < 0 else 0
 
 
@@ -121,9 +124,11 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
         if unclear:
             said.append(f"Moved 5 points or more but within their intervals (more images would tell): "
                         f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in unclear)}.")
-    judge_down = [a for a in judged if _sign(judged[a]) < 0]
-    if up(trained) and (judge_down or watched_down):
-        fell = ([f"the judge's {_names(judge_down)} accuracy"] if judge_down else []) + watched_down
+    judge_down = [a for a in judged if a != "correct" and _sign(judged[a]) < 0]
+    all_right_down = _sign(judged.get("correct")) < 0
+    if up(trained) and (judge_down or all_right_down or watched_down):
+        fell = (["the judge's all-attributes-right rate"] if all_right_down else []) + \
+               ([f"the judge's {_names(judge_down)} accuracy"] if judge_down else []) + watched_down
         said.append(f"**Possible reward hacking:** {_names(up(trained))} rose while {_names(fell)} fell: the "
                     "policy may be learning what the reward model scores rather than what the prompts ask. "
                     "Look at the samples below before trusting the trained reward's gain.")

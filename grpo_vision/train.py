@@ -29,7 +29,7 @@ from grpo_vision.checkpoint import (
 )
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
 from grpo_vision.distributed import (
-    full_state_dict, full_weights, load_optimizer_state, optimizer_state, prepare, trainable_weights,
+    full_state_dict, full_weights, is_fsdp, load_optimizer_state, optimizer_state, prepare, trainable_weights,
 )
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
@@ -163,7 +163,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
 
     def checkpoint(step: int) -> None:
-        weights, opt_state = trainable_weights(st.model), optimizer_state(st.model, optimizer)  # every process: FSDP
+        weights = opt_state = None
+        if main or is_fsdp(st.model):  # FSDP gathers the shards with every process; DDP copies on the main one
+            weights, opt_state = trainable_weights(st.model), optimizer_state(st.model, optimizer)
         if main:
             learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": rewards.state_dict()}
             save_checkpoint(run_dir, step, policy, optimizer, scheduler, reference.state_dict(policy),
@@ -190,8 +192,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                 # not again after a checkpoint saved past it (a reward that failed later in the step)
                 if st.buffer is not None and st.buffer.iteration < index:
                     replay_rng = np.random.default_rng([cfg.run.seed, step, 3])
-                    iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge,
-                                               cfg.reward.replay_fraction, replay_rng, s.batch_size, acc.device)
+                    with full_weights(st.model):  # the decoder may be part of the sharded policy (Janus)
+                        iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge,
+                                                   cfg.reward.replay_fraction, replay_rng, s.batch_size, acc.device)
             # ---------------------------------------------------------- SAMPLING
             # Every process draws the same global prompt list and keeps its own whole groups.
             rng = np.random.default_rng([cfg.run.seed, step])
@@ -204,12 +207,12 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             seeds = [step_seed(cfg.run.seed, step, first + j) for j in range(len(prompts))]
             policy.eval()
             cond = policy.encode_prompts(prompts)  # [n, L]
-            with full_weights(st.model):
+            with full_weights(st.model):  # decoding too: Janus's VQ decoder is part of the sharded policy
                 rollout = sample_batched(policy, cond, seeds, params, s.batch_size)
-            t_sample = time.perf_counter() - t0
-            with torch.no_grad():
-                images = torch.cat([tokenizer.decode(rollout.tokens[i:i + s.batch_size])
-                                    for i in range(0, len(prompts), s.batch_size)])  # [n, 3, H, W]
+                t_sample = time.perf_counter() - t0
+                with torch.no_grad():
+                    images = torch.cat([tokenizer.decode(rollout.tokens[i:i + s.batch_size])
+                                        for i in range(0, len(prompts), s.batch_size)])  # [n, 3, H, W]
             t_decode = time.perf_counter() - t0 - t_sample
             # ---------------------------------------------------------- REWARD
             t1 = time.perf_counter()

@@ -129,7 +129,9 @@ def update(model, trainable, optimizer, scheduler, batch: StepBatch, params, cfg
                     raise NonFiniteWeightsError(
                         f"an optimizer update at step {step + 1} made the policy's weights non-finite (gradient "
                         f"norm {grad_norm:.3g}, learning rate {scheduler.get_last_lr()[0]:.3g}); lower train.lr")
-            health.after_update(applied=math.isfinite(grad_norm))
+            # fp16: while the loss scaler calibrates (scale still >= 1) an overflow is its routine, not a failure
+            calibrating = acc.scaler is not None and acc.scaler.get_scale() >= 1.0
+            health.after_update(applied=math.isfinite(grad_norm) or calibrating)
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
     means = {k: acc.reduce(torch.tensor(v / count, device=acc.device), "mean").item() for k, v in sums.items()}

@@ -61,6 +61,9 @@ def test_bench_counts_must_be_positive(capsys):
         (["bench", "sampler", "--repeats", "0"], "argument --repeats: expected a whole number >= 1, got '0'"),
         (["bench", "sampler", "--batch", "x"], "argument --batch: expected a whole number >= 1, got 'x'"),
         (["bench", "demo", "runs/none", "--repeats", "-1"], "argument --repeats: expected a whole number >= 1"),
+        (["bench", "step", "c.yaml", "--warmup", "-1"], "argument --warmup: expected a whole number >= 0, got '-1'"),
+        (["bench", "trl", "c.yaml", "--steps-per-round", "1"], "expected a whole number >= 2 (the first step is a "
+                                                               "warm-up), got '1'"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(args)

@@ -63,3 +63,12 @@ def test_no_hacking_line_when_nothing_independent_falls():
     # colour's -5 points is said as unresolved; relation's +1 is too small to mention
     assert "Moved 5 points or more but within their intervals (more images would tell): color -5.0 pts " \
            "[-12.0, +2.0]." in text
+
+
+def test_the_all_right_rate_is_named_apart_and_a_zero_width_interval_says_nothing():
+    r = result()
+    r["checker_difference_ci"]["correct"] = entry(-0.05, -0.09, -0.01)
+    r["checker_difference_ci"]["count"] = entry(-0.03, -0.03, -0.03)  # identical differences: no width
+    text = " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
+    assert "rose while the judge's all-attributes-right rate and the judge's color and relation accuracy fell" in text
+    assert "count" not in text.split("**Possible reward hacking:**")[1]

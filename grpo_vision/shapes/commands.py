@@ -54,7 +54,7 @@ def cmd_world_prompts(args) -> None:
 
 def add_commands(sub) -> None:
     """Add `world build | render | prompts` to the `grpo-vision` subparsers `sub`."""
-    from grpo_vision.cli import positive_int
+    from grpo_vision.cli_args import positive_int
 
     world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
         dest="what", required=True)
