@@ -6,34 +6,30 @@ import argparse
 import math
 
 
-def positive_int(text: str) -> int:
-    """argparse type: a whole number >= 1 (images per prompt, benchmark repeats)."""
+def _whole(text: str, low: int, why: str = "") -> int:
+    """`text` as a whole number >= low, or the error argparse prints under the option's name."""
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+        value = low - 1
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}{why}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (images per prompt, benchmark repeats)."""
+    return _whole(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: a whole number >= 0 (warm-up steps)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
+    return _whole(text, 0)
 
 
 def at_least_two(text: str) -> int:
     """argparse type: a whole number >= 2 (a round's first step is not timed)."""
-    value = positive_int(text)
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 2 (the first step is a warm-up), got {text!r}")
-    return value
+    return _whole(text, 2, " (the first step is a warm-up)")
 
 
 def positive_float(text: str) -> float:
