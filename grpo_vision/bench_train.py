@@ -123,7 +123,7 @@ def _trl_trainer(cfg, out: Path):
         max_completion_length=pc.num_image_tokens, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
         generation_kwargs={"min_new_tokens": pc.num_image_tokens, "suppress_tokens": list(range(pc.image_offset))},
         beta=t.beta, num_iterations=1, epsilon=t.epsilon_low, epsilon_high=t.epsilon_high, loss_type=t.loss_type,
-        scale_rewards={"group": "group", "batch": "batch", "none": "none"}[t.adv_scale],
+        scale_rewards=t.adv_scale,  # TRL's names are ours: group, batch, none
         mask_truncated_completions=False, log_completions=False, bf16=False, model_init_kwargs={"dtype": "float32"},
         gradient_checkpointing=cfg.train.gradient_checkpointing,  # TRL 1.16 turns it on by default
     )
@@ -135,14 +135,15 @@ def _trl_trainer(cfg, out: Path):
 
 def bench_trl(config: str, overrides: list[str], rounds: int = 3, steps_per_round: int = 3) -> dict:
     """Images per second of our trainer and TRL's GRPOTrainer at equal settings, interleaved in rounds."""
-    from grpo_vision.config import load_config
-
     import trl
+
+    from grpo_vision.config import ConfigError, load_config
 
     overrides = [*TRL_EQUAL, *overrides]
     cfg = load_config(config, overrides)
     if cfg.policy.kind not in ("llama", "shapes"):
-        raise ValueError(f"bench trl exports the built-in Llama policy; policy kind {cfg.policy.kind!r} is not one")
+        raise ConfigError(f"bench trl exports the built-in Llama policy to TRL; policy kind {cfg.policy.kind!r} is "
+                          "not one: use a config with policy.kind llama or shapes")
     ours, theirs, our_rewards = [], [], []
     with tempfile.TemporaryDirectory() as out, redirect_stdout(sys.stderr):  # TRL prints its logs
         trainer, trl_times, trl_rewards = _trl_trainer(cfg, Path(out))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -20,6 +21,7 @@ class Cell:
     caption: Sequence[str] = ()  # text lines under the image
 
 
+@lru_cache(maxsize=None)  # one load per size: sample grids and demo clicks draw text again and again
 def font(size: int):
     """DejaVu Sans (shipped with matplotlib: spaces, ✓ and ✗ render); PIL's own font if it is missing."""
     from PIL import ImageFont

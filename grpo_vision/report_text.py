@@ -102,7 +102,8 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
     if flat:
         said.append(f"The trained reward{'s' if len(flat) > 1 else ''} {_names(flat)} did not move beyond "
                     f"{'its interval' if len(flat) == 1 else 'their intervals'}.")
-    watched = [n for n in monitored if n != duplicate_of_judge(result)]
+    twin = duplicate_of_judge(result)
+    watched = [n for n in monitored if n != twin]
     watched_down = down(watched)
     moved = [f"{n} {'rose' if _sign(changes[n]) > 0 else 'fell'} ({reward_change(changes[n])})"
              for n in watched if _sign(changes.get(n))]

@@ -124,25 +124,24 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     model, optimizer = prepare(acc, policy, optimizer, t.adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
-    if resume:
-        if ckpt is not None:
-            load_training_state(ckpt, optimizer, scheduler,
-                                lambda opt_state: load_optimizer_state(model, optimizer, opt_state))
-            if ref_state is not None:
-                reference.load_state_dict(policy, ref_state)
-            start, counters = state["step"], state["counters"]
-            learned = load_iterative_state(ckpt)
-            if buffer is not None and learned is None and start:
-                raise CheckpointError(f"{ckpt} has no iterative.safetensors, which this run's learning rewards "
-                                      f"({', '.join(rewards.learners)}) need to resume exactly: resume with the "
-                                      "config that wrote it")
-            if learned is not None:
-                rewards.load_state_dict(learned["rewards"])
-                if buffer is not None:
-                    buffer.load_state_dict(learned["buffer"])
-        if main:
-            print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
-                  "starting at step 0", flush=True)
+    if ckpt is not None:
+        load_training_state(ckpt, optimizer, scheduler,
+                            lambda opt_state: load_optimizer_state(model, optimizer, opt_state))
+        if ref_state is not None:
+            reference.load_state_dict(policy, ref_state)
+        start, counters = state["step"], state["counters"]
+        learned = load_iterative_state(ckpt)
+        if buffer is not None and learned is None and start:
+            raise CheckpointError(f"{ckpt} has no iterative.safetensors, which this run's learning rewards "
+                                  f"({', '.join(rewards.learners)}) need to resume exactly: resume with the "
+                                  "config that wrote it")
+        if learned is not None:
+            rewards.load_state_dict(learned["rewards"])
+            if buffer is not None:
+                buffer.load_state_dict(learned["buffer"])
+    if resume and main:
+        print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
+              "starting at step 0", flush=True)
     return RunState(acc, run_dir, params, bundle, policy, model, trainable, optimizer, scheduler, reference,
                     rewards, prompts, start, counters, buffer)
 

@@ -39,3 +39,12 @@ def test_bench_trl_trains_the_exported_policy_with_trl_beside_the_loop(micro_wor
     assert all(-1 <= v <= 1 for v in result["reward_mean"].values())  # a CLIP cosine, both trainers
     assert result["speedup_vs_trl"] == pytest.approx(result["step_s"]["trl"] / result["step_s"]["grpo_vision"],
                                                      rel=0.02)
+
+
+def test_bench_trl_refuses_a_policy_it_cannot_export():
+    pytest.importorskip("trl")
+    from grpo_vision.bench_train import bench_trl
+    from grpo_vision.config import ConfigError
+
+    with pytest.raises(ConfigError, match="policy kind 'janus' is not one: use a config with policy.kind llama"):
+        bench_trl(str(ROOT / "configs" / "janus_pro_1b.yaml"), [], rounds=1, steps_per_round=2)
