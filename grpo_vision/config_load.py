@@ -22,6 +22,15 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and how to fix it."""
 
 
+def brief(value: Any, limit: int = 80) -> str:
+    """`repr(value)` for an error message, cut after `limit` characters with the full length noted:
+    a rejected 10 MB prompt line was echoed whole to stderr (issue 33). Every error quotes user text
+    through this."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
 
 def read_yaml(path: str | Path) -> dict:
     """The mapping in the YAML file at `path`, or ConfigError naming the file and the problem."""
