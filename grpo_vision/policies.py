@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from grpo_vision.config import Config, ConfigError, PolicyConfig
+from grpo_vision.config import Config, ConfigError, PolicyConfig, brief
 from grpo_vision.judge import Judge
 from grpo_vision.plugins import load_plugins, not_found_hint
 from grpo_vision.policy import prompt_problem
@@ -60,7 +60,7 @@ def policy_kind(name: str) -> PolicyKind:
     if name not in REGISTRY:
         load_plugins()
     if name not in REGISTRY:
-        raise ConfigError(f"unknown policy.kind {name!r}; registered kinds: {', '.join(sorted(REGISTRY))} "
+        raise ConfigError(f"unknown policy.kind {brief(name)}; registered kinds: {', '.join(sorted(REGISTRY))} "
                           f"({not_found_hint()})")
     return REGISTRY[name]
 
@@ -171,7 +171,8 @@ def checked_prompt_sets(cfg: Config, bundle: Bundle) -> PromptSets:
     before it starts, naming the prompt and its line (it would be trained on as <unk>)."""
     d = cfg.data
     sets = prompt_lists(cfg)
-    for entries, source in ((sets.train, d.train_prompts), (sets.test, d.eval_prompts),
+    # without data.eval_prompts, a train file's test set is held back from it (and named by its lines)
+    for entries, source in ((sets.train, d.train_prompts), (sets.test, d.eval_prompts or d.train_prompts),
                             (sets.heldout, d.heldout_prompts)):
         for e in entries:
             problem = prompt_problem(bundle.policy, e.prompt)

@@ -125,3 +125,26 @@ def test_a_line_or_paragraph_separator_inside_a_caption_is_kept(tmp_path):
     path.write_text("a red\u2028circle\r\na blue\x1csquare\na green triangle\n", encoding="utf-8")
     assert [(e.prompt, e.line) for e in load_prompts(path)] == [
         ("a red\u2028circle", 1), ("a blue\x1csquare", 2), ("a green triangle", 3)]
+
+
+def test_a_rejected_long_prompt_is_quoted_briefly(tmp_path, tiny_policy):
+    # a rejected 10 MB prompt line was echoed whole to stderr (issue 33)
+    from grpo_vision.config import brief
+
+    assert brief("a red circle") == "'a red circle'" and brief(["x"]) == "['x']"  # short text: its repr
+    assert brief("é" * 81) == repr("é" * 80) + "... (81 characters)"
+    assert brief("a\u2028b" * 100, limit=4) == "'a\\u2028ba'... (300 characters)"  # repr shows what is unseen
+    assert prompt_problem(tiny_policy, "x" * 10_000_000) == (
+        f"words the policy does not know: {repr('x' * 80)}... (10000000 characters)"
+        " (its vocabulary: a red blue circle square left of)")
+    many = prompt_problem(tiny_policy, " ".join(f"w{i}" for i in range(8)))  # as many words as it reads
+    assert many.startswith("words the policy does not know: 'w0', 'w1', 'w2', 'w3', 'w4' and 3 more (its voc")
+    assert prompt_problem(tiny_policy, "red " * 2_000_000) == (
+        f"caption {repr('red ' * 20)}... (8000000 characters) has 2000000 words; this policy takes at most 8 "
+        "(max_caption_words)")
+    train = write(tmp_path, "train.txt", "a red circle\na blue square\n" + "red " * 2_500_000 + "\n")
+    cfg = load_config(None, [f"data.train_prompts={train}", "data.test_prompts=1"])
+    with pytest.raises(PromptsError) as err:
+        checked_prompt_sets(cfg, Bundle(tiny_policy, None))
+    # line 3 is held back as the test set: named by the train file's line, no more "the policy kind's prompts"
+    assert str(err.value).startswith(f"{train}, line 3: caption 'red red ") and len(str(err.value)) < 300
