@@ -31,11 +31,12 @@ RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
 
 
 class RewardError(RuntimeError):
-    """A reward failed; `name` says which one."""
+    """A reward failed; `name` says which one, `message` what happened (without the name: a handler that
+    adds to it builds a new RewardError from `message`, so the prefix is written once)."""
 
     def __init__(self, name: str, message: str):
         super().__init__(f"reward '{name}' failed: {message}")
-        self.name = name
+        self.name, self.message = name, message
 
 
 @dataclass
