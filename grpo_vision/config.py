@@ -31,7 +31,7 @@ class RunConfig:
     out_dir: str = "runs"  # parent folder of run directories
     seed: int = 0  # seeds prompts order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
-    threads: int = 0  # torch's CPU threads per process; 0 = OMP_NUM_THREADS if set, else its share of the usable cores
+    threads: int = 0  # torch's CPU threads per process, at most the usable cores; 0 = OMP_NUM_THREADS if set, else its share
 
 
 @dataclass
