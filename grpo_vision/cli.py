@@ -14,7 +14,7 @@ import sys
 
 from grpo_vision import __version__
 from grpo_vision.cli_args import at_least_two, non_negative_int, positive_float, positive_int
-from grpo_vision.config import ConfigError, derived_sizes, format_sizes, load_config, to_dict
+from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
 
 
@@ -130,7 +130,7 @@ def _items(text: str, kind, option: str) -> list:
     try:
         return [kind(t.strip()) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise ConfigError(f"{option} {text!r}: expected a comma-separated list of {kind.__name__}") from None
+        raise ConfigError(f"{option} {brief(text)}: expected a comma-separated list of {kind.__name__}") from None
 
 
 def cmd_demo(args) -> None:

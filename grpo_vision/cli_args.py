@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from grpo_vision.config_load import brief
+
 
 def _whole(text: str, low: int, why: str = "") -> int:
     """`text` as a whole number >= low, or the error argparse prints under the option's name."""
@@ -13,7 +15,7 @@ def _whole(text: str, low: int, why: str = "") -> int:
     except ValueError:
         value = low - 1
     if value < low:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}{why}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}{why}, got {brief(text)}")
     return value
 
 
@@ -39,5 +41,5 @@ def positive_float(text: str) -> float:
     except ValueError:
         value = float("nan")
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {brief(text)}")
     return value

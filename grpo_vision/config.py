@@ -21,7 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from grpo_vision.config_load import (  # noqa: F401  (re-exported: importers use grpo_vision.config)
-    MOVED_KEYS, ConfigError, apply_override, coerce, from_dict, move_keys, read_yaml,
+    MOVED_KEYS, ConfigError, apply_override, brief, coerce, from_dict, move_keys, read_yaml,
 )
 
 
@@ -31,7 +31,7 @@ class RunConfig:
     out_dir: str = "runs"  # parent folder of run directories
     seed: int = 0  # seeds prompts order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
-    threads: int = 0  # torch's CPU threads per process; 0 = OMP_NUM_THREADS if set, else its share of the usable cores
+    threads: int = 0  # torch's CPU threads per process, at most the usable cores; 0 = OMP_NUM_THREADS if set, else its share
 
 
 @dataclass
@@ -248,7 +248,7 @@ def validate(cfg: Config) -> None:
          f"reward.weights must be finite numbers, got {cfg.reward.weights}"),
         (cfg.reward.batch_size >= 1, "reward.batch_size must be >= 1"),
         (bool(cfg.run.name) and cfg.run.name not in (".", "..") and "/" not in cfg.run.name,
-         f"run.name must be a plain folder name (no '/'), got {cfg.run.name!r}"),
+         f"run.name must be a plain folder name (no '/'), got {brief(cfg.run.name)}"),
         (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
         (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
         (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per eval prompt in the report)"),

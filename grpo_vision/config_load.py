@@ -22,6 +22,15 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and how to fix it."""
 
 
+def brief(value: Any, limit: int = 80) -> str:
+    """`repr(value)` for an error message, cut after `limit` characters with the full length noted:
+    a rejected 10 MB prompt line was echoed whole to stderr (issue 33). Every error quotes user text
+    through this."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
 
 def read_yaml(path: str | Path) -> dict:
     """The mapping in the YAML file at `path`, or ConfigError naming the file and the problem."""
@@ -87,7 +96,7 @@ def move_keys(raw: dict, where: str) -> dict:
 def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> Any:
     """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {raw!r}")
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {brief(raw)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -112,7 +121,7 @@ def apply_override(cfg, item: str) -> None:
     (``reward.weights.aesthetic=0.25`` adds or replaces that entry; ``reward.options.clip.checkpoint=P``
     sets one key of a nested mapping)."""
     if "=" not in item:
-        raise ConfigError(f"override '{item}' must look like section.key=value, e.g. train.lr=1e-5")
+        raise ConfigError(f"override {brief(item)} must look like section.key=value, e.g. train.lr=1e-5")
     dotted, text = item.split("=", 1)
     dotted = dotted.strip()
     if dotted in MOVED_KEYS:
@@ -176,7 +185,7 @@ def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
         return value
 
     def fail(expected: str) -> ConfigError:
-        return ConfigError(f"{where}: '{key}' expects {expected}, got {value!r} ({type(value).__name__})")
+        return ConfigError(f"{where}: '{key}' expects {expected}, got {brief(value)} ({type(value).__name__})")
 
     if origin is Literal:
         if value is False and "no" in args:  # YAML 1.1 reads a bare `no` (accelerate's spelling) as false
@@ -225,4 +234,4 @@ def _unknown_key(full: str, key: str, names: list[str], where: str) -> str:
     close = difflib.get_close_matches(key, names, n=1)
     section = full.rsplit(".", 1)[0] if "." in full else "the top level"
     hint = f" (did you mean '{full[:-len(key)]}{close[0]}'?)" if close else ""
-    return f"{where}: unknown key '{full}'{hint}; valid keys in {section}: {', '.join(names)}"
+    return f"{where}: unknown key {brief(full)}{hint}; valid keys in {section}: {', '.join(names)}"

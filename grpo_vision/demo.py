@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from grpo_vision.checkpoint import checkpoint_steps, find_checkpoint
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, brief
 from grpo_vision.evaluate import LoadedRun, generate, load_run
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.metrics import nanmean
@@ -106,7 +106,7 @@ class DemoRun:
             return *run.reference.sampler(run.policy), self.reference_label
         step = choice.removeprefix("step ").strip()
         if not choice.startswith("step ") or not step.isdigit():
-            raise DemoInputError(f"unknown checkpoint {choice!r}; choose one of: {', '.join(self.choices())}")
+            raise DemoInputError(f"unknown checkpoint {brief(choice)}; choose one of: {', '.join(self.choices())}")
         try:
             find_checkpoint(self.run_dir, int(step))
         except FileNotFoundError as e:
@@ -173,7 +173,7 @@ def _whole(value, name: str, lo: int, hi: int) -> int:
     except (TypeError, ValueError):
         number = math.nan
     if not (math.isfinite(number) and number == int(number) and lo <= number <= hi):
-        raise DemoInputError(f"{name} must be a whole number from {lo} to {hi}, got {value!r}.")
+        raise DemoInputError(f"{name} must be a whole number from {lo} to {hi}, got {brief(value)}.")
     return int(number)
 
 
@@ -184,7 +184,7 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
     top_k = _whole(top_k, "Top-k", 0, 1 << 20)
     for name, value in (("The CFG scale", cfg_scale), ("The temperature", temperature)):
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise DemoInputError(f"{name} must be a number >= 0, got {value!r}.")
+            raise DemoInputError(f"{name} must be a number >= 0, got {brief(value)}.")
     if temperature == 0:
         raise DemoInputError("The temperature must be > 0 (lower it towards 0.1 for less varied images).")
     return [seed + i for i in range(n)], SamplingParams(float(cfg_scale), float(temperature), top_k, base.top_p,

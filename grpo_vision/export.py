@@ -19,7 +19,7 @@ from pathlib import Path
 
 from grpo_vision.evaluate import generate
 from grpo_vision.images import to_uint8
-from grpo_vision.prompts import PromptsError
+from grpo_vision.prompts import PromptsError, parse_json_line, read_lines
 
 LAYOUTS = ("index", "geneval", "flat")
 IMAGES_PER_CALL = 64  # images generated per sampler call, whatever the number of prompts
@@ -32,13 +32,10 @@ def load_geneval_metadata(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise PromptsError(f"GenEval metadata file not found: {path}")
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_lines(path), start=1):  # as a prompts file's: see prompts.py
         if not line.strip():
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptsError(f"{path}, line {number}: not valid JSON ({e.msg} at column {e.colno})") from None
+        row = parse_json_line(line, f"{path}, line {number}")
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise PromptsError(f"{path}, line {number}: a GenEval metadata line is an object with a non-empty "
                                "'prompt' (and its tag, include, ... fields)")

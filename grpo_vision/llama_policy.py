@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.checkpoint import CheckpointError
+from grpo_vision.config_load import brief
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
 PAD, BOS, NULL, BOI, UNK = range(len(SPECIALS))
@@ -208,7 +209,7 @@ class LlamaImagePolicy(nn.Module):
         for prompt in prompts:
             words = prompt.lower().split()
             if len(words) > self.cfg.max_caption_words:
-                raise ValueError(f"caption {prompt!r} has {len(words)} words; this policy takes at most "
+                raise ValueError(f"caption {brief(prompt)} has {len(words)} words; this policy takes at most "
                                  f"{self.cfg.max_caption_words} (max_caption_words)")
             ids = [self.word_ids.get(w, UNK) for w in words]
             rows.append([PAD] * (self.cfg.max_caption_words - len(ids)) + [BOS] + ids + [BOI])

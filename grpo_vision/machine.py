@@ -3,6 +3,8 @@
 On a shared 2-core machine the main job took 91 minutes instead of 10 with no word why (issue 25):
 torch's threads fought other processes for the cores. `run.threads` sets the threads; a 1-minute
 load average well above the cores at start-up is reported in one line, so a slow run says why.
+More threads than usable cores never speed torch up, and a huge number (100000) made OpenMP exhaust
+the memory and crash (issue 33): it is refused.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from grpo_vision.config_load import ConfigError
 
 BUSY = 1.5  # load per core above which the machine counts as shared
 
@@ -25,10 +29,15 @@ def available_cores() -> int:
 
 def set_threads(threads: int, processes: int = 1) -> int:
     """Use `threads` torch threads; 0 keeps OMP_NUM_THREADS where it is set (torchrun and the matrix set
-    it), else takes this process's share of the available cores. Returns the number in use."""
+    it), else takes this process's share of the available cores. Returns the number in use; ConfigError
+    for more threads than the available cores."""
+    cores = available_cores()
+    if threads > cores:
+        raise ConfigError(f"run.threads={threads} is more than the {cores} cores this process may use: set it to "
+                          f"at most {cores}, or to 0 for this process's share of them")
     if threads == 0 and os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    torch.set_num_threads(threads or max(1, available_cores() // processes))
+    torch.set_num_threads(threads or max(1, cores // processes))
     return torch.get_num_threads()
 
 

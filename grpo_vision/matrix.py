@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_vision.config import Config, ConfigError, derived_sizes, load_config, to_dict
+from grpo_vision.config import Config, ConfigError, brief, derived_sizes, load_config, to_dict
 
 DONE = "matrix_run.json"  # written into a run's directory when its train process ends: {"rc": ...}
 
@@ -63,13 +63,13 @@ def parse_reward_spec(spec: str, base_weights: dict[str, float]) -> tuple[tuple[
         try:
             w = float(weight) if weight else (base_weights.get(name, 1.0) if len(terms) > 1 else 1.0)
         except ValueError:
-            raise ConfigError(f"--rewards: {term!r} in {spec!r} is not NAME or WEIGHT*NAME") from None
+            raise ConfigError(f"--rewards: {brief(term)} in {brief(spec)} is not NAME or WEIGHT*NAME") from None
         if not name or not is_registered(name):
-            raise ConfigError(f"--rewards: {name!r} in {spec!r} is not a reward; registered rewards: "
+            raise ConfigError(f"--rewards: {brief(name)} in {brief(spec)} is not a reward; registered rewards: "
                               f"{', '.join(available_rewards())}")
         out.append((name, w))
     if len({n for n, _ in out}) < len(out):
-        raise ConfigError(f"--rewards: {spec!r} names a reward twice")
+        raise ConfigError(f"--rewards: {brief(spec)} names a reward twice")
     return tuple(out)
 
 

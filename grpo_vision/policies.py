@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from grpo_vision.config import Config, ConfigError, PolicyConfig
+from grpo_vision.config import Config, ConfigError, PolicyConfig, brief
 from grpo_vision.judge import Judge
 from grpo_vision.plugins import load_plugins, not_found_hint
 from grpo_vision.policy import prompt_problem
@@ -60,7 +60,7 @@ def policy_kind(name: str) -> PolicyKind:
     if name not in REGISTRY:
         load_plugins()
     if name not in REGISTRY:
-        raise ConfigError(f"unknown policy.kind {name!r}; registered kinds: {', '.join(sorted(REGISTRY))} "
+        raise ConfigError(f"unknown policy.kind {brief(name)}; registered kinds: {', '.join(sorted(REGISTRY))} "
                           f"({not_found_hint()})")
     return REGISTRY[name]
 
@@ -132,7 +132,27 @@ def prompt_lists(cfg: Config) -> PromptSets:
         test = own.test if own else _hold_back(train, d.test_prompts, d.train_prompts)
     heldout = load_prompts(d.heldout_prompts) if d.heldout_prompts else (own.heldout if own else [])
     unseen = {e.prompt for e in (*test, *heldout)}
-    return PromptSets([e for e in train if e.prompt not in unseen], test, heldout)
+    sets = PromptSets([e for e in train if e.prompt not in unseen], test, heldout)
+    if not sets.train:  # else the first step fails deep in numpy, after the run folder is written
+        raise ConfigError(_nothing_to_train(cfg, train, sets, own is not None))
+    return sets
+
+
+def _nothing_to_train(cfg: Config, train: list[PromptEntry], sets: PromptSets, kind: bool) -> str:
+    """Why `train` (the prompts before both evaluation sets were removed) leaves nothing to train on."""
+    d = cfg.data
+    source = f"data.train_prompts ({d.train_prompts})" if d.train_prompts else KIND_PROMPTS
+    if not train:
+        return f"no prompt of {source} is left to train on: it has none; give data.train_prompts"
+    names = {"test": f"data.eval_prompts ({d.eval_prompts})" if d.eval_prompts else
+             "the policy kind's test set" if kind else "its held-back test set",
+             "heldout": f"data.heldout_prompts ({d.heldout_prompts})" if d.heldout_prompts else
+             "the policy kind's held-out set"}
+    trained = {e.prompt for e in train}
+    where = " or ".join(names[k] for k, v in sets.named().items() if trained & {e.prompt for e in v})
+    return (f"no prompt of {source} is left to train on: all {len(train)} of its prompts are in {where}, and evaluation "
+            "prompts are never trained on: train on other prompts (data.train_prompts), or evaluate on others "
+            "(data.eval_prompts, data.heldout_prompts)")
 
 
 def _hold_back(entries: list[PromptEntry], n: int, source: str) -> list[PromptEntry]:
@@ -151,7 +171,8 @@ def checked_prompt_sets(cfg: Config, bundle: Bundle) -> PromptSets:
     before it starts, naming the prompt and its line (it would be trained on as <unk>)."""
     d = cfg.data
     sets = prompt_lists(cfg)
-    for entries, source in ((sets.train, d.train_prompts), (sets.test, d.eval_prompts),
+    # without data.eval_prompts, a train file's test set is held back from it (and named by its lines)
+    for entries, source in ((sets.train, d.train_prompts), (sets.test, d.eval_prompts or d.train_prompts),
                             (sets.heldout, d.heldout_prompts)):
         for e in entries:
             problem = prompt_problem(bundle.policy, e.prompt)

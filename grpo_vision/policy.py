@@ -19,6 +19,8 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from grpo_vision.config_load import brief
+
 
 @runtime_checkable
 class ImagePolicy(Protocol):
@@ -73,4 +75,5 @@ def prompt_problem(policy, prompt: str) -> str | None:
     vocabulary = getattr(policy, "caption_words", None) or []
     more = " ..." if len(vocabulary) > 60 else ""  # a long vocabulary is cut short in the message
     shown = f" (its vocabulary: {' '.join(vocabulary[:60])}{more})" if vocabulary else ""
-    return f"words the policy does not know: {', '.join(map(repr, unknown))}{shown}"
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""  # a 10 MB line of unknown words: a few
+    return f"words the policy does not know: {', '.join(map(brief, unknown[:5]))}{more}{shown}"

@@ -6,7 +6,8 @@ A JSONL entry may also carry its own reward weights and metadata, which route re
 
 Blank lines and lines starting with `#` are skipped; the first other line decides the format (a `{`
 starts JSONL), as does a `.jsonl` / `.json` suffix; a later line starting with `{` in a plain-text file
-is an error, not a caption. Errors name the file and line.
+is an error, not a caption. Lines end at line breaks only: a caption or JSON string may hold U+2028 and
+other separators. Errors name the file and line, and quote user text briefly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from grpo_vision.config_load import brief
+
+# Lists and objects one JSON line may nest. Python's parser stops near 1,000 with a RecursionError, and
+# a value a few hundred deep parses but breaks json.dumps (the run saves its prompts) and copies
+MAX_DEPTH = 100
 
 
 class PromptsError(ValueError):
@@ -33,10 +40,7 @@ def load_prompts(path: str | Path) -> list[PromptEntry]:
     path = Path(path)
     if not path.is_file():
         raise PromptsError(f"prompts file not found: {path}")
-    try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a leading byte-order mark is dropped
-    except UnicodeDecodeError as e:
-        raise PromptsError(f"{path} is not UTF-8 text ({e}); a prompts file is plain text or JSONL") from None
+    lines = read_lines(path)
     first = next((ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")), "")
     jsonl = path.suffix in (".jsonl", ".json") or first.startswith("{")  # decided by the first prompt line
     entries = []
@@ -54,17 +58,48 @@ def load_prompts(path: str | Path) -> list[PromptEntry]:
     return entries
 
 
-def _parse_jsonl_line(text: str, path: Path, number: int) -> PromptEntry:
-    where = f"{path}, line {number}"
+def read_lines(path: Path) -> list[str]:
+    """The lines of the UTF-8 text file `path`, split at line breaks only ("\\n", "\\r\\n", "\\r", which
+    reading turns into "\\n"): str.splitlines() also splits at U+2028, U+0085 and other separators that a
+    JSON string or a caption may hold. A leading byte-order mark is dropped."""
     try:
-        row = json.loads(text)
+        return path.read_text(encoding="utf-8-sig").split("\n")
+    except UnicodeDecodeError as e:
+        raise PromptsError(f"{path} is not UTF-8 text ({e}); save it as UTF-8") from None
+
+
+def parse_json_line(text: str, where: str):
+    """The JSON value on one line, or PromptsError naming `where` when it is not JSON or nests more
+    than MAX_DEPTH lists and objects."""
+    too_deep = PromptsError(f"{where}: lists and objects nested more than {MAX_DEPTH} levels deep; write flatter JSON")
+    try:
+        value = json.loads(text)
     except json.JSONDecodeError as e:
         raise PromptsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:  # nested far past MAX_DEPTH: the parser stopped at Python's recursion limit
+        raise too_deep from None
+    if _depth(value) > MAX_DEPTH:
+        raise too_deep
+    return value
+
+
+def _depth(value) -> int:
+    """How many levels of lists and objects `value` nests, counted level by level, without recursion."""
+    depth, level = 0, [value]
+    while level := [v for v in level if isinstance(v, (list, dict))]:
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def _parse_jsonl_line(text: str, path: Path, number: int) -> PromptEntry:
+    where = f"{path}, line {number}"
+    row = parse_json_line(text, where)
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
         raise PromptsError(f"{where}: each JSONL line must be an object with a non-empty string 'prompt'")
     unknown = set(row) - {"prompt", "rewards", "metadata"}
     if unknown:
-        raise PromptsError(f"{where}: unknown field(s) {sorted(unknown)}; allowed: prompt, rewards, metadata")
+        raise PromptsError(f"{where}: unknown field(s) {brief(sorted(unknown))}; allowed: prompt, rewards, metadata")
     rewards = row.get("rewards")
     if rewards is not None and (not isinstance(rewards, dict) or not all(
             isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from grpo_vision.config_load import ConfigError, brief
 from grpo_vision.sampling import SamplingParams, sequence_logprobs
 
 ADAPTERS = ("lora", "loha", "lokr")
@@ -39,16 +40,29 @@ def add_adapter(policy, kind: str, rank: int, alpha: float, targets: list[str]):
 
     if kind not in ADAPTERS:
         raise ValueError(f"train.adapter must be one of {ADAPTERS}, got {kind!r}")
-    if not set(targets) <= TARGETS:
-        raise ValueError(f"train.adapter_targets {sorted(set(targets) - TARGETS)} not supported; "
-                         f"choose from {sorted(TARGETS)}")
     scope = getattr(policy, "lora_scope", None)  # module prefix a policy confines adapters to (Janus: its LM)
+    check_targets(policy, targets, scope)
     if scope:  # a string target is a regex that peft full-matches against each module name
         targets = rf"{re.escape(scope)}\..*\.({'|'.join(targets)})"
     config = {"lora": lambda: LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0),
               "loha": lambda: LoHaConfig(r=rank, alpha=alpha, target_modules=targets),
               "lokr": lambda: LoKrConfig(r=rank, alpha=alpha, target_modules=targets)}[kind]()
     return get_peft_model(policy, config)
+
+
+def check_targets(policy, targets: list[str], scope: str | None) -> None:
+    """ConfigError unless every target is one of TARGETS that `policy` has (inside `scope`), naming them:
+    peft would otherwise fail with a traceback, or skip a name silently when another one matches."""
+    present = sorted(TARGETS & {name.rsplit(".", 1)[-1] for name, _ in policy.named_modules()
+                                if not scope or name.startswith(scope + ".")})
+    choose = f"choose among {', '.join(present)}"
+    if not targets:
+        raise ConfigError(f"train.adapter_targets is empty, so the adapter would train nothing: {choose}")
+    unknown = [t for t in targets if t not in present]
+    if unknown:
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise ConfigError(f"train.adapter_targets names {', '.join(brief(t) for t in unknown[:3])}{more}, which "
+                          f"{'is' if len(unknown) == 1 else 'are'} not an adapter target of this policy: {choose}")
 
 
 def adapter_layers(policy):

@@ -284,7 +284,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         checkpoint(step)
     except RewardError as e:
         checkpoint(step)
-        raise RewardError(e.name, f"{e} (checkpoint saved at step {step} in {run_dir})") from e
+        raise RewardError(e.name, f"{e.message} (checkpoint saved at step {step} in {run_dir})") from e
     except NonFiniteWeightsError as e:  # no checkpoint: it would hold the broken weights
         last = latest_checkpoint(run_dir)
         raise NonFiniteWeightsError(f"{e}; the last checkpoint, {last}, holds finite weights" if last else

@@ -124,3 +124,25 @@ def test_adapter_weights_are_told_by_peft_names_not_substrings():
     assert is_adapter_weight("base_model.model.layers.0.mlp.up_proj.lokr_w1.default")
     assert not is_adapter_weight("base_model.model.flora_proj.weight")  # a plugin's own weight
     assert not is_adapter_weight("base_model.model.layers.0.attn.q_proj.base_layer.weight")
+
+
+def test_an_unknown_or_empty_target_list_is_a_config_error_naming_the_modules(tiny_policy):
+    # both were tracebacks: a bare ValueError of this file, and peft's NoMatchingPeftModuleError (issue 33)
+    from grpo_vision.config import ConfigError
+
+    choose = "choose among down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"
+    with pytest.raises(ConfigError) as err:
+        add_adapter(tiny_policy, "lora", 4, 8.0, ["q_proj", "nonexistent_proj"])
+    assert str(err.value) == ("train.adapter_targets names 'nonexistent_proj', which is not an adapter target of "
+                              f"this policy: {choose}")
+    with pytest.raises(ConfigError) as err:
+        add_adapter(tiny_policy, "lora", 4, 8.0, [])
+    assert str(err.value) == f"train.adapter_targets is empty, so the adapter would train nothing: {choose}"
+    with pytest.raises(ConfigError, match=r"names 'x{80}'\.\.\. \(100000 characters\), which is not"):
+        add_adapter(tiny_policy, "lora", 4, 8.0, ["x" * 100000])  # a long name is quoted briefly
+    with pytest.raises(ConfigError, match="names 'a0', 'a1', 'a2' and 9997 more, which are not"):
+        add_adapter(tiny_policy, "lora", 4, 8.0, [f"a{i}" for i in range(10000)])  # and many names, the first few
+    tiny_policy.lora_scope = "model.layers.0.mlp"  # a scope (Janus: its LM) bounds what the adapter may wrap
+    with pytest.raises(ConfigError, match="'q_proj', which is not an adapter target of this policy: choose among "
+                                          "down_proj, gate_proj, up_proj$"):
+        add_adapter(tiny_policy, "lora", 4, 8.0, ["q_proj"])

@@ -220,3 +220,17 @@ def test_no_float_field_accepts_a_non_finite_value(bad):
     for key, scalar in keys:
         with pytest.raises(ConfigError, match=rf"{key.replace('.', '[.]')}(\[0\])? must be a finite number"):
             load_config(None, [f"{key}={bad}" if scalar else f"{key}=[{bad}, {bad}]"])
+
+
+def test_a_long_value_or_key_is_quoted_briefly():
+    # errors quote user text through config_load.brief: the first 80 characters and the length (issue 33)
+    for override, start in ((f"run.seed={'9x' * 50_000}", "command line: 'run.seed' expects an integer, got '9x9x"),
+                            (f"run.{'e' * 99_996}=x", "command line: unknown key 'run.eee"),
+                            ("r" * 100_000, "override 'rrr")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert str(err.value).startswith(start) and "... (100000 characters)" in str(err.value)
+        assert len(str(err.value)) < 400
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"run.name={'a/' * 50_000}"])
+    assert str(err.value) == f"run.name must be a plain folder name (no '/'), got {repr('a/' * 40)}... (100000 characters)"

@@ -82,3 +82,16 @@ def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_world, tmp_path):
     main(["sample", str(run), "--prompts", str(meta), "--out", str(tmp_path / "gen"), "--n", "2", "--layout", "geneval"])
     assert sorted(p.name for p in (tmp_path / "gen" / "00001" / "samples").iterdir()) == ["00000.png", "00001.png"]
     assert Image.open(tmp_path / "gen" / "00001" / "samples" / "00001.png").size == (64, 64)
+
+
+def test_metadata_lines_split_at_newlines_only_and_nest_at_most_100_deep(tmp_path):
+    # like a prompts file (issue 33): U+2028 inside a JSON string, a RecursionError, bytes that are not UTF-8
+    meta = tmp_path / "m.jsonl"
+    meta.write_text(json.dumps({"prompt": "a red\u2028circle", "tag": "x"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert load_geneval_metadata(meta) == [{"prompt": "a red\u2028circle", "tag": "x"}]
+    meta.write_text(json.dumps(ROWS[0]) + "\n" + '{"prompt": "a", "include": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(PromptsError, match=r"m.jsonl, line 2: lists and objects nested more than 100 levels deep"):
+        load_geneval_metadata(meta)
+    meta.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(PromptsError, match=r"m.jsonl is not UTF-8 text"):
+        load_geneval_metadata(meta)

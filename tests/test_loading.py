@@ -63,6 +63,37 @@ def test_unknown_split_is_refused_with_the_choices():
         load_config(None, ["data.world_train_split=seen"])
 
 
+def test_training_prompts_all_in_the_eval_sets_are_a_config_error_naming_them(tmp_path):
+    # the training set became empty silently, and the first step failed in numpy (issue 33)
+    train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
+    train.write_text("".join(f"prompt {i}\n" for i in range(4)))
+    heldout.write_text("".join(f"prompt {i}\n" for i in range(4)))
+    fix = ("and evaluation prompts are never trained on: train on other prompts (data.train_prompts), or "
+           "evaluate on others (data.eval_prompts, data.heldout_prompts)")
+    with pytest.raises(ConfigError) as err:
+        prompt_lists(load_config(None, ["policy.kind=llama", f"data.train_prompts={train}",
+                                        f"data.eval_prompts={train}"]))
+    assert str(err.value) == (f"no prompt of data.train_prompts ({train}) is left to train on: all 4 of its prompts are in "
+                              f"data.eval_prompts ({train}), {fix}")
+    with pytest.raises(ConfigError) as err:  # the held-back test set takes 2, the held-out file the rest
+        prompt_lists(load_config(None, ["policy.kind=llama", f"data.train_prompts={train}", "data.test_prompts=2",
+                                        f"data.heldout_prompts={heldout}"]))
+    assert str(err.value) == (f"no prompt of data.train_prompts ({train}) is left to train on: all 4 of its prompts are in "
+                              f"its held-back test set or data.heldout_prompts ({heldout}), {fix}")
+
+
+def test_a_kind_whose_training_prompts_are_its_eval_prompts_is_refused():
+    same = [PromptEntry("a red circle")]
+    for train, why in ((same, "all 1 of its prompts are in the policy kind's test set, and evaluation"),
+                       ([], "it has none")):
+        REGISTRY["test_kind"] = REGISTRY["llama"].__class__("test_kind", None, lambda cfg: PromptSets(train, same))
+        try:
+            with pytest.raises(ConfigError, match=f"no prompt of the policy kind's prompts is left to train on: {why}"):
+                prompt_lists(load_config(None, ["policy.kind=test_kind"]))
+        finally:
+            del REGISTRY["test_kind"]
+
+
 def test_an_eval_file_is_removed_from_the_kinds_training_prompts(tmp_path):
     evals = tmp_path / "eval.txt"
     cfg = load_config(None, ["data.world_train_split=all"])

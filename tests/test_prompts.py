@@ -92,3 +92,59 @@ def test_training_prompts_the_policy_cannot_read_are_refused_at_start(tmp_path, 
     cfg = load_config(None, [f"data.train_prompts={evals}", f"data.eval_prompts={train}"])
     with pytest.raises(PromptsError, match=r"train.txt, line 3: words the policy does not know"):  # as eval prompts
         checked_prompt_sets(cfg, Bundle(tiny_policy, None))
+
+
+@pytest.mark.parametrize("depth", [101, 100_000])
+def test_metadata_nested_too_deep_is_named_with_its_line(tmp_path, depth):
+    # 100,000 levels raised RecursionError (a traceback); a few hundred parsed, then broke json.dumps when
+    # the run saved its prompts (issue 33)
+    nested = "[" * depth + "]" * depth
+    path = write(tmp_path, "p.jsonl", '{"prompt": "a red circle"}\n'
+                                      f'{{"prompt": "a blue square", "metadata": {{"x": {nested}}}}}\n')
+    with pytest.raises(PromptsError) as err:
+        load_prompts(path)
+    assert str(err.value) == (f"{path}, line 2: lists and objects nested more than 100 levels deep; "
+                              "write flatter JSON")
+    shallow = "[" * 98 + "]" * 98  # with the line's own object and 'metadata', 100 levels: the limit
+    path.write_text(f'{{"prompt": "a", "metadata": {{"x": {shallow}}}}}\n')
+    assert load_prompts(path)[0].metadata == {"x": eval(shallow)}
+
+
+def test_a_line_or_paragraph_separator_inside_a_caption_is_kept(tmp_path):
+    # str.splitlines() split lines at U+2028 inside a JSON string, and the error blamed the JSON (issue 33)
+    import json
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "a red\u2028circle"}, ensure_ascii=False) + "\r\n"
+                    '{"prompt": "a blue\u2029square", "metadata": {"note": "x\u0085y"}}\n', encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")  # written raw, as JSON allows
+    entries = load_prompts(path)
+    assert [(e.prompt, e.line) for e in entries] == [("a red\u2028circle", 1), ("a blue\u2029square", 2)]
+    assert entries[1].metadata == {"note": "x\u0085y"}
+    path = tmp_path / "p.txt"
+    path.write_text("a red\u2028circle\r\na blue\x1csquare\na green triangle\n", encoding="utf-8")
+    assert [(e.prompt, e.line) for e in load_prompts(path)] == [
+        ("a red\u2028circle", 1), ("a blue\x1csquare", 2), ("a green triangle", 3)]
+
+
+def test_a_rejected_long_prompt_is_quoted_briefly(tmp_path, tiny_policy):
+    # a rejected 10 MB prompt line was echoed whole to stderr (issue 33)
+    from grpo_vision.config import brief
+
+    assert brief("a red circle") == "'a red circle'" and brief(["x"]) == "['x']"  # short text: its repr
+    assert brief("é" * 81) == repr("é" * 80) + "... (81 characters)"
+    assert brief("a\u2028b" * 100, limit=4) == "'a\\u2028ba'... (300 characters)"  # repr shows what is unseen
+    assert prompt_problem(tiny_policy, "x" * 10_000_000) == (
+        f"words the policy does not know: {repr('x' * 80)}... (10000000 characters)"
+        " (its vocabulary: a red blue circle square left of)")
+    many = prompt_problem(tiny_policy, " ".join(f"w{i}" for i in range(8)))  # as many words as it reads
+    assert many.startswith("words the policy does not know: 'w0', 'w1', 'w2', 'w3', 'w4' and 3 more (its voc")
+    assert prompt_problem(tiny_policy, "red " * 2_000_000) == (
+        f"caption {repr('red ' * 20)}... (8000000 characters) has 2000000 words; this policy takes at most 8 "
+        "(max_caption_words)")
+    train = write(tmp_path, "train.txt", "a red circle\na blue square\n" + "red " * 2_500_000 + "\n")
+    cfg = load_config(None, [f"data.train_prompts={train}", "data.test_prompts=1"])
+    with pytest.raises(PromptsError) as err:
+        checked_prompt_sets(cfg, Bundle(tiny_policy, None))
+    # line 3 is held back as the test set: named by the train file's line, no more "the policy kind's prompts"
+    assert str(err.value).startswith(f"{train}, line 3: caption 'red red ") and len(str(err.value)) < 300

@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -245,9 +246,11 @@ def test_prompt_entries_that_weigh_no_reward_are_counted(micro_world, tmp_path, 
 def test_a_failing_reward_stops_with_its_name_and_a_checkpoint(micro_world, tmp_path, reward, needle):
     cfg = micro_cfg(micro_world, tmp_path, "run.name=stop", f"reward.weights={{python:tests.test_train:{reward}: 1.0}}",
                     "reward.monitor=[]")
-    with pytest.raises(RewardError, match=rf"reward 'python:tests.test_train:{reward}' failed: {needle}.*"
-                                          r"checkpoint saved at step 0"):
+    with pytest.raises(RewardError) as err:
         train(cfg, progress=False)
+    # the whole message, anchored: it once read "reward 'x' failed: reward 'x' failed: ..." (issue 33)
+    assert re.fullmatch(rf"reward 'python:tests.test_train:{reward}' failed: {needle}.* \(checkpoint saved at step 0 "
+                        rf"in {re.escape(str(tmp_path / 'stop'))}\)", str(err.value)), str(err.value)
     assert (tmp_path / "stop" / "checkpoints" / "step_000000" / "policy.safetensors").is_file()
 
 

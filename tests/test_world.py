@@ -155,6 +155,20 @@ def test_a_broken_world_file_is_named_with_the_stage_to_rebuild(micro_world, tmp
     assert load_problem(copy, "policy").startswith(f"{copy / 'policy'} does not load (CheckpointError: ")
 
 
+def test_a_failure_of_the_machine_is_not_blamed_on_a_world_file(tmp_path, monkeypatch):
+    # run.threads=100000 exhausted the memory, and the failed mmap of an intact file was reported as
+    # "world file ... does not load; rebuild stage 'vq'" (issue 33): only the file's own faults are its
+    import safetensors
+
+    (tmp_path / "vq").mkdir()
+    (tmp_path / "vq" / "config.json").write_text("{}")
+    (tmp_path / "vq" / "diffusion_pytorch_model.safetensors").write_bytes(b"intact")
+    out_of_memory = RuntimeError("unable to mmap 287348 bytes from file <x>: Cannot allocate memory (12)")
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: (_ for _ in ()).throw(out_of_memory))
+    with pytest.raises(RuntimeError, match="Cannot allocate memory"):
+        stage_problem(tmp_path, "vq")
+
+
 def test_world_build_rebuilds_a_stage_whose_file_does_not_load(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)

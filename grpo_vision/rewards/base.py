@@ -24,18 +24,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from grpo_vision.config import ConfigError, from_dict
+from grpo_vision.config import ConfigError, brief, from_dict
 from grpo_vision.plugins import load_plugins, not_found_hint
 
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
 
 
 class RewardError(RuntimeError):
-    """A reward failed; `name` says which one."""
+    """A reward failed; `name` says which one, `message` what happened (without the name: a handler that
+    adds to it builds a new RewardError from `message`, so the prefix is written once)."""
 
     def __init__(self, name: str, message: str):
         super().__init__(f"reward '{name}' failed: {message}")
-        self.name = name
+        self.name, self.message = name, message
 
 
 @dataclass
@@ -84,13 +85,13 @@ def make_reward(name: str, ctx: RewardContext, options: dict[str, Any] | None = 
                               "settings inside the function")
         return _import_callable(name)
     if not is_registered(name):
-        raise ConfigError(f"unknown reward {name!r}; registered rewards: {', '.join(available_rewards())} "
+        raise ConfigError(f"unknown reward {brief(name)}; registered rewards: {', '.join(available_rewards())} "
                           f"({not_found_hint()})")
     entry = REGISTRY[name]
     if entry.options is None:
         if options:
             raise ConfigError(f"reward.options.{name}: reward {name!r} takes no options, got "
-                              f"{', '.join(map(repr, options))}")
+                              f"{', '.join(map(brief, options))}")
         return entry.factory(ctx)
     return entry.factory(ctx, from_dict(entry.options, dict(options or {}), where="config",
                                         prefix=f"reward.options.{name}."))
@@ -99,14 +100,14 @@ def make_reward(name: str, ctx: RewardContext, options: dict[str, Any] | None = 
 def _import_callable(spec: str) -> RewardFn:
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts[1:]):
-        raise ConfigError(f"reward {spec!r} must look like python:package.module:function")
+        raise ConfigError(f"reward {brief(spec)} must look like python:package.module:function")
     try:
         fn = getattr(importlib.import_module(parts[1]), parts[2])
     except Exception as e:  # ImportError, AttributeError, or whatever the user's module raises on import
-        raise ConfigError(f"reward {spec!r}: cannot import {parts[2]} from {parts[1]} "
+        raise ConfigError(f"reward {brief(spec)}: cannot import {parts[2]} from {parts[1]} "
                           f"({type(e).__name__}: {e})") from None
     if not callable(fn):
-        raise ConfigError(f"reward {spec!r}: {parts[2]} is not callable")
+        raise ConfigError(f"reward {brief(spec)}: {parts[2]} is not callable")
     return fn
 
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, brief
 from grpo_vision.rewards.base import RewardContext, RewardError, RewardFn, available_rewards, is_registered, make_reward
 
 
@@ -49,7 +49,7 @@ class CompositeReward:
         CLIP) overridden key by key by `reward.options[name]`."""
         for name in reward_cfg.options:  # a typo in an options key would otherwise be silently unused
             if not is_registered(name):
-                raise ConfigError(f"reward.options names {name!r}, which is not a reward; registered rewards: "
+                raise ConfigError(f"reward.options names {brief(name)}, which is not a reward; registered rewards: "
                                   f"{', '.join(available_rewards())}")
         names = {*(defaults or {}), *reward_cfg.options}
         options = {n: {**(defaults or {}).get(n, {}), **reward_cfg.options.get(n, {})} for n in names}
@@ -59,7 +59,7 @@ class CompositeReward:
             try:
                 composite.add(sorted(e.rewards or ()))
             except ConfigError as err:
-                raise ConfigError(f"prompts file, line {e.line} ({e.prompt!r}): {err}") from None
+                raise ConfigError(f"prompts file, line {e.line} ({brief(e.prompt)}): {err}") from None
         return composite
 
     def add(self, names: Sequence[str]) -> None:
@@ -129,7 +129,7 @@ class CompositeReward:
             if infinite.any():
                 i = int(infinite.nonzero()[0])
                 raise RewardError(name, f"returned {value[i].item()} for {int(infinite.sum())} of {len(prompts)} "
-                                        f"images (the first for prompt {prompts[i]!r}); a reward must be finite, "
+                                        f"images (the first for prompt {brief(prompts[i])}); a reward must be finite, "
                                         "or NaN where it does not apply")
             raw[name] = value
         B = len(prompts)

@@ -32,7 +32,7 @@ import torch
 from grpo_vision.clip import (
     ClipLoadError, clip_scores, hf_clip_scores, image_embeddings, load_clip, load_hf_clip, resolve_model_name,
 )
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, brief
 from grpo_vision.rewards.base import RewardContext, RewardFn, batched, register_reward
 
 DEFAULT_CLIP = "ViT-L-14-quickgelu"  # OpenAI's ViT-L/14: the aesthetic head's CLIP, torchmetrics' default
@@ -86,7 +86,7 @@ def _architecture(name: str, key: str, reward: str) -> str:
     if resolved not in open_clip.list_models():
         close = difflib.get_close_matches(name, open_clip.list_models(), n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
-        raise ConfigError(f"reward '{reward}': {key}={name!r} is not an open_clip architecture{hint}; "
+        raise ConfigError(f"reward '{reward}': {key}={brief(name)} is not an open_clip architecture{hint}; "
                           "give a name from open_clip.list_models() or the path of a JSON model config")
     return resolved
 

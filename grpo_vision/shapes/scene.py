@@ -19,7 +19,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, brief
 
 IMAGE_SIZE = 64  # H = W, pixels
 BACKGROUNDS = {"white": (240, 240, 240), "black": (30, 30, 30), "gray": (128, 128, 128)}
@@ -120,7 +120,7 @@ def parse_caption(text: str) -> CaptionSpec:
     match = {f: p.fullmatch(text) for f, p in _PATTERNS.items() if isinstance(text, str)}
     form = next((f for f, m in match.items() if m), None)
     if form is None:
-        raise CaptionError(f"caption {text!r} is outside the ShapesWorld grammar: {GRAMMAR}")
+        raise CaptionError(f"caption {brief(text)} is outside the ShapesWorld grammar: {GRAMMAR}")
     g = match[form].groups()
     if form == "plain":
         return CaptionSpec(form, ((g[0], g[1]),))
@@ -131,7 +131,7 @@ def parse_caption(text: str) -> CaptionSpec:
     a, b = (g[0], g[1]), (g[3], g[4])
     if a == b:
         raise CaptionError(
-            f"caption {text!r} names two identical objects (same colour and shape); {GRAMMAR}"
+            f"caption {brief(text)} names two identical objects (same colour and shape); {GRAMMAR}"
         )
     return CaptionSpec(form, (a, b), relation=g[2])
 

@@ -66,7 +66,7 @@ def stage_problem(world: Path, name: str) -> str | None:
     """What is wrong with stage `name`'s files, naming the file, or None. Every file must parse (JSON;
     safetensors, whose header is checked against the file's length); the weights are read once, by
     the loader. (The builder also loads each stage's model: build/__init__.py.)"""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in (world / name / f for f in FILES[name]):
         try:
@@ -75,7 +75,10 @@ def stage_problem(world: Path, name: str) -> str | None:
             else:  # the header only: it must cover the file exactly
                 with safe_open(str(path), framework="pt"):
                     pass
-        except Exception as e:  # absent, cut short, not UTF-8, not JSON, a bad header: each its own kind
+        # absent or unreadable (OSError), not UTF-8 or not JSON (ValueError), nested past Python's limit
+        # (RecursionError), a bad header (SafetensorError); anything else, such as a failed mmap when the
+        # memory ran out, is the machine's and not the file's
+        except (OSError, ValueError, RecursionError, SafetensorError) as e:
             return f"{path} does not load ({type(e).__name__}: {e})"
     return None
 
