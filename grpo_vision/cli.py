@@ -294,7 +294,10 @@ def add_bench_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _take_overrides(parser, args, extra)
     # the errors a command reports in one line; imported after parsing, since they bring torch
     from grpo_vision.checkpoint import CheckpointError
     from grpo_vision.health import TrainingHealthError
@@ -310,6 +313,17 @@ def main(argv: list[str] | None = None) -> None:
     except (RewardError, TrainingHealthError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def _take_overrides(parser: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """key=value overrides anywhere on the line: argparse matches CONFIG and the overrides positional
+    together, so those after an option come back unparsed; they join the overrides, in order. Any
+    other leftover is an error, as argparse reports it."""
+    wanted = [t for t in extra if "=" in t and not t.startswith("-")] if hasattr(args, "overrides") else []
+    unknown = [t for t in extra if t not in wanted]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *wanted]
 
 
 if __name__ == "__main__":
