@@ -112,13 +112,21 @@ def cmd_eval(args) -> None:
 
 
 def cmd_matrix(args) -> None:
+    import shlex
     from pathlib import Path
 
     from grpo_vision.matrix import run_matrix
 
-    result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"),
-                        _items(args.kl, float, "--kl"), _items(args.seeds, int, "--seeds"), Path(args.out),
-                        args.jobs, args.images, "grpo-vision " + " ".join(sys.argv[1:]))
+    command = "grpo-vision " + shlex.join(sys.argv[1:])
+    try:
+        result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"),
+                            _items(args.kl, float, "--kl"), _items(args.seeds, int, "--seeds"), Path(args.out),
+                            args.jobs, args.images, command)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the runs in training saved a checkpoint first
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"[matrix] stopped by {signal.Signals(signum).name}; continue with: {command} (finished runs and "
+              "scores are reused, stopped runs resume from their checkpoint)", file=sys.stderr)
+        sys.exit(128 + signum)
     failed = [r["name"] for r in result["runs"] if r["status"] == "failed"]
     print(f"[matrix] {Path(args.out) / 'matrix.md'}" + (f" ({len(failed)} failed: {', '.join(failed)})" if failed else ""))
     if failed:
