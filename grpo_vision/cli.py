@@ -112,13 +112,21 @@ def cmd_eval(args) -> None:
 
 
 def cmd_matrix(args) -> None:
+    import shlex
     from pathlib import Path
 
     from grpo_vision.matrix import run_matrix
 
-    result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"),
-                        _items(args.kl, float, "--kl"), _items(args.seeds, int, "--seeds"), Path(args.out),
-                        args.jobs, args.images, "grpo-vision " + " ".join(sys.argv[1:]))
+    command = "grpo-vision " + shlex.join(sys.argv[1:])
+    try:
+        result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"),
+                            _items(args.kl, float, "--kl"), _items(args.seeds, int, "--seeds"), Path(args.out),
+                            args.jobs, args.images, command)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the runs in training saved a checkpoint first
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"[matrix] stopped by {signal.Signals(signum).name}; continue with: {command} (finished runs and "
+              "scores are reused, stopped runs resume from their checkpoint)", file=sys.stderr)
+        sys.exit(128 + signum)
     failed = [r["name"] for r in result["runs"] if r["status"] == "failed"]
     print(f"[matrix] {Path(args.out) / 'matrix.md'}" + (f" ({len(failed)} failed: {', '.join(failed)})" if failed else ""))
     if failed:
@@ -294,7 +302,10 @@ def add_bench_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _take_overrides(parser, args, extra)
     # the errors a command reports in one line; imported after parsing, since they bring torch
     from grpo_vision.checkpoint import CheckpointError
     from grpo_vision.health import TrainingHealthError
@@ -310,6 +321,17 @@ def main(argv: list[str] | None = None) -> None:
     except (RewardError, TrainingHealthError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def _take_overrides(parser: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """key=value overrides anywhere on the line: argparse matches CONFIG and the overrides positional
+    together, so those after an option come back unparsed; they join the overrides, in order. Any
+    other leftover is an error, as argparse reports it."""
+    wanted = [t for t in extra if "=" in t and not t.startswith("-")] if hasattr(args, "overrides") else []
+    unknown = [t for t in extra if t not in wanted]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *wanted]
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 One run per (train reward, KL coefficient, seed), everything else as the config says. Each run is a
 `grpo-vision train` process of its own, so a failed run is reported in its row and the others go on,
 and `--jobs` runs several at once. The runs live in `OUT/runs/<name>`; a second invocation reuses the
-finished ones and resumes the interrupted ones exactly (`train --resume`). The scoring (reference
-once, then every run, on the same prompts and seeds) is in matrix_score.py.
+finished ones and resumes the interrupted ones exactly (`train --resume`), also after a Ctrl-C or
+SIGTERM, which the matrix passes on to the runs in training so that they save a checkpoint; one
+matrix at a time per output folder (matrix_jobs.py). The scoring (reference once, then every run,
+on the same prompts and seeds) is in matrix_score.py.
 
 Reward specs: a name (`clip`), or a `+` mix (`clip+aesthetic`, `4*clip+aesthetic`). A mix without
 explicit weights takes the config's `reward.weights` for the names it lists there, 1 otherwise; the
@@ -14,14 +16,16 @@ only reward a single-name run trains on gets weight 1.
 from __future__ import annotations
 
 import json
+import math
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_vision.config import Config, ConfigError, brief, derived_sizes, load_config, to_dict
+from grpo_vision.matrix_jobs import OutLock, PassOn, refuse_held, run_child
+from grpo_vision.signals import Interrupted
 
 DONE = "matrix_run.json"  # written into a run's directory when its train process ends: {"rc": ...}
 
@@ -46,7 +50,7 @@ class RunSpec:
 @dataclass
 class RunResult:
     spec: RunSpec
-    status: str  # "reused" | "trained" | "resumed" | "failed"
+    status: str  # "reused" | "trained" | "resumed" | "failed" | "stopped" (by a signal passed on)
     rc: int = 0
     log: str = ""  # the train process's output, when it ran now
     error: str = field(default="")  # the last lines of a failed run's log
@@ -74,13 +78,33 @@ def parse_reward_spec(spec: str, base_weights: dict[str, float]) -> tuple[tuple[
 
 
 def plan(cfg: Config, rewards: list[str], betas: list[float], seeds: list[int]) -> list[RunSpec]:
-    """Every (train reward, KL, seed), in table order."""
+    """Every (train reward, KL, seed), in table order; a value given twice is refused (its runs would
+    share one folder, or train the same thing twice)."""
     if not rewards or not betas or not seeds:
         raise ConfigError("matrix needs at least one train reward, KL coefficient and seed")
     for beta in betas:
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ConfigError(f"--kl {beta:g}: KL coefficients must be finite numbers >= 0")
         if beta > 0 and cfg.train.reference == "none":
             raise ConfigError(f"--kl {beta} needs a reference: the config has train.reference: none")
-    return [RunSpec(r, parse_reward_spec(r, cfg.reward.weights), b, s) for r in rewards for b in betas for s in seeds]
+    for seed in seeds:
+        if seed < 0:  # numpy's SeedSequence, which seeds every step, takes no negative seed
+            raise ConfigError(f"--seeds {seed}: seeds must be whole numbers >= 0")
+    _refuse_twice("--kl", [f"{b:g}" for b in betas], "KL coefficient")  # as run folders name them
+    _refuse_twice("--seeds", [str(s) for s in seeds], "seed")
+    mixes = [parse_reward_spec(r, cfg.reward.weights) for r in rewards]
+    _refuse_twice("--rewards", rewards, "reward mix", [tuple(sorted(m)) for m in mixes])
+    return [RunSpec(r, m, b, s) for r, m in zip(rewards, mixes) for b in betas for s in seeds]
+
+
+def _refuse_twice(option: str, given: list[str], what: str, keys: list | None = None) -> None:
+    """ConfigError naming the first entry of `given` whose key (itself by default) repeats an earlier one."""
+    first = {}
+    for text, key in zip(given, keys or given):
+        if key in first:
+            raise ConfigError(f"{option}: {text} is given twice; give each {what} once" if first[key] == text else
+                              f"{option}: {first[key]} and {text} are the same {what}; give it once")
+        first[key] = text
 
 
 def run_config(config: str, overrides: list[str], spec: RunSpec, runs_dir: Path) -> Config:
@@ -94,8 +118,10 @@ def _same_config(a: Config, b: Config) -> bool:
     return da == db
 
 
-def run_state(run_dir: Path, expected: Config) -> str:
-    """"new", "finished", "failed" or "interrupted"; ConfigError when the directory holds another run."""
+def run_state(run_dir: Path, log: Path, expected: Config) -> str:
+    """"new", "finished", "failed" or "interrupted"; ConfigError when the directory holds another run,
+    RunLockedError when a live train holds it or its log."""
+    refuse_held(run_dir, log)
     if not (run_dir / "config.yaml").is_file():
         return "new"
     if not _same_config(load_config(run_dir / "config.yaml"), expected):
@@ -107,22 +133,44 @@ def run_state(run_dir: Path, expected: Config) -> str:
     return "interrupted"
 
 
-def train_one(config: str, overrides: list[str], spec: RunSpec, out: Path, threads: int) -> RunResult:
+def check_options(config: str, overrides: list[str], cfg: Config, specs: list[RunSpec], images: int | None) -> None:
+    """What training and scoring need, checked before anything trains: every run's config, two images
+    per prompt (diversity is a distance between a prompt's images), the config's own rewards (scored
+    though no run trains on them), the eval prompts."""
+    from grpo_vision.policies import prompt_lists
+    from grpo_vision.rewards import available_rewards, is_registered
+
+    for spec in specs:
+        derived_sizes(run_config(config, overrides, spec, Path("runs")), 1)
+    if (images or cfg.log.eval_images) < 2:
+        given = f"--images {images}" if images else f"log.eval_images={cfg.log.eval_images} (the default of --images)"
+        raise ConfigError(f"{given}: matrix measures diversity between a prompt's images, so it needs at least 2; "
+                          "give --images 2 or more")
+    for name in [*cfg.reward.weights, *cfg.reward.monitor]:
+        if not is_registered(name):
+            raise ConfigError(f"the config's reward {name!r} (scored for every run) is not a reward; registered "
+                              f"rewards: {', '.join(available_rewards())}")
+    prompt_lists(cfg)
+
+
+def train_one(config: str, overrides: list[str], spec: RunSpec, out: Path, threads: int, stop: PassOn) -> RunResult:
     """Train one run in its own process (fresh, or resumed where a previous invocation stopped)."""
     runs_dir = out / "runs"
-    run_dir = runs_dir / spec.name
-    state = run_state(run_dir, run_config(config, overrides, spec, runs_dir))
+    run_dir, log = runs_dir / spec.name, out / "logs" / f"{spec.name}.log"
+    state = run_state(run_dir, log, run_config(config, overrides, spec, runs_dir))
     if state == "finished":
         return RunResult(spec, "reused")
+    if stop.received:
+        return RunResult(spec, "stopped")
     print(f"[matrix] {spec.name}: {'training' if state == 'new' else 'resuming'}", flush=True)
-    log = out / "logs" / f"{spec.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     args = (["--resume", str(run_dir)] if state in ("interrupted", "failed") else
             [config, *overrides, *spec.overrides(runs_dir)])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", *args], stdout=f,
-                            stderr=subprocess.STDOUT, env=env).returncode
+    (run_dir / DONE).unlink(missing_ok=True)  # from a failed attempt: this one decides
+    rc, signalled = run_child([sys.executable, "-m", "grpo_vision.cli", "train", *args], log, run_dir, env, stop)
+    if rc is None or (signalled and rc):  # stopped by a signal passed on: interrupted, not failed
+        return RunResult(spec, "stopped", rc or 0, str(log))
     if run_dir.is_dir():
         (run_dir / DONE).write_text(json.dumps({"rc": rc, "log": str(log)}))
     status = "failed" if rc else ("resumed" if state != "new" else "trained")
@@ -130,34 +178,61 @@ def train_one(config: str, overrides: list[str], spec: RunSpec, out: Path, threa
     return RunResult(spec, status, rc, str(log), tail)
 
 
-def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path, jobs: int) -> list[RunResult]:
-    """Train every run not finished yet, `jobs` at a time; the CPU's cores are shared among them."""
+def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path, jobs: int,
+              stop: PassOn) -> list[RunResult]:
+    """Train every run not finished yet, `jobs` at a time; the CPU's cores are shared among them. A
+    signal is passed on to the runs in training, and no more start (`stop`)."""
     threads = max(1, (os.cpu_count() or 1) // jobs)
-    for spec in specs:  # a bad config, or a run directory holding another one, is refused before anything trains
-        cfg = run_config(config, overrides, spec, out / "runs")
-        derived_sizes(cfg, 1)
-        run_state(out / "runs" / spec.name, cfg)
+    for spec in specs:  # a run directory holding another run, or held by a train, is refused before anything trains
+        run_state(out / "runs" / spec.name, out / "logs" / f"{spec.name}.log",
+                  run_config(config, overrides, spec, out / "runs"))
 
     def one(spec: RunSpec) -> RunResult:
-        result = train_one(config, overrides, spec, out, threads)
-        print(f"[matrix] {spec.name}: {result.status}" + (f" (rc {result.rc}, log {result.log})" if result.rc else ""),
-              flush=True)
+        result = train_one(config, overrides, spec, out, threads, stop)
+        if result.status != "stopped":
+            print(f"[matrix] {spec.name}: {result.status}" + (f" (rc {result.rc}, log {result.log})" if result.rc
+                                                                else ""), flush=True)
         return result
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(one, specs))
+    stop.forwarding = True
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(one, specs))
+    finally:
+        stop.forwarding = False
+    if stop.received:
+        raise Interrupted(stop.received[0])
+    return results
 
 
 def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float], seeds: list[int],
                out: Path, jobs: int = 1, images: int | None = None, command: str = "") -> dict:
-    """Train every run (reusing and resuming), score them and the reference, write the outputs."""
+    """Train every run (reusing and resuming), score them and the reference, write the outputs.
+    Interrupted (a KeyboardInterrupt) after SIGINT or SIGTERM, once the runs in training have stopped."""
+    stop = PassOn()  # from here on a signal ends in Interrupted: at once, or once the runs in training stopped
+    try:
+        cfg = load_config(config, overrides)
+        specs = plan(cfg, rewards, betas, seeds)
+        check_options(config, overrides, cfg, specs, images)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} is a file; give a folder")
+        out.mkdir(parents=True, exist_ok=True)
+        lock = OutLock(out)
+        try:
+            results = train_all(config, overrides, specs, out, jobs, stop)
+            return score_and_write(cfg, config, overrides, specs, results, out, images, command)
+        finally:
+            lock.release()
+    finally:
+        stop.restore()
+
+
+def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[RunSpec], results: list[RunResult],
+                    out: Path, images: int | None, command: str) -> dict:
+    """Score the reference and every run that trained, then write matrix.json, matrix.md and matrix.png."""
     from grpo_vision.matrix_report import write_outputs
     from grpo_vision.matrix_score import Scorer, score_runs
 
-    cfg = load_config(config, overrides)
-    specs = plan(cfg, rewards, betas, seeds)
-    out.mkdir(parents=True, exist_ok=True)
-    results = train_all(config, overrides, specs, out, jobs)
     scorer = Scorer(cfg, images or cfg.log.eval_images)
     scorer.use_rewards([name for spec in specs for name, _ in spec.weights])
     reference, summaries = score_runs(scorer, out, [(r.spec.name, out / "runs" / r.spec.name) for r in results

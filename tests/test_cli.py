@@ -70,6 +70,31 @@ def test_bench_counts_must_be_positive(capsys):
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_overrides_are_taken_anywhere_on_the_line(monkeypatch, capsys):
+    from grpo_vision import cli
+
+    seen = {}
+    for name in ("cmd_matrix", "cmd_train", "cmd_bench_step", "cmd_bench_trl"):  # each records what it was given
+        monkeypatch.setattr(cli, name, lambda args, name=name: seen.setdefault(name, args))
+    # Before: argparse matched CONFIG and the overrides together, so an override after an option was an error
+    cli.main(["matrix", "c.yaml", "a=1", "--out", "o", "b=2", "--rewards", "clip", "c.d=[1, 2]", "--kl", "0"])
+    assert seen["cmd_matrix"].overrides == ["a=1", "b=2", "c.d=[1, 2]"] and seen["cmd_matrix"].rewards == "clip"
+    cli.main(["train", "c.yaml", "--resume", "runs/x", "train.lr=1e-5"])
+    assert seen["cmd_train"].overrides == ["train.lr=1e-5"] and seen["cmd_train"].config == "c.yaml"
+    cli.main(["bench", "step", "c.yaml", "--steps", "2", "a=1"])
+    cli.main(["bench", "trl", "c.yaml", "--rounds", "2", "a=1", "--json", "b=2"])
+    assert seen["cmd_bench_step"].overrides == ["a=1"] and seen["cmd_bench_trl"].overrides == ["a=1", "b=2"]
+    cli.main(["config", "configs/shapes_micro.yaml", "--num-processes", "1", "train.steps=3"])
+    assert "  steps: 3\n" in capsys.readouterr().out
+    for args, needle in [(["matrix", "c.yaml", "--out", "o", "--rewards", "clip", "a=1", "--bogus=2", "stray"],
+                          "unrecognized arguments: --bogus=2 stray"),  # anything else is refused as before
+                         (["sample", "runs/x", "--prompts", "p.txt", "--out", "o", "a=1"],  # no overrides there
+                          "unrecognized arguments: a=1")]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(args)
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
 def test_a_non_finite_learning_rate_is_one_line_on_stderr():
     # Before: accepted, and every weight of the policy was NaN in the checkpoints
     out = run_cli("config", "configs/shapes_micro.yaml", "train.lr=inf")

@@ -1,17 +1,26 @@
 """`grpo-vision matrix`: reward specs, run states, paired changes, and the whole command on a micro world."""
 
+import fcntl
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, load_config
-from grpo_vision.matrix import parse_reward_spec, plan
+from grpo_vision.matrix import DONE, parse_reward_spec, plan, run_matrix
+from grpo_vision.matrix_jobs import OutLock
 from grpo_vision.matrix_score import pairwise_distance, summarize
+from grpo_vision.metrics import load_metrics
+from grpo_vision.prompts import PromptsError
+from grpo_vision.runlock import RunLock, RunLockedError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +48,25 @@ def test_plan_is_every_reward_kl_and_seed_with_distinct_names():
         plan(load_config(None, ["train.reference=none"]), ["clip"], [0.1], [0])
 
 
+def test_a_run_given_twice_is_refused_naming_it():
+    cfg = load_config(None, ["reward.weights={clip: 4.0, aesthetic: 1.0}"])  # two runs in one folder, before
+    for rewards, betas, seeds, message in [
+        (["clip", "clip"], [0.0], [0], "--rewards: clip is given twice; give each reward mix once"),
+        (["clip", "1*clip"], [0.0], [0], "--rewards: clip and 1*clip are the same reward mix; give it once"),
+        (["clip+aesthetic", "aesthetic+4*clip"], [0.0], [0],  # the config's weights: clip 4
+         "--rewards: clip+aesthetic and aesthetic+4*clip are the same reward mix; give it once"),
+        (["clip"], [0.0, 0.04, 0.0], [0], "--kl: 0 is given twice; give each KL coefficient once"),
+        (["clip"], [0.0], [1, 2, 1], "--seeds: 1 is given twice; give each seed once"),
+        (["clip"], [float("nan")], [0], "--kl nan: KL coefficients must be finite numbers >= 0"),
+        (["clip"], [-0.1], [0], "--kl -0.1: KL coefficients must be finite numbers >= 0"),
+        (["clip"], [0.0], [-1], "--seeds -1: seeds must be whole numbers >= 0"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            plan(cfg, rewards, betas, seeds)
+        assert str(err.value) == message
+    assert len(plan(cfg, ["clip", "2*clip", "clip+aesthetic"], [0.0], [0])) == 3  # distinct mixes stay
+
+
 def test_pairwise_distance_by_hand():
     # prompt 0: two identical images and one orthogonal: distances 0, 1, 1 -> mean 2/3
     emb = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
@@ -60,17 +88,24 @@ def test_changes_are_paired_per_image():
     assert table["kl"]["mean"] == pytest.approx(0.1) and "change" not in table["kl"]
 
 
-def _matrix(world, out, *extra):
-    prompts = out.parent / "prompts"  # small eval sets keep the test quick: 4 test and 3 held-out captions
+def _overrides(world, folder):
+    prompts = folder / "prompts"  # small eval sets keep the test quick: 4 test and 3 held-out captions
     if not prompts.is_dir():
         prompts.mkdir()
         (prompts / "test.txt").write_text("a red circle\na small green square\na red square left of a green circle\n"
                                           "a purple triangle on a white background\n")
         (prompts / "heldout.txt").write_text("a blue triangle\na yellow circle\na large purple square\n")
-    args = ["matrix", "configs/shapes_micro.yaml", f"policy.path={world}", "log.eval_images=2",
-            f"data.eval_prompts={prompts / 'test.txt'}", f"data.heldout_prompts={prompts / 'heldout.txt'}", *extra,
-            "--out", str(out), "--rewards", "clip,placebo"]
-    return subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return [f"policy.path={world}", "log.eval_images=2", f"data.eval_prompts={prompts / 'test.txt'}",
+            f"data.heldout_prompts={prompts / 'heldout.txt'}"]
+
+
+def _matrix_cmd(world, out, rewards, *extra):
+    return [sys.executable, "-m", "grpo_vision.cli", "matrix", "configs/shapes_micro.yaml",
+            *_overrides(world, out.parent), *extra, "--out", str(out), "--rewards", rewards]
+
+
+def _matrix(world, out, *extra):
+    return subprocess.run(_matrix_cmd(world, out, "clip,placebo", *extra), cwd=ROOT, capture_output=True, text=True,
                           timeout=1800)
 
 
@@ -119,3 +154,110 @@ def test_matrix_through_the_cli_goes_on_past_a_failed_run_and_reuses_the_rest(mi
 
     other = _matrix(micro_world, out, "train.lr=1e-4")  # the same --out with another config is refused
     assert other.returncode == 2 and "holds a run with another config" in other.stderr
+
+
+def test_options_scoring_needs_are_refused_before_anything_trains(micro_world, tmp_path):
+    out = tmp_path / "matrix"
+    base = _overrides(micro_world, tmp_path)
+    for overrides, images, message in [  # each was a traceback or error after every run had trained
+        ([], 1, "--images 1: matrix measures diversity between a prompt's images, so it needs at least 2"),
+        (["log.eval_images=1"], None, "log.eval_images=1 (the default of --images): matrix measures diversity"),
+        (["reward.monitor=[clpi]"], None, "the config's reward 'clpi' (scored for every run) is not a reward"),
+        ([f"data.heldout_prompts={tmp_path / 'missing.txt'}"], None, "missing.txt"),
+        (["sample.group_size=3"], None, "must be divisible by"),  # every run's config, as train checks it
+    ]:
+        with pytest.raises((ConfigError, PromptsError), match=message.replace("(", r"\(").replace(")", r"\)")):
+            run_matrix("configs/shapes_micro.yaml", [*base, *overrides], ["placebo"], [0.0], [0], out, images=images)
+        assert not out.exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="is a file; give a folder"):
+        run_matrix("configs/shapes_micro.yaml", base, ["placebo"], [0.0], [0], tmp_path / "file")
+
+
+def test_a_held_output_folder_or_run_is_refused_and_left_alone(micro_world, tmp_path):
+    out = tmp_path / "matrix"
+    run, log = out / "runs" / "placebo-kl0-s0", out / "logs" / "placebo-kl0-s0.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("a live train's output\n")
+
+    def matrix():
+        run_matrix("configs/shapes_micro.yaml", _overrides(micro_world, tmp_path), ["placebo"], [0.0], [0], out)
+
+    lock = OutLock(out)  # another matrix on this folder
+    try:
+        with pytest.raises(RunLockedError, match=f"{out} is in use by another grpo-vision matrix \\(pid {os.getpid()}\\)"):
+            matrix()
+    finally:
+        lock.release()
+    with open(log, "a") as held:  # the log a matrix handed its train, which runs on after the matrix was killed
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunLockedError, match=f"{run} is in use by a running train \\(writing {log}\\)"):
+            matrix()
+    lock = RunLock(run, fresh=True)  # a train that has loaded holds its run.lock
+    try:
+        with pytest.raises(RunLockedError, match=f"{run} is in use by a running train \\(pid {os.getpid()}\\), "
+                                                 "perhaps one a killed matrix left running"):
+            matrix()
+    finally:
+        lock.release()
+    assert log.read_text() == "a live train's output\n" and not (run / DONE).exists()  # neither emptied nor failed
+
+
+def _steps_logged(run: Path) -> list[int]:
+    return [row["step"] for row in load_metrics(run)]
+
+
+def _start_and_stop(cmd, run: Path, stop) -> subprocess.CompletedProcess:
+    """Start a matrix in a session of its own (as a shell starts a command), `stop(proc)` once its
+    run has logged a step, and wait for it."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 900
+    while not _steps_logged(run) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stop(proc)
+    out, err = proc.communicate(timeout=900)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+STOP = ("train.steps=4", "log.checkpoint_every=0")  # only a signal or the end saves a checkpoint
+
+
+def test_sigterm_is_passed_on_and_the_same_command_resumes_exactly(micro_world, tmp_path):
+    straight = subprocess.run(_matrix_cmd(micro_world, tmp_path / "straight", "placebo", *STOP), cwd=ROOT,
+                              capture_output=True, text=True, timeout=1800)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "stopped"
+    run, cmd = out / "runs" / "placebo-kl0-s0", _matrix_cmd(micro_world, tmp_path / "stopped", "placebo", *STOP)
+    stopped = _start_and_stop(cmd, run, lambda proc: proc.send_signal(signal.SIGTERM))  # the matrix alone
+    assert stopped.returncode == 143, stopped.stderr[-3000:]  # 128 + SIGTERM
+    assert "Traceback" not in stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1].startswith(
+        f"[matrix] stopped by SIGTERM; continue with: grpo-vision matrix configs/shapes_micro.yaml policy.path=")
+    done = _steps_logged(run)[-1]
+    assert 1 <= done < 4
+    log = (out / "logs" / "placebo-kl0-s0.log").read_text()
+    assert f"stopped by SIGTERM: saved a checkpoint at step {done}" in log  # the train got it and saved
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{done:06d}" and not (run / DONE).exists()
+    assert not (out / "matrix.md").exists()
+
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert resumed.returncode == 0 and "placebo-kl0-s0: resumed" in resumed.stdout, resumed.stderr[-3000:]
+    assert _steps_logged(run) == [1, 2, 3, 4]
+    a = load_file(tmp_path / "straight" / "runs" / "placebo-kl0-s0" / "checkpoints" / "step_000004" / "policy.safetensors")
+    b = load_file(run / "checkpoints" / "step_000004" / "policy.safetensors")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
+
+
+def test_ctrl_c_stops_the_runs_at_a_checkpoint_in_one_line(micro_world, tmp_path):
+    out = tmp_path / "matrix"
+    run = out / "runs" / "placebo-kl0-s0"
+    # Ctrl-C in a terminal: SIGINT to every process of the command's group
+    stopped = _start_and_stop(_matrix_cmd(micro_world, out, "placebo", *STOP), run,
+                              lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    assert stopped.returncode == 130, stopped.stderr[-3000:]  # 128 + SIGINT
+    assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
+    assert stopped.stderr.strip().splitlines()[-1].startswith("[matrix] stopped by SIGINT; continue with: ")
+    log = (out / "logs" / "placebo-kl0-s0.log").read_text()
+    assert log.count("SIGINT: finishing this step") == 1  # one signal, from the matrix: the step was saved
+    assert f"saved a checkpoint at step {_steps_logged(run)[-1]}" in log
