@@ -1,6 +1,9 @@
 """Policy kinds and the prompts a run trains and evaluates on."""
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
@@ -80,6 +83,16 @@ def test_a_kind_without_prompts_needs_a_train_file():
 def test_unknown_kind_lists_the_registered_ones():
     with pytest.raises(ConfigError, match=r"unknown policy.kind 'gpt5'; registered kinds: .*janus, llama, shapes"):
         policy_kind("gpt5")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_shapes_kind_loads_its_policy_in_policy_dtype(dtype):
+    """The world saves float32 weights; policy.dtype casts them, as for the llama kind (issue 33: it was ignored)."""
+    world = Path(__file__).resolve().parents[1] / "worlds" / "shapes"
+    cfg = load_config(None, [f"policy.path={world}", f"policy.dtype={dtype}", "train.adapter=lora"])
+    bundle = load_bundle(cfg.policy, "cpu")
+    assert {p.dtype for p in bundle.policy.parameters()} == {getattr(torch, dtype)}
+    assert {p.dtype for p in bundle.tokenizer.vq.parameters()} == {torch.float32}  # the tokenizer is not the policy
 
 
 def test_a_registered_kind_is_loaded_by_name_with_its_prompts(tiny_policy):
