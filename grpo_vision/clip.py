@@ -29,7 +29,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from grpo_vision.safe_state import UnsafeFileError, is_torchscript, non_finite, refusal, torch_reason
+from grpo_vision.load_checks import non_finite
+from grpo_vision.safe_state import UnsafeFileError, is_torchscript, refusal, torch_reason
 
 class ClipLoadError(RuntimeError):
     """A checkpoint that does not fit its architecture, or an architecture open_clip does not know."""

@@ -210,19 +210,3 @@ def _safe_globals() -> set[str]:
     return set(_weights_only_unpickler._get_allowed_globals()) | {
         f"{g.__module__}.{g.__qualname__}" for g in _NUMPY_GLOBALS}
 
-
-# ---------------------------------------------------------------- weights that load but are not numbers
-
-
-def non_finite(tensors: dict[str, torch.Tensor]) -> str:
-    """'' when every floating-point tensor is finite; else what is not, as '12 NaN or infinite values in
-    lm_head.weight (and 2 other tensors)': a file damaged under an intact header loads without error."""
-    bad = {}
-    for name, t in tensors.items():
-        if t.is_floating_point() and (n := int(t.numel() - torch.isfinite(t).sum())):
-            bad[name] = n
-    if not bad:
-        return ""
-    first = next(iter(bad))
-    more = f" (and {len(bad) - 1} other tensor{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
-    return f"{bad[first]} NaN or infinite values in {first}{more}"
