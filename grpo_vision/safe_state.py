@@ -207,6 +207,7 @@ def _safe_globals() -> set[str]:
     """What torch's weights-only unpickler allows (tensor rebuilders, OrderedDict, ...) and _NUMPY_GLOBALS."""
     from torch import _weights_only_unpickler
 
-    return set(_weights_only_unpickler._get_allowed_globals()) | {
+    allowed = getattr(_weights_only_unpickler, "_get_allowed_globals", dict)()  # private: absent, name them all
+    return set(allowed) | {
         f"{g.__module__}.{g.__qualname__}" for g in _NUMPY_GLOBALS}
 
