@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grpo_vision.load_checks import non_finite
+
 LAION_HIDDEN = (1024, 128, 64, 16)  # released v2 widths, input 768
 LAION_DROPOUT = (0.2, 0.2, 0.1)  # after the first three Linears
 WEIGHTS_NAME = "aesthetic.safetensors"
@@ -98,7 +100,10 @@ def _read_weights(p: Path) -> dict:
     except Exception as e:
         raise ValueError(f"cannot read the aesthetic head weights {p}: the file is damaged, cut short or not a "
                          f"state dict ({type(e).__name__}: {str(e).strip()[:200]}); copy it again") from None
-    return sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+    sd = sd.get("state_dict", sd) if isinstance(sd, dict) else sd
+    if isinstance(sd, dict) and (bad := non_finite(sd)):
+        raise ValueError(f"the aesthetic head weights {p} hold {bad}: the file is damaged; copy it again")
+    return sd
 
 
 def load_aesthetic(path: str | Path, input_dim: int | None = None, hidden: tuple[int, ...] | None = None,

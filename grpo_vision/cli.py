@@ -153,6 +153,17 @@ def cmd_demo(args) -> None:
                           "choose another --port or --host") from None
 
 
+def cmd_convert_clip(args) -> None:
+    from grpo_vision.clip import ClipLoadError, convert_torchscript
+
+    print(f"[convert-clip] loading {args.archive} with torch.jit.load, which runs the TorchScript code inside it")
+    try:
+        n = convert_torchscript(args.archive, args.out)
+    except ClipLoadError as e:
+        raise ConfigError(str(e)) from None
+    print(f"[convert-clip] wrote {n} tensors to {args.out}; use it as the reward's checkpoint (no trust needed)")
+
+
 def cmd_bench_sampler(args) -> None:
     from grpo_vision.bench import bench_sampler
 
@@ -254,6 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("convert-clip", help="a TorchScript CLIP archive (OpenAI's ViT-L-14.pt) to safetensors, once; "
+                                            "this runs the archive's code: only on an archive you trust")
+    p.add_argument("archive", help="the TorchScript archive")
+    p.add_argument("out", help="the safetensors file to write (OUT.safetensors)")
+    p.set_defaults(func=cmd_convert_clip)
 
     add_bench_commands(sub)
     for add_commands in command_adders():  # plugins' own subcommands (ShapesWorld: world build | render | prompts)

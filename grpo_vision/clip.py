@@ -7,8 +7,10 @@ float `[B, 3, H, W]` tensors in [0, 1] on the model's device; each model's own e
 open_clip architectures are named as open_clip names them (`open_clip.list_models()`: `ViT-L-14`,
 `ViT-L-14-quickgelu`, `ViT-H-14`, ...), by the path of a JSON config file (`{"embed_dim", "vision_cfg",
 "text_cfg"}`, registered under its file stem, as open_clip's `add_model_config` does). Checkpoints are local files in any format open_clip reads:
-a state dict (`.safetensors`, `.bin`, `.pt`), one wrapped as `{"state_dict": ...}` (HPS v2), or
-OpenAI's TorchScript archives (`ViT-L-14.pt` from `clip.load`).
+a state dict (`.safetensors`, `.bin`, `.pt`), one wrapped as `{"state_dict": ...}` (HPS v2), or,
+with `trust_torchscript`, OpenAI's TorchScript archives (`ViT-L-14.pt` from `clip.load`). Loading an
+archive runs the TorchScript code inside it, so without that option it is refused;
+`grpo-vision convert-clip` turns a trusted one into safetensors once (docs/security.md).
 
 OpenAI's CLIP weights were trained with QuickGELU, and nothing in a checkpoint says so: loaded into
 `ViT-L-14` (GELU) they run without error and give wrong embeddings. Use `ViT-L-14-quickgelu`;
@@ -17,9 +19,9 @@ load_clip warns when a checkpoint looks like OpenAI's and the architecture is no
 
 from __future__ import annotations
 
+import os
 import pickle
 import warnings
-import zipfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +29,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from grpo_vision.safe_state import names_python_objects, unsafe_message
+from grpo_vision.load_checks import non_finite
+from grpo_vision.safe_state import UnsafeFileError, is_torchscript, refusal, torch_reason
 
 class ClipLoadError(RuntimeError):
     """A checkpoint that does not fit its architecture, or an architecture open_clip does not know."""
@@ -58,26 +61,19 @@ def resolve_model_name(model_name: str) -> str:
     return model_name
 
 
-def is_torchscript(path: str | Path) -> bool:
-    """True for a zip that claims to be a TorchScript archive (OpenAI's CLIP release format): it holds
-    constants.pkl. Only torch.jit.load checks the claim: such a file is never unpickled."""
-    if not zipfile.is_zipfile(path):
-        return False
-    with zipfile.ZipFile(path) as z:
-        return any(n.endswith("/constants.pkl") for n in z.namelist())
-
-
 def _uses_quick_gelu(model_name: str) -> bool:
     import open_clip
 
     return bool((open_clip.get_model_config(model_name) or {}).get("quick_gelu", False))
 
 
-def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu"):
+def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu", trust_torchscript: bool = False):
     """(model, preprocess, tokenizer) for an open_clip architecture and a local checkpoint file,
     through `open_clip.create_model_and_transforms(name, pretrained=checkpoint)` (strict loading), in
     eval mode. With a file path open_clip applies no pretrained tag, so preprocessing is the config's
-    (default: OpenAI mean/std, bicubic resize of the shortest side, centre crop)."""
+    (default: OpenAI mean/std, bicubic resize of the shortest side, centre crop). A TorchScript archive
+    is loaded only with `trust_torchscript` (it runs the archive's code); weights that are NaN or
+    infinite are refused, naming the file."""
     import open_clip
 
     path = Path(checkpoint)
@@ -88,47 +84,88 @@ def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu"):
         raise ClipLoadError(f"unknown open_clip architecture {model_name!r}: give a name from "
                             "open_clip.list_models() (e.g. ViT-L-14-quickgelu, ViT-H-14) or a JSON config file")
     torchscript = is_torchscript(path)
+    if torchscript and not trust_torchscript:
+        raise ClipLoadError(torchscript_refusal(path))
     if (torchscript or "openai" in str(path).lower()) and not _uses_quick_gelu(name):
         warnings.warn(f"{path} looks like OpenAI CLIP weights, which need QuickGELU, but open_clip architecture "
                       f"{name!r} uses GELU: the embeddings will be wrong. Use the '-quickgelu' variant "
                       f"(e.g. ViT-L-14-quickgelu).", stacklevel=2)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="`torch.jit.load` is deprecated")
-            # Pickled checkpoints are read with weights_only=True (tensors and numbers, nothing that
-            # runs); a TorchScript archive is read by torch.jit.load alone, below.
-            model, _, preprocess = open_clip.create_model_and_transforms(
-                name, pretrained=None if torchscript else str(path), device=device, weights_only=True)
-            if torchscript:
-                _load_torchscript(model, path)
+        # Pickled checkpoints are read with weights_only=True (tensors and numbers, nothing that runs);
+        # a (trusted) TorchScript archive is read by torch.jit.load alone, below.
+        model, _, preprocess = open_clip.create_model_and_transforms(
+            name, pretrained=None if torchscript else str(path), device=device, weights_only=True)
+        if torchscript:
+            _load_torchscript(model, path)
     except ClipLoadError:
         raise
     except pickle.UnpicklingError as e:
-        if not names_python_objects(e):
-            raise ClipLoadError(_damaged(path, e)) from None
-        raise ClipLoadError(f"{unsafe_message(path, e)}. Use a safetensors copy of the weights; to make one "
-                            "from a file you trust, see docs/security.md") from None
+        why = refusal(path, e)
+        if not isinstance(why, UnsafeFileError):
+            raise ClipLoadError(_damaged(path, torch_reason(e))) from None
+        raise ClipLoadError(f"{why}. Use a safetensors copy of the weights; to make one from a file you trust, "
+                            "see docs/security.md") from None
     except Exception as e:  # a file that cannot be read, or weights that do not fit the architecture
         if _unreadable(e):
-            raise ClipLoadError(_damaged(path, e)) from None
+            raise ClipLoadError(_damaged(path, f"{type(e).__name__}: {_first_line(e)}")) from None
         raise ClipLoadError(f"cannot load {path} into open_clip architecture {name!r}: its weights do not fit "
-                            f"(is it the checkpoint's architecture?): {type(e).__name__}: {e}") from e
+                            f"(is it the checkpoint's architecture?): {type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:400]}") from e  # one line, however many keys
+    bad = non_finite(model.state_dict())
+    if bad:
+        raise ClipLoadError(f"the CLIP checkpoint {path} holds {bad}: the file is damaged; copy or download it again")
     return model.eval(), preprocess, open_clip.get_tokenizer(name)
 
 
-def _load_torchscript(model, path: Path) -> None:
-    """OpenAI's archive through torch.jit.load, which reads tensors and TorchScript code but unpickles no
-    Python objects; its state dict gets the conversions open_clip's own loader applies to it."""
-    from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+def torchscript_refusal(path: Path) -> str:
+    return (f"{path} is a TorchScript archive, and loading one runs the TorchScript code inside it, so it is refused: "
+            f"convert it once where you trust it (grpo-vision convert-clip {path} OUT.safetensors) and use "
+            "OUT.safetensors, or load it as it is with trust_torchscript: true in the reward's options "
+            "(docs/security.md)")
 
+
+def convert_torchscript(archive: str | Path, out: str | Path) -> int:
+    """Write the weights of a TorchScript CLIP archive (OpenAI's release format) to `out`, a safetensors file
+    that load_clip reads without trust; the number of tensors. This runs the archive's TorchScript code
+    (torch.jit.load): only for an archive you trust."""
+    from safetensors.torch import save_file
+
+    archive, out = Path(archive), Path(out)
+    if not archive.is_file():
+        raise FileNotFoundError(f"TorchScript archive not found: {archive}")
+    if not is_torchscript(archive):
+        raise ClipLoadError(f"{archive} is not a TorchScript archive (no constants.pkl inside); load_clip reads it "
+                            "as it is")
+    if out.suffix != ".safetensors":
+        raise ClipLoadError(f"{out}: the output must end in .safetensors (open_clip picks the format by suffix)")
+    state = _torchscript_state(archive)
+    tmp = out.with_name(out.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+    os.replace(tmp, out)
+    return len(state)
+
+
+def _torchscript_state(path: Path) -> dict:
+    """The state dict of a TorchScript archive through torch.jit.load, which unpickles no Python objects but
+    runs the archive's TorchScript code (its __setstate__ methods): the caller trusts the file."""
     try:
-        state = torch.jit.load(str(path), map_location="cpu").state_dict()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="`torch.jit.load` is deprecated")
+            state = torch.jit.load(str(path), map_location="cpu").state_dict()
     except Exception as e:
         raise ClipLoadError(f"{path} looks like a TorchScript archive (it holds a constants.pkl) but "
                             f"torch.jit.load cannot read it ({type(e).__name__}: {str(e).splitlines()[0]}); "
                             "it is not read any other way: use the original file or a safetensors copy") from None
     for key in ("input_resolution", "context_length", "vocab_size"):  # archive attributes, not weights
         state.pop(key, None)
+    return state
+
+
+def _load_torchscript(model, path: Path) -> None:
+    """OpenAI's archive (trusted); its state dict gets the conversions open_clip's own loader applies to it."""
+    from open_clip.model import convert_to_custom_text_state_dict, resize_pos_embed, resize_text_pos_embed
+
+    state = _torchscript_state(path)
     if "positional_embedding" in state and not hasattr(model, "positional_embedding"):
         state = convert_to_custom_text_state_dict(state)
     resize_pos_embed(state, model)
@@ -145,10 +182,13 @@ def _unreadable(e: Exception) -> bool:
         s in text for s in ("PytorchStreamReader", "zip archive", "invalid load key", "truncated"))
 
 
-def _damaged(path: Path, e: Exception) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
+
+
+def _damaged(path: Path, reason: str) -> str:
     return (f"cannot read the CLIP checkpoint {path}: the file is damaged, cut short or not a checkpoint "
-            f"({type(e).__name__}: {first}); copy or download it again")
+            f"({reason}); copy or download it again")
 
 
 def image_transform(model):

@@ -232,6 +232,11 @@ def validate(cfg: Config) -> None:
          "train.reference: adapter is the policy with its adapter disabled, and train.adapter is none: set "
          "train.adapter to lora, loha or lokr, or train.reference to frozen"),
         (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
+        # AdamW on float16 weights: grad**2 and eps (1e-8) underflow to 0, and 0/0 makes the weights NaN
+        (cfg.policy.dtype != "float16" or t.adapter != "none",
+         "policy.dtype float16 cannot be fine-tuned in full (AdamW's steps on float16 weights underflow and make "
+         "them NaN): use bfloat16, or float32 with train.mixed_precision fp16, or keep the float16 weights frozen "
+         "under an adapter (train.adapter lora)"),
         (t.loss_type != "cispo" or t.epsilon_high > 1,
          f"train.loss_type=cispo caps the importance weight at train.epsilon_high itself (ScaleRL's eps_max), so it "
          f"must be above 1; got {t.epsilon_high}: set train.epsilon_high=5.0 (the ScaleRL recipe)"),

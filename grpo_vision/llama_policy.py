@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.checkpoint import CheckpointError
 from grpo_vision.config_load import brief
+from grpo_vision.load_checks import non_finite, shape_mismatch
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
 PAD, BOS, NULL, BOI, UNK = range(len(SPECIALS))
@@ -329,6 +330,13 @@ class LlamaImagePolicy(nn.Module):
         except Exception as e:  # JSON, a config field or safetensors: each raises its own kind
             raise CheckpointError(f"policy checkpoint {directory} is unreadable ({type(e).__name__}: {e}); "
                                   "rewrite it with save_pretrained (or rebuild the world)") from None
+        weights, config = directory / "policy.safetensors", directory / "policy_config.json"
+        if mismatch := shape_mismatch(policy, state):  # a config edited after the weights were saved
+            raise CheckpointError(f"policy checkpoint {weights} does not fit {config} ({mismatch}); use the "
+                                  "policy_config.json saved with these weights")
+        if bad := non_finite(state):  # damaged under an intact header: it loads, and no update could fix it
+            raise CheckpointError(f"policy checkpoint {weights} holds {bad}: the file is damaged; copy it again, "
+                                  "or rewrite it with save_pretrained (or rebuild the world)")
         policy.to(device=device, dtype=next(iter(state.values())).dtype)
         policy.load_state_dict(state)
         return policy

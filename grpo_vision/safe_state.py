@@ -16,9 +16,13 @@ arrays are tagged in the JSON so that they come back as the same types; floats r
 from __future__ import annotations
 
 import contextlib
+import io
+import itertools
 import json
 import pickle
+import pickletools
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -110,26 +114,100 @@ _NUMPY_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt
 
 def load_pickled_tensors(path: str | Path, numpy_arrays: bool = False) -> Any:
     """`torch.load(weights_only=True)`: tensors, numbers, strings and containers (with `numpy_arrays`,
-    plain numpy arrays too), never other Python objects. A file that holds any raises UnsafeFileError."""
+    plain numpy arrays too), never other Python objects. A file that holds any, or a TorchScript
+    archive, raises UnsafeFileError; one that is not a pickle at all, ValueError."""
+    if is_torchscript(path):  # torch.load would refuse it too, with a hint to unpickle it after all
+        raise UnsafeFileError(f"{path} is a TorchScript archive, and loading one runs the TorchScript code inside "
+                              "it, so it is refused")
     allowed = torch.serialization.safe_globals(_NUMPY_GLOBALS) if numpy_arrays else contextlib.nullcontext()
     try:
         with allowed:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if not names_python_objects(e):
-            raise  # not a pickle at all, or a damaged one
-        raise UnsafeFileError(unsafe_message(path, e)) from None
+        raise refusal(path, e) from None
 
 
-def names_python_objects(error: Exception) -> bool:
-    """Whether torch's weights-only unpickler refused a file for naming a Python object (a function or
-    class it would have to import and call), as opposed to bytes that are not a pickle at all."""
-    return "GLOBAL" in str(error)
+def is_torchscript(path: str | Path) -> bool:
+    """True for a zip that claims to be a TorchScript archive (OpenAI's CLIP release format): it holds
+    constants.pkl. Only torch.jit.load checks the claim: such a file is never unpickled."""
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith("/constants.pkl") for n in z.namelist())
 
 
-def unsafe_message(path: str | Path, error: Exception) -> str:
+def refusal(path: str | Path, error: pickle.UnpicklingError) -> ValueError:
+    """What it means that torch's weights-only unpickler refused `path`, as an error to raise: UnsafeFileError
+    for a pickle (it names Python objects, or uses what that unpickler does not read, as `pickle.dump`'s
+    protocol 4 does), ValueError for bytes that are no pickle. Never with torch's hint that
+    weights_only=False "will likely succeed": that is the unsafe path."""
+    said = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(error))  # the one torch refused
+    try:
+        named = [said.group(1)] if said else [g for g in pickled_globals(path) if g not in _safe_globals()]
+    except ValueError:  # pickletools cannot parse it either: damaged, or not a pickle
+        return ValueError(f"damaged or not a pickle: {torch_reason(error)}")  # callers name the file
+    return UnsafeFileError(unsafe_message(path, named[0] if named else None))
+
+
+def unsafe_message(path: str | Path, named: str | None) -> str:
     """Why a pickled file was refused and which object it names; callers add what to do instead."""
-    found = re.search(r"(?:unsupported|Unsupported global:) GLOBAL ([\w.]+)", str(error))
-    named = f" (it names {found.group(1)})" if found else ""
-    return (f"{path} holds pickled Python objects besides tensors and numbers{named}; loading it could run "
-            "code from the file, so it is refused")
+    what = f"pickled Python objects besides tensors and numbers (it names {named})" if named else \
+        "a pickle that the safe loader cannot read (not written by torch.save)"
+    return f"{path} holds {what}; unpickling it could run code from the file, so it is refused for safety"
+
+
+def torch_reason(error: Exception) -> str:
+    """The reason in a weights-only refusal (e.g. 'Unsupported operand 27'), without torch's advice around it."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+
+
+def pickled_globals(path: str | Path) -> list[str]:
+    """`module.name` of every Python object the pickles in `path` name: one pickle, torch's legacy format
+    (pickles, then raw bytes) or each .pkl inside a zip. pickletools parses the opcodes and calls
+    nothing; ValueError when the file does not start with a pickle."""
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            return [g for n in z.namelist() if n.endswith(".pkl") for g in _globals_in(io.BytesIO(z.read(n)))]
+    with open(path, "rb") as f:
+        return _globals_in(f)
+
+
+def _globals_in(stream) -> list[str]:
+    """The globals of the pickles at the start of `stream`; the module and name of a STACK_GLOBAL are the
+    last two strings pushed (pickle protocol 4), also through the memo."""
+    found: list[str] = []
+    strings: list[str | None] = []  # each push: the string it pushed, or None
+    memo: dict[int, str | None] = {}
+    for n in itertools.count():
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("GLOBAL", "INST"):
+                    found.append(arg.replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    found.append(".".join(s or "?" for s in strings[-2:]))
+                if op.name in ("MEMOIZE", "BINPUT", "LONG_BINPUT", "PUT"):  # memoizes the top of the stack
+                    memo[len(memo) if arg is None else arg] = strings[-1] if strings else None
+                elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                    strings.append(memo.get(arg))
+                elif op.stack_after:  # a push: a string's value, None for anything else
+                    strings.append(arg if isinstance(arg, str) and "GLOBAL" not in op.name else None)
+        except ValueError:
+            if n == 0:
+                raise
+            return found  # the raw bytes after torch's legacy pickles
+        if not stream.read(1):
+            return found
+        stream.seek(-1, 1)
+
+
+def _safe_globals() -> set[str]:
+    """What torch's weights-only unpickler allows (tensor rebuilders, OrderedDict, ...) and _NUMPY_GLOBALS."""
+    from torch import _weights_only_unpickler
+
+    allowed = getattr(_weights_only_unpickler, "_get_allowed_globals", dict)()  # private: absent, name them all
+    return set(allowed) | {
+        f"{g.__module__}.{g.__qualname__}" for g in _NUMPY_GLOBALS}
+

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from grpo_vision.load_checks import non_finite
+
 
 @runtime_checkable
 class ImageTokenizer(Protocol):
@@ -115,4 +117,12 @@ class VQTokenizer(nn.Module):
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(f"VQ tokenizer {directory} has no config.json; expected a diffusers VQModel "
                                     "folder written by save_pretrained")
-        return cls(VQModel.from_pretrained(str(directory)).to(device).eval())
+        vq = VQModel.from_pretrained(str(directory))
+        if bad := non_finite(vq.state_dict()):  # damaged under an intact header: it loads, and decodes NaN
+            from grpo_vision.checkpoint import CheckpointError
+
+            weights = directory / "diffusion_pytorch_model.safetensors"
+            raise CheckpointError(f"VQ tokenizer weights {weights if weights.is_file() else directory} hold {bad}: "
+                                  "the file is damaged; copy it again, or rewrite it with save_pretrained (or rebuild "
+                                  "the world)")
+        return cls(vq.to(device).eval())

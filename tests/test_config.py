@@ -137,6 +137,16 @@ def test_beta_needs_a_reference():
         load_config(None, ["train.beta=0.1", "train.reference=none"])
 
 
+def test_float16_weights_train_only_under_an_adapter():
+    """AdamW on float16 weights turns them NaN at the first small gradient (eps 1e-8 is 0 in float16):
+    refused before a run starts, naming what works; frozen float16 weights under an adapter train."""
+    with pytest.raises(ConfigError, match=r"^policy.dtype float16 cannot be fine-tuned in full .*use bfloat16, or "
+                                          r"float32 with train.mixed_precision fp16, or .*\(train.adapter lora\)$"):
+        load_config(None, ["policy.dtype=float16"])
+    assert load_config(None, ["policy.dtype=float16", "train.adapter=lora"]).policy.dtype == "float16"
+    assert load_config(None, ["policy.dtype=bfloat16"]).policy.dtype == "bfloat16"
+
+
 def test_derived_sizes_arithmetic():
     cfg = load_config(None, ["sample.prompts_per_step=8", "sample.group_size=8", "train.micro_batch_size=8",
                              "train.minibatches_per_pass=2", "train.num_iterations=3", "train.steps=10"])

@@ -1,6 +1,9 @@
 """Policy kinds and the prompts a run trains and evaluates on."""
 
+from pathlib import Path
+
 import pytest
+import torch
 
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
@@ -111,6 +114,49 @@ def test_a_kind_without_prompts_needs_a_train_file():
 def test_unknown_kind_lists_the_registered_ones():
     with pytest.raises(ConfigError, match=r"unknown policy.kind 'gpt5'; registered kinds: .*janus, llama, shapes"):
         policy_kind("gpt5")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_shapes_kind_loads_its_policy_in_policy_dtype(dtype):
+    """The world saves float32 weights; policy.dtype casts them, as for the llama kind (issue 33: it was ignored)."""
+    world = Path(__file__).resolve().parents[1] / "worlds" / "shapes"
+    cfg = load_config(None, [f"policy.path={world}", f"policy.dtype={dtype}", "train.adapter=lora"])
+    bundle = load_bundle(cfg.policy, "cpu")
+    assert {p.dtype for p in bundle.policy.parameters()} == {getattr(torch, dtype)}
+    assert {p.dtype for p in bundle.tokenizer.vq.parameters()} == {torch.float32}  # the tokenizer is not the policy
+
+
+def test_a_policy_config_that_does_not_fit_its_weights_is_one_line_naming_both(tiny_policy, tmp_path):
+    import json
+
+    from grpo_vision.checkpoint import CheckpointError
+
+    tiny_policy.save_pretrained(tmp_path)
+    config = tmp_path / "policy_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"dim": 96}))
+    with pytest.raises(CheckpointError) as err:
+        LlamaImagePolicy.from_pretrained(tmp_path)
+    assert str(err.value) == (f"policy checkpoint {tmp_path / 'policy.safetensors'} does not fit {config} "
+                              "(model.embed_tokens.weight is [44, 64] in the weights, [44, 96] in the model (and 20 "
+                              "more)); use the policy_config.json saved with these weights")
+
+
+def test_non_finite_policy_weights_are_named_at_load(tiny_policy, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from grpo_vision.checkpoint import CheckpointError
+
+    tiny_policy.save_pretrained(tmp_path)
+    weights = tmp_path / "policy.safetensors"
+    state = load_file(weights)
+    state["lm_head.weight"][0, :3] = float("nan")
+    state["model.norm.weight"][1] = float("inf")
+    save_file(state, weights)
+    with pytest.raises(CheckpointError) as err:
+        LlamaImagePolicy.from_pretrained(tmp_path)
+    assert str(err.value) == (f"policy checkpoint {weights} holds 3 NaN or infinite values in lm_head.weight (and 1 "
+                              "other tensor): the file is damaged; copy it again, or rewrite it with save_pretrained "
+                              "(or rebuild the world)")
 
 
 def test_a_registered_kind_is_loaded_by_name_with_its_prompts(tiny_policy):

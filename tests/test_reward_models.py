@@ -109,7 +109,7 @@ def test_clip_reward_loads_an_openai_torchscript_archive_and_warns_without_quick
     path = tmp_path / "ViT-L-14.pt"
     _openai_style_archive(model, path)
     images = _images(3, 40, 56)
-    opts = {"model": config, "checkpoint": str(path)}
+    opts = {"model": config, "checkpoint": str(path), "trust_torchscript": True}  # loading it runs its code
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no QuickGELU warning for a QuickGELU architecture
         warnings.filterwarnings("ignore", message=".*(TorchScript|jit|deprecated).*")
@@ -117,9 +117,31 @@ def test_clip_reward_loads_an_openai_torchscript_archive_and_warns_without_quick
     torch.testing.assert_close(got, _open_clip_reference(model, images, PROMPTS[:3]), atol=1e-5, rtol=0)
     # The same weights in the GELU architecture load without error but embed differently: warned.
     with pytest.warns(UserWarning, match="QuickGELU"):
-        wrong = make_reward("clip", RewardContext(), {"model": gelu_config, "checkpoint": str(path)})(
-            images, PROMPTS[:3], [{}] * 3)
+        wrong = make_reward("clip", RewardContext(), {"model": gelu_config, "checkpoint": str(path),
+                                                      "trust_torchscript": True})(images, PROMPTS[:3], [{}] * 3)
     assert not torch.allclose(wrong, got, atol=1e-4)
+
+
+def test_a_torchscript_archive_needs_trust_or_a_one_time_conversion(tiny_clip, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config, _, model = tiny_clip
+    path = tmp_path / "ViT-L-14.pt"
+    _openai_style_archive(model, path)
+    images = _images(3, 40, 56)
+    with pytest.raises(RewardError, match=rf"reward 'clip' failed: its model did not load: ClipLoadError: {path} is a "
+                                          r"TorchScript archive.*grpo-vision convert-clip .*trust_torchscript: true"):
+        CompositeReward({"clip": 1.0}, [], RewardContext(), {"clip": {"model": config, "checkpoint": str(path)}}).load()
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "convert-clip", str(path),
+                          str(tmp_path / "c.safetensors")], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith(f"[convert-clip] loading {path} with torch.jit.load, which runs the TorchScript code")
+    converted = make_reward("clip", RewardContext(), {"model": config, "checkpoint": str(tmp_path / "c.safetensors")})
+    torch.testing.assert_close(converted(images, PROMPTS[:3], [{}] * 3),
+                               _open_clip_reference(model, images, PROMPTS[:3]), atol=1e-5, rtol=0)
 
 
 def test_hpsv2_reward_loads_the_state_dict_wrapper_and_scores_cosines(tiny_clip, tmp_path):

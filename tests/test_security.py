@@ -1,17 +1,21 @@
-"""Loading a file never runs code from it (issue 19): checkpoints, RNG states and CLIP weights from strangers.
+"""Loading a file runs no code from it unless told to (issues 19 and 33): checkpoints, RNG states and CLIP
+weights from strangers.
 
-Each attack file carries a payload that unpickling would run: `open(marker, "w")`, so the marker's
-existence proves it ran. A control loads a twin of each file the unsafe way and sees its marker appear,
-so these tests would fail if the files were harmless.
+Each attack file carries a payload that unpickling (or TorchScript's __setstate__) would run and that
+creates a marker file, so the marker's existence proves it ran. A control loads a twin of each file the
+unsafe way and sees its marker appear, so these tests would fail if the files were harmless.
 """
 
 import ast
+import pickle
 import random
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+import warnings
 
 import numpy as np
 import pytest
@@ -59,6 +63,34 @@ def crafted_clip(path, marker, decoy=True):
     if decoy:
         with zipfile.ZipFile(path, "a") as z:
             z.writestr(f"{path.stem}/extra/constants.pkl", b"")  # the old check matched */constants.pkl
+
+
+class ScriptedPayload(torch.nn.Module):
+    """A TorchScript module whose scripted __setstate__, run by torch.jit.load, creates its marker file
+    (torch.from_file with shared=True creates the file it maps): TorchScript ops only, no pickle."""
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2))
+        self.marker = marker
+
+    def forward(self, x):
+        return x + self.w
+
+    @torch.jit.export
+    def __getstate__(self) -> tuple[str, torch.Tensor, bool]:
+        return self.marker, self.w, self.training
+
+    @torch.jit.export
+    def __setstate__(self, state: tuple[str, torch.Tensor, bool]) -> None:
+        self.marker, self.w, self.training = state[0], state[1], state[2]
+        self.w = self.w + torch.from_file(self.marker, shared=True, size=2)  # used, so not optimised away
+
+
+def scripted_clip(path, marker):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated
+        torch.jit.save(torch.jit.script(ScriptedPayload(str(marker))), str(path))
 
 
 def tiny():
@@ -156,9 +188,66 @@ def test_a_crafted_clip_checkpoint_is_refused(tmp_path, decoy):
     assert armed(lambda p, m: crafted_clip(p, m, decoy), tmp_path)
     path = tmp_path / "ViT-L-14.pt"
     crafted_clip(path, tmp_path / "RAN", decoy)
-    with pytest.raises(ClipLoadError, match="ViT-L-14.pt (looks like a TorchScript archive|holds pickled)"):
+    with pytest.raises(ClipLoadError, match="ViT-L-14.pt (is a TorchScript archive|holds pickled)"):
         load_clip(str(CLIP_CONFIG), path)
+    with pytest.raises(ClipLoadError, match="ViT-L-14.pt (looks like a TorchScript archive|holds pickled)"):
+        load_clip(str(CLIP_CONFIG), path, trust_torchscript=True)  # torch.jit.load refuses it; nothing unpickles it
     assert not (tmp_path / "RAN").exists()
+
+
+def test_a_torchscript_clip_archive_runs_nothing_without_trust(tmp_path):
+    path, marker = tmp_path / "ViT-L-14.pt", tmp_path / "RAN"
+    scripted_clip(path, marker)
+    assert not marker.exists()
+    with pytest.raises(ClipLoadError) as err:
+        load_clip(str(CLIP_CONFIG), path)
+    assert str(err.value) == (
+        f"{path} is a TorchScript archive, and loading one runs the TorchScript code inside it, so it is refused: "
+        f"convert it once where you trust it (grpo-vision convert-clip {path} OUT.safetensors) and use "
+        "OUT.safetensors, or load it as it is with trust_torchscript: true in the reward's options (docs/security.md)")
+    assert not marker.exists()
+    with pytest.raises(ClipLoadError, match="weights do not fit"):  # the control: trusted, its code runs
+        load_clip(str(CLIP_CONFIG), path, trust_torchscript=True)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_raw_pickle_is_refused_as_pickled_objects_never_as_damaged(tmp_path, protocol):
+    """pickle.dump's protocols 4 and 5 use opcodes torch's safe unpickler does not read: torch's error then
+    names no object and advises weights_only=False; the message names the object and no such advice."""
+    from grpo_vision.aesthetic import load_aesthetic
+    from grpo_vision.safe_state import UnsafeFileError, load_pickled_tensors
+
+    path = tmp_path / "weights.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"state_dict": Payload(tmp_path / "RAN")}, f, protocol=protocol)
+    refused = f"{path} holds pickled Python objects besides tensors and numbers (it names io.open); unpickling " \
+              "it could run code from the file, so it is refused for safety"
+    with pytest.raises(UnsafeFileError) as err:
+        load_pickled_tensors(path)
+    assert str(err.value) == refused
+    with pytest.raises(ClipLoadError) as err:
+        load_clip(str(CLIP_CONFIG), path)
+    assert str(err.value) == refused + ". Use a safetensors copy of the weights; to make one from a file you " \
+                                       "trust, see docs/security.md"
+    with pytest.raises(ValueError) as err:
+        load_aesthetic(path)
+    assert str(err.value).startswith(refused + ". Use a safetensors copy of the head") and \
+        "docs/security.md" in str(err.value)
+    assert not (tmp_path / "RAN").exists()
+
+
+def test_bytes_that_are_no_pickle_are_damaged_without_torchs_advice(tmp_path):
+    from grpo_vision.safe_state import load_pickled_tensors
+
+    path = tmp_path / "weights.pt"
+    path.write_bytes(bytes([27]) + bytes(range(256)))
+    with pytest.raises(ValueError, match=r"^damaged or not a pickle: Unsupported operand 27$"):
+        load_pickled_tensors(path)
+    with pytest.raises(ClipLoadError) as err:
+        load_clip(str(CLIP_CONFIG), path)
+    assert str(err.value) == (f"cannot read the CLIP checkpoint {path}: the file is damaged, cut short or not a "
+                              "checkpoint (Unsupported operand 27); copy or download it again")
 
 
 # ---------------------------------------------------------------- no load path unpickles
@@ -231,5 +320,5 @@ def test_attack_files_through_the_cli_leave_no_marker(micro_world, tmp_path):
         assert "Traceback" not in out.stderr and not (tmp_path / f"RAN_{name}").exists()
     crafted_clip(tmp_path / "clip.pt", tmp_path / "RAN_clip")
     out = cli("train", *base, f"run.out_dir={tmp_path}", "run.name=clip", f"reward.options.clip.checkpoint={tmp_path / 'clip.pt'}")
-    assert out.returncode != 0 and "clip.pt looks like a TorchScript archive" in out.stderr, out.stderr[-2000:]
+    assert out.returncode != 0 and "clip.pt is a TorchScript archive" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and not (tmp_path / "RAN_clip").exists()

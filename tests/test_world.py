@@ -5,13 +5,15 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_vision.shapes.build import build_world, load_problem
-from grpo_vision.shapes.world import FILES, STAGES, WorldError, check_world_dir, load_world, stage_problem, with_dependents
+from grpo_vision.shapes.world import (FILES, STAGES, WorldError, check_world_dir, checksum_problem, file_checksums,
+                                      load_world, stage_problem, with_dependents)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,6 +171,90 @@ def test_a_failure_of_the_machine_is_not_blamed_on_a_world_file(tmp_path, monkey
         stage_problem(tmp_path, "vq")
 
 
+def nan_under_the_header(path: Path, nbytes: int = 4096) -> None:
+    """Overwrite `nbytes` of a safetensors file's data with NaN (0xff bytes), its header intact: it still parses."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0] + 1000  # past the 8-byte length and the JSON header
+    data[start:start + nbytes] = b"\xff" * nbytes
+    path.write_bytes(bytes(data))
+
+
+def test_a_file_damaged_under_an_intact_header_is_named_and_rebuilt(micro_world, tmp_path):
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    info = json.loads((copy / "world.json").read_text())
+    assert info["files"] == file_checksums(copy) and set(info["files"]) == {f"{n}/{f}" for n in STAGES for f in FILES[n]}
+    weights = copy / "policy" / "policy.safetensors"
+    nan_under_the_header(weights)
+    assert stage_problem(copy, "policy") is None  # it parses: only the checksum tells
+    with pytest.raises(WorldError) as err:
+        load_world(copy)
+    assert str(err.value) == (f"world file {weights} is not the file the build wrote (its size or sha256 differs from "
+                              f"world.json's): it was changed or damaged since; rebuild stage 'policy' with: grpo-vision "
+                              f"world build --out {copy} --preset micro --seed 0 (it rebuilds policy and keeps the other "
+                              "stages)")
+    messages = []
+    build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
+    assert f"[world] policy: {weights} is not the file the build wrote (its size or sha256 differs from world.json's): " \
+           "it was changed or damaged since; rebuilding" in messages
+    assert sum("already built" in m for m in messages) == len(STAGES) - 1
+    assert json.loads((copy / "world.json").read_text())["files"] == file_checksums(copy)
+    load_world(copy)
+
+
+def test_a_world_without_checksums_loads_with_a_warning_until_world_build_adds_them(micro_world, tmp_path):
+    from grpo_vision.checkpoint import CheckpointError
+
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    info = json.loads((copy / "world.json").read_text())
+    del info["files"]  # as written before checksums were recorded
+    (copy / "world.json").write_text(json.dumps(info))
+    with pytest.warns(UserWarning, match=rf"records no checksums .*add them with grpo-vision world build --out {copy}"):
+        load_world(copy)
+    weights = copy / "policy" / "policy.safetensors"
+    original = weights.read_bytes()
+    nan_under_the_header(weights)
+    with pytest.warns(UserWarning, match="records no checksums"), pytest.raises(CheckpointError) as err:
+        load_world(copy)  # the loader's own check still names the file
+    assert str(err.value).startswith(f"policy checkpoint {weights} holds 1024 NaN or infinite values in ")
+    weights.write_bytes(original)
+    messages = []
+    build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
+    assert messages == [f"[world] {copy}: recorded the size and sha256 of each file in world.json",
+                        f"[world] {copy} is complete (micro, seed 0); nothing to build"]
+    assert json.loads((copy / "world.json").read_text())["files"] == file_checksums(copy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_world(copy)
+
+
+def test_non_finite_weights_in_any_stage_are_named_by_its_loader(micro_world, tmp_path):
+    """Without checksums (a world from before them, or a user's own files) each loader names NaN weights."""
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    for stage in STAGES:
+        weights = next(copy / stage / f for f in FILES[stage] if f.endswith(".safetensors"))
+        original = weights.read_bytes()
+        nan_under_the_header(weights, 512)
+        problem = load_problem(copy, stage)
+        assert problem.startswith(f"{copy / stage} does not load (") and f"{weights} hold" in problem, problem
+        assert "NaN or infinite values in " in problem and "the file is damaged" in problem
+        weights.write_bytes(original)
+    assert all(load_problem(copy, n) is None for n in STAGES)
+
+
+def test_a_policy_config_edited_after_the_build_is_named(micro_world, tmp_path):
+    copy = tmp_path / "w"
+    shutil.copytree(micro_world, copy)
+    config = copy / "policy" / "policy_config.json"
+    config.write_text(config.read_text().replace('"dim": 64', '"dim": 96'))
+    with pytest.raises(WorldError, match=rf"^world file {config} is not the file the build wrote"):
+        load_world(copy)
+
+
 def test_world_build_rebuilds_a_stage_whose_file_does_not_load(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
@@ -258,3 +344,6 @@ def test_committed_world_matches_the_default_recipe():
     stale = [n for n in STAGES if stage_done(world, n, "default", 0, hashes[n]) is None]
     assert not stale, f"worlds/shapes stages {stale} were built with another recipe; rebuild with grpo-vision world build"
     assert {n: load_problem(world, n) for n in STAGES} == {n: None for n in STAGES}  # and every file loads
+    recorded = json.loads((world / "world.json").read_text()).get("files")
+    assert recorded, "worlds/shapes/world.json records no checksums: add them with grpo-vision world build"
+    assert {n: checksum_problem(world, recorded, n) for n in STAGES} == {n: None for n in STAGES}

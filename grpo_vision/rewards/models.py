@@ -6,6 +6,9 @@
     pickscore  PickScore_v1, a transformers CLIPModel   logit_scale.exp() * cos   path, processor
     hpsv2      HPS v2 / v2.1 on open_clip ViT-H-14      cosine                    checkpoint, model
 
+An open_clip checkpoint that is a TorchScript archive (OpenAI's ViT-L-14.pt) loads only with the
+reward's `trust_torchscript: true`, since loading one runs the code inside it (docs/security.md).
+
 A policy kind may supply default options (ShapesWorld: its tiny CLIP and aesthetic head); the
 user's options override them key by key. A factory checks its keys and paths at once (ConfigError naming the key,
 which the CLI prints as a one-line error) and builds its model at the reward's first call, or when
@@ -42,6 +45,7 @@ DEFAULT_CLIP = "ViT-L-14-quickgelu"  # OpenAI's ViT-L/14: the aesthetic head's C
 class ClipOptions:
     model: str = ""  # open_clip architecture, or the path of a JSON model config; "" = ViT-L-14-quickgelu
     checkpoint: str = ""  # local open_clip checkpoint file (e.g. OpenAI's ViT-L/14 weights)
+    trust_torchscript: bool = False  # load checkpoint even if it is a TorchScript archive, which runs code
 
 
 @dataclass
@@ -49,6 +53,7 @@ class AestheticOptions:
     checkpoint: str = ""  # LAION-style head: .pth, .safetensors, or a directory from save_aesthetic
     clip_model: str = ""  # the CLIP the head reads embeddings from; "" = ViT-L-14-quickgelu (LAION's heads)
     clip_checkpoint: str = ""  # that CLIP's local checkpoint file
+    trust_torchscript: bool = False  # load clip_checkpoint even if it is a TorchScript archive, which runs code
 
 
 @dataclass
@@ -61,6 +66,7 @@ class PickScoreOptions:
 class HPSv2Options:
     checkpoint: str = ""  # HPS v2 / v2.1 checkpoint file ({"state_dict": ...}, e.g. HPS_v2.1_compressed.pt)
     model: str = "ViT-H-14"  # open_clip architecture (or JSON config path) of the checkpoint
+    trust_torchscript: bool = False  # load checkpoint even if it is a TorchScript archive, which runs code
 
 
 def _local_path(value: str, key: str, reward: str, what: str, directory: bool = False) -> Path:
@@ -92,8 +98,8 @@ def _architecture(name: str, key: str, reward: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _open_clip(name: str, checkpoint: str, device: str):
-    return load_clip(name, checkpoint, device=device)
+def _open_clip(name: str, checkpoint: str, device: str, trust_torchscript: bool = False):
+    return load_clip(name, checkpoint, device=device, trust_torchscript=trust_torchscript)
 
 
 @lru_cache(maxsize=None)
@@ -119,9 +125,11 @@ def clip_image_encoder(options: dict, device) -> Callable[[torch.Tensor], torch.
     name, checkpoint = _clip_spec(options.get("model", ""), options.get("checkpoint", ""),
                                   ("reward.options.clip.model", "reward.options.clip.checkpoint"), "clip")
 
+    trust = bool(options.get("trust_torchscript", False))
+
     @torch.no_grad()
     def embed(images: torch.Tensor) -> torch.Tensor:
-        model = _open_clip(name, checkpoint, str(device))[0]
+        model = _open_clip(name, checkpoint, str(device), trust)[0]
         return image_embeddings(model, images.float()).float()
     return embed
 
@@ -131,14 +139,14 @@ def clip_reward(ctx: RewardContext, opts: ClipOptions) -> RewardFn:
     """Cosine similarity of open_clip's normalised image and text embeddings, per sample."""
     name, checkpoint = _clip_spec(opts.model, opts.checkpoint, ("reward.options.clip.model",
                                                                 "reward.options.clip.checkpoint"), "clip")
-    device = str(ctx.device)
+    device, trust = str(ctx.device), opts.trust_torchscript
 
     @torch.no_grad()
     def score(images, prompts):
-        model, _, tokenizer = _open_clip(name, checkpoint, device)
+        model, _, tokenizer = _open_clip(name, checkpoint, device, trust)
         return clip_scores(model, tokenizer, images.float(), prompts)
 
-    return batched(score, ctx.batch_size, ctx.device, load=lambda: _open_clip(name, checkpoint, device))
+    return batched(score, ctx.batch_size, ctx.device, load=lambda: _open_clip(name, checkpoint, device, trust))
 
 
 @register_reward("aesthetic", options=AestheticOptions)
@@ -157,11 +165,11 @@ def aesthetic_reward(ctx: RewardContext, opts: AestheticOptions) -> RewardFn:
     name, checkpoint = _clip_spec(opts.clip_model, opts.clip_checkpoint, ("reward.options.aesthetic.clip_model",
                                                                           "reward.options.aesthetic.clip_checkpoint"),
                                   "aesthetic")
-    device = str(ctx.device)
+    device, trust = str(ctx.device), opts.trust_torchscript
 
     @torch.no_grad()
     def score(images, prompts):
-        model, _, _ = _open_clip(name, checkpoint, device)
+        model, _, _ = _open_clip(name, checkpoint, device, trust)
         head = _aesthetic_head(str(head_path), device)
         emb = image_embeddings(model, images.float()).float()  # [B, D]
         if emb.shape[-1] != head.config["input_dim"]:
@@ -173,7 +181,7 @@ def aesthetic_reward(ctx: RewardContext, opts: AestheticOptions) -> RewardFn:
         return head(emb)
 
     def load():
-        _open_clip(name, checkpoint, device)
+        _open_clip(name, checkpoint, device, trust)
         _aesthetic_head(str(head_path), device)
 
     return batched(score, ctx.batch_size, ctx.device, load=load)
@@ -210,11 +218,11 @@ def hpsv2_reward(ctx: RewardContext, opts: HPSv2Options) -> RewardFn:
     checkpoint = _local_path(opts.checkpoint, "reward.options.hpsv2.checkpoint", "hpsv2",
                              "the HPS v2 or v2.1 checkpoint file (HPS_v2.1_compressed.pt from xswu/HPSv2)")
     name = _architecture(opts.model, "reward.options.hpsv2.model", "hpsv2")
-    device = str(ctx.device)
+    device, trust = str(ctx.device), opts.trust_torchscript
 
     @torch.no_grad()
     def score(images, prompts):
-        model, _, tokenizer = _open_clip(name, str(checkpoint), device)
+        model, _, tokenizer = _open_clip(name, str(checkpoint), device, trust)
         return clip_scores(model, tokenizer, images.float(), prompts)
 
-    return batched(score, ctx.batch_size, ctx.device, load=lambda: _open_clip(name, str(checkpoint), device))
+    return batched(score, ctx.batch_size, ctx.device, load=lambda: _open_clip(name, str(checkpoint), device, trust))

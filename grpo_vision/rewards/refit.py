@@ -35,6 +35,7 @@ from grpo_vision.rewards.models import _clip_spec
 class ClipRefitOptions:
     model: str = ""  # open_clip architecture or JSON config path, as reward.options.clip.model
     checkpoint: str = ""  # the starting weights, as reward.options.clip.checkpoint
+    trust_torchscript: bool = False  # as reward.options.clip.trust_torchscript
     lr: float = 1.0e-5  # AdamW learning rate of each re-fit (a fresh optimizer per boundary)
     epochs: int = 2  # passes over the update set per boundary
     batch_prompts: int = 8  # prompts per optimizer step, each with all of its images in the update set
@@ -75,7 +76,8 @@ class ClipRefit:
     def load(self):
         """Its own CLIP, loaded once: not the cached CLIP of `clip` and `aesthetic`, since this one changes."""
         if self.model is None:
-            self.model, _, self.tokenizer = load_clip(self.name, self.checkpoint, device=self.device)
+            self.model, _, self.tokenizer = load_clip(self.name, self.checkpoint, device=self.device,
+                                                      trust_torchscript=self.opts.trust_torchscript)
         return self.model
 
     def _scores(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

@@ -48,10 +48,13 @@ def world_prompts(cfg) -> PromptSets:
 
 @register_policy_kind("shapes", prompts=world_prompts)
 def load_shapes(pcfg, device) -> Bundle:
-    """A ShapesWorld directory (`policy.path`): its base policy and tokenizer, judge and reward models."""
+    """A ShapesWorld directory (`policy.path`): its base policy in `policy.dtype` (saved in float32, cast as
+    the llama kind casts), its tokenizer, judge and reward models."""
+    import torch
+
     from grpo_vision.shapes.judge import ShapesJudge
     from grpo_vision.shapes.world import load_world
 
     world = load_world(pcfg.path, device)
-    return Bundle(world.policy, world.tokenizer, judge=ShapesJudge(),
+    return Bundle(world.policy.to(getattr(torch, pcfg.dtype)), world.tokenizer, judge=ShapesJudge(),
                   reward_defaults=world_reward_defaults(world.path), source=world.path)

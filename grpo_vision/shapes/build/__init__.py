@@ -4,7 +4,9 @@ Each stage writes into `<name>.tmp/` and renames it into place (atomic), then wr
 stage whose marker matches the preset, the seed and the recipe (a hash of the stage's
 hyper-parameters and of the stages it reads) is skipped, so an interrupted build resumes where it
 stopped, and a changed recipe rebuilds that stage and everything trained on it (a new tokenizer
-means new codes for the policy). A finished stage whose files do not load is rebuilt the same way.
+means new codes for the policy). A finished stage whose files do not load, or differ from the sizes and
+sha256 world.json records, is rebuilt the same way. world.json records them at the end of a build; a
+complete world built before they were gets them once each stage is loaded and found sound.
 
 Only `grpo-vision world build` imports this subpackage; training and evaluation never do.
 """
@@ -21,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from grpo_vision.shapes.world import (INPUTS, STAGES, WORLD_VERSION, WorldError, check_world_dir, stage_problem,
-                                      with_dependents)
+from grpo_vision.shapes.world import (INPUTS, STAGES, WORLD_VERSION, WorldError, check_world_dir, checksum_problem,
+                                      file_checksums, stage_problem, with_dependents)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -90,8 +92,9 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
         raise ValueError(f"preset must be 'micro' or 'default', got {preset!r}")
     world = Path(out)
     hashes = recipe_hashes(preset)
+    recorded = recorded_files(world)
     broken = {n: problem for n in STAGES
-              if stage_done(world, n, preset, seed, hashes[n]) and (problem := load_problem(world, n))}
+              if stage_done(world, n, preset, seed, hashes[n]) and (problem := load_problem(world, n, recorded))}
     for name in with_dependents(broken):
         why = broken.get(name) or f"it is trained on {', '.join(INPUTS[name])}, which is rebuilt"
         log(f"[world] {name}: {why}; rebuilding")
@@ -99,6 +102,10 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     try:
         info = check_world_dir(world)
         if all(stage_done(world, n, preset, seed, hashes[n]) for n in STAGES):
+            if not recorded:  # every stage loaded above: its files are sound, so record them
+                info["files"] = file_checksums(world)
+                write_json(world / "world.json", info)
+                log(f"[world] {world}: recorded the size and sha256 of each file in world.json")
             log(f"[world] {world} is complete ({preset}, seed {seed}); nothing to build")
             return info
     except WorldError:
@@ -115,18 +122,28 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     figures = stages.evaluate_world(world, preset, seed, progress)
     stages.contact_sheet(world, world / "contact_sheet.png", seed)
     info = {"version": WORLD_VERSION, "preset": preset, "seed": seed, "stages": infos, "quality": figures,
-            **stages.world_constants(world)}
+            **stages.world_constants(world), "files": file_checksums(world)}
     write_json(world / "world.json", info)
     log(f"[world] done: {world / 'world.json'}")
     return info
 
 
-def load_problem(world: Path, name: str) -> str | None:
-    """`stage_problem`, and then whether the stage's model loads through the loader the later stages
-    and training use (files that parse can still hold a config that does not fit)."""
+def recorded_files(world: Path) -> dict:
+    """The file checksums world.json records, or {} (no world.json yet, or one from before they were)."""
+    try:
+        files = json.loads((world / "world.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):  # absent, unreadable, not an object: the build rewrites it
+        return {}
+    return files if isinstance(files, dict) else {}
+
+
+def load_problem(world: Path, name: str, recorded: dict | None = None) -> str | None:
+    """`stage_problem`, then whether the files are those `recorded` in world.json, then whether the stage's
+    model loads through the loader the later stages and training use (files that parse can still hold a
+    config that does not fit, or weights that are NaN)."""
     from grpo_vision.shapes.build import stages
 
-    problem = stage_problem(world, name)
+    problem = stage_problem(world, name) or (checksum_problem(world, recorded, name) if recorded else None)
     if problem is None:
         try:
             stages.load_stage(world / name, name)

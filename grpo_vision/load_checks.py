@@ -1,0 +1,39 @@
+"""Weights that load without error and are still wrong, named at load rather than steps later.
+
+A file damaged under an intact safetensors header (bytes overwritten by NaN) parses and loads: a run
+on it then skips every update or stops on non-finite weights, naming no file. A config edited after
+the weights were saved builds a model of another shape: `load_state_dict` reports it as a multi-line
+traceback. Each loader calls these and raises its own one-line error naming the file.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> str:
+    """'' when every floating-point tensor is finite; else what is not, as '12 NaN or infinite values in
+    lm_head.weight (and 2 other tensors)'."""
+    bad = {}
+    for name, t in tensors.items():
+        if t.is_floating_point() and (n := int(t.numel() - torch.isfinite(t).sum())):
+            bad[name] = n
+    if not bad:
+        return ""
+    first = next(iter(bad))
+    more = f" (and {len(bad) - 1} other tensor{'s' if len(bad) > 2 else ''})" if len(bad) > 1 else ""
+    return f"{bad[first]} NaN or infinite values in {first}{more}"
+
+
+def shape_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str:
+    """'' when `state` has exactly `model`'s keys and shapes; else the first difference of each kind, as
+    'lm_head.weight is [283, 64] in the weights, [283, 96] in the model (and 20 more)'."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    wrong = [f"{k} is {list(state[k].shape)} in the weights, {list(s)} in the model"
+             for k, s in expected.items() if k in state and state[k].shape != s]
+    missing = [k for k in expected if k not in state]
+    extra = [k for k in state if k not in expected]
+    parts = [f"{found[0]}{f' (and {len(found) - 1} more)' if len(found) > 1 else ''}"
+             for found in (wrong, [f"{k} is missing" for k in missing], [f"{k} is not in the model" for k in extra])
+             if found]
+    return "; ".join(parts)
