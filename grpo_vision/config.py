@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ class RunConfig:
     name: str = "shapes_grpo"  # run directory name, created under out_dir
     out_dir: str = "runs"  # parent folder of run directories
     seed: int = 0  # seeds prompts order, sampling and initialisation
-    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"
     threads: int = 0  # torch's CPU threads per process; 0 = OMP_NUM_THREADS if set, else its share of the usable cores
 
 
@@ -180,6 +181,12 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
+# The device names run.device (and the --device of the commands that read a run) take; whether this
+# machine has the device is checked when it is used (policies.resolve_device), since that needs torch
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:[0-9]+)?|mps")
+DEVICE_HINT = "auto (the best device here), cpu, cuda, cuda:N or mps"
+
+
 # ---------------------------------------------------------------- loading
 
 
@@ -209,6 +216,7 @@ def validate(cfg: Config) -> None:
     checks = [
         (s.group_size >= 2, "sample.group_size must be >= 2: GRPO normalises rewards within a group, "
                             "and a group of one has no spread to learn from"),
+        (bool(DEVICE_NAME.fullmatch(cfg.run.device)), f"run.device {cfg.run.device!r} is not a device: use {DEVICE_HINT}"),
         (cfg.run.threads >= 0, "run.threads must be >= 0 (0 = one per core this process may use)"),
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
