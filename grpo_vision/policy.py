@@ -15,9 +15,11 @@ The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
+
+from grpo_vision.prompts import PromptsError
 
 
 @runtime_checkable
@@ -74,3 +76,13 @@ def prompt_problem(policy, prompt: str) -> str | None:
     more = " ..." if len(vocabulary) > 60 else ""  # a long vocabulary is cut short in the message
     shown = f" (its vocabulary: {' '.join(vocabulary[:60])}{more})" if vocabulary else ""
     return f"words the policy does not know: {', '.join(map(repr, unknown))}{shown}"
+
+
+def check_prompts(policy, prompts: Iterable[tuple[str, str]]) -> None:
+    """PromptsError for the first of `prompts`, (where it comes from, prompt) pairs, that `policy` cannot
+    read: what `train` refuses (words it would read as unknown, more words than it takes) the commands
+    that sample a run refuse too, naming the file and line."""
+    for where, prompt in prompts:
+        problem = prompt_problem(policy, prompt)
+        if problem:
+            raise PromptsError(f"{where}: {problem}")
