@@ -119,3 +119,26 @@ def test_matrix_through_the_cli_goes_on_past_a_failed_run_and_reuses_the_rest(mi
 
     other = _matrix(micro_world, out, "train.lr=1e-4")  # the same --out with another config is refused
     assert other.returncode == 2 and "holds a run with another config" in other.stderr
+
+
+def test_an_interrupted_run_resumes_trusting_only_the_matrixs_own_config(tmp_path, monkeypatch):
+    """`train --resume` refuses a python: reward without --trust-run; the matrix gives it, having found the
+    run's config to be the one it gives that run (another config is refused before anything runs)."""
+    from types import SimpleNamespace
+
+    from grpo_vision import matrix
+    from grpo_vision.config import save_config
+
+    config = str(ROOT / "configs" / "shapes_micro.yaml")
+    spec = plan(load_config(config), ["python:my_rewards:score"], [0.0], [0])[0]
+    run_dir = tmp_path / "runs" / spec.name
+    run_dir.mkdir(parents=True)
+    save_config(matrix.run_config(config, [], spec, tmp_path / "runs"), run_dir / "config.yaml")  # no DONE: interrupted
+    calls = []
+    monkeypatch.setattr(matrix.subprocess, "run", lambda args, **_: calls.append(args) or SimpleNamespace(returncode=0))
+    assert matrix.train_one(config, [], spec, tmp_path, 1).status == "resumed"
+    assert calls[0][-4:] == ["train", "--resume", str(run_dir), "--trust-run"]
+    save_config(matrix.run_config(config, ["train.lr=1e-4"], spec, tmp_path / "runs"), run_dir / "config.yaml")
+    with pytest.raises(ConfigError, match="holds a run with another config"):
+        matrix.train_one(config, [], spec, tmp_path, 1)
+    assert len(calls) == 1
