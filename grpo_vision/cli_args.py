@@ -38,7 +38,7 @@ def at_least_two(text: str) -> int:
 
 
 def seed(text: str) -> int:
-    """argparse type: an image seed, 0 to MAX_SEED (a torch generator takes no more than 64 bits)."""
+    """argparse type: an image seed, 0 to MAX_SEED (a larger one was an OverflowError deep in torch)."""
     return _whole(text, 0, high=MAX_SEED)
 
 
