@@ -80,11 +80,12 @@ def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repea
     return result
 
 
-def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", target_s: float = 5.0) -> dict:
+def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", target_s: float = 5.0,
+               device: str = "auto", trust: bool = False) -> dict:
     """Seconds per Compare click of the demo (both sides: sampling, decoding, every reward, the grid
     PNG), through the app's own handler (Gradio's queue and page update are not included), for n
     images a side; the first call warms up and is not timed. `prompt` defaults to the run's first
-    example prompt."""
+    example prompt; `device` and `trust` are the demo's (DemoRun)."""
     import tempfile
 
     from grpo_vision.config import ConfigError
@@ -92,7 +93,7 @@ def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", tar
     from grpo_vision.demo_app import build_app
     from grpo_vision.sampling import SamplingParams
 
-    run = DemoRun(run_dir)
+    run = DemoRun(run_dir, device, trust)
     prompt = prompt or next((p for examples in run.examples.values() for p in examples), "")
     if not prompt:
         raise ConfigError(f"bench demo: {run_dir} has no example prompts; pass --prompt")

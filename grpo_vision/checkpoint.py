@@ -109,9 +109,19 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     if pointer.is_file():
         path = pointer.parent / pointer.read_text().strip()
         if (path / "trainer_state.json").is_file():
-            return path
+            return own_checkpoint(run_dir, path, f"{pointer} names {pointer.read_text().strip()!r}, which")
     steps = checkpoint_steps(run_dir)
-    return Path(run_dir) / "checkpoints" / f"step_{steps[-1]:06d}" if steps else None
+    return own_checkpoint(run_dir, Path(run_dir) / "checkpoints" / f"step_{steps[-1]:06d}") if steps else None
+
+
+def own_checkpoint(run_dir: Path, path: Path, what: str = "") -> Path:
+    """`path`, or CheckpointError when it resolves outside the run's checkpoints folder: a pointer or a
+    link into another run would otherwise load (and score) that run's weights under this run's name."""
+    root, real = (Path(run_dir) / "checkpoints").resolve(), path.resolve()
+    if real.parent != root:
+        raise CheckpointError(f"{what or f'checkpoint {path}'} resolves to {real}, outside this run's checkpoints "
+                              f"folder {root}: a run loads only its own checkpoints; delete that pointer or link")
+    return path
 
 
 def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
@@ -128,7 +138,7 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     if not (path / "trainer_state.json").is_file():
         steps = ", ".join(str(s) for s in checkpoint_steps(run_dir)) or "none"
         raise FileNotFoundError(f"{run_dir} has no checkpoint for step {step}; available steps: {steps}")
-    return path
+    return own_checkpoint(run_dir, path)
 
 
 def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple[dict, dict | None]:

@@ -7,13 +7,14 @@ command that needs them, so `--help` answers at once.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
 import signal
 import sys
 
 from grpo_vision import __version__
-from grpo_vision.cli_args import at_least_two, non_negative_int, positive_float, positive_int
+from grpo_vision.cli_args import at_least_two, non_negative_int, positive_int
+from grpo_vision.cli_runs import add_reader_options, add_run_commands
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
 
@@ -47,6 +48,8 @@ def cmd_config(args) -> None:
 def cmd_train(args) -> None:
     from grpo_vision.health import run_summary, warn
     from grpo_vision.metrics import load_metrics
+    from grpo_vision.policies import prompt_lists
+    from grpo_vision.run_folder import refuse_code
     from grpo_vision.train import resume_config, train
 
     overrides = list(args.overrides)
@@ -55,6 +58,9 @@ def cmd_train(args) -> None:
             raise ConfigError("give either a config file or --resume RUN_DIR (a run resumes with its own "
                               "config.yaml; add key=value overrides to change it)")
         cfg = resume_config(args.resume, ([args.config] if args.config else []) + overrides)
+        # a run folder may be someone else's: the code its rewards name runs only when the user says so
+        refuse_code(cfg, [e for entries in vars(prompt_lists(cfg)).values() for e in entries], args.resume,
+                    args.trust_run)
     else:
         if not args.config:
             raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")
@@ -69,46 +75,6 @@ def cmd_train(args) -> None:
     print(f"[train] done: {done} ({skipped} of {updates} updates skipped)")
     for message in warnings:  # exit 0 (the run finished), but not a silent success
         warn(message)
-
-
-def cmd_sample(args) -> None:
-    from grpo_vision import export
-    from grpo_vision.evaluate import eval_params, load_run
-    from grpo_vision.prompts import load_prompts
-
-    # read the prompts before loading the model: a bad file is named at once
-    rows = export.load_geneval_metadata(args.prompts) if args.layout == "geneval" else load_prompts(args.prompts)
-    run = load_run(args.run, args.step)
-    model, ctx = run.reference.sampler(run.policy) if args.reference else (run.policy, contextlib.nullcontext())
-    params, tokenizer = eval_params(run.cfg, args.temperature), run.bundle.tokenizer
-    with ctx:
-        if args.layout == "geneval":
-            count = export.write_geneval(model, tokenizer, rows, args.out, args.n, args.seed, params)
-        elif args.layout == "flat":
-            count = export.write_flat(model, tokenizer, [e.prompt for e in rows], args.out, args.n, args.seed, params)
-        else:
-            count = export.write_index(model, tokenizer, [e.prompt for e in rows], args.out, args.n, args.seed,
-                                       params, "reference" if args.reference else "policy", run.step)
-    print(f"wrote {count} images to {args.out} ({args.layout} layout)")
-
-
-def cmd_eval(args) -> None:
-    from grpo_vision.evaluate import eval_params, evaluate, load_run, run_eval_sets
-    from grpo_vision.prompts import load_prompts
-    from grpo_vision.rewards import CompositeReward
-
-    run = load_run(args.run, args.step)
-    sets = {"prompts": load_prompts(args.prompts)} if args.prompts else run_eval_sets(args.run, run.cfg)
-    device = next(run.policy.parameters()).device
-    rewards = CompositeReward.from_config(run.cfg.reward, device, run.bundle.reward_defaults,
-                                          [e for entries in sets.values() for e in entries]).load()
-    if run.learned_rewards:  # a reward that learned (clip_refit) scores as it had learned by this step
-        rewards.load_state_dict(run.learned_rewards)
-    params = eval_params(run.cfg, args.temperature)
-    results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
-                              run.bundle.judge, seed=args.seed) for name, entries in sets.items()}
-    head = {"run": str(args.run), "step": run.step, "temperature": params.temperature}
-    print(json.dumps({**head, **results["prompts"]} if args.prompts else {**head, "sets": results}, indent=2))
 
 
 def cmd_matrix(args) -> None:
@@ -145,7 +111,7 @@ def cmd_demo(args) -> None:
     from grpo_vision.demo import DemoRun
     from grpo_vision.demo_app import serve
 
-    run = DemoRun(args.run)  # loads the latest checkpoint and checks the reward config now: a bad run fails before serving
+    run = DemoRun(args.run, args.device, args.trust_run)  # a bad run fails now, before serving
     try:
         serve(run, host=args.host, port=args.port)
     except OSError as e:  # the port is taken or the address is not this machine's
@@ -180,7 +146,8 @@ def cmd_bench_sampler(args) -> None:
 def cmd_bench_demo(args) -> None:
     from grpo_vision.bench import bench_demo
 
-    _print_result(bench_demo(args.run, n=args.n, repeats=args.repeats, prompt=args.prompt), args.json)
+    _print_result(bench_demo(args.run, n=args.n, repeats=args.repeats, prompt=args.prompt, device=args.device,
+                             trust=args.trust_run), args.json)
 
 
 def cmd_bench_step(args) -> None:
@@ -215,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved config and derived sizes")
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
-    p.add_argument("--num-processes", type=int, default=1, help="check divisibility for this many processes")
+    p.add_argument("--num-processes", type=positive_int, default=1, help="check divisibility for this many processes")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run); the main job takes "
@@ -223,30 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", default="", help="YAML config, e.g. configs/shapes.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5 sample.group_size=16")
     p.add_argument("--resume", default="", metavar="RUN_DIR", help="continue a run exactly where it stopped")
+    p.add_argument("--trust-run", action="store_true", help="with --resume: load python: rewards that the run "
+                                                            "folder names (they import and run its code)")
     p.set_defaults(func=cmd_train)
 
-    for name, help_text in (("sample", "write PNGs from a run's policy or reference"),
-                            ("eval", "JSON: each reward's mean and 95%% interval, policy vs reference")):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("run", help="run directory")
-        p.add_argument("--prompts", required=name == "sample", default="",
-                       help="plain text (one prompt per line) or JSONL with 'prompt'" + (
-                           "" if name == "sample" else "; default: the run's test and held-out sets (JSON 'sets')"))
-        p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
-        p.add_argument("--seed", type=int, default=0,
-                       help="image j of each prompt uses seed + j" if name == "sample" else
-                       "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images")
-        p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-        p.add_argument("--temperature", type=positive_float, default=None,
-                       help="sampling temperature (default: the run's first log.eval_temperatures entry, "
-                            "else sample.temperature)")
-        if name == "sample":
-            p.add_argument("--out", required=True, help="output directory")
-            p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")
-            p.add_argument("--layout", default="index", choices=["index", "geneval", "flat"],
-                           help="index: numbered PNGs + index.jsonl; geneval: GenEval's folders (--prompts is its "
-                                "evaluation_metadata.jsonl); flat: <prompt>_<k>.png (T2I-CompBench style)")
-        p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
+    add_run_commands(sub)
 
     p = sub.add_parser("matrix", help="train on each reward, score every run with every reward: one table")
     p.add_argument("config", help="YAML config every run starts from, e.g. configs/shapes.yaml")
@@ -264,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
+    add_reader_options(p, rewards=True)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("convert-clip", help="a TorchScript CLIP archive (OpenAI's ViT-L-14.pt) to safetensors, once; "
@@ -295,6 +244,7 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--n", type=int, default=4, help="images per side")
     p.add_argument("--repeats", type=positive_int, default=4, help="timed calls (median reported)")
     p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
+    add_reader_options(p, rewards=True)
     p.set_defaults(func=cmd_bench_demo)
 
     def training_bench(name: str, help_text: str, config_help: str):  # the arguments of `train`, and --json
@@ -332,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         args.func(args)
+        sys.stdout.flush()  # a reader that has gone (`eval RUN | head -4`) shows here, not at exit
+    except BrokenPipeError:  # Python's recipe: nothing more to say, and nothing more written to the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)  # 141: what a shell reports for a command a closed pipe stopped
     except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, RunLockedError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)

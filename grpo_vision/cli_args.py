@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import math
 
+from grpo_vision.config import DEVICE_HINT, DEVICE_NAME
 from grpo_vision.config_load import brief
 
 
-def _whole(text: str, low: int, why: str = "") -> int:
-    """`text` as a whole number >= low, or the error argparse prints under the option's name."""
+MAX_SEED = 2**32 - 1  # the largest image seed the commands and the demo take (numpy's and most tools' limit)
+
+
+def _whole(text: str, low: int, why: str = "", high: int | None = None) -> int:
+    """`text` as a whole number in [low, high], or the error argparse prints under the option's name."""
     try:
         value = int(text)
     except ValueError:
         value = low - 1
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}{why}, got {brief(text)}")
+    if value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"from {low} to {high}"
+        raise argparse.ArgumentTypeError(f"expected a whole number {span}{why}, got {brief(text)}")
     return value
 
 
@@ -32,6 +37,18 @@ def non_negative_int(text: str) -> int:
 def at_least_two(text: str) -> int:
     """argparse type: a whole number >= 2 (a round's first step is not timed)."""
     return _whole(text, 2, " (the first step is a warm-up)")
+
+
+def seed(text: str) -> int:
+    """argparse type: an image seed, 0 to MAX_SEED (a larger one was an OverflowError deep in torch)."""
+    return _whole(text, 0, high=MAX_SEED)
+
+
+def device(text: str) -> str:
+    """argparse type: a device name (whether this machine has it is checked when the model loads)."""
+    if not DEVICE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected {DEVICE_HINT}, got {text!r}")
+    return text
 
 
 def positive_float(text: str) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +26,17 @@ from grpo_vision.config_load import (  # noqa: F401  (re-exported: importers use
 )
 
 
+# run.device's names (and --device's); whether this machine has one is checked at use (policies.resolve_device)
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:[0-9]+)?|mps")
+DEVICE_HINT = "auto (the best device here), cpu, cuda, cuda:N or mps"
+
+
 @dataclass
 class RunConfig:
     name: str = "shapes_grpo"  # run directory name, created under out_dir
     out_dir: str = "runs"  # parent folder of run directories
     seed: int = 0  # seeds prompts order, sampling and initialisation
-    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"
     threads: int = 0  # torch's CPU threads per process, at most the usable cores; 0 = OMP_NUM_THREADS if set, else its share
 
 
@@ -209,6 +215,7 @@ def validate(cfg: Config) -> None:
     checks = [
         (s.group_size >= 2, "sample.group_size must be >= 2: GRPO normalises rewards within a group, "
                             "and a group of one has no spread to learn from"),
+        (bool(DEVICE_NAME.fullmatch(cfg.run.device)), f"run.device {cfg.run.device!r} is not a device: use {DEVICE_HINT}"),
         (cfg.run.threads >= 0, "run.threads must be >= 0 (0 = one per core this process may use)"),
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
@@ -233,10 +240,9 @@ def validate(cfg: Config) -> None:
          "train.adapter to lora, loha or lokr, or train.reference to frozen"),
         (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
         # AdamW on float16 weights: grad**2 and eps (1e-8) underflow to 0, and 0/0 makes the weights NaN
-        (cfg.policy.dtype != "float16" or t.adapter != "none",
-         "policy.dtype float16 cannot be fine-tuned in full (AdamW's steps on float16 weights underflow and make "
-         "them NaN): use bfloat16, or float32 with train.mixed_precision fp16, or keep the float16 weights frozen "
-         "under an adapter (train.adapter lora)"),
+        (cfg.policy.dtype != "float16" or t.adapter != "none", "policy.dtype float16 cannot be fine-tuned in full "
+         "(AdamW's steps on float16 weights underflow and make them NaN): use bfloat16, or float32 with train."
+         "mixed_precision fp16, or keep the float16 weights frozen under an adapter (train.adapter lora)"),
         (t.loss_type != "cispo" or t.epsilon_high > 1,
          f"train.loss_type=cispo caps the importance weight at train.epsilon_high itself (ScaleRL's eps_max), so it "
          f"must be above 1; got {t.epsilon_high}: set train.epsilon_high=5.0 (the ScaleRL recipe)"),

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from grpo_vision.checkpoint import checkpoint_steps, find_checkpoint
+from grpo_vision.cli_args import MAX_SEED
 from grpo_vision.config import ConfigError, brief
 from grpo_vision.evaluate import LoadedRun, generate, load_run
 from grpo_vision.images import Cell, paint_grid, to_uint8
@@ -31,11 +32,11 @@ from grpo_vision.policies import resolve_device
 from grpo_vision.policy import unknown_words
 from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards import CompositeReward
+from grpo_vision.run_folder import read_run_config, refuse_code
 from grpo_vision.sampling import SamplingParams
 
 MAX_IMAGES = 16  # images per side
 MAX_PROMPT_CHARS = 200  # longer prompts are refused before tokenising
-MAX_SEED = 2**32 - 1
 EXAMPLES_PER_SPLIT = 6  # clickable prompts from each of the run's train and eval sets
 REFERENCE = "reference"  # the step picker's entry for the run's reference
 CACHED_STEPS = 4  # checkpoints kept loaded besides the latest (least recently used ones are dropped)
@@ -75,20 +76,23 @@ def check_run_dir(run_dir: str | Path) -> Path:
 class DemoRun:
     """A run's models, loaded on first use and cached per step; the reward models loaded once."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, device: str = "auto", trust: bool = False):
+        """`device`: where to sample (a --device value); `trust`: allow python: rewards the run names."""
         self.run_dir = check_run_dir(run_dir)
+        refuse_code(read_run_config(self.run_dir, device=device), (), self.run_dir, trust)  # before anything loads
+        self.device = device
         self._runs: dict[int, LoadedRun] = {}
         self.lock = threading.Lock()  # one generation at a time: an adapter reference toggles shared weights
         self.latest = checkpoint_steps(self.run_dir)[-1]  # "reference" is the reference saved with this step
         latest = self.load(self.latest)
         self.cfg, self.bundle = latest.cfg, latest.bundle
-        self.rewards = CompositeReward.from_config(self.cfg.reward, resolve_device(self.cfg.run.device),
+        self.rewards = CompositeReward.from_config(self.cfg.reward, resolve_device(device, "--device"),
                                                    self.bundle.reward_defaults).load()
         self.examples = run_examples(self.cfg, self.bundle)
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)
 
     def load(self, step: int) -> LoadedRun:
-        run = self._runs.pop(step, None) or load_run(self.run_dir, step)
+        run = self._runs.pop(step, None) or load_run(self.run_dir, step, self.device)
         self._runs[step] = run  # most recently used last
         older = [s for s in self._runs if s != self.latest]
         for s in older[:max(0, len(older) - CACHED_STEPS)]:

@@ -5,7 +5,11 @@
 
 from __future__ import annotations
 
+import atexit
 import html
+import shutil
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,18 +31,22 @@ CSS = """.pixelated img { image-rendering: pixelated; }
 .pixelated .caption-label { position: static; white-space: pre-line; max-width: 100%; font-size: 11px; }
 .pixelated .fixed-height { min-height: 0; }"""
 COLUMNS = ["score", "left", "right", "left - right"]
+# The app takes no file, yet Gradio serves an upload route to every page: a cap keeps it from filling the disk
+MAX_UPLOAD = "1mb"
+# Gradio keeps a copy of every gallery image and grid it serves: swept every 10 min once an hour old, all at exit
+CACHE_SWEEP = (600, 3600)
 EMPTY_STATE = ("Nothing compared yet. Type a prompt or click an example, then **Generate**: each side samples the "
                "same seeds, so what differs between them is the checkpoint. Under each image: its rewards and, where "
                "the world has a judge, ✓ / ✗ per attribute.")
 
 
 def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
-    """The gr.Blocks app; `out_dir` holds the downloadable grids (default: a fresh temporary directory)."""
+    """The gr.Blocks app; `out_dir` holds the downloadable grids (default: a temporary one, removed at exit)."""
     import gradio as gr  # imported here: a bad run directory fails before paying for it
     import pandas as pd
 
     run = run if isinstance(run, DemoRun) else DemoRun(run)
-    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="grpo_demo_"))
+    out_dir = Path(out_dir) if out_dir else temporary_dir()
     base = SamplingParams.from_config(run.cfg.sample)
     calls = iter(range(1 << 62))  # numbers the grid files, so concurrent downloads never collide
 
@@ -68,7 +76,8 @@ def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
 
     choices = run.choices()
     r = run.cfg.sample
-    with gr.Blocks(title=f"grpo_vision demo: {run.run_dir.name}", analytics_enabled=False) as app:
+    with gr.Blocks(title=f"grpo_vision demo: {run.run_dir.name}", analytics_enabled=False,
+                   delete_cache=CACHE_SWEEP) as app:
         gr.Markdown(f"## GRPO demo: `{run.run_dir}`\nPolicy `{run.cfg.policy.path}`, latest checkpoint step "
                     f"{run.latest}, {run.reference_label}. Image *i* of both sides uses seed + *i*.")
         with gr.Tab("Compare"):
@@ -113,19 +122,34 @@ def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
     return app
 
 
+def temporary_dir() -> Path:
+    """A fresh directory for the grids, removed when the process exits (Ctrl-C and SIGTERM included)."""
+    path = Path(tempfile.mkdtemp(prefix="grpo_demo_"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def launch(app, host: str = "127.0.0.1", port: int | None = None) -> None:
+    """Serve `app` in the background with the demo's settings (port None: the first free one from 7860)."""
+    # quiet: Gradio's own start-up lines suggest share=True, a public link this command does not offer
+    app.launch(server_name=host, server_port=port, css=CSS, footer_links=["api", "settings"], quiet=True,
+               prevent_thread_lock=True, max_file_size=MAX_UPLOAD)
+
+
 def serve(run: DemoRun | str | Path, host: str = "127.0.0.1", port: int | None = None) -> None:
     """Serve the app until Ctrl-C (port None: the first free one from 7860)."""
     run = run if isinstance(run, DemoRun) else DemoRun(run)
     print(f"[demo] {run.run_dir}: checkpoints {', '.join(run.choices()[:-1])}; {run.reference_label}", flush=True)
     app = build_app(run)
-    # quiet: Gradio's own start-up lines suggest share=True, a public link this command does not offer
-    app.launch(server_name=host, server_port=port, css=CSS, footer_links=["api", "settings"], quiet=True,
-               prevent_thread_lock=True)
+    launch(app, host, port)
     url = f"http://{host}:{app.server_port}"
     print(f"[demo] open {url} (Ctrl-C stops it); from another machine, tunnel it: ssh -L {app.server_port}:"
           f"127.0.0.1:{app.server_port} <this host>, then open http://127.0.0.1:{app.server_port} there "
           "(docs/security.md)", flush=True)
+    # SIGTERM (kill, a job scheduler) stops it like Ctrl-C: Gradio's cache and the grids are removed on the way out
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
         app.block_thread()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         app.close()

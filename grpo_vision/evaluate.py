@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 
 from grpo_vision.checkpoint import find_checkpoint, load_checkpoint, load_iterative_state
-from grpo_vision.config import Config, load_config
+from grpo_vision.config import Config
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.judge import Judge, judge_tables, paired_changes
 from grpo_vision.metrics import interval
 from grpo_vision.policies import Bundle, load_bundle, prompt_lists, resolve_device
 from grpo_vision.prompts import PromptEntry, load_prompts
 from grpo_vision.reference import Reference, add_adapter
+from grpo_vision.run_folder import read_run_config
 from grpo_vision.sampling import SamplingParams, sample_batched
 
 
@@ -36,14 +37,13 @@ class LoadedRun:
     learned_rewards: dict | None = None  # iterative RL: what learning rewards had learned by this checkpoint
 
 
-def load_run(run_dir: str | Path, step: int | None = None, device: str | None = None) -> LoadedRun:
-    """A run's checkpoint (the latest, or `step`) on `device` (default: the run's own, run.device)."""
+def load_run(run_dir: str | Path, step: int | None = None, device: str = "auto") -> LoadedRun:
+    """A run's checkpoint (the latest, or `step`) on `device` (a --device value; "auto": the best one
+    here, whatever device the run trained on). Loads no reward: no code the run folder names runs."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = read_run_config(run_dir, device=device)
     ckpt = find_checkpoint(run_dir, step)
-    device = device or resolve_device(cfg.run.device)
+    device = resolve_device(device, "--device")
     bundle = load_bundle(cfg.policy, device)
     policy = bundle.policy
     t = cfg.train

@@ -14,6 +14,7 @@ its reference export the same seeds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from grpo_vision.prompts import PromptsError, parse_json_line, read_lines
 
 LAYOUTS = ("index", "geneval", "flat")
 IMAGES_PER_CALL = 64  # images generated per sampler call, whatever the number of prompts
+MAX_NAME_BYTES = 255  # the longest file name most file systems take (ext4, XFS, APFS, NTFS)
 
 
 def load_geneval_metadata(path: str | Path) -> list[dict]:
@@ -89,9 +91,16 @@ def write_geneval(model, tokenizer, rows: list[dict], out: str | Path, n: int, s
 
 
 def flat_name(prompt: str, k: int) -> str:
-    """`<prompt>_<k:06d>.png` with the characters a file name cannot hold replaced by '_'."""
+    """`<prompt>_<k:06d>.png` with the characters a file name cannot hold replaced by '_'. A prompt too long
+    for one file name is cut, and a hash of the whole prompt keeps prompts that start alike apart
+    (`index.jsonl` holds each file's whole prompt)."""
     safe = "".join("_" if c in '/\\\0' else c for c in prompt.strip())
-    return f"{safe}_{k:06d}.png"
+    tail = f"_{k:06d}.png"
+    if len((safe + tail).encode()) <= MAX_NAME_BYTES:
+        return safe + tail
+    digest = "-" + hashlib.sha256(prompt.encode()).hexdigest()[:12]
+    room = MAX_NAME_BYTES - len(digest) - len(tail)
+    return safe.encode()[:room].decode("utf-8", errors="ignore") + digest + tail  # never half a character
 
 
 def write_flat(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params) -> int:

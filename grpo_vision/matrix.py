@@ -164,7 +164,8 @@ def train_one(config: str, overrides: list[str], spec: RunSpec, out: Path, threa
         return RunResult(spec, "stopped")
     print(f"[matrix] {spec.name}: {'training' if state == 'new' else 'resuming'}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
-    args = (["--resume", str(run_dir)] if state in ("interrupted", "failed") else
+    # run_state found the run's config to be the one this matrix gives it: its rewards are the user's own
+    args = (["--resume", str(run_dir), "--trust-run"] if state in ("interrupted", "failed") else
             [config, *overrides, *spec.overrides(runs_dir)])
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     (run_dir / DONE).unlink(missing_ok=True)  # from a failed attempt: this one decides

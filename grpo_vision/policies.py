@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from grpo_vision.config import Config, ConfigError, PolicyConfig, brief
+from grpo_vision.config import DEVICE_HINT, DEVICE_NAME, Config, ConfigError, PolicyConfig, brief
 from grpo_vision.judge import Judge
 from grpo_vision.plugins import load_plugins, not_found_hint
 from grpo_vision.policy import prompt_problem
@@ -181,6 +181,18 @@ def checked_prompt_sets(cfg: Config, bundle: Bundle) -> PromptSets:
     return sets
 
 
-def resolve_device(name: str) -> str:
-    """`run.device`: "auto" is cuda when a GPU is visible, else cpu."""
-    return name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+def resolve_device(name: str, key: str = "run.device") -> str:
+    """`run.device` (or a command's --device, named by `key`) as a torch device: "auto" is cuda when a GPU
+    is visible, else cpu; a device this machine lacks is a ConfigError (never a silent fall back to the CPU)."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not DEVICE_NAME.fullmatch(name):
+        raise ConfigError(f"{key} {name!r} is not a device: use {DEVICE_HINT}")
+    kind, _, index = name.partition(":")
+    gpus = torch.cuda.device_count() if kind == "cuda" and torch.cuda.is_available() else 0
+    if kind == "cuda" and int(index or 0) >= gpus:
+        have = f"only cuda:0 to cuda:{gpus - 1}" if gpus > 1 else "only cuda:0" if gpus else "no CUDA GPU torch can use"
+        raise ConfigError(f"{key}={name}, and this machine has {have}: use {key}=auto (the best device here) or cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{key}=mps, and this machine has no Apple GPU torch can use: use {key}=auto or cpu")
+    return name

@@ -15,11 +15,12 @@ The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from grpo_vision.config_load import brief
+from grpo_vision.prompts import PromptsError
 
 
 @runtime_checkable
@@ -77,3 +78,13 @@ def prompt_problem(policy, prompt: str) -> str | None:
     shown = f" (its vocabulary: {' '.join(vocabulary[:60])}{more})" if vocabulary else ""
     more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""  # a 10 MB line of unknown words: a few
     return f"words the policy does not know: {', '.join(map(brief, unknown[:5]))}{more}{shown}"
+
+
+def check_prompts(policy, prompts: Iterable[tuple[str, str]]) -> None:
+    """PromptsError for the first of `prompts`, (where it comes from, prompt) pairs, that `policy` cannot
+    read: what `train` refuses (words it would read as unknown, more words than it takes) the commands
+    that sample a run refuse too, naming the file and line."""
+    for where, prompt in prompts:
+        problem = prompt_problem(policy, prompt)
+        if problem:
+            raise PromptsError(f"{where}: {problem}")

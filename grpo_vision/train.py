@@ -27,7 +27,7 @@ from tqdm import tqdm
 from grpo_vision.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, load_training_state, save_checkpoint,
 )
-from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, load_config, save_config
+from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, save_config
 from grpo_vision.distributed import (
     full_state_dict, full_weights, is_fsdp, load_optimizer_state, optimizer_state, prepare, trainable_weights,
 )
@@ -41,6 +41,7 @@ from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_b
 from grpo_vision.prompts import save_prompts
 from grpo_vision.reference import Reference, add_adapter
 from grpo_vision.rewards import CompositeReward, RewardError
+from grpo_vision.run_folder import read_run_config, save_origin
 from grpo_vision.runlock import RunLock, check_run_dir
 from grpo_vision.sampling import SamplingParams, sample_batched
 from grpo_vision.signals import GracefulStop, Interrupted
@@ -156,6 +157,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     lock = RunLock(run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
     if main:  # only once everything has loaded, so a bad override never reaches the run's config
         save_config(cfg, run_dir / "config.yaml")
+        save_origin(run_dir)  # what the config's relative paths are relative to: eval RUN works from anywhere
         for name, entries in (("train", train_prompts), *st.prompts.named().items()):  # the split, fixed in the run
             save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl")
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
@@ -320,4 +322,4 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> Config:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"cannot resume: {path} not found (is {run_dir} a run directory?)")
-    return load_config(path, overrides)
+    return read_run_config(run_dir, overrides)  # its relative paths resolved, from any directory

@@ -1,5 +1,7 @@
 """Checkpoints: atomic rewrites, a dangling `latest`, unreadable files named."""
 
+import re
+
 import pytest
 import torch
 
@@ -22,6 +24,30 @@ def test_latest_falls_back_to_the_highest_complete_step(tmp_path):
     assert latest_checkpoint(tmp_path) == root / "step_000002"
     (root / "latest").unlink()
     assert find_checkpoint(tmp_path) == root / "step_000002"
+
+
+def test_a_pointer_or_link_into_another_run_is_refused_naming_it(tmp_path):
+    model, opt, sched = tiny()
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    save_checkpoint(mine, 1, model, opt, sched, None, {"counters": {}})
+    save_checkpoint(other, 5, model, opt, sched, None, {"counters": {}})
+    pointer = mine / "checkpoints" / "latest"
+    for target in ("../../other/checkpoints/step_000005", str(other / "checkpoints" / "step_000005")):
+        pointer.write_text(target)  # eval scored the other run's weights under this run's name
+        for find in (latest_checkpoint, find_checkpoint):
+            with pytest.raises(CheckpointError, match=re.escape(
+                    f"{pointer} names '{target}', which resolves to {other / 'checkpoints' / 'step_000005'}, "
+                    f"outside this run's checkpoints folder {mine / 'checkpoints'}")):
+                find(mine)
+    pointer.write_text("step_000001")
+    assert find_checkpoint(mine) == mine / "checkpoints" / "step_000001"
+    link = mine / "checkpoints" / "step_000007"  # a step folder that is a link, named by step or as the highest
+    link.symlink_to(other / "checkpoints" / "step_000005")
+    pointer.unlink()
+    for find in (lambda run: find_checkpoint(run, 7), latest_checkpoint):
+        with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {link} resolves to {other}") + ".*; delete "
+                                                  "that pointer or link"):
+            find(mine)
 
 
 def test_rewriting_a_step_leaves_one_complete_copy(tmp_path):

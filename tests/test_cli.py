@@ -1,6 +1,7 @@
 """The real `grpo-vision` entry point, run as a user would run it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,35 @@ def test_overrides_are_taken_anywhere_on_the_line(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_info:
             cli.main(args)
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
+    from grpo_vision.cli import main
+
+    for args, needle in [  # before: rc 0 with negative sizes; ZeroDivisionError; an OverflowError from torch
+        (["config", "configs/shapes_micro.yaml", "--num-processes", "-2"], "argument --num-processes: expected a "
+                                                                          "whole number >= 1, got '-2'"),
+        (["config", "configs/shapes_micro.yaml", "--num-processes", "0"], "--num-processes: expected a whole number"),
+        (["sample", "r", "--prompts", "p", "--out", "o", "--seed", "99999999999999999999"],
+         "argument --seed: expected a whole number from 0 to 4294967295, got '99999999999999999999'"),
+        (["eval", "r", "--seed", "-1"], "argument --seed: expected a whole number from 0 to 4294967295, got '-1'"),
+        (["eval", "r", "--device", "banana"], "argument --device: expected auto (the best device here), cpu, cuda, "
+                                              "cuda:N or mps, got 'banana'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_closed_stdout_ends_the_command_quietly():
+    # `grpo-vision eval RUN | head -4` printed a BrokenPipeError traceback; now it exits 141 (128 + SIGPIPE),
+    # as a command a closed pipe stopped does, and says nothing
+    read, write = os.pipe()
+    os.close(read)  # the reader has gone before the command writes
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "config", "configs/shapes_micro.yaml"], cwd=ROOT,
+                         stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert out.returncode == 141 and out.stderr == ""
 
 
 def test_a_non_finite_learning_rate_is_one_line_on_stderr():

@@ -244,3 +244,45 @@ def test_a_long_value_or_key_is_quoted_briefly():
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"run.name={'a/' * 50_000}"])
     assert str(err.value) == f"run.name must be a plain folder name (no '/'), got {repr('a/' * 40)}... (100000 characters)"
+
+
+# ---------------------------------------------------------------- run.device
+
+
+@pytest.mark.parametrize("name", ["banana", "cuda:", "cuda:x", "gpu", "CPU", ""])
+def test_an_unknown_device_name_is_refused_at_load(name):
+    with pytest.raises(ConfigError, match=rf"run.device '{name}' is not a device: use auto .*cpu, cuda, cuda:N or mps"):
+        load_config(None, [f"run.device={name}"])
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_it(monkeypatch):
+    import torch
+
+    from grpo_vision.policies import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    for name in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError, match=rf"run.device={name}, and this machine has no CUDA GPU torch can use: "
+                                              r"use run.device=auto \(the best device here\) or cpu"):
+            resolve_device(name)
+    with pytest.raises(ConfigError, match="--device=mps, and this machine has no Apple GPU"):
+        resolve_device("mps", "--device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # two GPUs: cuda:0 and cuda:1
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ConfigError, match=r"run.device=cuda:7, and this machine has only cuda:0 to cuda:1"):
+        resolve_device("cuda:7")
+
+
+def test_train_refuses_a_missing_device_before_writing_anything(monkeypatch, tmp_path):
+    import torch
+
+    from grpo_vision.train import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(None, ["run.device=cuda", f"run.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="run.device=cuda, and this machine has no CUDA GPU"):
+        train(cfg, progress=False)  # it trained on the CPU, silently, and saved device: cuda
+    assert list(tmp_path.iterdir()) == []

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import shutil
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from PIL import Image
 from grpo_vision.config import load_config
 from grpo_vision.demo import (MAX_IMAGES, DemoInputError, Side, check_run_dir, clean_prompt, grid_png,
                               sampling_request, summary_rows)
-from grpo_vision.demo_app import build_app
+from grpo_vision.demo_app import build_app, launch
 from grpo_vision.plots import curves_figure
 from grpo_vision.shapes.judge import ShapesJudge
 from grpo_vision.sampling import SamplingParams
@@ -47,7 +48,7 @@ def served(demo_run, tmp_path_factory):
     """The app in this process on a free port: (url, port)."""
     app = build_app(demo_run, out_dir=tmp_path_factory.mktemp("grids"))
     port = free_port()
-    app.launch(prevent_thread_lock=True, server_port=port, quiet=True)
+    launch(app, port=port)  # the demo command's settings
     yield f"http://127.0.0.1:{port}/", port
     app.close()
 
@@ -227,6 +228,16 @@ def test_api_bad_input_gives_a_message(client):
             generate(client, **kwargs)
 
 
+def test_the_upload_route_refuses_a_large_file(served):
+    import httpx
+
+    # the app takes no file, yet Gradio serves an upload route: before, any size was written to its cache
+    url = served[0] + "gradio_api/upload"
+    refused = httpx.post(url, files={"files": ("big.bin", b"x" * (2 << 20))}, timeout=60)
+    assert refused.status_code == 413 and "maximum allowed size of 1048576 bytes" in refused.text
+    assert httpx.post(url, files={"files": ("small.txt", b"x" * 1000)}, timeout=60).status_code == 200
+
+
 def test_bench_demo_reports_seconds_per_click(demo_run, capsys):
     """The 5-second target is checked by `grpo-vision bench demo RUN --json`, not here; this checks the
     benchmark itself runs the real handler and reports what it timed."""
@@ -286,10 +297,13 @@ def test_browser_types_a_prompt_and_sees_both_galleries(request, tmp_path):
     assert Image.open(artifacts / "demo.png").size[0] >= 1000
 
 
-def test_the_demo_command_prints_its_address_and_how_to_reach_it_safely(demo_run):
+def test_the_demo_command_prints_its_address_and_how_to_reach_it_safely(demo_run, tmp_path):
+    from gradio_client import Client
+
     port = free_port()
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the demo's and Gradio's temporary files go
     proc = subprocess.Popen([sys.executable, "-m", "grpo_vision.cli", "demo", str(demo_run), "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = []
         for line in proc.stdout:  # the start-up lines, until the address
@@ -299,6 +313,11 @@ def test_the_demo_command_prints_its_address_and_how_to_reach_it_safely(demo_run
         text = "".join(lines)
         assert f"[demo] open http://127.0.0.1:{port}" in text and f"ssh -L {port}:127.0.0.1:{port}" in text
         assert "share=True" not in text  # Gradio's suggestion of a public link is not printed
+        generate(Client(f"http://127.0.0.1:{port}/", verbose=False), n=1)  # a grid and gallery images to clean up
+        assert list(tmp_path.glob("grpo_demo_*/compare_*.png")) and list(tmp_path.glob("gradio/*/*.png"))
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    # before: every demo left its grpo_demo_* folder and Gradio's copies of what it served behind
+    assert proc.returncode == 143 and list(tmp_path.glob("grpo_demo_*")) == []
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and "gradio" in p.parts] == []

@@ -1,6 +1,13 @@
-"""The report's judge tables (ShapesWorld's checker as the judge): per attribute and per prompt form."""
+"""The report's judge tables (ShapesWorld's checker as the judge): per attribute and per prompt form; the
+commands that read a run folder (eval, sample): from any directory, on any device, with checked prompts."""
+
+import json
+import os
+import shutil
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from grpo_vision.config import load_config
@@ -8,6 +15,8 @@ from grpo_vision.evaluate import eval_params
 from grpo_vision.judge import Judge, judge_tables
 from grpo_vision.shapes.judge import ShapesJudge
 from grpo_vision.shapes.scene import render, scene_for_caption
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_judge_tables_count_renders_right_per_form():
@@ -34,3 +43,131 @@ def test_eval_params_take_the_given_then_the_headline_then_the_training_temperat
     assert (eval_params(cfg).temperature, eval_params(cfg, 0.5).temperature) == (0.7, 0.5)
     assert eval_params(cfg).top_k == 32  # only the temperature changes
     assert eval_params(load_config(None, ["sample.temperature=0.9"])).temperature == 0.9
+
+
+# ---------------------------------------------------------------------------- reading a run folder
+
+
+@pytest.fixture(scope="module")
+def project_run(micro_world, tmp_path_factory):
+    """A one-step run trained as a user trains one: in a project folder, `worlds/` beside `runs/`, and the
+    config's relative policy.path (configs/shapes_micro.yaml: worlds/shapes_micro)."""
+    from grpo_vision.train import train
+
+    project = tmp_path_factory.mktemp("project")
+    shutil.copytree(micro_world, project / "worlds" / "shapes_micro")
+    here = os.getcwd()
+    os.chdir(project)
+    try:
+        cfg = load_config(ROOT / "configs" / "shapes_micro.yaml", ["run.out_dir=runs", "train.steps=1",
+                                                                  "log.sample_every=0", "log.report=false"])
+        return project / train(cfg, progress=False)
+    finally:
+        os.chdir(here)
+
+
+def cli(*args) -> None:
+    from grpo_vision.cli import main
+
+    main([str(a) for a in args])
+
+
+def prompts_file(path: Path, text: str = "a red circle\n") -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_a_run_folder_reads_from_any_directory(project_run, tmp_path, monkeypatch, capsys):
+    from grpo_vision.evaluate import load_run
+    from grpo_vision.run_folder import read_run_config
+
+    project, prompts = project_run.parents[1], prompts_file(tmp_path / "p.txt")
+    assert read_run_config(project_run).policy.path != "worlds/shapes_micro"  # resolved from here, not as typed
+    monkeypatch.chdir(tmp_path)  # before: "world directory not found: worlds/shapes_micro"
+    cli("eval", project_run, "--prompts", prompts, "--n", 1)
+    assert json.loads(capsys.readouterr().out)["step"] == 1
+    moved = tmp_path / "other_machine"  # the run folder copied with the world beside it; the original gone
+    for part in ("runs", "worlds"):
+        shutil.copytree(project / part, moved / part)
+    hidden = project.rename(project.with_name(project.name + "_gone"))
+    try:
+        run = load_run(moved / "runs" / "shapes_micro")
+        assert Path(run.cfg.policy.path).resolve() == (moved / "worlds" / "shapes_micro").resolve()
+        assert run.step == 1
+    finally:
+        hidden.rename(project)
+    alone = tmp_path / "alone"  # the run folder alone, on the same machine: its world where train ran
+    shutil.copytree(project_run, alone)
+    assert Path(read_run_config(alone).policy.path).resolve() == (project / "worlds" / "shapes_micro").resolve()
+    assert read_run_config(alone, ["data.eval_prompts=p.txt"]).data.eval_prompts == "p.txt"  # typed here: as typed
+
+
+def test_a_run_resumes_from_any_directory_and_keeps_reading_from_anywhere(project_run, tmp_path, monkeypatch):
+    from grpo_vision.run_folder import read_run_config
+
+    world = (project_run.parents[1] / "worlds" / "shapes_micro").resolve()
+    run = tmp_path / "runs" / "copy"
+    shutil.copytree(project_run, run)
+    (run / "run.lock").unlink(missing_ok=True)
+    monkeypatch.chdir(tmp_path / "runs")
+    cli("train", "--resume", "copy", "train.steps=2")
+    saved = (run / "config.yaml").read_text()  # rewritten from here: policy.path relative to this directory
+    assert f"path: {os.path.relpath(world)}" in saved and json.loads((run / "origin.json").read_text()) == {
+        "cwd": str(tmp_path / "runs"), "cwd_from_run": ".."}
+    monkeypatch.chdir(ROOT)
+    assert Path(read_run_config(run).policy.path).resolve() == world
+
+
+def test_a_run_samples_here_whatever_device_it_saved(project_run, tmp_path, monkeypatch, capsys):
+    from grpo_vision.demo import DemoRun
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, GPU box or not
+    prompts = prompts_file(tmp_path / "p.txt")
+    runs = {}
+    for saved in ("cuda", "banana"):  # before: "Found no NVIDIA driver"; a torch RuntimeError
+        runs[saved] = tmp_path / saved
+        shutil.copytree(project_run, runs[saved])
+        config = runs[saved] / "config.yaml"
+        config.write_text(config.read_text().replace("device: auto", f"device: {saved}"))
+    cli("eval", runs["cuda"], "--prompts", prompts, "--n", 1)
+    assert json.loads(capsys.readouterr().out)["step"] == 1
+    cli("sample", runs["banana"], "--prompts", prompts, "--n", 1, "--out", tmp_path / "out")
+    assert (tmp_path / "out" / "00000_00_policy.png").is_file()
+    assert next(DemoRun(runs["cuda"]).load(1).policy.parameters()).device.type == "cpu"
+    with pytest.raises(SystemExit) as exit_info:
+        cli("eval", runs["cuda"], "--prompts", prompts, "--device", "cuda")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("grpo-vision: error: --device=cuda, and this machine has no CUDA GPU torch can "
+                                       "use: use --device=auto (the best device here) or cpu\n")
+
+
+@pytest.mark.parametrize("command", ["sample", "eval"])
+def test_prompts_the_policy_cannot_read_are_refused_naming_the_line(project_run, tmp_path, capsys, command):
+    # before: unknown words sampled as <unk> with rc 0; a 13-word prompt was a ValueError traceback
+    out = ["--out", tmp_path / "out"] if command == "sample" else []
+    for text, needle in [
+        ("a red circle\na zebra giraffe\n", "p.txt, line 2: words the policy does not know: 'zebra', 'giraffe'"),
+        ("a red circle a red circle a red circle a red circle a\n",
+         "p.txt, line 1: caption 'a red circle a red circle a red circle a red circle a' has 13 words; this policy "
+         "takes at most 10"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli(command, project_run, "--prompts", prompts_file(tmp_path / "p.txt", text), "--n", 1, *out)
+        assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+    if command == "sample":
+        meta = prompts_file(tmp_path / "meta.jsonl", '{"prompt": "a purple banana", "tag": "single_object"}\n')
+        with pytest.raises(SystemExit):
+            cli("sample", project_run, "--prompts", meta, "--layout", "geneval", *out)
+        assert "meta.jsonl, entry 1: words the policy does not know: 'banana'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_last_images_seed_must_stay_in_range(project_run, tmp_path, capsys):
+    three = prompts_file(tmp_path / "p.txt", "a red circle\na blue square\na green triangle\n")
+    for args, last in [(["sample", project_run, "--prompts", three, "--out", tmp_path / "o", "--n", 4,
+                         "--seed", 2**32 - 1], 2**32 - 1 + 3),  # seed + j
+                       (["eval", project_run, "--prompts", three, "--n", 2, "--seed", 2**32 - 2000],
+                        2**32 - 2000 + 2001)]:  # seed + 1000 i + j
+        with pytest.raises(SystemExit):
+            cli(*args)
+        assert f"the last image would get seed {last}, past the largest seed, 4294967295" in capsys.readouterr().err

@@ -59,6 +59,20 @@ def test_flat_layout_names_files_by_prompt_and_keeps_an_index(tiny_policy, tmp_p
     assert flat_name("a/b", 3) == "a_b_000003.png"
 
 
+def test_flat_names_of_long_prompts_fit_a_file_name_and_stay_apart(tiny_policy, tmp_path):
+    # before: OSError "File name too long" (a policy that reads any text, e.g. Janus, takes such prompts)
+    prompts = ["a " + "é" * 300 + " red", "a " + "é" * 300 + " blue"]  # alike for far longer than a name holds
+    assert write_flat(tiny_policy, CodesAsPixels(), prompts, tmp_path / "flat", 1, 0, PARAMS) == 2
+    index = [json.loads(ln) for ln in (tmp_path / "flat" / "index.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in index] == prompts  # the whole prompt, for a scorer that matches by it
+    names = [r["file"] for r in index]
+    assert len(set(names)) == 2 and all((tmp_path / "flat" / n).is_file() for n in names)
+    assert all(len(n.encode()) <= 255 and n.startswith("a éé") for n in names)  # no half character
+    assert names[0].endswith("_000000.png") and names[1].endswith("_000001.png")
+    assert flat_name(prompts[0], 0).rsplit("-", 1)[0] == flat_name(prompts[1], 0).rsplit("-", 1)[0]
+    assert flat_name(prompts[0], 0) != flat_name(prompts[1], 0)  # the hash of the whole prompt tells them apart
+
+
 def test_a_bad_metadata_line_is_named(tmp_path):
     meta = tmp_path / "m.jsonl"
     meta.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"tag": "x"}) + "\n")

@@ -261,3 +261,26 @@ def test_ctrl_c_stops_the_runs_at_a_checkpoint_in_one_line(micro_world, tmp_path
     log = (out / "logs" / "placebo-kl0-s0.log").read_text()
     assert log.count("SIGINT: finishing this step") == 1  # one signal, from the matrix: the step was saved
     assert f"saved a checkpoint at step {_steps_logged(run)[-1]}" in log
+
+
+def test_an_interrupted_run_resumes_trusting_only_the_matrixs_own_config(tmp_path, monkeypatch):
+    """`train --resume` refuses a python: reward without --trust-run; the matrix gives it, having found the
+    run's config to be the one it gives that run (another config is refused before anything runs)."""
+    from types import SimpleNamespace
+
+    from grpo_vision import matrix
+    from grpo_vision.config import save_config
+
+    config = str(ROOT / "configs" / "shapes_micro.yaml")
+    spec = plan(load_config(config), ["python:my_rewards:score"], [0.0], [0])[0]
+    run_dir = tmp_path / "runs" / spec.name
+    run_dir.mkdir(parents=True)
+    save_config(matrix.run_config(config, [], spec, tmp_path / "runs"), run_dir / "config.yaml")  # no DONE: interrupted
+    calls, stop = [], SimpleNamespace(received=[])
+    monkeypatch.setattr(matrix, "run_child", lambda args, *_: calls.append(args) or (0, False))
+    assert matrix.train_one(config, [], spec, tmp_path, 1, stop).status == "resumed"
+    assert calls[0][-4:] == ["train", "--resume", str(run_dir), "--trust-run"]
+    save_config(matrix.run_config(config, ["train.lr=1e-4"], spec, tmp_path / "runs"), run_dir / "config.yaml")
+    with pytest.raises(ConfigError, match="holds a run with another config"):
+        matrix.train_one(config, [], spec, tmp_path, 1, stop)
+    assert len(calls) == 1

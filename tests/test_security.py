@@ -7,6 +7,7 @@ unsafe way and sees its marker appear, so these tests would fail if the files we
 """
 
 import ast
+import json
 import pickle
 import random
 import shutil
@@ -322,3 +323,65 @@ def test_attack_files_through_the_cli_leave_no_marker(micro_world, tmp_path):
     out = cli("train", *base, f"run.out_dir={tmp_path}", "run.name=clip", f"reward.options.clip.checkpoint={tmp_path / 'clip.pt'}")
     assert out.returncode != 0 and "clip.pt is a TorchScript archive" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and not (tmp_path / "RAN_clip").exists()
+
+
+# ---------------------------------------------------------------- code a run folder names
+
+
+@pytest.fixture(scope="module")
+def shared_run(micro_world, tmp_path_factory):
+    """A one-step micro run, standing for a run folder someone else made."""
+    from grpo_vision.config import load_config
+    from grpo_vision.train import train
+
+    return train(load_config(ROOT / "configs" / "shapes_micro.yaml", [
+        f"policy.path={micro_world}", f"run.out_dir={tmp_path_factory.mktemp('shared')}", "train.steps=1",
+        "log.sample_every=0", "log.report=false"]), progress=False)
+
+
+def planted(tmp_path, monkeypatch, name: str) -> Path:
+    """An importable module `name` whose import writes a marker (returned); its score() is a reward."""
+    marker = tmp_path / f"RAN_{name}"
+    (tmp_path / f"{name}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+                                         "def score(images, prompts, metadata):\n"
+                                         "    return images.new_zeros(len(prompts)) + 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return marker
+
+
+def test_a_run_folder_runs_no_code_it_names_without_trust_run(shared_run, tmp_path, monkeypatch, capsys):
+    from grpo_vision.cli import main
+
+    marker = planted(tmp_path, monkeypatch, "planted_in_config")
+    run = tmp_path / "shared"
+    shutil.copytree(shared_run, run)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("  weights:\n", "  weights:\n    python:planted_in_config:score: 1.0\n"))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    # before: eval imported the module, whoever wrote the run folder
+    for args in (["eval", run, "--prompts", prompts, "--n", "1"], ["train", "--resume", run], ["demo", run],
+                 ["bench", "demo", run]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(a) for a in args])
+        assert exit_info.value.code == 2 and capsys.readouterr().err == (
+            f"grpo-vision: error: run folder {run} names reward 'python:planted_in_config:score', which imports and "
+            "runs Python module 'planted_in_config'; pass --trust-run if you trust whoever made that folder\n")
+        assert not marker.exists(), args[0]
+    main(["eval", str(run), "--prompts", str(prompts), "--n", "1", "--trust-run"])  # the user says so: it runs
+    assert marker.exists()
+    assert json.loads(capsys.readouterr().out)["models"]["policy"]["rewards"]["python:planted_in_config:score"][
+        "mean"] == 0.5
+
+
+def test_a_reward_named_in_a_run_folders_prompts_is_refused_too(shared_run, tmp_path, monkeypatch, capsys):
+    from grpo_vision.cli import main
+
+    marker = planted(tmp_path, monkeypatch, "planted_in_prompts")
+    run = tmp_path / "shared"
+    shutil.copytree(shared_run, run)
+    test_set = run / "prompts" / "test.jsonl"  # eval's default set: the run folder's own file
+    test_set.write_text(json.dumps({"prompt": "a red circle", "rewards": {"python:planted_in_prompts:score": 1}}))
+    with pytest.raises(SystemExit):
+        main(["eval", str(run), "--n", "1"])
+    assert "names reward 'python:planted_in_prompts:score'" in capsys.readouterr().err and not marker.exists()

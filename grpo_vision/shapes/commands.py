@@ -34,16 +34,14 @@ def cmd_world_render(args) -> None:
 def cmd_world_prompts(args) -> None:
     import numpy as np
 
-    from grpo_vision.config import load_config
     from grpo_vision.policies import prompt_lists
+    from grpo_vision.run_folder import read_run_config
     from grpo_vision.shapes.scene import all_captions
 
     captions = all_captions(args.split, None if args.form == "all" else args.form)
     if args.not_trained_in:
-        config = Path(args.not_trained_in) / "config.yaml"
-        if not config.is_file():
-            raise FileNotFoundError(f"{args.not_trained_in} is not a run directory (no config.yaml)")
-        trained = {e.prompt for e in prompt_lists(load_config(config)).train}
+        # its data paths resolved from here, its saved device (perhaps not this machine's) unused
+        trained = {e.prompt for e in prompt_lists(read_run_config(args.not_trained_in, device="auto")).train}
         captions = [c for c in captions if c not in trained]
     if args.n and args.n < len(captions):
         captions = [captions[i] for i in sorted(np.random.default_rng(args.seed).permutation(len(captions))[:args.n])]

@@ -1,0 +1,105 @@
+"""Reading a run folder that may come from elsewhere: its config with its paths resolved, and no code
+imported from it unless the user trusts it.
+
+Paths. A run's `config.yaml` keeps paths as they were given, relative to the directory `train` ran
+in; `origin.json` beside it records that directory twice, as seen from the run folder and absolute.
+A relative path of the config (policy.path, policy.tokenizer, data.*, and reward options that name an
+existing file) is looked for first from the run folder's side, which stays right when the run folder
+is copied, to this machine or another, together with what it names (say `runs/` beside `worlds/`),
+then at the absolute directory, right when only the run folder moved. So `eval RUN` works from any
+directory. A run from before origin.json resolves against the current directory, as it always did.
+
+Code. A `python:module:function` reward imports and runs that module, and a run folder's config or
+prompts files may name one: commands that read a run folder refuse it unless given --trust-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from grpo_vision.config import Config, ConfigError, apply_override, from_dict, move_keys, read_yaml, validate
+
+ORIGIN = "origin.json"  # where `train` ran: {"cwd": absolute, "cwd_from_run": relative to the run folder}
+PATH_KEYS = (("policy", "path"), ("policy", "tokenizer"), ("data", "train_prompts"), ("data", "eval_prompts"),
+             ("data", "heldout_prompts"))
+
+
+def save_origin(run_dir: str | Path) -> None:
+    """Record the directory `train` runs in, which the run config's relative paths are relative to."""
+    run_dir, cwd = Path(run_dir), Path.cwd()
+    record = {"cwd": str(cwd), "cwd_from_run": os.path.relpath(cwd, run_dir.resolve())}
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".origin.", suffix=".tmp")  # a fresh file, never a link
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, run_dir / ORIGIN)
+
+
+def read_run_config(run_dir: str | Path, overrides: list[str] | tuple = (), device: str | None = None) -> Config:
+    """A run folder's config.yaml with its relative paths resolved from here, then `overrides` (relative
+    to the current directory, as typed). `device`, when given, replaces the saved run.device, which
+    names where the run trained, perhaps a device this machine lacks."""
+    run_dir = Path(run_dir)
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = from_dict(Config, move_keys(read_yaml(path), str(path)), where=str(path))
+    resolve_paths(cfg, path_bases(run_dir))
+    if device is not None:
+        cfg.run.device = device
+    for item in overrides:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def path_bases(run_dir: Path) -> list[Path]:
+    """Where the run's relative paths may start, in the order they are tried (module docstring)."""
+    file = run_dir / ORIGIN
+    if not file.is_file():
+        return [Path.cwd()]
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+        return [run_dir.resolve() / record["cwd_from_run"], Path(record["cwd"])]
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{file} is not what train writes (JSON with cwd and cwd_from_run): delete it, and the "
+                          "run's relative paths resolve against the current directory") from None
+
+
+def resolve_paths(cfg: Config, bases: list[Path]) -> None:
+    """Rewrite the config's relative paths as paths from the current directory (see _resolve)."""
+    for section, key in PATH_KEYS:
+        node = getattr(cfg, section)
+        setattr(node, key, _resolve(getattr(node, key), bases, required=True))
+    for options in cfg.reward.options.values():  # a model name (ViT-H-14) is no file: it stays as it is
+        for key, value in options.items():
+            if isinstance(value, str):
+                options[key] = _resolve(value, bases, required=False)
+
+
+def _resolve(value: str, bases: list[Path], required: bool) -> str:
+    """`value` unchanged when empty, absolute or naming the same file from here; else the first base that
+    holds it, as a path from here. A `required` path found nowhere is given from the first base, so
+    the error that follows names where it was looked for."""
+    if not value or Path(value).expanduser().is_absolute():
+        return value
+    found = next((base / value for base in bases if (base / value).exists()), None)
+    if found is None:
+        return os.path.relpath(bases[0] / value) if required else value
+    if Path(value).exists() and os.path.samefile(found, value):
+        return value  # written as it was: a resumed run rewrites its config.yaml with these values
+    return os.path.relpath(found)
+
+
+def refuse_code(cfg: Config, entries, run_dir: str | Path, trust: bool) -> None:
+    """ConfigError unless `trust`: a python: reward that the run folder's config or prompt `entries` name
+    would import and run a module, and a run folder may come from anyone."""
+    if trust:
+        return
+    named = [*cfg.reward.weights, *cfg.reward.monitor, *(n for e in entries for n in (e.rewards or {}))]
+    code = next((n for n in named if n.startswith("python:")), None)
+    if code is not None:
+        raise ConfigError(f"run folder {run_dir} names reward {code!r}, which imports and runs Python module "
+                          f"{code.split(':')[1]!r}; pass --trust-run if you trust whoever made that folder")
