@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from grpo_vision.runfiles import folder, write_file
 from grpo_vision.safe_state import UnsafeFileError, load_pickled_tensors, load_state, save_state
 
 
@@ -45,13 +46,12 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
                     optimizer_state: dict | None = None) -> Path:
     """`weights` and `optimizer_state`, when given, are written instead of reading `policy` and
     `optimizer` (under FSDP every process gathers them whole first: distributed.py)."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    root = folder(run_dir, Path(run_dir) / "checkpoints")  # never a link: the steps would land outside the run
     name = f"step_{step:06d}"
     tmp, final = root / f"{name}.tmp", root / name
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     try:
-        tmp.mkdir()
+        folder(run_dir, tmp)
         save_file(trainable_state(policy) if weights is None else weights, tmp / "policy.safetensors")
         if reference_state is not None:
             save_file({k: v.contiguous().cpu() for k, v in reference_state.items()}, tmp / "reference.safetensors")
@@ -65,7 +65,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
         _fsync_dir(tmp)
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial step behind
+        _remove(tmp)  # never leave a partial step behind
         if not _disk_full(e):
             raise
         kept = latest_checkpoint(run_dir)
@@ -73,15 +73,21 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
                               f"nothing was lost: {f'the last checkpoint, {kept.name},' if kept else 'the run folder'} "
                               f"is intact. Free some space and continue with --resume {run_dir}") from None
     old = root / f"{name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
+    _remove(old)
+    if final.exists() or final.is_symlink():
         os.replace(final, old)
     os.replace(tmp, final)
-    pointer = root / "latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, root / "latest")
-    shutil.rmtree(old, ignore_errors=True)
+    write_file(root / "latest", name, root=run_dir)
+    _remove(old)
     return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a step directory left behind; a link there is unlinked, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _disk_full(e: Exception) -> bool:

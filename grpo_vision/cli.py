@@ -75,9 +75,11 @@ def cmd_sample(args) -> None:
     from grpo_vision import export
     from grpo_vision.evaluate import eval_params, load_run
     from grpo_vision.prompts import load_prompts
+    from grpo_vision.runfiles import check_writable
 
-    # read the prompts before loading the model: a bad file is named at once
+    # read the prompts and look at --out before loading the model: a bad file or folder is named at once
     rows = export.load_geneval_metadata(args.prompts) if args.layout == "geneval" else load_prompts(args.prompts)
+    check_writable(args.out, "make it writable, or choose another --out")
     run = load_run(args.run, args.step)
     model, ctx = run.reference.sampler(run.policy) if args.reference else (run.policy, contextlib.nullcontext())
     params, tokenizer = eval_params(run.cfg, args.temperature), run.bundle.tokenizer
@@ -300,11 +302,12 @@ def main(argv: list[str] | None = None) -> None:
     from grpo_vision.health import TrainingHealthError
     from grpo_vision.prompts import PromptsError
     from grpo_vision.rewards import RewardError
+    from grpo_vision.runfiles import FolderError
     from grpo_vision.runlock import RunLockedError
 
     try:
         args.func(args)
-    except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, RunLockedError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, FolderError, PromptsError, RunLockedError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (RewardError, TrainingHealthError) as e:

@@ -157,7 +157,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     if main:  # only once everything has loaded, so a bad override never reaches the run's config
         save_config(cfg, run_dir / "config.yaml")
         for name, entries in (("train", train_prompts), *st.prompts.named().items()):  # the split, fixed in the run
-            save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl")
+            save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl", root=run_dir)
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
 
@@ -269,7 +269,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                         from grpo_vision.evaluate import save_sample_grid
                         save_sample_grid(policy, reference, tokenizer, st.prompts.test[:4] + train_prompts[:4],
                                          params, run_dir / "samples" / f"step_{step + 1:06d}.png",
-                                         judge=st.bundle.judge)
+                                         judge=st.bundle.judge, root=run_dir)
             if signum := stop.agreed(acc):
                 checkpoint(step + 1)
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
