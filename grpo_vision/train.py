@@ -283,8 +283,11 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         step = t.steps
         checkpoint(step)
     except RewardError as e:
-        checkpoint(step)
-        raise RewardError(e.name, f"{e} (checkpoint saved at step {step} in {run_dir})") from e
+        saved = "no step had finished, nothing was saved: the same command starts again"
+        if step:  # at step 0 a checkpoint would hold the starting weights and make the folder refuse a fresh start
+            checkpoint(step)
+            saved = f"checkpoint saved at step {step} in {run_dir}"
+        raise RewardError(e.name, f"{e.message} ({saved})") from e
     except NonFiniteWeightsError as e:  # no checkpoint: it would hold the broken weights
         last = latest_checkpoint(run_dir)
         raise NonFiniteWeightsError(f"{e}; the last checkpoint, {last}, holds finite weights" if last else

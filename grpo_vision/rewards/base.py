@@ -35,7 +35,7 @@ class RewardError(RuntimeError):
 
     def __init__(self, name: str, message: str):
         super().__init__(f"reward '{name}' failed: {message}")
-        self.name = name
+        self.name, self.message = name, message
 
 
 @dataclass
