@@ -293,14 +293,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         raise NonFiniteWeightsError(f"{e}; the last checkpoint, {last}, holds finite weights" if last else
                                     f"{e}; no checkpoint was saved before it") from e
     else:  # still under the lock: the report is part of the run
-        stop.restore()  # no step is left to finish: a signal now stops at once
+        stop.at_once()  # no step is left to finish: a signal now stops at once
         if cfg.log.report:
-            from grpo_vision.report import final_report
-
-            with full_weights(st.model):  # every process: FSDP gathers the shards together
-                if main:
-                    final_report(run_dir, policy, reference, tokenizer, rewards, st.prompts, params, cfg,
-                                 st.bundle.judge)
+            write_report(st, cfg, stop)
     finally:
         stop.restore()
         if logger:
@@ -308,6 +303,25 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         if lock:
             lock.release()
     return run_dir
+
+
+def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:
+    """The final report; a signal while it is written (or since the last step) stops it, saying that the
+    training itself finished and how to write the report again."""
+    from grpo_vision.report import final_report
+
+    try:
+        if stop.signum:
+            raise Interrupted(stop.signum)
+        with full_weights(st.model):  # every process: FSDP gathers the shards together
+            if st.acc.is_main_process:
+                final_report(st.run_dir, st.policy, st.reference, st.bundle.tokenizer, st.rewards, st.prompts,
+                             st.params, cfg, st.bundle.judge)
+    except Interrupted as e:
+        print(f"\n[train] stopped by {signal.Signals(e.signum).name} while writing the report; the training finished "
+              f"(checkpoint at step {cfg.train.steps}): grpo-vision train --resume {st.run_dir} writes the report",
+              file=sys.stderr, flush=True)
+        raise
 
 
 def lr_factor(update: int, cfg: Config, total_updates: int) -> float:
