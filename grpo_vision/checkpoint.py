@@ -21,6 +21,7 @@ aside before the new one is renamed in, so some complete copy of that step exist
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from grpo_vision.runfiles import folder, write_file
 from grpo_vision.safe_state import UnsafeFileError, load_pickled_tensors, load_state, save_state
 
 
@@ -45,13 +47,12 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
                     optimizer_state: dict | None = None) -> Path:
     """`weights` and `optimizer_state`, when given, are written instead of reading `policy` and
     `optimizer` (under FSDP every process gathers them whole first: distributed.py)."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    root = folder(run_dir, Path(run_dir) / "checkpoints")  # never a link: the steps would land outside the run
     name = f"step_{step:06d}"
     tmp, final = root / f"{name}.tmp", root / name
-    shutil.rmtree(tmp, ignore_errors=True)
+    _remove(tmp)
     try:
-        tmp.mkdir()
+        folder(run_dir, tmp)
         save_file(trainable_state(policy) if weights is None else weights, tmp / "policy.safetensors")
         if reference_state is not None:
             save_file({k: v.contiguous().cpu() for k, v in reference_state.items()}, tmp / "reference.safetensors")
@@ -65,7 +66,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
         _fsync_dir(tmp)
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a partial step behind
+        _remove(tmp)  # never leave a partial step behind
         if not _disk_full(e):
             raise
         kept = latest_checkpoint(run_dir)
@@ -73,15 +74,21 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
                               f"nothing was lost: {f'the last checkpoint, {kept.name},' if kept else 'the run folder'} "
                               f"is intact. Free some space and continue with --resume {run_dir}") from None
     old = root / f"{name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
+    _remove(old)
+    if final.exists() or final.is_symlink():
         os.replace(final, old)
     os.replace(tmp, final)
-    pointer = root / "latest.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, root / "latest")
-    shutil.rmtree(old, ignore_errors=True)
+    write_file(root / "latest", name, root=run_dir)
+    _remove(old)
     return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a step directory left behind; a link there is unlinked, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _disk_full(e: Exception) -> bool:
@@ -146,23 +153,35 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
     path = Path(path)
     weights = _read(path / "policy.safetensors", load_file)
     own = dict(policy.named_parameters())
-    unknown = sorted(set(weights) - set(own))
-    missing = sorted(n for n, p in own.items() if p.requires_grad and n not in weights)  # saved: the trainable ones
-    wrong = sorted(n for n, v in weights.items() if n in own and v.shape != own[n].shape)
-    for problem, names in (("weights this policy does not have", unknown), ("no weights for", missing),
-                           ("weights of another shape for", wrong)):
-        if names:
-            raise CheckpointError(f"checkpoint {path / 'policy.safetensors'} does not match this run's policy: "
-                                  f"{problem} {names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)} in all); "
-                                  "was it written by a run with another policy or train.adapter setting?")
+    missing = [n for n, p in own.items() if p.requires_grad and n not in weights]  # saved: the trainable ones
+    _check_fits(path / "policy.safetensors", weights, own, missing)
     with torch.no_grad():
         for name, value in weights.items():
             own[name].copy_(value)
     if optimizer is not None:
         load_training_state(path, optimizer, scheduler)
+    state = _holding(_read(path / "trainer_state.json", lambda f: json.loads(f.read_text())), ("step", "counters"),
+                     path / "trainer_state.json")
+    if path.name.startswith("step_") and path.name[5:].isdigit() and state["step"] != int(path.name[5:]):
+        raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} says step {state['step']} in "
+                              f"{path.name} (copied from another step?); delete {path} and resume from an earlier step")
     ref = path / "reference.safetensors"
-    state = _read(path / "trainer_state.json", lambda f: json.loads(f.read_text()))
-    return state, (_read(ref, load_file) if ref.is_file() else None)
+    ref_state = _read(ref, load_file) if ref.is_file() else None
+    if ref_state is not None:  # the reference is the policy's own network (or a copy of it): its names and shapes
+        _check_fits(ref, ref_state, policy.state_dict())
+    return state, ref_state
+
+
+def _check_fits(file: Path, weights: dict, own: dict, missing: list[str] = ()) -> None:
+    """CheckpointError naming `file` when its tensors are not `own`'s names and shapes."""
+    unknown = sorted(set(weights) - set(own))
+    wrong = sorted(n for n, v in weights.items() if n in own and v.shape != own[n].shape)
+    for problem, names in (("weights this policy does not have", unknown), ("no weights for", sorted(missing)),
+                           ("weights of another shape for", wrong)):
+        if names:
+            raise CheckpointError(f"checkpoint {file} does not match this run's policy: {problem} "
+                                  f"{names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)} in all); "
+                                  "was it written by a run with another policy or train.adapter setting?")
 
 
 def load_training_state(path: Path, optimizer, scheduler, load_optimizer=None) -> None:
@@ -170,21 +189,24 @@ def load_training_state(path: Path, optimizer, scheduler, load_optimizer=None) -
     `optimizer.load_state_dict` (FSDP loads a full state into shards: distributed.py)."""
     path = Path(path)
     legacy = (path / "optimizer.pt").exists() and not (path / "optimizer.safetensors").exists()  # pre-safetensors
-    opt = (_read(path / "optimizer.pt", load_pickled_tensors) if legacy
-           else _read(path / "optimizer.safetensors", load_state))
-    (load_optimizer or optimizer.load_state_dict)(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
-    rng = (_read(path / "rng.pt", lambda f: load_pickled_tensors(f, numpy_arrays=True)) if legacy
-           else _read(path / "rng.safetensors", load_state))
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
+    file = path / ("optimizer.pt" if legacy else "optimizer.safetensors")
+    opt = _holding(_read(file, load_pickled_tensors if legacy else load_state), ("optimizer", "scheduler"), file)
+    with applying(file):
+        (load_optimizer or optimizer.load_state_dict)(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+    file = path / ("rng.pt" if legacy else "rng.safetensors")
+    rng = _holding(_read(file, (lambda f: load_pickled_tensors(f, numpy_arrays=True)) if legacy else load_state),
+                   ("torch", "numpy", "python"), file)
+    with applying(file):
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
 
 
 def load_iterative_state(path: Path) -> dict | None:
     """The replay buffer and learned rewards' state of a checkpoint (iterative RL), or None if it has none."""
     file = Path(path) / "iterative.safetensors"
-    return _read(file, load_state) if file.is_file() else None
+    return _holding(_read(file, load_state), ("buffer", "rewards"), file) if file.is_file() else None
 
 
 class CheckpointError(ValueError):
@@ -203,3 +225,25 @@ def _read(path: Path, reader):
     except Exception as e:  # safetensors, pickle and JSON each raise their own kind
         raise CheckpointError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e}); delete "
                               f"{path.parent} and use an earlier step") from None
+
+
+def _holding(tree, keys: tuple[str, ...], file: Path) -> dict:
+    """`tree` when it is a dict with `keys`: a readable file of another kind (another checkpoint file
+    copied over this one) is named, not a KeyError later."""
+    if isinstance(tree, dict) and all(k in tree for k in keys):
+        return tree
+    held = (", ".join(map(repr, tree)) or "nothing") if isinstance(tree, dict) else f"a {type(tree).__name__}"
+    missing = ", ".join(repr(k) for k in keys if not isinstance(tree, dict) or k not in tree)
+    raise CheckpointError(f"checkpoint file {file} holds {held}, not {missing} (was another file copied over it?); "
+                          f"delete {file.parent} and resume from an earlier step")
+
+
+@contextlib.contextmanager
+def applying(file: Path):
+    """Loading a readable file's state into the run: state that does not fit (another run's optimizer, a
+    damaged RNG state) is a CheckpointError naming the file, not a traceback from torch."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {file} does not fit this run ({type(e).__name__}: {e}); delete "
+                              f"{file.parent} and resume from an earlier step") from None

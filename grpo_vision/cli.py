@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     from grpo_vision.health import TrainingHealthError
     from grpo_vision.prompts import PromptsError
     from grpo_vision.rewards import RewardError
+    from grpo_vision.runfiles import FolderError
     from grpo_vision.runlock import RunLockedError
 
     try:
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # Python's recipe: nothing more to say, and nothing more written to the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(128 + signal.SIGPIPE)  # 141: what a shell reports for a command a closed pipe stopped
-    except (ConfigError, CheckpointError, FileNotFoundError, PromptsError, RunLockedError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, FolderError, PromptsError, RunLockedError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (RewardError, TrainingHealthError) as e:

@@ -64,8 +64,9 @@ def cmd_sample(args) -> None:
     from grpo_vision.evaluate import eval_params, load_run
     from grpo_vision.policy import check_prompts
     from grpo_vision.prompts import load_prompts
+    from grpo_vision.runfiles import check_writable
 
-    # read the prompts before loading the model: a bad file is named at once
+    # read the prompts and look at --out before loading the model: a bad file or folder is named at once
     if args.layout == "geneval":
         rows = export.load_geneval_metadata(args.prompts)
         prompts = [r["prompt"] for r in rows]
@@ -74,6 +75,7 @@ def cmd_sample(args) -> None:
         entries = load_prompts(args.prompts)
         prompts, where = [e.prompt for e in entries], [f"{args.prompts}, line {e.line}" for e in entries]
     check_seeds(args.seed, args.n - 1)
+    check_writable(args.out, "make it writable, or choose another --out")
     run = load_run(args.run, args.step, args.device)
     check_prompts(run.policy, zip(where, prompts))
     model, ctx = run.reference.sampler(run.policy) if args.reference else (run.policy, contextlib.nullcontext())

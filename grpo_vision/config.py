@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import yaml
 from grpo_vision.config_load import (  # noqa: F401  (re-exported: importers use grpo_vision.config)
     MOVED_KEYS, ConfigError, apply_override, brief, coerce, from_dict, move_keys, read_yaml,
 )
+from grpo_vision.runfiles import write_file
 
 
 # run.device's names (and --device's); whether this machine has one is checked at use (policies.resolve_device)
@@ -344,7 +344,4 @@ def to_dict(cfg: Config) -> dict:
 
 def save_config(cfg: Config, path: str | Path) -> None:
     """Write the resolved config atomically (a resumed run reads it back)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    os.replace(tmp, path)
+    write_file(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

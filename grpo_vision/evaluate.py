@@ -24,6 +24,7 @@ from grpo_vision.policies import Bundle, load_bundle, prompt_lists, resolve_devi
 from grpo_vision.prompts import PromptEntry, load_prompts
 from grpo_vision.reference import Reference, add_adapter
 from grpo_vision.run_folder import read_run_config
+from grpo_vision.runfiles import write_file
 from grpo_vision.sampling import SamplingParams, sample_batched
 
 
@@ -119,11 +120,13 @@ def _diff(result: dict, table: str, key: str):
 
 @torch.no_grad()
 def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[PromptEntry], params: SamplingParams,
-                     path: Path, seeds_per_prompt: int = 2, judge: Judge | None = None, scale: int = 2) -> None:
+                     path: Path, seeds_per_prompt: int = 2, judge: Judge | None = None, scale: int = 2,
+                     root: Path | None = None) -> None:
     """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right,
     each image `scale` times its size; under each, the judge's verdict per attribute (✓ / ✗) where
     the policy kind has a judge, and the judge's own rendering of the prompt (ground truth) last,
-    where the judge can draw one (ShapesWorld)."""
+    where the judge can draw one (ShapesWorld). `root`: the run folder when `path` lies in a sub-folder
+    of it (written as runfiles.write_file writes)."""
     prompts = [e.prompt for e in entries for _ in range(seeds_per_prompt)]
     seeds = [j for _ in entries for j in range(seeds_per_prompt)]
     images = {"policy": generate(policy, tokenizer, prompts, seeds, params)}
@@ -141,8 +144,7 @@ def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[Prom
         t is not None for t in truth) else [])
     sheet = paint_grid(rows, headings=headings, row_labels=[textwrap.fill(e.prompt, 26) for e in entries],
                        label_width=180, split=k, scale=scale, line=13)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sheet.save(path)
+    write_file(path, lambda f: sheet.save(f, format="PNG"), root)
 
 
 def verdict_lines(judge: Judge | None, images: torch.Tensor, prompts: list[str]) -> list[list[str]]:

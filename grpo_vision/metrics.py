@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from grpo_vision.runfiles import folder, open_kept, write_file
+
 
 def nanmean(x: torch.Tensor) -> float:
     """Mean over the non-NaN entries; NaN when there are none."""
@@ -32,14 +34,16 @@ def interval(values: torch.Tensor) -> dict:
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl's rows; a line cut short by a crash mid-write is skipped."""
+    """metrics.jsonl's rows; a line cut short by a crash mid-write, or one that is not a step's row, is skipped."""
     path = Path(run_dir) / "metrics.jsonl"
     rows = []
     for ln in path.read_text().splitlines() if path.is_file() else []:
         try:
-            rows.append(json.loads(ln))
+            row = json.loads(ln)
         except json.JSONDecodeError:
             continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
     return rows
 
 
@@ -53,14 +57,13 @@ class MetricsLogger:
 
     def __init__(self, run_dir: Path, start: int, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
-        if self.path.exists():
-            keep = [row for row in load_metrics(run_dir) if row["step"] <= start]
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in keep))
-        self.file = open(self.path, "a")
+        keep = [row for row in load_metrics(run_dir) if row["step"] <= start]
+        write_file(self.path, "".join(json.dumps(row) + "\n" for row in keep))  # replaces a link, never follows it
+        self.file = open_kept(self.path)
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1)
+            self.tb = SummaryWriter(str(folder(run_dir, run_dir / "tensorboard")), purge_step=start + 1)
 
     def log(self, step: int, metrics: dict) -> None:
         self.file.write(json.dumps({"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}) + "\n")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from grpo_vision.runfiles import write_file
+
 
 def curve_keys(metrics: list[dict]) -> list[str]:
     """One panel per `reward/<name>/mean` logged, then the KL to the reference."""
@@ -92,5 +94,5 @@ def judge_figure(result: dict):
 
 
 def save_figure(fig, path: Path, dpi: int = 110) -> Path:
-    fig.savefig(path, dpi=dpi)
-    return path
+    """Written whole, never through a link (runfiles.py)."""
+    return write_file(path, lambda f: fig.savefig(f, dpi=dpi, format=Path(path).suffix[1:]))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_vision.config_load import brief
+from grpo_vision.runfiles import write_file
 
 # Lists and objects one JSON line may nest. Python's parser stops near 1,000 with a RecursionError, and
 # a value a few hundred deep parses but breaks json.dumps (the run saves its prompts) and copies
@@ -112,10 +113,9 @@ def _parse_jsonl_line(text: str, path: Path, number: int) -> PromptEntry:
                        metadata, number)
 
 
-def save_prompts(entries: list[PromptEntry], path: str | Path) -> None:
-    """Write entries as a JSONL prompts file that `load_prompts` reads back (prompt, rewards, metadata)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def save_prompts(entries: list[PromptEntry], path: str | Path, root: str | Path | None = None) -> None:
+    """Write entries as a JSONL prompts file that `load_prompts` reads back (prompt, rewards, metadata);
+    `root`: the run folder that `path` lies in a sub-folder of (runfiles.write_file)."""
     rows = [{"prompt": e.prompt, **({"rewards": e.rewards} if e.rewards else {}),
              **({"metadata": e.metadata} if e.metadata else {})} for e in entries]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_file(path, "".join(json.dumps(row) + "\n" for row in rows), root)

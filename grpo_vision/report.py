@@ -11,6 +11,7 @@ from grpo_vision.health import run_summary
 from grpo_vision.metrics import load_metrics
 from grpo_vision.plots import curves_figure, judge_figure, save_figure
 from grpo_vision.report_text import change_table, duplicate_of_judge, rate_change, rate_value, what_changed
+from grpo_vision.runfiles import write_file
 
 
 def _temperature_table(by_temperature: dict) -> list[str]:
@@ -64,7 +65,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
         result["by_temperature"] = {str(t): r for t, r in by_temperature.items()}
     if sets.heldout:
         result["heldout"] = run_eval(sets.heldout, temperatures[0], "held-out-composition prompts")
-    (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
+    write_file(run_dir / "eval.json", json.dumps(result, indent=2))
     metrics = load_metrics(run_dir)
     save_figure(curves_figure(metrics), run_dir / "curves.png")
     save_sample_grid(policy, reference, tokenizer, sets.test[:8], replace(params, temperature=temperatures[0]),
@@ -115,6 +116,6 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
               "## Samples (test prompts): policy | reference, the same seeds" +
               (" | what the prompt describes" if getattr(judge, "render", None) else ""), "",
               "![samples](final_samples.png)", ""]
-    (run_dir / "report.md").write_text("\n".join(lines))
+    write_file(run_dir / "report.md", "\n".join(lines))
     print(f"[report] {run_dir / 'report.md'}", flush=True)
     return result

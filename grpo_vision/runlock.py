@@ -18,6 +18,7 @@ from pathlib import Path
 
 from grpo_vision.checkpoint import checkpoint_steps
 from grpo_vision.config import ConfigError
+from grpo_vision.runfiles import check_writable, open_kept, refuse_link
 
 LOCK_NAME = "run.lock"
 
@@ -27,9 +28,13 @@ class RunLockedError(RuntimeError):
 
 
 def check_run_dir(run_dir: Path, fresh: bool) -> None:
-    """Refuse, before anything is loaded, a directory another train holds, and (for a fresh start)
-    one that holds a run. Reads only: a shared flock probe never blocks another probe."""
+    """Refuse, before anything is loaded, a directory another train holds, one it cannot write, a lock
+    that is a link, and (for a fresh start) one that holds a run. Reads only: a shared flock probe never
+    blocks another probe."""
+    check_writable(run_dir, "choose another run.out_dir" if fresh else
+                   "make it writable, or copy the run elsewhere and resume the copy (--resume COPY)")
     path = Path(run_dir) / LOCK_NAME
+    refuse_link(path)  # the probe below would follow it; the lock itself never does (RunLock)
     if path.is_file():
         with open(path) as f:
             _lock_or_refuse(f, fcntl.LOCK_SH, run_dir)
@@ -42,8 +47,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path, fresh: bool):
         self.path = Path(run_dir) / LOCK_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "a+")
+        self.file = open_kept(self.path, "a+")  # never through a link: truncating it would empty another file
         try:
             _lock_or_refuse(self.file, fcntl.LOCK_EX, run_dir)
             if fresh:  # again under the lock: a start that raced this one may have finished meanwhile

@@ -35,6 +35,12 @@ class GracefulStop:
         print(f"\n[train] {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
               "(Ctrl-C or SIGTERM again to stop now)", file=sys.stderr, flush=True)
 
+    def at_once(self) -> None:
+        """From now on a signal stops at once (no step is left to finish): Interrupted is raised where the
+        program is, so that the caller can say what was left undone."""
+        for s in self.previous:
+            signal.signal(s, _raise)
+
     def agreed(self, acc) -> int:
         """The signal any process got (0: none): every process stops after the same step, as the
         checkpoint is written by all of them together."""
@@ -44,6 +50,10 @@ class GracefulStop:
         for s, previous in self.previous.items():
             signal.signal(s, previous)
         self.previous = {}
+
+
+def _raise(signum, frame):
+    raise Interrupted(signum)
 
 
 def _main_thread() -> bool:  # Python accepts signal handlers from the main thread only

@@ -159,7 +159,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         save_config(cfg, run_dir / "config.yaml")
         save_origin(run_dir)  # what the config's relative paths are relative to: eval RUN works from anywhere
         for name, entries in (("train", train_prompts), *st.prompts.named().items()):  # the split, fixed in the run
-            save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl")
+            save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl", root=run_dir)
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
 
@@ -271,7 +271,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                         from grpo_vision.evaluate import save_sample_grid
                         save_sample_grid(policy, reference, tokenizer, st.prompts.test[:4] + train_prompts[:4],
                                          params, run_dir / "samples" / f"step_{step + 1:06d}.png",
-                                         judge=st.bundle.judge)
+                                         judge=st.bundle.judge, root=run_dir)
             if signum := stop.agreed(acc):
                 checkpoint(step + 1)
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
@@ -285,21 +285,19 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         step = t.steps
         checkpoint(step)
     except RewardError as e:
-        checkpoint(step)
-        raise RewardError(e.name, f"{e.message} (checkpoint saved at step {step} in {run_dir})") from e
+        saved = "no step had finished, nothing was saved: the same command starts again"
+        if step:  # at step 0 a checkpoint would hold the starting weights and make the folder refuse a fresh start
+            checkpoint(step)
+            saved = f"checkpoint saved at step {step} in {run_dir}"
+        raise RewardError(e.name, f"{e.message} ({saved})") from e
     except NonFiniteWeightsError as e:  # no checkpoint: it would hold the broken weights
         last = latest_checkpoint(run_dir)
         raise NonFiniteWeightsError(f"{e}; the last checkpoint, {last}, holds finite weights" if last else
                                     f"{e}; no checkpoint was saved before it") from e
     else:  # still under the lock: the report is part of the run
-        stop.restore()  # no step is left to finish: a signal now stops at once
+        stop.at_once()  # no step is left to finish: a signal now stops at once
         if cfg.log.report:
-            from grpo_vision.report import final_report
-
-            with full_weights(st.model):  # every process: FSDP gathers the shards together
-                if main:
-                    final_report(run_dir, policy, reference, tokenizer, rewards, st.prompts, params, cfg,
-                                 st.bundle.judge)
+            write_report(st, cfg, stop)
     finally:
         stop.restore()
         if logger:
@@ -307,6 +305,25 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         if lock:
             lock.release()
     return run_dir
+
+
+def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:
+    """The final report; a signal while it is written (or since the last step) stops it, saying that the
+    training itself finished and how to write the report again."""
+    from grpo_vision.report import final_report
+
+    try:
+        if stop.signum:
+            raise Interrupted(stop.signum)
+        with full_weights(st.model):  # every process: FSDP gathers the shards together
+            if st.acc.is_main_process:
+                final_report(st.run_dir, st.policy, st.reference, st.bundle.tokenizer, st.rewards, st.prompts,
+                             st.params, cfg, st.bundle.judge)
+    except Interrupted as e:
+        print(f"\n[train] stopped by {signal.Signals(e.signum).name} while writing the report; the training finished "
+              f"(checkpoint at step {cfg.train.steps}): grpo-vision train --resume {st.run_dir} writes the report",
+              file=sys.stderr, flush=True)
+        raise
 
 
 def lr_factor(update: int, cfg: Config, total_updates: int) -> float:

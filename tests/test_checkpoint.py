@@ -1,4 +1,4 @@
-"""Checkpoints: atomic rewrites, a dangling `latest`, unreadable files named."""
+"""Checkpoints: atomic rewrites, a dangling `latest`, unreadable files and files of another kind named."""
 
 import re
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_vision.checkpoint import (CheckpointError, checkpoint_steps, find_checkpoint, latest_checkpoint,
-                                    load_checkpoint, save_checkpoint)
+                                    load_checkpoint, load_iterative_state, load_training_state, save_checkpoint)
 
 
 def tiny():
@@ -137,3 +137,34 @@ def test_a_full_disk_through_the_real_writers(tmp_path):
         _assert_disk_full_kept_step_1(disk, e.value)
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("source, target, lacks", [
+    ("rng.safetensors", "optimizer.safetensors", "holds 'torch', 'numpy', 'python', not 'optimizer', 'scheduler'"),
+    ("optimizer.safetensors", "rng.safetensors", "holds 'optimizer', 'scheduler', not 'torch', 'numpy', 'python'"),
+    ("rng.safetensors", "iterative.safetensors", "not 'buffer', 'rewards'"),
+    ("rng.safetensors", "reference.safetensors", "does not match this run's policy: weights this policy does not have"),
+    ("step_000001/trainer_state.json", "trainer_state.json", "says step 1 in step_000002 \\(copied from another step"),
+])
+def test_another_valid_file_copied_over_a_state_file_is_named(tmp_path, source, target, lacks):
+    """Before: KeyError: 'optimizer' (and the like) from deep inside the resume."""
+    model, opt, sched = tiny()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    for step in (1, 2):
+        path = save_checkpoint(tmp_path, step, model, opt, sched, reference, {"counters": {}},
+                               iterative={"buffer": {}, "rewards": {}})
+    (path / target).write_bytes((path.parent / source if "/" in source else path / source).read_bytes())
+    with pytest.raises(CheckpointError, match=f"{path / target}.* {lacks}.*(delete {path} and resume from an earlier "
+                                              "step|another policy)"):
+        load_checkpoint(path, model, opt, sched)
+        load_iterative_state(path)
+
+
+def test_an_optimizer_state_of_another_model_is_named(tmp_path):
+    model, opt, sched = tiny()
+    path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with pytest.raises(CheckpointError, match="optimizer.safetensors does not fit this run \\(ValueError: .*delete "
+                                              ".*step_000001 and resume from an earlier step"):
+        load_training_state(path, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda u: 1.0))

@@ -1,6 +1,7 @@
 """Images in the layouts of published benchmarks' scorers: GenEval's folders and flat prompt-named files."""
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -83,7 +84,7 @@ def test_a_bad_metadata_line_is_named(tmp_path):
         load_geneval_metadata(meta)
 
 
-def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_world, tmp_path):
+def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_world, tmp_path, monkeypatch, capsys):
     from grpo_vision.cli import main
     from grpo_vision.config import load_config
     from grpo_vision.train import train
@@ -96,6 +97,17 @@ def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_world, tmp_path):
     main(["sample", str(run), "--prompts", str(meta), "--out", str(tmp_path / "gen"), "--n", "2", "--layout", "geneval"])
     assert sorted(p.name for p in (tmp_path / "gen" / "00001" / "samples").iterdir()) == ["00000.png", "00001.png"]
     assert Image.open(tmp_path / "gen" / "00001" / "samples" / "00001.png").size == (64, 64)
+    # A folder it cannot write (before: an OSError traceback after loading the run): one line, exit 2
+    shut = tmp_path / "shut"
+    shut.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != shut and access(path, mode, **kw))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as status:
+        main(["sample", str(run), "--prompts", str(meta), "--out", str(shut / "gen"), "--layout", "geneval"])
+    assert status.value.code == 2 and not (shut / "gen").exists()
+    assert capsys.readouterr().err == (f"grpo-vision: error: cannot write in {shut} (no permission to write): make it "
+                                       "writable, or choose another --out\n")
 
 
 def test_metadata_lines_split_at_newlines_only_and_nest_at_most_100_deep(tmp_path):

@@ -1,5 +1,6 @@
 """A run's life through the real CLI: stopped by SIGTERM and resumed exactly, one run per directory,
-a start killed before its first step, a lock left by a killed holder."""
+a start killed before its first step, a lock left by a killed holder, a signal during the report, a
+folder that cannot be written."""
 
 import json
 import os
@@ -147,3 +148,65 @@ def test_a_start_killed_before_its_first_step_is_rerun_by_the_same_command(micro
     assert "stopped without releasing it; taking it over" in out.stderr  # the killed start's lock
     assert steps_logged(run) == [1]
     assert "dying_reward" not in (run / "config.yaml").read_text()  # the new command's config, not the killed one's
+
+
+def signalling_reward(images, prompts, metadata):  # python:tests.test_lifecycle:signalling_reward
+    # The report scores 32 prompts at once, a training step 8: SIGTERM arrives while the report is written
+    if len(prompts) > 8 and os.environ.get("SIGTERM_IN_REPORT"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return images.mean((1, 2, 3))
+
+
+def test_sigterm_during_the_report_says_the_training_finished_and_resume_writes_it(micro_world, tmp_path):
+    run = tmp_path / "shapes_micro"
+    cmd = train_cmd(micro_world, tmp_path, "reward.monitor=[]",
+                    "reward.weights={python:tests.test_lifecycle:signalling_reward: 1.0}")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
+                         env={**os.environ, "SIGTERM_IN_REPORT": "1"})
+    assert out.returncode == 143, out.stderr[-3000:]  # before: 143 too, from the signal itself, and nothing said
+    assert out.stderr.splitlines()[-1] == (
+        f"[train] stopped by SIGTERM while writing the report; the training finished (checkpoint at step 2): "
+        f"grpo-vision train --resume {run} writes the report")
+    assert not (run / "report.md").exists() and steps_logged(run) == [1, 2]
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(run)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"[train] done: {run / 'report.md'}" in out.stdout
+    assert (run / "report.md").read_text().startswith("# GRPO report: shapes_micro")
+    assert steps_logged(run) == [1, 2]  # nothing trained again
+
+
+def test_a_run_folder_that_cannot_be_written_is_refused_naming_it(tmp_path, monkeypatch):
+    from grpo_vision.config import load_config
+    from grpo_vision.runfiles import FolderError
+    from grpo_vision.train import train
+
+    run = tmp_path / "run"
+    run.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != run and access(path, mode, **kw))
+    cfg = load_config(ROOT / "configs" / "shapes_micro.yaml", [f"run.out_dir={tmp_path}", "run.name=run"])
+    with pytest.raises(FolderError, match=f"^cannot write in {run} \\(no permission to write\\): make it writable, or "
+                                          "copy the run elsewhere and resume the copy \\(--resume COPY\\)$"):
+        train(cfg, resume=run, progress=False)  # before loading anything: before, an OSError traceback, later
+    with pytest.raises(FolderError, match=f"^cannot write in {run} .*: choose another run.out_dir$"):
+        train(cfg, progress=False)
+
+
+def test_a_folder_that_turns_read_only_is_named_when_written(tmp_path, monkeypatch):
+    """The OS refuses a write (root passes permission checks, so the refusal is simulated where it happens)."""
+    import errno
+
+    from grpo_vision.config import Config, save_config
+    from grpo_vision.runfiles import FolderError
+
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
+
+    monkeypatch.setattr(os, "open", read_only)
+    for write in (lambda: RunLock(run, fresh=False), lambda: save_config(Config(), run / "config.yaml")):
+        with pytest.raises(FolderError, match=f"^cannot write in {run} \\(Read-only file system\\): make it writable"):
+            write()

@@ -233,7 +233,7 @@ def test_sigterm_is_passed_on_and_the_same_command_resumes_exactly(micro_world, 
     assert stopped.returncode == 143, stopped.stderr[-3000:]  # 128 + SIGTERM
     assert "Traceback" not in stopped.stderr
     assert stopped.stderr.strip().splitlines()[-1].startswith(
-        f"[matrix] stopped by SIGTERM; continue with: grpo-vision matrix configs/shapes_micro.yaml policy.path=")
+        "[matrix] stopped by SIGTERM; continue with: grpo-vision matrix configs/shapes_micro.yaml policy.path=")
     done = _steps_logged(run)[-1]
     assert 1 <= done < 4
     log = (out / "logs" / "placebo-kl0-s0.log").read_text()

@@ -3,7 +3,9 @@ weights from strangers.
 
 Each attack file carries a payload that unpickling (or TorchScript's __setstate__) would run and that
 creates a marker file, so the marker's existence proves it ran. A control loads a twin of each file the
-unsafe way and sees its marker appear, so these tests would fail if the files were harmless.
+unsafe way and sees its marker appear, so these tests would fail if the files were harmless. Writing in a
+run folder never goes through a link planted there (issue 33): a shared folder cannot make a run overwrite
+a file outside it.
 """
 
 import ast
@@ -385,3 +387,105 @@ def test_a_reward_named_in_a_run_folders_prompts_is_refused_too(shared_run, tmp_
     with pytest.raises(SystemExit):
         main(["eval", str(run), "--n", "1"])
     assert "names reward 'python:planted_in_prompts:score'" in capsys.readouterr().err and not marker.exists()
+
+
+# ---------------------------------------------------------------- a shared run folder: links never followed
+
+
+def outside(tmp_path, name: str) -> Path:
+    """A file outside the run folder, which a link planted inside the folder points to."""
+    path = tmp_path / "outside" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("precious\n")
+    return path
+
+
+def test_the_run_lock_refuses_a_link_before_and_after_loading(tmp_path):
+    from grpo_vision.runfiles import FolderError
+    from grpo_vision.runlock import LOCK_NAME, RunLock, check_run_dir
+
+    run, target = tmp_path / "run", outside(tmp_path, "lock.txt")
+    run.mkdir()
+    (run / LOCK_NAME).symlink_to(target)
+    for take in (lambda: check_run_dir(run, fresh=False), lambda: RunLock(run, fresh=False)):
+        with pytest.raises(FolderError, match=f"{run / LOCK_NAME} is a symbolic link \\(to {target}\\); .*remove "
+                                              "the link"):
+            take()
+    assert target.read_text() == "precious\n"  # before: emptied, then holding the lock holder's pid
+
+
+def test_files_written_whole_replace_a_link_and_leave_its_target_alone(tmp_path):
+    from grpo_vision.config import Config, save_config
+    from grpo_vision.metrics import MetricsLogger
+    from grpo_vision.plots import save_figure
+    from grpo_vision.prompts import PromptEntry, save_prompts
+
+    run = tmp_path / "run"
+    model, opt, sched = tiny()
+    save_checkpoint(run, 1, model, opt, sched, None, {"counters": {}})
+    (run / "prompts").mkdir()
+    names = ["config.yaml", "metrics.jsonl", "prompts/train.jsonl", "curves.png", "checkpoints/latest",
+             "checkpoints/latest.tmp"]  # the last: the temporary name the pointer was once written through
+    targets = {}
+    for name in names:
+        (run / name).unlink(missing_ok=True)
+        targets[name] = outside(tmp_path, name.replace("/", "_"))
+        (run / name).symlink_to(targets[name])
+    save_config(Config(), run / "config.yaml")
+    logger = MetricsLogger(run, 0, tensorboard=False)
+    logger.log(1, {"lr": 0.1})
+    logger.close()
+    save_prompts([PromptEntry("a red circle")], run / "prompts" / "train.jsonl", root=run)
+    import matplotlib.pyplot as plt
+
+    save_figure(plt.figure(), run / "curves.png")
+    save_checkpoint(run, 2, model, opt, sched, None, {"counters": {}})
+    assert {n: t.read_text() for n, t in targets.items()} == {n: "precious\n" for n in names}
+    assert [p.name for p in run.rglob("*") if p.is_symlink()] == ["latest.tmp"]  # never written since: left alone
+    assert (run / "checkpoints" / "latest").read_text() == "step_000002"
+    assert json.loads((run / "metrics.jsonl").read_text()) == {"step": 1, "lr": 0.1}
+    assert (run / "prompts" / "train.jsonl").read_text() == '{"prompt": "a red circle"}\n'
+
+
+@pytest.mark.parametrize("sub", ["prompts", "checkpoints", "samples", "tensorboard"])
+def test_a_sub_folder_that_is_a_link_is_refused_naming_it(tmp_path, sub):
+    from grpo_vision.metrics import MetricsLogger
+    from grpo_vision.prompts import PromptEntry, save_prompts
+    from grpo_vision.runfiles import FolderError, write_file
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (run / sub).symlink_to(elsewhere, target_is_directory=True)
+    model, opt, sched = tiny()
+    write = {"prompts": lambda: save_prompts([PromptEntry("a red circle")], run / "prompts" / "train.jsonl", root=run),
+             "checkpoints": lambda: save_checkpoint(run, 1, model, opt, sched, None, {"counters": {}}),
+             "samples": lambda: write_file(run / "samples" / "step_000001.png", b"png", root=run),  # save_sample_grid's
+             "tensorboard": lambda: MetricsLogger(run, 0, tensorboard=True)}[sub]
+    with pytest.raises(FolderError, match=f"{run / sub} is a symbolic link \\(to {elsewhere}\\)"):
+        write()
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_resuming_a_run_with_planted_links_overwrites_nothing_outside_it(micro_world, tmp_path):
+    """The finding: run.lock, metrics.jsonl and prompts/train.jsonl replaced by links, then --resume."""
+    from grpo_vision.config import load_config
+    from grpo_vision.metrics import load_metrics
+    from grpo_vision.runfiles import FolderError
+    from grpo_vision.train import train
+
+    overrides = [f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1", "log.report=false"]
+    run = train(load_config(ROOT / "configs" / "shapes_micro.yaml", [*overrides, "train.steps=1"]), progress=False)
+    targets = {name: outside(tmp_path, name.replace("/", "_")) for name in ("run.lock", "metrics.jsonl",
+                                                                             "prompts/train.jsonl")}
+    for name, target in targets.items():
+        (run / name).unlink()
+        (run / name).symlink_to(target)
+    resumed = load_config(run / "config.yaml", ["train.steps=2"])
+    with pytest.raises(FolderError, match="run.lock is a symbolic link"):  # refused before anything loads
+        train(resumed, resume=run, progress=False)
+    (run / "run.lock").unlink()
+    train(resumed, resume=run, progress=False)
+    assert {n: t.read_text() for n, t in targets.items()} == {n: "precious\n" for n in targets}
+    assert not any(p.is_symlink() for p in run.rglob("*"))
+    assert [row["step"] for row in load_metrics(run)] == [2]  # the link's target held no step of this run

@@ -3,7 +3,6 @@
 import copy
 import json
 import math
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +41,20 @@ def nan_reward(images, prompts, metadata):  # python:tests.test_train:nan_reward
 
 def raising_reward(images, prompts, metadata):  # python:tests.test_train:raising_reward
     raise ValueError("scorer offline")
+
+
+def exiting_reward(images, prompts, metadata):  # python:tests.test_train:exiting_reward
+    sys.exit(0)  # before: the run ended mid-step with status 0, no message and no checkpoint
+
+
+CALLS = []  # exiting_later's calls, in the copy of this module that the reward spec imports
+
+
+def exiting_later(images, prompts, metadata):  # python:tests.test_train:exiting_later
+    CALLS.append(len(prompts))
+    if len(CALLS) == 2:  # the second step
+        sys.exit(0)
+    return images.mean((1, 2, 3))
 
 
 def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world, tmp_path):
@@ -241,17 +254,39 @@ def test_prompt_entries_that_weigh_no_reward_are_counted(micro_world, tmp_path, 
 @pytest.mark.parametrize("reward, needle", [
     ("raising_reward", "ValueError: scorer offline"),
     # Before, the inf made its group's advantages NaN and every update of the run was skipped, silently
-    ("inf_reward", r"returned inf for 2 of 8 images \(the first for prompt '[a-z ]+'\); a reward must be finite"),
+    ("inf_reward", r"returned inf for 2 of 8 images \(the first for prompt '[a-z ]+'\); a reward must be finite, "
+                   "or NaN where it does not apply"),
+    ("exiting_reward", r"it called exit\(0\), which would end the run; a reward returns scores or raises an error"),
 ])
-def test_a_failing_reward_stops_with_its_name_and_a_checkpoint(micro_world, tmp_path, reward, needle):
+def test_a_reward_failing_at_the_first_step_leaves_the_folder_to_the_same_command(micro_world, tmp_path, reward,
+                                                                                   needle):
     cfg = micro_cfg(micro_world, tmp_path, "run.name=stop", f"reward.weights={{python:tests.test_train:{reward}: 1.0}}",
                     "reward.monitor=[]")
-    with pytest.raises(RewardError) as err:
-        train(cfg, progress=False)
-    # the whole message, anchored: it once read "reward 'x' failed: reward 'x' failed: ..." (issue 33)
-    assert re.fullmatch(rf"reward 'python:tests.test_train:{reward}' failed: {needle}.* \(checkpoint saved at step 0 "
-                        rf"in {re.escape(str(tmp_path / 'stop'))}\)", str(err.value)), str(err.value)
-    assert (tmp_path / "stop" / "checkpoints" / "step_000000" / "policy.safetensors").is_file()
+    for _ in range(2):  # before: a checkpoint of the untouched weights, then "already holds a run" the second time
+        with pytest.raises(RewardError, match=rf"^reward 'python:tests.test_train:{reward}' failed: {needle} \(no step "
+                                              r"had finished, nothing was saved: the same command starts again\)$"):
+            train(cfg, progress=False)
+        assert not (tmp_path / "stop" / "checkpoints").exists()
+    cfg.reward.weights = {"clip": 1.0}  # the reward fixed, the same folder
+    assert json.loads((train(cfg, progress=False) / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+
+
+def test_a_reward_that_exits_later_stops_the_run_with_a_checkpoint_and_status_1(micro_world, tmp_path, capsys):
+    import importlib
+
+    from grpo_vision.cli import main
+
+    importlib.import_module("tests.test_train").CALLS.clear()
+    with pytest.raises(SystemExit) as exit_status:  # before: SystemExit(0) from the reward itself
+        main(["train", str(ROOT / "configs" / "shapes_micro.yaml"), f"policy.path={micro_world}",
+              f"run.out_dir={tmp_path}", "run.name=exit", "reward.weights={python:tests.test_train:exiting_later: 1.0}",
+              "reward.monitor=[]", "log.checkpoint_every=0", "log.sample_every=0"])
+    assert exit_status.value.code == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == (f"grpo-vision: error: reward 'python:tests.test_train:exiting_later' failed: it called exit(0), "
+                   "which would end the run; a reward returns scores or raises an error (checkpoint saved at step 1 "
+                   f"in {tmp_path / 'exit'})")
+    assert (tmp_path / "exit" / "checkpoints" / "latest").read_text() == "step_000001"
 
 
 def test_a_corrupt_reward_model_stops_the_run_before_it_starts(micro_world, tmp_path):

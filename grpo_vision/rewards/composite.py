@@ -87,9 +87,11 @@ class CompositeReward:
         for name in self.learners:
             try:
                 metrics = self.fns[name].update(images, prompts, metadata, labels) or {}
-            except Exception as e:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
                 self.load_state_dict(before)
-                raise RewardError(name, f"its update failed: {type(e).__name__}: {e}") from e
+                raise RewardError(name, f"its update failed: {_why(e)}") from e
             out |= {f"reward_update/{name}/{k}": float(v) for k, v in metrics.items()}
         return out
 
@@ -111,8 +113,10 @@ class CompositeReward:
         for name, fn in self.fns.items():
             try:
                 getattr(fn, "load", lambda: None)()
-            except Exception as e:
-                raise RewardError(name, f"its model did not load: {type(e).__name__}: {e}") from e
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:
+                raise RewardError(name, f"its model did not load: {_why(e)}") from e
         return self
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
@@ -121,8 +125,10 @@ class CompositeReward:
         for name, fn in self.fns.items():
             try:
                 value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).flatten().cpu()
-            except Exception as e:  # any failure inside a reward stops the run, naming the reward
-                raise RewardError(name, f"{type(e).__name__}: {e}") from e
+            except KeyboardInterrupt:  # Ctrl-C, or a signal (signals.Interrupted): the run's own stop
+                raise
+            except BaseException as e:  # any failure inside a reward stops the run, naming the reward
+                raise RewardError(name, _why(e)) from e
             if value.shape[0] != len(prompts):
                 raise RewardError(name, f"returned {value.shape[0]} values for {len(prompts)} images")
             infinite = value.isinf()  # [B]; one inf makes its group's advantages NaN, which skips the update
@@ -143,6 +149,14 @@ class CompositeReward:
         total = torch.where(applies, values * w, torch.zeros_like(values)).sum(1)  # [B]
         total = torch.where(applies.any(1), total, torch.full_like(total, math.nan))
         return RewardOutput(total, raw, {n: w[:, j] for j, n in enumerate(self.names)})
+
+
+def _why(e: BaseException) -> str:
+    """A reward's failure in words. exit() inside a reward (SystemExit) is one too: let through, it would
+    end the run mid-step with status 0, as if it had finished."""
+    if isinstance(e, SystemExit):
+        return f"it called exit({e.code!r}), which would end the run; a reward returns scores or raises an error"
+    return f"{type(e).__name__}: {e}"
 
 
 def _copy(tree):
