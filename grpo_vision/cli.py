@@ -59,8 +59,7 @@ def cmd_train(args) -> None:
                               "config.yaml; add key=value overrides to change it)")
         cfg = resume_config(args.resume, ([args.config] if args.config else []) + overrides)
         # a run folder may be someone else's: the code its rewards name runs only when the user says so
-        refuse_code(cfg, [e for entries in vars(prompt_lists(cfg)).values() for e in entries], args.resume,
-                    args.trust_run)
+        refuse_code(cfg, prompt_lists(cfg).all(), args.resume, args.trust_run)
     else:
         if not args.config:
             raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")

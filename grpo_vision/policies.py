@@ -114,6 +114,9 @@ class PromptSets:
         """The evaluation sets that have prompts, the headline first."""
         return {k: v for k, v in (("test", self.test), ("heldout", self.heldout)) if v}
 
+    def all(self) -> list[PromptEntry]:
+        return [*self.train, *self.test, *self.heldout]
+
 
 def prompt_lists(cfg: Config) -> PromptSets:
     """A run's prompts without loading a model: the files of `data.*`, else the policy kind's own sets.

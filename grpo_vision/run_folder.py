@@ -93,13 +93,22 @@ def _resolve(value: str, bases: list[Path], required: bool) -> str:
     return os.path.relpath(found)
 
 
+def code_reward(cfg: Config, entries=()) -> str | None:
+    """The first `python:` reward that the config or the prompt `entries` name (None: none)."""
+    named = [*cfg.reward.weights, *cfg.reward.monitor, *(n for e in entries for n in (e.rewards or {}))]
+    return next((n for n in named if n.startswith("python:")), None)
+
+
+def resume_command(run_dir: str | Path, cfg: Config, entries=()) -> str:
+    """The command that continues a run: with --trust-run where the run names a python: reward, which a
+    resume refuses otherwise (whoever started the run trusts its own reward)."""
+    return f"grpo-vision train --resume {run_dir}" + (" --trust-run" if code_reward(cfg, entries) else "")
+
+
 def refuse_code(cfg: Config, entries, run_dir: str | Path, trust: bool) -> None:
     """ConfigError unless `trust`: a python: reward that the run folder's config or prompt `entries` name
     would import and run a module, and a run folder may come from anyone."""
-    if trust:
-        return
-    named = [*cfg.reward.weights, *cfg.reward.monitor, *(n for e in entries for n in (e.rewards or {}))]
-    code = next((n for n in named if n.startswith("python:")), None)
+    code = None if trust else code_reward(cfg, entries)
     if code is not None:
         raise ConfigError(f"run folder {run_dir} names reward {code!r}, which imports and runs Python module "
                           f"{code.split(':')[1]!r}; pass --trust-run if you trust whoever made that folder")

@@ -42,6 +42,7 @@ from grpo_vision.prompts import save_prompts
 from grpo_vision.reference import Reference, add_adapter
 from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.run_folder import read_run_config, save_origin
+from grpo_vision.run_folder import resume_command
 from grpo_vision.runlock import RunLock, check_run_dir
 from grpo_vision.sampling import SamplingParams, sample_batched
 from grpo_vision.signals import GracefulStop, Interrupted
@@ -105,8 +106,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
                   main)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     prompts = checked_prompt_sets(cfg, bundle)
-    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults,
-                                          [*prompts.train, *prompts.test, *prompts.heldout])
+    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
     rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
     buffer = None
     if t.iterations > 1 and rewards.learners:
@@ -275,7 +275,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             if signum := stop.agreed(acc):
                 checkpoint(step + 1)
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
-                      f"continue with: grpo-vision train --resume {run_dir}", file=sys.stderr)
+                      f"continue with: {resume_command(run_dir, cfg, st.prompts.all())}", file=sys.stderr)
                 raise Interrupted(signum)
             if health.too_many_skipped():  # skipped updates leave the weights as the last applied one made them
                 checkpoint(step + 1)
@@ -321,7 +321,8 @@ def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:
                              st.params, cfg, st.bundle.judge)
     except Interrupted as e:
         print(f"\n[train] stopped by {signal.Signals(e.signum).name} while writing the report; the training finished "
-              f"(checkpoint at step {cfg.train.steps}): grpo-vision train --resume {st.run_dir} writes the report",
+              f"(checkpoint at step {cfg.train.steps}): {resume_command(st.run_dir, cfg, st.prompts.all())} writes the "
+              "report",
               file=sys.stderr, flush=True)
         raise
 

@@ -166,10 +166,10 @@ def test_sigterm_during_the_report_says_the_training_finished_and_resume_writes_
     assert out.returncode == 143, out.stderr[-3000:]  # before: 143 too, from the signal itself, and nothing said
     assert out.stderr.splitlines()[-1] == (
         f"[train] stopped by SIGTERM while writing the report; the training finished (checkpoint at step 2): "
-        f"grpo-vision train --resume {run} writes the report")
+        f"grpo-vision train --resume {run} --trust-run writes the report")  # its own python: reward: trusted
     assert not (run / "report.md").exists() and steps_logged(run) == [1, 2]
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(run)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=TIMEOUT)
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(run), "--trust-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"[train] done: {run / 'report.md'}" in out.stdout
     assert (run / "report.md").read_text().startswith("# GRPO report: shapes_micro")

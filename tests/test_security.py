@@ -389,6 +389,21 @@ def test_a_reward_named_in_a_run_folders_prompts_is_refused_too(shared_run, tmp_
     assert "names reward 'python:planted_in_prompts:score'" in capsys.readouterr().err and not marker.exists()
 
 
+def test_the_resume_command_a_run_prints_trusts_only_its_own_code():
+    # a run stopped by a signal says how to continue; one that names a python: reward resumes only with
+    # --trust-run, so the line it prints says so (whoever started the run chose that reward)
+    from grpo_vision.config import load_config
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.run_folder import resume_command
+
+    plain = load_config(None, ["reward.weights={clip: 1.0}", "reward.monitor=[]"])
+    assert resume_command("runs/x", plain) == "grpo-vision train --resume runs/x"
+    coded = load_config(None, ["reward.weights={clip: 1.0}", "reward.monitor=[python:m:f]"])
+    assert resume_command("runs/x", coded) == "grpo-vision train --resume runs/x --trust-run"
+    in_prompts = [PromptEntry("a red circle", rewards={"python:m:f": 1.0})]
+    assert resume_command("runs/x", plain, in_prompts) == "grpo-vision train --resume runs/x --trust-run"
+
+
 # ---------------------------------------------------------------- a shared run folder: links never followed
 
 
