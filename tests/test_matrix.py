@@ -220,7 +220,10 @@ def _start_and_stop(cmd, run: Path, stop) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-STOP = ("train.steps=4", "log.checkpoint_every=0")  # only a signal or the end saves a checkpoint
+# only a signal or the end saves a checkpoint; steps enough that a signal sent after the first lands
+# before the last on a quiet machine too (a micro step takes a fraction of a second)
+STEPS = 12
+STOP = (f"train.steps={STEPS}", "log.checkpoint_every=0")
 
 
 def test_sigterm_is_passed_on_and_the_same_command_resumes_exactly(micro_world, tmp_path):
@@ -235,7 +238,7 @@ def test_sigterm_is_passed_on_and_the_same_command_resumes_exactly(micro_world, 
     assert stopped.stderr.strip().splitlines()[-1].startswith(
         "[matrix] stopped by SIGTERM; continue with: grpo-vision matrix configs/shapes_micro.yaml policy.path=")
     done = _steps_logged(run)[-1]
-    assert 1 <= done < 4
+    assert 1 <= done < STEPS
     log = (out / "logs" / "placebo-kl0-s0.log").read_text()
     assert f"stopped by SIGTERM: saved a checkpoint at step {done}" in log  # the train got it and saved
     assert (run / "checkpoints" / "latest").read_text() == f"step_{done:06d}" and not (run / DONE).exists()
@@ -243,9 +246,10 @@ def test_sigterm_is_passed_on_and_the_same_command_resumes_exactly(micro_world, 
 
     resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert resumed.returncode == 0 and "placebo-kl0-s0: resumed" in resumed.stdout, resumed.stderr[-3000:]
-    assert _steps_logged(run) == [1, 2, 3, 4]
-    a = load_file(tmp_path / "straight" / "runs" / "placebo-kl0-s0" / "checkpoints" / "step_000004" / "policy.safetensors")
-    b = load_file(run / "checkpoints" / "step_000004" / "policy.safetensors")
+    assert _steps_logged(run) == list(range(1, STEPS + 1))
+    last = f"step_{STEPS:06d}"
+    a = load_file(tmp_path / "straight" / "runs" / "placebo-kl0-s0" / "checkpoints" / last / "policy.safetensors")
+    b = load_file(run / "checkpoints" / last / "policy.safetensors")
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 
