@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 
 from grpo_vision import __version__
 from grpo_vision.cli_args import at_least_two, non_negative_int, positive_int
@@ -267,7 +268,14 @@ def add_bench_commands(sub) -> None:
     p.set_defaults(func=cmd_bench_trl)
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the command line prints it: one line, like its errors (not Python's file:line and
+    source line, which name the library's code rather than what the user set)."""
+    return f"grpo-vision: warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> None:
+    warnings.formatwarning = _one_line
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from grpo_vision.load_checks import non_finite
-from grpo_vision.safe_state import UnsafeFileError, is_torchscript, refusal, torch_reason
+from grpo_vision.safe_state import UnsafeFileError, is_torchscript, quiet_protocol_note, refusal, torch_reason
 
 class ClipLoadError(RuntimeError):
     """A checkpoint that does not fit its architecture, or an architecture open_clip does not know."""
@@ -93,8 +93,9 @@ def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu", trus
     try:
         # Pickled checkpoints are read with weights_only=True (tensors and numbers, nothing that runs);
         # a (trusted) TorchScript archive is read by torch.jit.load alone, below.
-        model, _, preprocess = open_clip.create_model_and_transforms(
-            name, pretrained=None if torchscript else str(path), device=device, weights_only=True)
+        with quiet_protocol_note():
+            model, _, preprocess = open_clip.create_model_and_transforms(
+                name, pretrained=None if torchscript else str(path), device=device, weights_only=True)
         if torchscript:
             _load_torchscript(model, path)
     except ClipLoadError:

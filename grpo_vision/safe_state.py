@@ -22,6 +22,7 @@ import json
 import pickle
 import pickletools
 import re
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,15 @@ _multiarray = (np._core if hasattr(np, "_core") else np.core).multiarray  # nump
 _NUMPY_GLOBALS = [_multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType]
 
 
+@contextlib.contextmanager
+def quiet_protocol_note():
+    """torch's safe unpickler warns that a pickle of protocol 3-5 "might not be supported" and asks for an
+    issue: noise on the way to loading the file or refusing it in one line."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        yield
+
+
 def load_pickled_tensors(path: str | Path, numpy_arrays: bool = False) -> Any:
     """`torch.load(weights_only=True)`: tensors, numbers, strings and containers (with `numpy_arrays`,
     plain numpy arrays too), never other Python objects. A file that holds any, or a TorchScript
@@ -121,7 +131,7 @@ def load_pickled_tensors(path: str | Path, numpy_arrays: bool = False) -> Any:
                               "it, so it is refused")
     allowed = torch.serialization.safe_globals(_NUMPY_GLOBALS) if numpy_arrays else contextlib.nullcontext()
     try:
-        with allowed:
+        with allowed, quiet_protocol_note():
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise refusal(path, e) from None

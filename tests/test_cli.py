@@ -114,6 +114,16 @@ def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_a_warning_is_one_line_like_an_error():
+    # before: Python's "config.py:199: UserWarning: ..." and the library's source line under it
+    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "config", "configs/shapes_micro.yaml",
+                          "train.adapter=lora", "train.reference=frozen"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stderr == (
+        "grpo-vision: warning: train.adapter with train.reference: frozen keeps a second full copy of the policy as "
+        "the reference; train.reference: adapter is the same reference (the adapter disabled) without it\n")
+
+
 def test_a_closed_stdout_ends_the_command_quietly():
     # `grpo-vision eval RUN | head -4` printed a BrokenPipeError traceback; now it exits 141 (128 + SIGPIPE),
     # as a command a closed pipe stopped does, and says nothing
