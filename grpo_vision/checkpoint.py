@@ -124,10 +124,13 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def own_checkpoint(run_dir: Path, path: Path, what: str = "") -> Path:
     """`path`, or CheckpointError when it resolves outside the run's checkpoints folder: a pointer or a
     link into another run would otherwise load (and score) that run's weights under this run's name."""
-    root, real = (Path(run_dir) / "checkpoints").resolve(), path.resolve()
-    if real.parent != root:
-        raise CheckpointError(f"{what or f'checkpoint {path}'} resolves to {real}, outside this run's checkpoints "
-                              f"folder {root}: a run loads only its own checkpoints; delete that pointer or link")
+    root, real = Path(run_dir).resolve() / "checkpoints", path.resolve()
+    links = [p for p in (Path(run_dir) / "checkpoints", *path.iterdir()) if p.is_symlink()]  # the folder, its files
+    if real.parent != root or links:
+        where = f"{links[0]} is a link to {links[0].resolve()}" if links else \
+            f"{what or f'checkpoint {path}'} resolves to {real}"
+        raise CheckpointError(f"{where}, outside this run's checkpoints folder {root}: a run loads only its own "
+                              "checkpoints; delete that pointer or link")
     return path
 
 

@@ -9,18 +9,19 @@ is copied, to this machine or another, together with what it names (say `runs/` 
 then at the absolute directory, right when only the run folder moved. So `eval RUN` works from any
 directory. A run from before origin.json resolves against the current directory, as it always did.
 
-Code. A `python:module:function` reward imports and runs that module, and a run folder's config or
-prompts files may name one: commands that read a run folder refuse it unless given --trust-run.
+Code. A `python:module:function` reward imports and runs that module, and a reward told
+`trust_torchscript: true` runs its archive's code; a run folder's config or prompts files may say
+either: commands that read a run folder refuse that unless given --trust-run.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from grpo_vision.config import Config, ConfigError, apply_override, from_dict, move_keys, read_yaml, validate
+from grpo_vision.runfiles import write_file
 
 ORIGIN = "origin.json"  # where `train` ran: {"cwd": absolute, "cwd_from_run": relative to the run folder}
 PATH_KEYS = (("policy", "path"), ("policy", "tokenizer"), ("data", "train_prompts"), ("data", "eval_prompts"),
@@ -31,28 +32,38 @@ def save_origin(run_dir: str | Path) -> None:
     """Record the directory `train` runs in, which the run config's relative paths are relative to."""
     run_dir, cwd = Path(run_dir), Path.cwd()
     record = {"cwd": str(cwd), "cwd_from_run": os.path.relpath(cwd, run_dir.resolve())}
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".origin.", suffix=".tmp")  # a fresh file, never a link
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, run_dir / ORIGIN)
+    write_file(run_dir / ORIGIN, json.dumps(record, indent=2) + "\n")  # whole, never through a link
 
 
 def read_run_config(run_dir: str | Path, overrides: list[str] | tuple = (), device: str | None = None) -> Config:
     """A run folder's config.yaml with its relative paths resolved from here, then `overrides` (relative
     to the current directory, as typed). `device`, when given, replaces the saved run.device, which
-    names where the run trained, perhaps a device this machine lacks."""
+    names where the run trained, perhaps a device this machine lacks: "run" keeps it where this machine
+    has it (sampling there reproduces the run's own report), else takes the best one here."""
     run_dir = Path(run_dir)
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = from_dict(Config, move_keys(read_yaml(path), str(path)), where=str(path))
     resolve_paths(cfg, path_bases(run_dir))
+    if device == "run":
+        device = cfg.run.device if _available(cfg.run.device) else "auto"
     if device is not None:
         cfg.run.device = device
     for item in overrides:
         apply_override(cfg, item)
     validate(cfg)
     return cfg
+
+
+def _available(name: str) -> bool:
+    from grpo_vision.policies import resolve_device  # brings torch: only for the commands that sample
+
+    try:
+        resolve_device(name)
+        return True
+    except ConfigError:
+        return False
 
 
 def path_bases(run_dir: Path) -> list[Path]:
@@ -94,21 +105,29 @@ def _resolve(value: str, bases: list[Path], required: bool) -> str:
 
 
 def code_reward(cfg: Config, entries=()) -> str | None:
-    """The first `python:` reward that the config or the prompt `entries` name (None: none)."""
+    """What in the config or the prompt `entries` would run code when the rewards load (None: nothing): a
+    `python:` reward imports its module, and a reward told `trust_torchscript` runs its archive's code."""
     named = [*cfg.reward.weights, *cfg.reward.monitor, *(n for e in entries for n in (e.rewards or {}))]
-    return next((n for n in named if n.startswith("python:")), None)
+    code = next((n for n in named if n.startswith("python:")), None)
+    if code is not None:
+        return f"reward {code!r}, which imports and runs Python module {code.split(':')[1]!r}"
+    trusted = [n for n, o in cfg.reward.options.items() if isinstance(o, dict) and o.get("trust_torchscript")]
+    if trusted:
+        return (f"reward.options.{trusted[0]}.trust_torchscript: true, which loads a TorchScript archive and runs "
+                "the code inside it")
+    return None
 
 
 def resume_command(run_dir: str | Path, cfg: Config, entries=()) -> str:
-    """The command that continues a run: with --trust-run where the run names a python: reward, which a
-    resume refuses otherwise (whoever started the run trusts its own reward)."""
+    """The command that continues a run: with --trust-run where the run's rewards run code, which a
+    resume refuses otherwise (whoever started the run chose them)."""
     return f"grpo-vision train --resume {run_dir}" + (" --trust-run" if code_reward(cfg, entries) else "")
 
 
 def refuse_code(cfg: Config, entries, run_dir: str | Path, trust: bool) -> None:
-    """ConfigError unless `trust`: a python: reward that the run folder's config or prompt `entries` name
-    would import and run a module, and a run folder may come from anyone."""
+    """ConfigError unless `trust`: what the run folder's config or prompt `entries` name would run code
+    (code_reward), and a run folder may come from anyone."""
     code = None if trust else code_reward(cfg, entries)
     if code is not None:
-        raise ConfigError(f"run folder {run_dir} names reward {code!r}, which imports and runs Python module "
-                          f"{code.split(':')[1]!r}; pass --trust-run if you trust whoever made that folder")
+        raise ConfigError(f"run folder {run_dir} names {code}; pass --trust-run if you trust whoever made that "
+                          "folder")

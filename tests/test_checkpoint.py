@@ -48,6 +48,17 @@ def test_a_pointer_or_link_into_another_run_is_refused_naming_it(tmp_path):
         with pytest.raises(CheckpointError, match=re.escape(f"checkpoint {link} resolves to {other}") + ".*; delete "
                                                   "that pointer or link"):
             find(mine)
+    link.unlink()
+    weights = mine / "checkpoints" / "step_000001" / "policy.safetensors"  # one file of a step, linked
+    weights.unlink()
+    weights.symlink_to(other / "checkpoints" / "step_000005" / "policy.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(f"{weights} is a link to {other}")):
+        find_checkpoint(mine)
+    third = tmp_path / "third"  # the whole checkpoints folder, linked: the run's own name, another run's weights
+    third.mkdir()
+    (third / "checkpoints").symlink_to(other / "checkpoints")
+    with pytest.raises(CheckpointError, match=re.escape(f"{third / 'checkpoints'} is a link to {other / 'checkpoints'}")):
+        find_checkpoint(third)
 
 
 def test_rewriting_a_step_leaves_one_complete_copy(tmp_path):

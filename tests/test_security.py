@@ -373,6 +373,21 @@ def test_a_run_folder_runs_no_code_it_names_without_trust_run(shared_run, tmp_pa
             f"grpo-vision: error: run folder {run} names reward 'python:planted_in_config:score', which imports and "
             "runs Python module 'planted_in_config'; pass --trust-run if you trust whoever made that folder\n")
         assert not marker.exists(), args[0]
+    # a run folder may also tell a reward to trust a TorchScript archive, whose code runs as it loads
+    torchscript = run / "torchscript"
+    shutil.copytree(shared_run, torchscript)
+    scripted_clip(torchscript / "clip.pt", tmp_path / "RAN_torchscript")
+    config = torchscript / "config.yaml"
+    config.write_text(config.read_text().replace("  options: {}\n", "  options:\n    clip:\n      checkpoint: "
+                                                 f"{torchscript / 'clip.pt'}\n      trust_torchscript: true\n"))
+    for args in (["eval", torchscript, "--prompts", prompts, "--n", "1"], ["train", "--resume", torchscript]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(a) for a in args])
+        assert exit_info.value.code == 2 and capsys.readouterr().err == (
+            f"grpo-vision: error: run folder {torchscript} names reward.options.clip.trust_torchscript: true, which "
+            "loads a TorchScript archive and runs the code inside it; pass --trust-run if you trust whoever made "
+            "that folder\n")
+        assert not (tmp_path / "RAN_torchscript").exists()
     main(["eval", str(run), "--prompts", str(prompts), "--n", "1", "--trust-run"])  # the user says so: it runs
     assert marker.exists()
     assert json.loads(capsys.readouterr().out)["models"]["policy"]["rewards"]["python:planted_in_config:score"][
