@@ -25,6 +25,8 @@ from pathlib import Path
 
 from grpo_vision.config import Config, ConfigError, brief, derived_sizes, load_config, to_dict
 from grpo_vision.matrix_jobs import OutLock, PassOn, refuse_held, run_child
+from grpo_vision.run_folder import read_run_config
+from grpo_vision.runfiles import check_writable, write_file
 from grpo_vision.signals import Interrupted
 
 DONE = "matrix_run.json"  # written into a run's directory when its train process ends: {"rc": ...}
@@ -124,7 +126,9 @@ def run_state(run_dir: Path, log: Path, expected: Config) -> str:
     refuse_held(run_dir, log)
     if not (run_dir / "config.yaml").is_file():
         return "new"
-    if not _same_config(load_config(run_dir / "config.yaml"), expected):
+    # as `train --resume` will read it (its relative paths resolved through origin.json): the matrix
+    # passes --trust-run to that resume, so what it resolves to must be what this matrix gives the run
+    if not _same_config(read_run_config(run_dir), expected):
         raise ConfigError(f"{run_dir} holds a run with another config than this matrix gives it; "
                           "choose another --out, or remove that directory to train it again")
     done = run_dir / DONE
@@ -173,7 +177,7 @@ def train_one(config: str, overrides: list[str], spec: RunSpec, out: Path, threa
     if rc is None or (signalled and rc):  # stopped by a signal passed on: interrupted, not failed
         return RunResult(spec, "stopped", rc or 0, str(log))
     if run_dir.is_dir():
-        (run_dir / DONE).write_text(json.dumps({"rc": rc, "log": str(log)}))
+        write_file(run_dir / DONE, json.dumps({"rc": rc, "log": str(log)}))
     status = "failed" if rc else ("resumed" if state != "new" else "trained")
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:]) if rc else ""
     return RunResult(spec, status, rc, str(log), tail)
@@ -217,6 +221,7 @@ def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: lis
         check_options(config, overrides, cfg, specs, images)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out} is a file; give a folder")
+        check_writable(out, "make it writable, or choose another --out")
         out.mkdir(parents=True, exist_ok=True)
         lock = OutLock(out)
         try:

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 
 from grpo_vision.runlock import LOCK_NAME as RUN_LOCK
+from grpo_vision.runfiles import open_kept
 from grpo_vision.runlock import RunLockedError, check_run_dir
 from grpo_vision.signals import Interrupted
 
@@ -31,7 +32,7 @@ class OutLock:
     """The exclusive lock on a matrix's output folder; RunLockedError naming the matrix holding it."""
 
     def __init__(self, out: Path):
-        self.file = open(Path(out) / LOCK_NAME, "a+")
+        self.file = open_kept(Path(out) / LOCK_NAME, "a+")  # never through a link: it is emptied below
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -74,7 +75,7 @@ def open_log(log: Path, run_dir: Path, probe: bool = False):
     """`log`, emptied and locked for a new train, which inherits the lock with the file as its output:
     flock(2) holds while any process has the file open, so the lock outlives a killed matrix for as
     long as its train runs. With `probe`, only checked (and closed)."""
-    f = open(log, "a")  # not "w": the log of a live train is not emptied
+    f = open_kept(log, "a")  # not "w": the log of a live train is not emptied; never through a link
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

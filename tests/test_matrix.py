@@ -174,6 +174,36 @@ def test_options_scoring_needs_are_refused_before_anything_trains(micro_world, t
         run_matrix("configs/shapes_micro.yaml", base, ["placebo"], [0.0], [0], tmp_path / "file")
 
 
+def test_the_matrix_writes_through_no_link_planted_in_its_folders(tmp_path, monkeypatch):
+    # OUT/matrix.lock and a run's log are emptied, matrix_run.json replaced: through a link, each would
+    # empty or overwrite a file outside the folders (as run.lock did, issue 33)
+    from types import SimpleNamespace
+
+    from grpo_vision import matrix
+    from grpo_vision.config import save_config
+    from grpo_vision.matrix_jobs import open_log
+    from grpo_vision.runfiles import FolderError
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "matrix.lock").symlink_to(victim)
+    with pytest.raises(FolderError, match=f"{out / 'matrix.lock'} is a symbolic link"):
+        OutLock(out)
+    (tmp_path / "log").symlink_to(victim)
+    with pytest.raises(FolderError, match="is a symbolic link"):
+        open_log(tmp_path / "log", tmp_path)
+    config = str(ROOT / "configs" / "shapes_micro.yaml")
+    spec = plan(load_config(config), ["placebo"], [0.0], [0])[0]
+    run_dir = out / "runs" / spec.name
+    run_dir.mkdir(parents=True)
+    save_config(matrix.run_config(config, [], spec, out / "runs"), run_dir / "config.yaml")
+    monkeypatch.setattr(matrix, "run_child", lambda *_: ((run_dir / matrix.DONE).symlink_to(victim), (0, False))[1])
+    assert matrix.train_one(config, [], spec, out, 1, SimpleNamespace(received=[])).status == "resumed"
+    assert victim.read_text() == "precious\n" and not (run_dir / matrix.DONE).is_symlink()
+
+
 def test_a_held_output_folder_or_run_is_refused_and_left_alone(micro_world, tmp_path):
     out = tmp_path / "matrix"
     run, log = out / "runs" / "placebo-kl0-s0", out / "logs" / "placebo-kl0-s0.log"
@@ -288,3 +318,16 @@ def test_an_interrupted_run_resumes_trusting_only_the_matrixs_own_config(tmp_pat
     with pytest.raises(ConfigError, match="holds a run with another config"):
         matrix.train_one(config, [], spec, tmp_path, 1, stop)
     assert len(calls) == 1
+    # the same config.yaml, but an origin.json that makes its relative prompts file resolve inside the run
+    # folder (to one naming a python: reward, say): the resume would read another config, so it is refused
+    monkeypatch.chdir(tmp_path)
+    overrides = ["data.train_prompts=p.txt", f"policy.path={tmp_path}"]
+    (tmp_path / "p.txt").write_text("a red circle\n")
+    save_config(matrix.run_config(config, overrides, spec, tmp_path / "runs"), run_dir / "config.yaml")
+    (run_dir / matrix.DONE).unlink()  # written by the resume above
+    assert matrix.train_one(config, overrides, spec, tmp_path, 1, stop).status == "resumed"
+    (run_dir / "p.txt").write_text('{"prompt": "a red circle", "rewards": {"python:planted:score": 1}}\n')
+    (run_dir / "origin.json").write_text(json.dumps({"cwd": str(run_dir), "cwd_from_run": "."}))
+    with pytest.raises(ConfigError, match="holds a run with another config"):
+        matrix.train_one(config, overrides, spec, tmp_path, 1, stop)
+    assert len(calls) == 2
