@@ -81,7 +81,7 @@ def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repea
 
 
 def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", target_s: float = 5.0,
-               device: str = "auto", trust: bool = False) -> dict:
+               device: str = "run", trust: bool = False) -> dict:
     """Seconds per Compare click of the demo (both sides: sampling, decoding, every reward, the grid
     PNG), through the app's own handler (Gradio's queue and page update are not included), for n
     images a side; the first call warms up and is not timed. `prompt` defaults to the run's first

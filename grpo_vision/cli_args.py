@@ -45,9 +45,10 @@ def seed(text: str) -> int:
 
 
 def device(text: str) -> str:
-    """argparse type: a device name (whether this machine has it is checked when the model loads)."""
-    if not DEVICE_NAME.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"expected {DEVICE_HINT}, got {text!r}")
+    """argparse type: a device name, or `run` (whether this machine has it is checked when the model loads)."""
+    if text != "run" and not DEVICE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected run (the run's own device where this machine has it), "
+                                         f"{DEVICE_HINT}, got {brief(text)}")
     return text
 
 

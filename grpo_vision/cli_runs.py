@@ -16,9 +16,10 @@ from grpo_vision.config import ConfigError
 
 def add_reader_options(p, rewards: bool) -> None:
     """--device, and --trust-run for a command that loads the run's rewards."""
-    p.add_argument("--device", type=device, default="auto",
-                   help="where to sample: auto (the best device here, whatever device the run trained on), cpu, "
-                        "cuda, cuda:N or mps")
+    p.add_argument("--device", type=device, default="run",
+                   help="where to sample: run (the device the run trained on where this machine has it, so that "
+                        "its report reproduces; else the best one here), auto (the best one here), cpu, cuda, "
+                        "cuda:N or mps")
     if rewards:
         p.add_argument("--trust-run", action="store_true",
                        help="load python: rewards that the run folder names (they import and run its code); only "
@@ -102,7 +103,7 @@ def cmd_eval(args) -> None:
     sets = {"prompts": load_prompts(args.prompts)} if args.prompts else run_eval_sets(args.run, cfg)
     # the run's own prompts are the run folder's, and may name rewards too; a --prompts file is the user's own
     refuse_code(cfg, [] if args.prompts else [e for v in sets.values() for e in v], args.run, args.trust_run)
-    check_seeds(args.seed, 1000 * (max(map(len, sets.values())) - 1) + args.n - 1)
+    check_seeds(args.seed, 1000 * (max(map(len, sets.values()), default=1) - 1) + args.n - 1)
     run = load_run(args.run, args.step, args.device)
     check_prompts(run.policy, ((f"{_source(args, name)}, line {e.line}", e.prompt)
                                for name, entries in sets.items() for e in entries))
@@ -114,7 +115,7 @@ def cmd_eval(args) -> None:
     params = eval_params(run.cfg, args.temperature)
     results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
                               run.bundle.judge, seed=args.seed) for name, entries in sets.items()}
-    head = {"run": str(args.run), "step": run.step, "temperature": params.temperature}
+    head = {"run": str(args.run), "step": run.step, "device": str(device), "temperature": params.temperature}
     print(json.dumps({**head, **results["prompts"]} if args.prompts else {**head, "sets": results}, indent=2))
 
 

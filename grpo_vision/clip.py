@@ -19,7 +19,6 @@ load_clip warns when a checkpoint looks like OpenAI's and the architecture is no
 
 from __future__ import annotations
 
-import os
 import pickle
 import warnings
 from functools import lru_cache
@@ -129,7 +128,9 @@ def convert_torchscript(archive: str | Path, out: str | Path) -> int:
     """Write the weights of a TorchScript CLIP archive (OpenAI's release format) to `out`, a safetensors file
     that load_clip reads without trust; the number of tensors. This runs the archive's TorchScript code
     (torch.jit.load): only for an archive you trust."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
+
+    from grpo_vision.runfiles import write_file
 
     archive, out = Path(archive), Path(out)
     if not archive.is_file():
@@ -140,9 +141,7 @@ def convert_torchscript(archive: str | Path, out: str | Path) -> int:
     if out.suffix != ".safetensors":
         raise ClipLoadError(f"{out}: the output must end in .safetensors (open_clip picks the format by suffix)")
     state = _torchscript_state(archive)
-    tmp = out.with_name(out.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
-    os.replace(tmp, out)
+    write_file(out, save({k: v.contiguous() for k, v in state.items()}))  # whole, never through a link
     return len(state)
 
 

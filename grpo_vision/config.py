@@ -215,7 +215,7 @@ def validate(cfg: Config) -> None:
     checks = [
         (s.group_size >= 2, "sample.group_size must be >= 2: GRPO normalises rewards within a group, "
                             "and a group of one has no spread to learn from"),
-        (bool(DEVICE_NAME.fullmatch(cfg.run.device)), f"run.device {cfg.run.device!r} is not a device: use {DEVICE_HINT}"),
+        (bool(DEVICE_NAME.fullmatch(cfg.run.device)), f"run.device {brief(cfg.run.device)} is not a device: use {DEVICE_HINT}"),
         (cfg.run.threads >= 0, "run.threads must be >= 0 (0 = one per core this process may use)"),
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),

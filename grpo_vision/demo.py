@@ -76,17 +76,18 @@ def check_run_dir(run_dir: str | Path) -> Path:
 class DemoRun:
     """A run's models, loaded on first use and cached per step; the reward models loaded once."""
 
-    def __init__(self, run_dir: str | Path, device: str = "auto", trust: bool = False):
+    def __init__(self, run_dir: str | Path, device: str = "run", trust: bool = False):
         """`device`: where to sample (a --device value); `trust`: allow python: rewards the run names."""
         self.run_dir = check_run_dir(run_dir)
-        refuse_code(read_run_config(self.run_dir, device=device), (), self.run_dir, trust)  # before anything loads
-        self.device = device
+        cfg = read_run_config(self.run_dir, device=device)
+        refuse_code(cfg, (), self.run_dir, trust)  # before anything loads
+        self.device = cfg.run.device
         self._runs: dict[int, LoadedRun] = {}
         self.lock = threading.Lock()  # one generation at a time: an adapter reference toggles shared weights
         self.latest = checkpoint_steps(self.run_dir)[-1]  # "reference" is the reference saved with this step
         latest = self.load(self.latest)
         self.cfg, self.bundle = latest.cfg, latest.bundle
-        self.rewards = CompositeReward.from_config(self.cfg.reward, resolve_device(device, "--device"),
+        self.rewards = CompositeReward.from_config(self.cfg.reward, resolve_device(self.device, "--device"),
                                                    self.bundle.reward_defaults).load()
         self.examples = run_examples(self.cfg, self.bundle)
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)

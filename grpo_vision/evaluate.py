@@ -38,13 +38,13 @@ class LoadedRun:
     learned_rewards: dict | None = None  # iterative RL: what learning rewards had learned by this checkpoint
 
 
-def load_run(run_dir: str | Path, step: int | None = None, device: str = "auto") -> LoadedRun:
-    """A run's checkpoint (the latest, or `step`) on `device` (a --device value; "auto": the best one
-    here, whatever device the run trained on). Loads no reward: no code the run folder names runs."""
+def load_run(run_dir: str | Path, step: int | None = None, device: str = "run") -> LoadedRun:
+    """A run's checkpoint (the latest, or `step`) on `device` (a --device value; "run": the run's own
+    where this machine has it, else the best one here). Loads no reward: no code the run folder names runs."""
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir, device=device)
     ckpt = find_checkpoint(run_dir, step)
-    device = resolve_device(device, "--device")
+    device = resolve_device(cfg.run.device, "--device")
     bundle = load_bundle(cfg.policy, device)
     policy = bundle.policy
     t = cfg.train

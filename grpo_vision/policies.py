@@ -190,7 +190,7 @@ def resolve_device(name: str, key: str = "run.device") -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if not DEVICE_NAME.fullmatch(name):
-        raise ConfigError(f"{key} {name!r} is not a device: use {DEVICE_HINT}")
+        raise ConfigError(f"{key} {brief(name)} is not a device: use {DEVICE_HINT}")
     kind, _, index = name.partition(":")
     gpus = torch.cuda.device_count() if kind == "cuda" and torch.cuda.is_available() else 0
     if kind == "cuda" and int(index or 0) >= gpus:

@@ -313,8 +313,8 @@ def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:
     from grpo_vision.report import final_report
 
     try:
-        if stop.signum:
-            raise Interrupted(stop.signum)
+        if signum := stop.agreed(st.acc):  # every process, or one would wait in full_weights for the others
+            raise Interrupted(signum)
         with full_weights(st.model):  # every process: FSDP gathers the shards together
             if st.acc.is_main_process:
                 final_report(st.run_dir, st.policy, st.reference, st.bundle.tokenizer, st.rewards, st.prompts,

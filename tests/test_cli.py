@@ -106,8 +106,9 @@ def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
         (["sample", "r", "--prompts", "p", "--out", "o", "--seed", "99999999999999999999"],
          "argument --seed: expected a whole number from 0 to 4294967295, got '99999999999999999999'"),
         (["eval", "r", "--seed", "-1"], "argument --seed: expected a whole number from 0 to 4294967295, got '-1'"),
-        (["eval", "r", "--device", "banana"], "argument --device: expected auto (the best device here), cpu, cuda, "
-                                              "cuda:N or mps, got 'banana'"),
+        (["eval", "r", "--device", "banana"], "argument --device: expected run (the run's own device where this "
+                                              "machine has it), auto (the best device here), cpu, cuda, cuda:N or "
+                                              "mps, got 'banana'"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(args)

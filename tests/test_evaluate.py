@@ -130,7 +130,8 @@ def test_a_run_samples_here_whatever_device_it_saved(project_run, tmp_path, monk
         config = runs[saved] / "config.yaml"
         config.write_text(config.read_text().replace("device: auto", f"device: {saved}"))
     cli("eval", runs["cuda"], "--prompts", prompts, "--n", 1)
-    assert json.loads(capsys.readouterr().out)["step"] == 1
+    head = json.loads(capsys.readouterr().out)
+    assert head["step"] == 1 and head["device"] == "cpu"
     cli("sample", runs["banana"], "--prompts", prompts, "--n", 1, "--out", tmp_path / "out")
     assert (tmp_path / "out" / "00000_00_policy.png").is_file()
     assert next(DemoRun(runs["cuda"]).load(1).policy.parameters()).device.type == "cpu"
@@ -139,6 +140,24 @@ def test_a_run_samples_here_whatever_device_it_saved(project_run, tmp_path, monk
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == ("grpo-vision: error: --device=cuda, and this machine has no CUDA GPU torch can "
                                        "use: use --device=auto (the best device here) or cpu\n")
+
+
+def test_by_default_a_run_samples_where_it_trained_if_this_machine_has_that_device(project_run, tmp_path,
+                                                                                  monkeypatch):
+    # a CPU run evaluated on a GPU box samples on the CPU (CUDA's random streams differ, so its report would
+    # not reproduce); `auto` asks for the best device here, and a device this machine lacks falls back to it
+    from grpo_vision.run_folder import read_run_config
+
+    run = tmp_path / "cpu_run"
+    shutil.copytree(project_run, run)
+    config = run / "config.yaml"
+    config.write_text(config.read_text().replace("device: auto", "device: cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert read_run_config(run, device="run").run.device == "cpu"
+    assert read_run_config(run, device="auto").run.device == "auto"
+    config.write_text(config.read_text().replace("device: cpu", "device: cuda:3"))  # trained on a bigger box
+    assert read_run_config(run, device="run").run.device == "auto"
 
 
 @pytest.mark.parametrize("command", ["sample", "eval"])

@@ -106,7 +106,8 @@ def checksum_problem(world: Path, recorded: dict, name: str) -> str | None:
     """Which file of stage `name` is not the one the build wrote, by its size and sha256 in world.json's
     `recorded` files (a file damaged under an intact header still parses), or None."""
     for key in (f"{name}/{f}" for f in FILES[name]):
-        want, path = recorded.get(key) or {}, world / key
+        want, path = recorded.get(key), world / key
+        want = want if isinstance(want, dict) else {}  # an edited world.json: the file is then named as changed
         if path.stat().st_size != want.get("bytes") or _checksum(path)["sha256"] != want.get("sha256"):
             return (f"{path} is not the file the build wrote (its size or sha256 differs from world.json's): "
                     "it was changed or damaged since")
@@ -156,7 +157,8 @@ def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
     recorded = info.get("files")
     if not isinstance(recorded, dict):
         warnings.warn(f"{world / 'world.json'} records no checksums of the world's files (it was built before they "
-                      f"were), so they are not checked: add them with grpo-vision world build --out {world}",
+                      f"were), so they are not checked: add them with grpo-vision world build --out {world} --preset "
+                      f"{info.get('preset')} --seed {info.get('seed')}",
                       stacklevel=2)
     for name in STAGES:  # a broken file is named here, not three tracebacks deep in a loader
         problem = stage_problem(world, name) or (checksum_problem(world, recorded, name) if recorded else None)
