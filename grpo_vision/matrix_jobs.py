@@ -2,7 +2,7 @@
 
 A matrix holds `OUT/matrix.lock` with flock(2) while it runs (as runlock.py does for a run), so a
 second matrix on the same folder is refused instead of sharing its runs and logs. Each train child
-runs in a process session of its own (setsid), so a terminal's Ctrl-C reaches the matrix alone and
+starts detached from the terminal (setsid), so a terminal's Ctrl-C reaches the matrix alone and
 every child gets each signal exactly once, from the matrix: the first SIGINT or SIGTERM makes a train
 finish its step and save a checkpoint, a second stops it at once (as for `grpo-vision train`). The
 matrix starts no run after a signal, waits for its children, and stops with `Interrupted`; the same
