@@ -114,9 +114,10 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     """The step `latest` names, or, when that pointer is missing or dangling, the highest complete step."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
     if pointer.is_file():
-        path = pointer.parent / pointer.read_text().strip()
+        name = pointer.read_text().strip()
+        path = pointer.parent / name
         if (path / "trainer_state.json").is_file():
-            return own_checkpoint(run_dir, path, f"{pointer} names {pointer.read_text().strip()!r}, which")
+            return own_checkpoint(run_dir, path, f"{pointer} names {name!r}, which")
     steps = checkpoint_steps(run_dir)
     return own_checkpoint(run_dir, Path(run_dir) / "checkpoints" / f"step_{steps[-1]:06d}") if steps else None
 

@@ -17,11 +17,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-from grpo_vision.runlock import LOCK_NAME as RUN_LOCK
+from grpo_vision import signals
 from grpo_vision.runfiles import open_kept
+from grpo_vision.runlock import LOCK_NAME as RUN_LOCK
 from grpo_vision.runlock import RunLockedError, check_run_dir
 from grpo_vision.signals import Interrupted
 
@@ -93,13 +93,10 @@ class PassOn:
     """SIGINT and SIGTERM while installed: during training (`forwarding`) each is recorded for the
     threads to pass on to their children; before and after it (checks, scoring) it stops at once."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
     def __init__(self):
         self.received: list[int] = []
         self.forwarding = False
-        main = threading.current_thread() is threading.main_thread()  # Python sets handlers there only
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS} if main else {}
+        self.previous = signals.install(self._handle)
 
     def _handle(self, signum, frame):
         self.received.append(signum)
@@ -111,8 +108,7 @@ class PassOn:
                   flush=True)
 
     def restore(self) -> None:
-        for s, previous in self.previous.items():
-            signal.signal(s, previous)
+        signals.restore(self.previous)
         self.previous = {}
 
 

@@ -17,16 +17,30 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and kill / timeout / job schedulers
+
+
+def install(handler) -> dict:
+    """`handler` for SIGINT and SIGTERM; returns the handlers it replaced, for restore() (none off the main
+    thread, where Python sets no handler)."""
+    return {s: signal.signal(s, handler) for s in SIGNALS} if _main_thread() else {}
+
+
+def restore(previous: dict) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
 class GracefulStop:
     """The first Ctrl-C (SIGINT) or SIGTERM (kill, timeout, job schedulers) lets the current step finish,
     so the checkpoint holds a whole step and a resumed run is exact; a second signal of either kind
     stops at once (without a checkpoint). The previous handlers come back with restore()."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = SIGNALS
 
     def __init__(self):
         self.signum = 0
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS} if _main_thread() else {}
+        self.previous = install(self._handle)
 
     def _handle(self, signum, frame):
         if self.signum:
@@ -47,8 +61,7 @@ class GracefulStop:
         return int(acc.gather(torch.tensor([self.signum], device=acc.device)).max())
 
     def restore(self) -> None:
-        for s, previous in self.previous.items():
-            signal.signal(s, previous)
+        restore(self.previous)
         self.previous = {}
 
 

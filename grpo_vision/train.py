@@ -322,8 +322,7 @@ def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:
     except Interrupted as e:
         print(f"\n[train] stopped by {signal.Signals(e.signum).name} while writing the report; the training finished "
               f"(checkpoint at step {cfg.train.steps}): {resume_command(st.run_dir, cfg, st.prompts.all())} writes the "
-              "report",
-              file=sys.stderr, flush=True)
+              "report", file=sys.stderr, flush=True)
         raise
 
 
