@@ -1,7 +1,7 @@
 """The commands that read a run folder: `sample` and `eval` here, and the options they share with `demo`
 and `bench demo` (cli.py). A run folder may come from someone else, so these commands load no code it
-names without --trust-run (run_folder.py), sample on a device of this machine whatever device the run
-trained on, and refuse prompts the policy cannot read, as `train` does.
+names without --trust-run (run_folder.py), sample where the run trained when this machine has that device
+(else on the best one here), and refuse prompts the policy cannot read, as `train` does.
 """
 
 from __future__ import annotations
