@@ -34,7 +34,8 @@ def add_run_commands(sub) -> None:
         p.add_argument("run", help="run directory")
         p.add_argument("--prompts", required=name == "sample", default="",
                        help="plain text (one prompt per line) or JSONL with 'prompt'" + (
-                           "" if name == "sample" else "; default: the run's test and held-out sets (JSON 'sets')"))
+                           "" if name == "sample" else "; default: the run's test and held-out sets and its sample "
+                                                       "of training prompts (JSON 'sets')"))
         p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
         p.add_argument("--seed", type=seed, default=0,
                        help="image j of each prompt uses seed + j" if name == "sample" else
@@ -44,6 +45,10 @@ def add_run_commands(sub) -> None:
                        help="sampling temperature (default: the run's first log.eval_temperatures entry, "
                             "else sample.temperature)")
         add_reader_options(p, rewards=name == "eval")
+        if name == "eval":
+            p.add_argument("--draw", type=positive_int, default=1,
+                           help="2, 3, ...: other test and held-out prompts drawn from the policy kind's pools "
+                                "(data.eval_draw; a check that a result is not the draw's); default 1, the run's own")
         if name == "sample":
             p.add_argument("--out", required=True, help="output directory")
             p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")
@@ -100,6 +105,9 @@ def cmd_eval(args) -> None:
     from grpo_vision.run_folder import read_run_config, refuse_code
 
     cfg = read_run_config(args.run, device=args.device)
+    if args.draw != 1 and args.prompts:
+        raise ConfigError("--draw and --prompts: give one (--draw draws the policy kind's eval sets again)")
+    cfg.data.eval_draw = args.draw
     sets = {"prompts": load_prompts(args.prompts)} if args.prompts else run_eval_sets(args.run, cfg)
     # the run's own prompts are the run folder's, and may name rewards too; a --prompts file is the user's own
     refuse_code(cfg, [] if args.prompts else [e for v in sets.values() for e in v], args.run, args.trust_run)
@@ -115,7 +123,8 @@ def cmd_eval(args) -> None:
     params = eval_params(run.cfg, args.temperature)
     results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
                               run.bundle.judge, seed=args.seed) for name, entries in sets.items()}
-    head = {"run": str(args.run), "step": run.step, "device": str(device), "temperature": params.temperature}
+    head = {"run": str(args.run), "step": run.step, "device": str(device), "temperature": params.temperature,
+            **({"draw": args.draw} if args.draw != 1 else {})}
     print(json.dumps({**head, **results["prompts"]} if args.prompts else {**head, "sets": results}, indent=2))
 
 

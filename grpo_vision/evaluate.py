@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from grpo_vision.checkpoint import find_checkpoint, load_checkpoint, load_iterative_state
-from grpo_vision.config import Config
+from grpo_vision.config import Config, ConfigError
 from grpo_vision.images import Cell, paint_grid, to_uint8
+from grpo_vision.intervals import caption_interval
 from grpo_vision.judge import Judge, judge_tables, paired_changes
 from grpo_vision.metrics import interval
 from grpo_vision.policies import Bundle, load_bundle, prompt_lists, resolve_device
@@ -59,12 +60,23 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "run") 
 
 
 def run_eval_sets(run_dir: str | Path, cfg: Config) -> dict[str, list[PromptEntry]]:
-    """A run's eval sets by name (test first): the files it wrote at its start (prompts/*.jsonl), else
-    those its config gives (a run from before the files were written)."""
-    files = {name: Path(run_dir) / "prompts" / f"{name}.jsonl" for name in ("test", "heldout")}
-    if files["test"].is_file():
+    """A run's scored sets by name (test first, then held-out and the sample of training prompts): the
+    files it wrote at its start (prompts/*.jsonl), else those its config gives (a run from before the
+    files were written). With data.eval_draw other than the run's, the config's draw (the kind's own
+    sets only: the training prompts must stay the run's)."""
+    files = {name: Path(run_dir) / "prompts" / f"{name}.jsonl" for name in ("test", "heldout", "train_sample")}
+    if files["test"].is_file() and cfg.data.eval_draw == 1:
         return {name: load_prompts(path) for name, path in files.items() if path.is_file()}
-    return prompt_lists(cfg).named()
+    sets = prompt_lists(cfg)
+    if cfg.data.eval_draw != 1:
+        trained = Path(run_dir) / "prompts" / "train.jsonl"
+        if cfg.data.eval_prompts or cfg.data.heldout_prompts or cfg.data.train_prompts or (
+                trained.is_file() and [e.prompt for e in load_prompts(trained)] != [e.prompt for e in sets.train]):
+            raise ConfigError(f"--draw {cfg.data.eval_draw}: {run_dir} takes its eval sets from prompts files, or "
+                              "trained on other prompts than its policy kind draws now (prompts/train.jsonl); "
+                              "give the prompts to score with --prompts")
+        return sets.named()
+    return sets.scored()
 
 
 def eval_temperatures(cfg: Config) -> list[float]:
@@ -91,7 +103,9 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
     prompts = [e.prompt for e in entries for _ in range(n)]
     seeds = [seed + 1000 * i + j for i in range(len(entries)) for j in range(n)]
     meta = [e.metadata for e in entries for _ in range(n)]
-    result = {"prompts": len(entries), "images_per_prompt": n, "models": {}}
+    strata = [judge.form(p) for p in prompts] if judge is not None else None  # the sets are balanced by form
+    result = {"prompts": len(entries), "captions": len({e.prompt for e in entries}), "images_per_prompt": n,
+              "models": {}}
     ref_model, ref_ctx = reference.sampler(policy)
     raw, verdicts = {}, {}
     for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):
@@ -103,13 +117,17 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
         result["models"][name] = {"rewards": {k: interval(v) for k, v in raw[name].items()}, "checker": table,
                                   "checker_by_form": by_form}
     result["difference"] = {k: _diff(result, "rewards", k) for k in result["models"]["policy"]["rewards"]}
-    # paired per image (the same prompt and seed on both sides): the interval of the change itself
-    result["difference_ci"] = {k: interval(raw["policy"][k].double() - raw["reference"][k].double())
-                               for k in raw["policy"]}
+    # paired per image (the same prompt and seed on both sides); the interval resamples captions, all
+    # their images with them: another draw of captions is what a reader would re-draw (intervals.py)
+    diffs = {k: raw["policy"][k].double() - raw["reference"][k].double() for k in raw["policy"]}
+    result["difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
+    result["difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}  # these captions held fixed
     if result["models"]["policy"]["checker"]:
-        result["checker_difference"] = {k: _diff(result, "checker", k) for k in result["models"]["policy"]["checker"]}
-        result["checker_difference_ci"] = paired_changes(verdicts["policy"], verdicts["reference"],
-                                                         list(result["models"]["policy"]["checker"]))
+        keys = list(result["models"]["policy"]["checker"])
+        result["checker_difference"] = {k: _diff(result, "checker", k) for k in keys}
+        result["checker_difference_ci"] = paired_changes(verdicts["policy"], verdicts["reference"], keys, prompts,
+                                                         strata)
+        result["checker_difference_ci_per_image"] = paired_changes(verdicts["policy"], verdicts["reference"], keys)
     return result
 
 

@@ -237,17 +237,25 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
                     out: Path, images: int | None, command: str) -> dict:
     """Score the reference and every run that trained, then write matrix.json, matrix.md and matrix.png."""
     from grpo_vision.matrix_report import write_outputs
-    from grpo_vision.matrix_score import Scorer, score_runs
+    from grpo_vision.matrix_score import Scorer, pool_seeds, score_runs
 
     scorer = Scorer(cfg, images or cfg.log.eval_images)
     scorer.use_rewards([name for spec in specs for name, _ in spec.weights])
-    reference, summaries = score_runs(scorer, out, [(r.spec.name, out / "runs" / r.spec.name) for r in results
-                                                    if r.status != "failed"])
+    reference, summaries, raw = score_runs(scorer, out, [(r.spec.name, out / "runs" / r.spec.name) for r in results
+                                                         if r.status != "failed"])
     runs = [{"name": r.spec.name, "reward": r.spec.reward, "weights": dict(r.spec.weights), "beta": r.spec.beta,
              "seed": r.spec.seed, "status": r.status, "rc": r.rc, "log": r.log, "error": r.error,
              "summary": summaries.get(r.spec.name)} for r in results]
+    groups: dict[tuple, list[dict]] = {}  # runs that differ only in their seed, scored
+    for run in runs:
+        if run["summary"] is not None:
+            groups.setdefault((run["reward"], run["beta"]), []).append(run)
+    pooled = [{"reward": reward, "beta": beta, "seeds": [r["seed"] for r in group],
+               "sets": pool_seeds(scorer, raw["reference"], [raw[r["name"]] for r in group])}
+              for (reward, beta), group in groups.items() if len(group) > 1]
     header = {"command": command or f"grpo-vision matrix {config}", "config": config, "overrides": overrides,
               "steps": cfg.train.steps, "images_per_prompt": scorer.n, "temperature": scorer.params.temperature,
-              "embedding": scorer.embedding, "sets": {k: [e.prompt for e in v] for k, v in scorer.sets.items()}}
-    write_outputs(out, header, reference, runs, [e.prompt for e in scorer.sets["test"]])
-    return {"reference": reference, "runs": runs}
+              "embedding": scorer.embedding, "sets": {k: [e.prompt for e in v] for k, v in scorer.sets.items()},
+              "captions": {k: len(set(v)) for k, v in scorer.captions.items()}}
+    write_outputs(out, header, reference, runs, [e.prompt for e in scorer.sets["test"]], pooled)
+    return {"reference": reference, "runs": runs, "pooled": pooled}

@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 SET_TITLES = {"test": "Test prompts (the headline: the training distribution, never trained on)",
-              "heldout": "Held-out compositions (transfer: no model trained on them)"}
+              "heldout": "Held-out compositions (transfer: no model trained on them)",
+              "train_sample": "Training prompts (a sample of what the runs trained on)"}
 
 
 def columns(summary: dict) -> list[str]:
@@ -40,10 +41,14 @@ def _absolute(entry: dict, rate: bool) -> str:
     return f"{100 * entry['mean']:.1f}%" if rate else f"{entry['mean']:.4f}"
 
 
-def set_table(set_name: str, reference: dict, runs: list[dict]) -> list[str]:
-    """One markdown table: the reference's means, then each run's change against it."""
+def set_table(set_name: str, reference: dict, runs: list[dict], pooled: list[dict] = (),
+              captions: int | None = None) -> list[str]:
+    """One markdown table: the reference's means, then each run's change against it, then the mean over
+    the seeds of each reward that ran with several."""
     cols = columns(reference[set_name])
     lines = [f"### {SET_TITLES.get(set_name, set_name)}", "",
+             *([f"Intervals of changes: over {captions} captions (resampled within each prompt form); a mean over "
+                "seeds resamples the seeds too.", ""] if captions else []),
              "| trained on | KL | seed | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols),
              "| reference (means) | | | " + " | ".join(_absolute(reference[set_name][c], _is_rate(c)) for c in cols)
              + " |"]
@@ -55,6 +60,11 @@ def set_table(set_name: str, reference: dict, runs: list[dict]) -> list[str]:
         table = run["summary"]["sets"][set_name]
         cells = [_cell(table[c], False) if c == "kl" else _cell(table[c].get("change"), _is_rate(c)) for c in cols]
         lines.append(head + " | ".join(cells) + " |")
+    for group in pooled:
+        table = group["sets"][set_name]
+        cells = [_cell(table[c]["change"], _is_rate(c)) if c in table else "" for c in cols]
+        lines.append(f"| **{group['reward']}, mean of seeds** | {group['beta']:g} | "
+                     f"{','.join(map(str, group['seeds']))} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -131,8 +141,10 @@ def strip(scores_dir: Path, name: str, prompts: list[str], path: Path, scale: in
                row_labels=["reference", "policy"], label_width=70, scale=scale).save(path)
 
 
-def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], prompts: list[str]) -> None:
-    (out / "matrix.json").write_text(json.dumps({**header, "reference": reference, "runs": runs}, indent=2))
+def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], prompts: list[str],
+                  pooled: list[dict] = ()) -> None:
+    (out / "matrix.json").write_text(json.dumps({**header, "reference": reference, "runs": runs,
+                                                 "pooled": list(pooled)}, indent=2))
     heatmap(reference, runs, out / "matrix.png")
     (out / "strips").mkdir(exist_ok=True)
     for run in runs:
@@ -142,13 +154,15 @@ def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], pr
              f"Each run trains on the reward of its row ({header['steps']} steps each, everything else as the "
              f"config says) and is scored, like the base policy (the reference row), on the same prompts and "
              f"seeds: {header['images_per_prompt']} images per prompt at temperature {header['temperature']}. "
-             "Cells: the change against the reference, paired per image, with its 95% interval; the "
+             "Cells: the change against the reference, paired per image, with a 95% interval that resamples "
+             "the captions (all their images with them); the "
              "judge in points of its all-attributes-right rate; diversity: mean pairwise cosine distance "
              f"among a prompt's images ({header['embedding']}); entropy: mean per-token entropy of the "
              "sampling distribution; KL: mean per-token k3 to the reference.", "",
              "![heatmap](matrix.png)", ""]
     for set_name in reference:
-        lines += [*set_table(set_name, reference, runs), *judge_attributes(set_name, reference, runs), ""]
+        lines += [*set_table(set_name, reference, runs, pooled, header.get("captions", {}).get(set_name)),
+                  *judge_attributes(set_name, reference, runs), ""]
     lines += ["Sample strips (image 0 of the first test prompts, reference above policy): "
               + ", ".join(f"[{r['name']}](strips/{r['name']}.png)" for r in runs if r["summary"] is not None), ""]
     (out / "matrix.md").write_text("\n".join(lines))

@@ -1,13 +1,15 @@
 """Scoring for `grpo-vision matrix`: the reference once, then every run, on the same prompts and seeds.
 
-For each eval set (test prompts, the headline; held-out compositions, the transfer row) and each
-model, per image: every reward (the rows' train rewards and the config's monitors), the judge's
-verdicts, the mean per-token entropy of the sampling distribution and the mean per-token k3 KL to
-the reference (Schulman's estimator, as in training); per prompt: the diversity of its images, the
-mean pairwise cosine distance of their CLIP image embeddings (pixels when no CLIP is configured).
-Changes against the reference are paired (image i of prompt p has the same seed in both), so their
-95% intervals exclude the prompts' own spread. Per-model scores are cached in `OUT/scores/`, keyed by
-the checkpoint step and the eval settings, so a second invocation scores only what changed.
+For each scored set (test prompts, the headline; held-out compositions, the transfer row; a sample of
+the training prompts) and each model, per image: every reward (the rows' train rewards and the
+config's monitors), the judge's verdicts, the mean per-token entropy of the sampling distribution and
+the mean per-token k3 KL to the reference (Schulman's estimator, as in training); per prompt: the
+diversity of its images, the mean pairwise cosine distance of their CLIP image embeddings (pixels
+when no CLIP is configured). Changes against the reference are paired (image i of prompt p has the
+same seed in both); their 95% intervals resample the captions within each prompt form
+(intervals.py), and runs that differ only in their seed pool into a mean whose interval resamples the
+seeds too. Per-model scores are cached in `OUT/scores/`, keyed by the checkpoint step and the eval
+settings, so a second invocation scores only what changed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from grpo_vision.evaluate import eval_params, load_run
 from grpo_vision.images import to_uint8
+from grpo_vision.intervals import caption_interval
 from grpo_vision.metrics import interval
 from grpo_vision.policies import load_bundle, prompt_lists, resolve_device
 from grpo_vision.rewards import CompositeReward
@@ -39,7 +42,11 @@ class Scorer:
         self.device = resolve_device(cfg.run.device)
         self.bundle = load_bundle(cfg.policy, self.device)  # its policy is the base: the reference row
         self.base = self.bundle.policy.eval()
-        self.sets = prompt_lists(cfg).named()
+        self.sets = prompt_lists(cfg).scored()
+        # per prompt: its caption, and its form (the stratum of the bootstrap over captions)
+        self.captions = {k: [e.prompt for e in v] for k, v in self.sets.items()}
+        form = self.bundle.judge.form if self.bundle.judge is not None else (lambda p: None)
+        self.strata = {k: [form(p) for p in v] for k, v in self.captions.items()}
         self.params = eval_params(cfg)
         self.names = list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.monitor]))
         self.rewards = None
@@ -149,30 +156,63 @@ def _row(images: torch.Tensor):
     return np.concatenate(list(to_uint8(images)), axis=1)  # [H, k*W, 3]
 
 
-def summarize(scores: dict, reference: dict) -> dict:
-    """Per eval set: each measure's mean [95% interval], and its paired change against the reference."""
+def summarize(scores: dict, reference: dict, captions: dict, strata: dict | None = None) -> dict:
+    """Per eval set: each measure's mean [95% interval over images], and its paired change against the
+    reference, whose interval resamples captions (intervals.caption_interval). `captions`, `strata`:
+    per set, each prompt's caption and form (Scorer.captions, Scorer.strata)."""
     out = {}
     for set_name, s in scores["sets"].items():
-        r = reference["sets"][set_name]
-        measures = {**{k: (v, r["rewards"].get(k)) for k, v in s["rewards"].items()},
-                    **{f"judge/{k}": (v, r["judge"].get(k)) for k, v in s["judge"].items()},
-                    "diversity": (s["diversity"], r["diversity"]), "entropy": (s["entropy"], r["entropy"]),
-                    "kl": (s["kl"], None)}
         table = {}
-        for name, (values, ref_values) in measures.items():
+        for name, (values, ref_values) in _measures(s, reference["sets"][set_name]).items():
             x = _tensor(values)
             table[name] = interval(x)
             if ref_values is not None:
-                table[name]["change"] = interval(x - _tensor(ref_values))
+                table[name]["change"] = caption_interval(x - _tensor(ref_values),
+                                                         *_clusters(captions, strata, set_name, len(x)))
         out[set_name] = table
     return out
 
 
-def score_runs(scorer: Scorer, out: Path, runs: list[tuple[str, Path]]) -> tuple[dict, dict]:
-    """(the reference's summary, {run name: its summary or None when it has no checkpoint})."""
+def _measures(s: dict, r: dict) -> dict:
+    """{measure: (a model's per-image values, the reference's or None)} of one eval set's scores."""
+    return {**{k: (v, r["rewards"].get(k)) for k, v in s["rewards"].items()},
+            **{f"judge/{k}": (v, r["judge"].get(k)) for k, v in s["judge"].items()},
+            "diversity": (s["diversity"], r["diversity"]), "entropy": (s["entropy"], r["entropy"]),
+            "kl": (s["kl"], None)}
+
+
+def _clusters(captions: dict, strata: dict | None, set_name: str, count: int) -> tuple[list, list | None]:
+    """Each value's caption and form, for `count` values of a set: one per image (its prompt's images in
+    turn), or one per prompt (diversity)."""
+    per_prompt = captions[set_name]
+    k = count // len(per_prompt)
+    spread = lambda v: [x for x in v for _ in range(k)]  # noqa: E731
+    return spread(per_prompt), spread(strata[set_name]) if strata else None
+
+
+def pool_seeds(scorer: Scorer, reference: dict, scores: list[dict]) -> dict:
+    """The mean change over runs that differ only in their training seed, per eval set and measure, with
+    a 95% interval that resamples both the seeds and the captions (all runs share the captions)."""
+    out = {}
+    for set_name in reference["sets"]:
+        r = reference["sets"][set_name]
+        table = {}
+        for name, (_, ref_values) in _measures(scores[0]["sets"][set_name], r).items():
+            if ref_values is None:
+                continue
+            per_run = torch.stack([_tensor(_measures(s["sets"][set_name], r)[name][0]) for s in scores])
+            table[name] = {"change": caption_interval(per_run - _tensor(ref_values), *_clusters(
+                scorer.captions, scorer.strata, set_name, per_run.shape[1]))}
+        out[set_name] = table
+    return out
+
+
+def score_runs(scorer: Scorer, out: Path, runs: list[tuple[str, Path]]) -> tuple[dict, dict, dict]:
+    """(the reference's summary, {run name: its summary or None when it has no checkpoint}, {"reference"
+    and each scored run: its per-image scores})."""
     scores_dir = out / "scores"
     reference = cached_scores(scorer, scores_dir / "reference.json", 0, lambda: scorer.base)
-    summaries = {}
+    summaries, raw = {}, {"reference": reference}
     for name, run_dir in runs:
         from grpo_vision.checkpoint import latest_checkpoint
 
@@ -181,7 +221,7 @@ def score_runs(scorer: Scorer, out: Path, runs: list[tuple[str, Path]]) -> tuple
             summaries[name] = None
             continue
         step = int(ckpt.name[5:])
-        scores = cached_scores(scorer, scores_dir / f"{name}.json", step,
-                               lambda: load_run(run_dir, step, device=scorer.device).policy)
-        summaries[name] = {"step": step, "sets": summarize(scores, reference)}
-    return summarize(reference, reference), summaries
+        raw[name] = cached_scores(scorer, scores_dir / f"{name}.json", step,
+                                  lambda: load_run(run_dir, step, device=scorer.device).policy)
+        summaries[name] = {"step": step, "sets": summarize(raw[name], reference, scorer.captions, scorer.strata)}
+    return summarize(reference, reference, scorer.captions, scorer.strata), summaries, raw

@@ -10,7 +10,8 @@ from grpo_vision.evaluate import eval_temperatures, evaluate, save_sample_grid
 from grpo_vision.health import run_summary
 from grpo_vision.metrics import load_metrics
 from grpo_vision.plots import curves_figure, judge_figure, save_figure
-from grpo_vision.report_text import change_table, duplicate_of_judge, rate_change, rate_value, what_changed
+from grpo_vision.report_text import (change_table, duplicate_of_judge, interval_heading, rate_change, rate_value,
+                                     reward_change, reward_value, rollout_trend, what_changed)
 from grpo_vision.runfiles import write_file
 
 
@@ -38,6 +39,37 @@ def _temperature_table(by_temperature: dict) -> list[str]:
     return lines
 
 
+SET_NAMES = {"train_sample": "training prompts (a sample)", "test": "test prompts (the headline)",
+             "heldout": "held-out compositions"}
+
+
+def sets_table(result: dict, twin: str | None) -> list[str]:
+    """Train sample, test and held-out side by side: the judge's all-right rate (else the first reward),
+    its change with the interval over captions and, labelled, the per-image one."""
+    sets = {"train_sample": result.get("train_sample"), "test": result, "heldout": result.get("heldout")}
+    judged = bool(result["models"]["policy"]["checker"])
+    name = "judge: all attributes right" if judged else next(iter(result["difference_ci"]), None)
+    if name is None:
+        return []
+    lines = [f"{name[0].upper()}{name[1:]}" + (f" (= `{twin}`)" if twin else "") + ", by set:", "",
+             "| prompts | captions (prompts x images) | reference | policy | change, 95% interval over captions "
+             "| per-image interval (captions fixed) |", "|---|---|---|---|---|---|"]
+    for key, r in sets.items():
+        if r is None:
+            continue
+        if judged:
+            ref, pol = (r["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
+            cells = [rate_value(ref), rate_value(pol), rate_change(r["checker_difference_ci"]["correct"]),
+                     rate_change(r["checker_difference_ci_per_image"]["correct"])]
+        else:
+            ref, pol = (r["models"][m]["rewards"][name] for m in ("reference", "policy"))
+            cells = [reward_value(ref), reward_value(pol), reward_change(r["difference_ci"][name]),
+                     reward_change(r["difference_ci_per_image"][name])]
+        lines.append(f"| {SET_NAMES[key]} | {r['captions']} ({r['prompts']} x {r['images_per_prompt']}) | "
+                     + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _warning_paragraph(warnings: list[str]) -> list[str]:
     """A paragraph near the top that says the run may not have learned, and why (empty when it did)."""
     if not warnings:
@@ -45,10 +77,44 @@ def _warning_paragraph(warnings: list[str]) -> list[str]:
     return ["## Warning: this run may not have learned", "", *[f"- {w}" for w in warnings], ""]
 
 
+def _judge_section(result: dict, title: str) -> list[str]:
+    """The judge per attribute on the test prompts, and its all-right rate per prompt form."""
+    lines = ["", f"## {title}, per attribute (test prompts)", "",
+             f"| attribute | reference | policy | {interval_heading(result)} |", "|---|---|---|---|"]
+    for name in result["checker_difference"]:
+        ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
+        label = "all attributes right" if name == "correct" else name
+        lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
+                     f"{rate_change(result['checker_difference_ci'].get(name))} |")
+    lines += ["", "![checker accuracy](checker.png)", "", "All attributes right, by prompt form:",
+              "", "| form | reference | policy | change |", "|---|---|---|---|"]
+    for form, pol in result["models"]["policy"]["checker_by_form"].items():
+        ref = result["models"]["reference"]["checker_by_form"][form]
+        change = 100 * (pol["mean"] - ref["mean"])
+        lines.append(f"| {form} | {rate_value(ref)} | {rate_value(pol)} | {change:+.1f} pts |")
+    return lines
+
+
+def _other_sets(result: dict) -> list[str]:
+    """The held-out compositions' and the training sample's tables."""
+    lines = []
+    if "heldout" in result:
+        lines += ["", "## Transfer: held-out compositions", "",
+                  f"{result['heldout']['prompts']} prompts that no model trained on (prompts/heldout.jsonl), the same "
+                  "images per prompt and temperature: does what RL taught carry over to compositions never seen?", "",
+                  *change_table(result["heldout"])]
+    if "train_sample" in result:
+        lines += ["", "## Training prompts (a sample)", "",
+                  f"{result['train_sample']['prompts']} prompts the policy trained on (prompts/train_sample.jsonl), "
+                  "the same images per prompt and temperature: against the test prompts, what RL fitted on what "
+                  "it saw and what carried over to captions it never saw.", "", *change_table(result["train_sample"])]
+    return lines
+
+
 def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, params, cfg, judge=None) -> dict:
     """Evaluate policy and reference on the run's eval sets (`sets`, a PromptSets): the test prompts at
-    every eval temperature (the headline), the held-out compositions at the first; write eval.json, the
-    figures and report.md."""
+    every eval temperature (the headline), the held-out compositions and the sample of training prompts
+    at the first; write eval.json, the figures and report.md."""
     run_dir = Path(run_dir)
     policy.eval()
     temperatures = eval_temperatures(cfg)
@@ -65,8 +131,11 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
         result["by_temperature"] = {str(t): r for t, r in by_temperature.items()}
     if sets.heldout:
         result["heldout"] = run_eval(sets.heldout, temperatures[0], "held-out-composition prompts")
+    if sets.train_sample:
+        result["train_sample"] = run_eval(sets.train_sample, temperatures[0], "training prompts (a sample)")
     write_file(run_dir / "eval.json", json.dumps(result, indent=2))
     metrics = load_metrics(run_dir)
+    twin = duplicate_of_judge(result)
     save_figure(curves_figure(metrics), run_dir / "curves.png")
     save_sample_grid(policy, reference, tokenizer, sets.test[:8], replace(params, temperature=temperatures[0]),
                      run_dir / "final_samples.png", judge=judge)
@@ -79,33 +148,20 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
              *_warning_paragraph(warnings),
-             *what_changed(result, trained, list(cfg.reward.monitor), kl if cfg.train.reference != "none" else []),
-             f"Evaluation: {result['prompts']} test prompts (the training prompts' distribution, never trained on; "
-             f"prompts/test.jsonl) x {result['images_per_prompt']} images, the same seeds for policy and reference, "
-             f"sampled at temperature {result['temperature']} (training sampled at {params.temperature}); "
-             "mean [95% interval]; changes are paired per image.", "",
-             "## Test prompts", "", *change_table(result)]
+             *what_changed(result, trained, list(cfg.reward.monitor), kl if cfg.train.reference != "none" else [],
+                           rollout_trend(metrics, twin) if twin else None),
+             f"Evaluation: {result['prompts']} test prompts ({result['captions']} distinct captions of the training "
+             f"prompts' distribution, never trained on; prompts/test.jsonl) x {result['images_per_prompt']} images, "
+             f"the same seeds for policy and reference, sampled at temperature {result['temperature']} (training "
+             f"sampled at {params.temperature}); mean [95% interval]. Changes are paired per image; their interval "
+             "resamples the captions, all their images with them (a reader's other draw of captions), within "
+             "each prompt form; eval.json also holds the per-image interval, which holds the captions fixed "
+             "(`*_per_image`).", "",
+             *sets_table(result, twin), "## Test prompts", "", *change_table(result)]
     if result["models"]["policy"]["checker"]:
         save_figure(judge_figure(result), run_dir / "checker.png")
-        lines += ["", f"## {judge.name}, per attribute (test prompts)", "",
-                  "| attribute | reference | policy | change (paired, 95% interval) |", "|---|---|---|---|"]
-        for name in result["checker_difference"]:
-            ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
-            label = "all attributes right" if name == "correct" else name
-            lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
-                         f"{rate_change(result['checker_difference_ci'].get(name))} |")
-        lines += ["", "![checker accuracy](checker.png)", "",
-                  "All attributes right, by prompt form:",
-                  "", "| form | reference | policy | change |", "|---|---|---|---|"]
-        for form, pol in result["models"]["policy"]["checker_by_form"].items():
-            ref = result["models"]["reference"]["checker_by_form"][form]
-            lines.append(f"| {form} | {rate_value(ref)} | {rate_value(pol)} | "
-                         f"{100 * (pol['mean'] - ref['mean']):+.1f} pts |")
-    if "heldout" in result:
-        lines += ["", "## Transfer: held-out compositions", "",
-                  f"{result['heldout']['prompts']} prompts that no model trained on (prompts/heldout.jsonl), the same "
-                  "images per prompt and temperature: does what RL taught carry over to compositions never seen?", "",
-                  *change_table(result["heldout"])]
+        lines += _judge_section(result, judge.name)
+    lines += _other_sets(result)
     if len(by_temperature) > 1:
         lines += _temperature_table(by_temperature)
     lines += ["", "## What it cost", "",

@@ -2,7 +2,8 @@
 
 Rewards are shown in their own units with 3 decimals; the judge's accuracies in percent, their
 changes in points. Every change is paired per image (the same prompt and seed for policy and
-reference) with its 95% interval, and called a rise or a fall only when that interval excludes 0.
+reference) with a 95% interval that resamples the captions (intervals.py), and called a rise or a
+fall only when that interval excludes 0.
 
 Possible reward hacking is named the way the reward-hacking literature reads a reward-swap table
 (a trained reward up, an independent measure down: Gao et al. 2022, "Scaling laws for reward model
@@ -64,9 +65,14 @@ def duplicate_of_judge(result: dict) -> str | None:
     return None
 
 
+def interval_heading(result: dict) -> str:
+    """What a change column's interval resamples, with the number of captions it rests on."""
+    return f"change (paired; 95% interval over {result.get('captions', result['prompts'])} captions)"
+
+
 def change_table(result: dict) -> list[str]:
     """One row per reward, then the judge's all-right rate: reference, policy, paired change."""
-    lines = ["| measured by | reference | policy | change (paired, 95% interval) |", "|---|---|---|---|"]
+    lines = [f"| measured by | reference | policy | {interval_heading(result)} |", "|---|---|---|---|"]
     twin = duplicate_of_judge(result)
     for name in result["models"]["policy"]["rewards"]:
         if name == twin:
@@ -86,9 +92,40 @@ def _names(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def what_changed(result: dict, trained: list[str], monitored: list[str], kl: list[float]) -> list[str]:
+def rollout_trend(metrics: list[dict], name: str) -> dict | None:
+    """Reward `name` on the training rollouts (`reward/<name>/mean` of metrics.jsonl): its mean over the
+    first and the last quarter of the steps, and the change with a 95% interval that takes each step's
+    mean as one draw (Welch, normal approximation); None with fewer than 8 steps logged."""
+    values = [m[f"reward/{name}/mean"] for m in metrics if m.get(f"reward/{name}/mean") is not None]
+    if len(values) < 8:
+        return None
+    q = len(values) // 4
+    first, last = values[:q], values[-q:]
+    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    var = lambda v: sum((x - mean(v)) ** 2 for x in v) / (len(v) - 1)  # noqa: E731
+    half = 1.96 * (var(first) / q + var(last) / q) ** 0.5
+    change = mean(last) - mean(first)
+    return {"first": mean(first), "last": mean(last), "steps": q,
+            "change": {"mean": change, "ci95": [change - half, change + half]}}
+
+
+def _rollouts_sentence(trend: dict | None, trained_up: list[str]) -> list[str]:
+    """The judge on the training rollouts: flat while a trained reward rose says RL taught the reward."""
+    if not trend:
+        return []
+    rates = (f"{100 * trend['first']:.1f}% over the first {trend['steps']} steps' rollouts and "
+             f"{100 * trend['last']:.1f}% over the last {trend['steps']} ({rate_change(trend['change'])})")
+    if trained_up and not _sign(trend["change"]):
+        return [f"**On its own training rollouts the judge did not move** ({rates}) while {_names(trained_up)} "
+                "rose: what RL taught here is mostly the trained rewards, not the task the judge checks."]
+    return [f"On the training rollouts the judge's rate was {rates}."]
+
+
+def what_changed(result: dict, trained: list[str], monitored: list[str], kl: list[float],
+                 rollouts: dict | None = None) -> list[str]:
     """The paragraph at the top of the report: what rose and fell beyond its interval, a plain line
-    when that looks like reward hacking, and the KL it cost."""
+    when that looks like reward hacking, the judge on the training rollouts (`rollouts`, a
+    `rollout_trend`), and the KL it cost."""
     changes = result.get("difference_ci", {})
     judged = result.get("checker_difference_ci", {})
     up = lambda names: [n for n in names if _sign(changes.get(n)) > 0]  # noqa: E731
@@ -113,7 +150,7 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
         ref = result["models"]["reference"]["checker"]["correct"]["mean"]
         pol = result["models"]["policy"]["checker"]["correct"]["mean"]
         said.append(f"The exact judge's all-attributes-right rate went from {100 * ref:.1f}% to {100 * pol:.1f}% "
-                    f"({rate_change(judged.get('correct'))}).")
+                    f"({rate_change(judged.get('correct'))}, {result.get('captions', result['prompts'])} captions).")
         attrs = [a for a in judged if a != "correct"]
         for verb, sign in (("Rose", 1), ("Fell", -1)):
             moved = [a for a in attrs if _sign(judged[a]) == sign]
@@ -133,6 +170,7 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
         said.append(f"**Possible reward hacking:** {_names(up(trained))} rose while {_names(fell)} fell: the "
                     "policy may be learning what the reward model scores rather than what the prompts ask. "
                     "Look at the samples below before trusting the trained reward's gain.")
+    said += _rollouts_sentence(rollouts, up(trained))
     if kl:
         said.append(f"It cost a KL to the reference of {kl[-1]:.3f} per token at the last step "
                     f"(max {max(kl):.3f}).")

@@ -190,3 +190,25 @@ def test_the_last_images_seed_must_stay_in_range(project_run, tmp_path, capsys):
         with pytest.raises(SystemExit):
             cli(*args)
         assert f"the last image would get seed {last}, past the largest seed, 4294967295" in capsys.readouterr().err
+
+
+def test_eval_scores_three_sets_with_intervals_over_captions_and_draws_again(project_run, tmp_path, capsys):
+    from grpo_vision.config import ConfigError
+    from grpo_vision.prompts import load_prompts
+
+    cli("eval", project_run, "--n", 2)
+    sets = json.loads(capsys.readouterr().out)["sets"]
+    assert list(sets) == ["test", "heldout", "train_sample"]  # the headline first, then what it trained on
+    test = sets["test"]
+    assert (test["prompts"], test["images_per_prompt"]) == (8, 2)  # configs/shapes_micro.yaml: data.eval_size 8
+    assert test["captions"] == len({e.prompt for e in load_prompts(project_run / "prompts" / "test.jsonl")})
+    change = test["checker_difference_ci"]["correct"]
+    assert change["captions"] == test["captions"] and change["n"] == 16  # resampled by caption, 16 images
+    assert test["checker_difference_ci_per_image"]["correct"]["mean"] == change["mean"]  # the same change
+    assert "captions" not in test["checker_difference_ci_per_image"]["correct"]  # labelled: per image
+    cli("eval", project_run, "--n", 1, "--draw", 2)
+    drawn = json.loads(capsys.readouterr().out)
+    assert drawn["draw"] == 2 and list(drawn["sets"]) == ["test", "heldout"]  # the training sample is the run's
+    with pytest.raises((ConfigError, SystemExit)) as refused:  # raised, or printed in one line and exit 2
+        cli("eval", project_run, "--draw", 2, "--prompts", prompts_file(tmp_path / "p.txt"))
+    assert "--draw and --prompts: give one" in str(refused.value) + capsys.readouterr().err

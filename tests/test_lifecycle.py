@@ -159,7 +159,7 @@ def signalling_reward(images, prompts, metadata):  # python:tests.test_lifecycle
 
 def test_sigterm_during_the_report_says_the_training_finished_and_resume_writes_it(micro_world, tmp_path):
     run = tmp_path / "shapes_micro"
-    cmd = train_cmd(micro_world, tmp_path, "reward.monitor=[]",
+    cmd = train_cmd(micro_world, tmp_path, "reward.monitor=[]", "data.eval_size=32",
                     "reward.weights={python:tests.test_lifecycle:signalling_reward: 1.0}")
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
                          env={**os.environ, "SIGTERM_IN_REPORT": "1"})

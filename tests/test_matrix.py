@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.matrix import DONE, parse_reward_spec, plan, run_matrix
 from grpo_vision.matrix_jobs import OutLock
-from grpo_vision.matrix_score import pairwise_distance, summarize
+from grpo_vision.matrix_score import pairwise_distance, pool_seeds, summarize
 from grpo_vision.metrics import load_metrics
 from grpo_vision.prompts import PromptsError
 from grpo_vision.runlock import RunLock, RunLockedError
@@ -77,15 +77,33 @@ def test_pairwise_distance_by_hand():
 def test_changes_are_paired_per_image():
     def scores(clip):
         return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {"correct": [1.0, 0.0, None]},
-                                  "diversity": [0.5], "entropy": [1.0, 1.0, 1.0], "kl": [0.0, 0.1, 0.2]}}}
+                                  "diversity": [0.5, 0.4, 0.3], "entropy": [1.0, 1.0, 1.0], "kl": [0.0, 0.1, 0.2]}}}
 
-    ref, run = scores([0.1, 0.5, 0.9]), scores([0.2, 0.6, 1.0])  # every image up by exactly 0.1
-    table = summarize(run, ref)["test"]
+    ref, run = scores([0.1, 0.5, 0.9]), scores([0.2, 0.6, 1.0])  # 3 prompts x 1 image, each up by exactly 0.1
+    table = summarize(run, ref, {"test": ["a red circle", "a blue square", "a green circle"]})["test"]
     assert table["clip"]["change"]["mean"] == pytest.approx(0.1)
     lo, hi = table["clip"]["change"]["ci95"]  # a paired change with no spread has a zero-width interval,
     assert lo == pytest.approx(0.1) and hi == pytest.approx(0.1)  # though the values spread by 0.8
-    assert table["judge/correct"]["change"] == {"mean": 0.0, "ci95": [0.0, 0.0], "n": 2}  # None: does not apply
+    # None: does not apply; the interval resamples the two captions that have a value
+    assert table["judge/correct"]["change"] == {"mean": 0.0, "ci95": [0.0, 0.0], "n": 2, "captions": 2}
     assert table["kl"]["mean"] == pytest.approx(0.1) and "change" not in table["kl"]
+
+
+def test_seeds_pool_into_one_mean_whose_interval_resamples_them():
+    from types import SimpleNamespace
+
+    def scores(clip):
+        return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {}, "diversity": [0.5] * 4,
+                                  "entropy": [1.0] * 4, "kl": [0.0] * 4}}}
+
+    scorer = SimpleNamespace(captions={"test": ["a", "b", "c", "d"]}, strata={"test": [None] * 4})
+    ref = scores([0.0] * 4)
+    # seed 0 changes every caption by 0.1, seed 1 by 0.3: the mean is 0.2 and, the captions saying
+    # nothing (each seed constant), the interval is the seeds' own [0.1, 0.3]
+    pooled = pool_seeds(scorer, ref, [scores([0.1] * 4), scores([0.3] * 4)])["test"]
+    assert pooled["clip"]["change"]["mean"] == pytest.approx(0.2)
+    assert pooled["clip"]["change"]["ci95"] == pytest.approx([0.1, 0.3])
+    assert pooled["clip"]["change"]["seeds"] == 2 and "kl" not in pooled
 
 
 def _overrides(world, folder):
@@ -130,7 +148,7 @@ def test_matrix_through_the_cli_goes_on_past_a_failed_run_and_reuses_the_rest(mi
     assert ckpt.stat().st_mtime_ns == mtime
     result = json.loads((out / "matrix.json").read_text())
     assert [r["name"] for r in result["runs"]] == ["clip-kl0-s0", "placebo-kl0-s0"]
-    assert set(result["reference"]) == {"test", "heldout"}  # both eval sets
+    assert set(result["reference"]) == {"test", "heldout", "train_sample"}  # both eval sets, some training prompts
     for run in result["runs"]:
         assert run["summary"]["step"] == 2
         for set_name, table in run["summary"]["sets"].items():

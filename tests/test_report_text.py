@@ -1,6 +1,7 @@
 """report.md's words from eval.json's numbers: units, the judge's duplicate row, "What changed"."""
 
-from grpo_vision.report_text import change_table, duplicate_of_judge, rate_change, reward_change, what_changed
+from grpo_vision.report_text import (change_table, duplicate_of_judge, rate_change, reward_change, rollout_trend,
+                                     what_changed)
 
 
 def entry(mean, lo, hi):
@@ -19,7 +20,7 @@ def result():
                "shapes_exact": judge["correct"]}
     models = {m: {"rewards": {k: v[i] for k, v in rewards.items()}, "checker": {k: v[i] for k, v in judge.items()}}
               for i, m in enumerate(("reference", "policy"))}
-    return {"models": models,
+    return {"models": models, "prompts": 128, "captions": 76,
             "difference_ci": {"clip": entry(0.051, 0.014, 0.088), "aesthetic": entry(0.43, 0.33, 0.53),
                               "shapes_exact": entry(0.129, 0.06, 0.198)},
             "checker_difference_ci": {"correct": entry(0.129, 0.06, 0.198), "count": entry(0.15, 0.08, 0.22),
@@ -44,7 +45,7 @@ def test_the_judge_as_a_reward_is_one_row_not_two():
 def test_what_changed_names_rises_falls_hacking_and_the_kl():
     text = " ".join(what_changed(result(), ["clip", "aesthetic"], ["shapes_exact"], [0.05, 0.20, 0.144]))
     assert "The trained rewards clip and aesthetic rose (clip +0.051 [+0.014, +0.088]; aesthetic +0.430" in text
-    assert "from 24.2% to 37.1% (+12.9 pts [+6.0, +19.8])" in text
+    assert "from 24.2% to 37.1% (+12.9 pts [+6.0, +19.8], 76 captions)" in text
     assert "Rose beyond their intervals: count +15.0 pts" in text
     assert "Fell beyond their intervals: color -12.5 pts [-20.0, -5.0]; relation -20.3 pts" in text
     assert "**Possible reward hacking:** clip and aesthetic rose while the judge's color and relation accuracy fell" \
@@ -72,3 +73,29 @@ def test_the_all_right_rate_is_named_apart_and_a_zero_width_interval_says_nothin
     text = " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
     assert "rose while the judge's all-attributes-right rate and the judge's color and relation accuracy fell" in text
     assert "count" not in text.split("**Possible reward hacking:**")[1]
+
+
+def test_intervals_say_how_many_captions_they_rest_on():
+    r = result()
+    assert "95% interval over 76 captions" in change_table(r)[0]
+    assert "(+12.9 pts [+6.0, +19.8], 76 captions)" in what_changed(r, ["clip"], [], [])[2]
+
+
+def test_rollout_trend_by_hand():
+    # 8 steps: quarters of 2; first 0.2, 0.4 (mean 0.3, var 0.02), last 0.5, 0.7 (mean 0.6, var 0.02)
+    rows = [{"reward/j/mean": v} for v in (0.2, 0.4, 0.3, 0.3, 0.3, 0.3, 0.5, 0.7)]
+    t = rollout_trend(rows, "j")
+    assert (round(t["first"], 6), round(t["last"], 6), t["steps"]) == (0.3, 0.6, 2)
+    half = 1.96 * (0.02 / 2 + 0.02 / 2) ** 0.5  # Welch: sqrt(var1/n1 + var2/n2) = sqrt(0.02) = 0.1414
+    assert [round(x, 6) for x in t["change"]["ci95"]] == [round(0.3 - half, 6), round(0.3 + half, 6)]
+    assert rollout_trend(rows[:7], "j") is None  # fewer than 8 logged steps say nothing
+
+
+def test_a_flat_judge_on_the_rollouts_is_named_when_the_rewards_rose():
+    flat = [{"reward/j/mean": v} for v in (0.23, 0.27, 0.22, 0.27, 0.22, 0.24, 0.25, 0.24)]
+    text = what_changed(result(), ["clip", "aesthetic"], [], [], rollout_trend(flat, "j"))[2]
+    assert "**On its own training rollouts the judge did not move** (25.0% over the first 2 steps' rollouts" in text
+    assert "while clip and aesthetic rose" in text
+    rising = [{"reward/j/mean": v} for v in (0.20, 0.21, 0.25, 0.27, 0.30, 0.33, 0.40, 0.41)]
+    text = what_changed(result(), ["clip", "aesthetic"], [], [], rollout_trend(rising, "j"))[2]
+    assert "did not move" not in text and "On the training rollouts the judge's rate was 20.5%" in text

@@ -99,8 +99,12 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
     test, heldout, trained = (load_prompts(run / "prompts" / f"{n}.jsonl") for n in ("test", "heldout", "train"))
     assert not {e.prompt for e in trained} & {e.prompt for e in (*test, *heldout)}
     from grpo_vision.evaluate import run_eval_sets  # what `eval RUN` scores without --prompts
-    assert {k: [e.prompt for e in v] for k, v in run_eval_sets(run, None).items()} == \
-        {"test": [e.prompt for e in test], "heldout": [e.prompt for e in heldout]}
+    sample = load_prompts(run / "prompts" / "train_sample.jsonl")  # scored beside them, never held out
+    assert {e.prompt for e in sample} <= {e.prompt for e in trained}
+    scored = run_eval_sets(run, load_config(run / "config.yaml"))
+    assert {k: [e.prompt for e in v] for k, v in scored.items()} == {
+        "test": [e.prompt for e in test], "heldout": [e.prompt for e in heldout],
+        "train_sample": [e.prompt for e in sample]}
 
 
 def test_resume_is_exact(micro_world, tmp_path):
