@@ -49,7 +49,7 @@ def cmd_config(args) -> None:
 def cmd_train(args) -> None:
     from grpo_vision.health import run_summary, warn
     from grpo_vision.metrics import load_metrics
-    from grpo_vision.policies import prompt_lists
+    from grpo_vision.policies import run_prompt_sets
     from grpo_vision.run_folder import refuse_code
     from grpo_vision.train import resume_config, train
 
@@ -60,7 +60,7 @@ def cmd_train(args) -> None:
                               "config.yaml; add key=value overrides to change it)")
         cfg = resume_config(args.resume, ([args.config] if args.config else []) + overrides)
         # a run folder may be someone else's: the code its rewards name runs only when the user says so
-        refuse_code(cfg, prompt_lists(cfg).all(), args.resume, args.trust_run)
+        refuse_code(cfg, run_prompt_sets(cfg, args.resume).all(), args.resume, args.trust_run)
     else:
         if not args.config:
             raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")

@@ -104,16 +104,12 @@ class TrainConfig:
     kl_metric_sequences: int = 0
     adapter_rank: int = 16  # the adapter's rank r (LoRA, LoHa, LoKr)
     adapter_alpha: float = 32.0  # the adapter's scaling numerator: its update is scaled by alpha / r
-    adapter_targets: list[str] = field(  # module names that receive the adapter
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
+    adapter_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # modules
 
 
 @dataclass
 class RewardConfig:
-    weights: dict[str, float] = field(  # reward name -> weight in the trained total
-        default_factory=lambda: {"clip": 1.0, "aesthetic": 1.0}
-    )
+    weights: dict[str, float] = field(default_factory=lambda: {"clip": 1.0, "aesthetic": 1.0})  # name -> weight
     monitor: list[str] = field(default_factory=list)  # rewards logged and evaluated, not trained on
     # reward name -> its options, checked by that reward's options dataclass (rewards/models.py), e.g.
     # {clip: {model: ViT-L-14-quickgelu, checkpoint: /models/clip.bin}}; a policy kind may supply defaults
@@ -160,13 +156,18 @@ class DataConfig:
     # (the test captions' distribution); "all" = both splits, so RL also trains on held-out
     # compositions (other captions than the transfer row's); "heldout" = held-out compositions only
     world_train_split: Literal["train", "all", "heldout"] = "train"
+    # Captions in each of the kind's eval sets (ShapesWorld: test, held-out, and the sample of training
+    # captions the report also scores), drawn balanced by prompt form; eval_draw 2, 3, ... draws other
+    # test and held-out captions from the same pools (a check that the headline is not the draw's)
+    eval_size: int = 128
+    eval_draw: int = 1
 
 
 @dataclass
 class LogConfig:
     sample_every: int = 25  # save a policy-vs-reference sample grid every N steps; 0 = never
     checkpoint_every: int = 50  # write a checkpoint every N steps; 0 = only at the end
-    eval_images: int = 4  # images per eval prompt (test and held-out sets) in the final report
+    eval_images: int = 4  # images per prompt of each scored set (test, held-out, training sample) in the report
     # Sampling temperatures at which the report evaluates policy and reference (the same seeds for
     # both); the first gives the headline tables, each one a row of the by-temperature table. Empty =
     # sample.temperature only. Training still samples at sample.temperature
@@ -264,6 +265,8 @@ def validate(cfg: Config) -> None:
         (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
         (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per eval prompt in the report)"),
         (cfg.data.test_prompts >= 1, "data.test_prompts must be >= 1 (prompts held back as the test set)"),
+        (cfg.data.eval_size >= 1, "data.eval_size must be >= 1 (captions per eval set)"),
+        (cfg.data.eval_draw >= 1, "data.eval_draw must be >= 1 (1: the eval sets every run is scored on)"),
     ]
     for ok, message in checks:
         if not ok:

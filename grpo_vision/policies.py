@@ -105,14 +105,20 @@ class PromptSets:
 
     `test` is the headline (GenEval's practice): prompts of the training distribution held back from
     training. `heldout` is the transfer row: compositions no model trained on (empty when the kind or
-    the config names none)."""
+    the config names none). `train_sample`: some of the training prompts, scored beside both, so that a
+    reader sees what RL did on what it trained on against what it never saw."""
     train: list[PromptEntry]
     test: list[PromptEntry]
     heldout: list[PromptEntry] = field(default_factory=list)
+    train_sample: list[PromptEntry] = field(default_factory=list)
 
     def named(self) -> dict[str, list[PromptEntry]]:
-        """The evaluation sets that have prompts, the headline first."""
+        """The evaluation sets that have prompts (never trained on), the headline first."""
         return {k: v for k, v in (("test", self.test), ("heldout", self.heldout)) if v}
+
+    def scored(self) -> dict[str, list[PromptEntry]]:
+        """What the report and the matrix score: the evaluation sets, then the sample of training prompts."""
+        return {**self.named(), **({"train_sample": self.train_sample} if self.train_sample else {})}
 
     def all(self) -> list[PromptEntry]:
         return [*self.train, *self.test, *self.heldout]
@@ -138,6 +144,9 @@ def prompt_lists(cfg: Config) -> PromptSets:
     sets = PromptSets([e for e in train if e.prompt not in unseen], test, heldout)
     if not sets.train:  # else the first step fails deep in numpy, after the run folder is written
         raise ConfigError(_nothing_to_train(cfg, train, sets, own is not None))
+    kept = {e.prompt for e in sets.train}
+    sets.train_sample = [e for e in own.train_sample if e.prompt in kept] if own and own.train_sample else \
+        _draw(sets.train, min(d.eval_size, len(kept)))
     return sets
 
 
@@ -160,20 +169,36 @@ def _nothing_to_train(cfg: Config, train: list[PromptEntry], sets: PromptSets, k
 
 def _hold_back(entries: list[PromptEntry], n: int, source: str) -> list[PromptEntry]:
     """`n` distinct prompts of `entries`, drawn with SPLIT_SEED, as the test set."""
+    if len({e.prompt for e in entries}) < 2 * n:
+        raise ConfigError(f"{source} has {len({e.prompt for e in entries})} distinct prompts: too few to hold back "
+                          f"data.test_prompts={n} as the test set and train on the rest; give data.eval_prompts (a "
+                          "test set of your own) or lower data.test_prompts")
+    return _draw(entries, n)
+
+
+def _draw(entries: list[PromptEntry], n: int) -> list[PromptEntry]:
+    """`n` distinct prompts of `entries` drawn with SPLIT_SEED, in the order they come in."""
     distinct = list({e.prompt: e for e in entries}.values())
-    if len(distinct) < 2 * n:
-        raise ConfigError(f"{source} has {len(distinct)} distinct prompts: too few to hold back data.test_prompts="
-                          f"{n} as the test set and train on the rest; give data.eval_prompts (a test set of "
-                          "your own) or lower data.test_prompts")
     order = torch.randperm(len(distinct), generator=torch.Generator().manual_seed(SPLIT_SEED))[:n]
     return [distinct[i] for i in sorted(order.tolist())]
 
 
-def checked_prompt_sets(cfg: Config, bundle: Bundle) -> PromptSets:
-    """`prompt_lists`, each prompt checked against the loaded policy: an unknown word stops the run
+def run_prompt_sets(cfg: Config, run_dir: str | Path | None = None) -> PromptSets:
+    """The prompts a run saved at its start (`run_dir`/prompts/*.jsonl), so that a resumed run trains on
+    what it trained on whatever a later version of a kind's draw gives; else `prompt_lists(cfg)`."""
+    folder = Path(run_dir) / "prompts" if run_dir else None
+    files = [folder / f"{name}.jsonl" for name in ("train", "test", "heldout", "train_sample")] if folder else []
+    # a link is never read as the run's own (runfiles.py): such a folder falls back to its config's prompts
+    if not files or not files[0].is_file() or any(f.is_symlink() for f in (folder, *files)):
+        return prompt_lists(cfg)
+    return PromptSets(*(load_prompts(f) if f.is_file() else [] for f in files))
+
+
+def checked_prompt_sets(cfg: Config, bundle: Bundle, run_dir: str | Path | None = None) -> PromptSets:
+    """`run_prompt_sets`, each prompt checked against the loaded policy: an unknown word stops the run
     before it starts, naming the prompt and its line (it would be trained on as <unk>)."""
     d = cfg.data
-    sets = prompt_lists(cfg)
+    sets = run_prompt_sets(cfg, run_dir)
     # without data.eval_prompts, a train file's test set is held back from it (and named by its lines)
     for entries, source in ((sets.train, d.train_prompts), (sets.test, d.eval_prompts or d.train_prompts),
                             (sets.heldout, d.heldout_prompts)):

@@ -105,7 +105,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"], params.guided, acc.device,
                   main)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
-    prompts = checked_prompt_sets(cfg, bundle)
+    prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None)
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
     rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
     buffer = None
@@ -158,7 +158,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     if main:  # only once everything has loaded, so a bad override never reaches the run's config
         save_config(cfg, run_dir / "config.yaml")
         save_origin(run_dir)  # what the config's relative paths are relative to: eval RUN works from anywhere
-        for name, entries in (("train", train_prompts), *st.prompts.named().items()):  # the split, fixed in the run
+        for name, entries in (("train", train_prompts), *st.prompts.scored().items()):  # the split, fixed in the run
             save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl", root=run_dir)
     logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
     bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))

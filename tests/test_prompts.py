@@ -148,3 +148,18 @@ def test_a_rejected_long_prompt_is_quoted_briefly(tmp_path, tiny_policy):
         checked_prompt_sets(cfg, Bundle(tiny_policy, None))
     # line 3 is held back as the test set: named by the train file's line, no more "the policy kind's prompts"
     assert str(err.value).startswith(f"{train}, line 3: caption 'red red ") and len(str(err.value)) < 300
+
+
+def test_a_resumed_run_keeps_the_prompts_it_saved(tmp_path):
+    """A later version may draw a kind's sets otherwise (issue 34 did): a run folder's saved prompts win."""
+    from grpo_vision.policies import prompt_lists, run_prompt_sets
+    from grpo_vision.prompts import PromptEntry, save_prompts
+
+    cfg = load_config("configs/shapes.yaml")
+    assert run_prompt_sets(cfg, tmp_path).train == prompt_lists(cfg).train  # nothing saved: the config's
+    saved = {"train": ["a red circle", "a red circle"], "test": ["a blue square"], "heldout": ["a blue triangle"]}
+    for name, prompts in saved.items():
+        save_prompts([PromptEntry(p) for p in prompts], tmp_path / "prompts" / f"{name}.jsonl")
+    sets = run_prompt_sets(cfg, tmp_path)
+    assert [[e.prompt for e in v] for v in (sets.train, sets.test, sets.heldout)] == list(saved.values())
+    assert sets.train_sample == []  # a run from before the sample was written

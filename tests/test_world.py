@@ -350,3 +350,33 @@ def test_committed_world_matches_the_default_recipe():
     recorded = json.loads((world / "world.json").read_text()).get("files")
     assert recorded, "worlds/shapes/world.json records no checksums: add them with grpo-vision world build"
     assert {n: checksum_problem(world, recorded, n) for n in STAGES} == {n: None for n in STAGES}
+
+
+def test_eval_sets_are_balanced_by_form_never_trained_on_and_drawn_again_by_option():
+    from collections import Counter
+
+    from grpo_vision.config import load_config
+    from grpo_vision.policies import prompt_lists
+    from grpo_vision.shapes.scene import all_captions, parse_caption
+
+    cfg = load_config(ROOT / "configs" / "shapes.yaml")
+    sets = prompt_lists(cfg)
+    form = lambda p: parse_caption(p).form  # noqa: E731
+    for entries in (sets.test, sets.heldout, sets.train_sample):
+        assert len(entries) == 128 and set(Counter(form(e.prompt) for e in entries).values()) == {32}
+    test, train = {e.prompt for e in sets.test}, {e.prompt for e in sets.train}
+    # the test pool is half of each form's training-split captions: 15 plain -> 7, 30 size -> 15, 45 -> 22; 32
+    # relation captions of its 420 are drawn; a form with fewer captions than its 32 repeats them
+    assert Counter(map(form, test)) == {"plain": 7, "size": 15, "background": 22, "relation": 32}
+    assert not test & train and {e.prompt for e in sets.train_sample} <= train
+    assert {e.prompt for e in sets.heldout} <= set(all_captions("heldout")) and not set(all_captions("heldout")) & train
+    assert len(set(Counter(form(e.prompt) for e in sets.train).values())) == 1  # training balanced by form too
+    seeded = prompt_lists(load_config(ROOT / "configs" / "shapes.yaml", ["run.seed=3"]))
+    assert seeded.train == sets.train and seeded.train_sample == sets.train_sample  # a data set: seeds share it
+    cfg.data.eval_draw = 2
+    again = prompt_lists(cfg)
+    assert [e.prompt for e in again.train] == [e.prompt for e in sets.train]  # the same run: only the draw differs
+    other = {e.prompt for e in again.test}
+    assert not other & train and len({p for p in other - test if form(p) == "relation"}) >= 28
+    cfg.data.eval_size = 8
+    assert [form(e.prompt) for e in prompt_lists(cfg).test] == ["plain", "size", "background", "relation"] * 2

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 import grpo_vision.shapes.rewards  # noqa: F401  (registers shapes_exact)
 from grpo_vision.policies import Bundle, PromptSets, register_policy_kind
 from grpo_vision.prompts import PromptEntry
 
-TRAIN_PROMPTS = 512  # captions of data.world_train_split a run trains on (minus both eval sets)
-EVAL_PROMPTS = 32  # captions in each eval set: test captions and held-out compositions
-EVAL_SEED = 1  # the eval sets are drawn with a fixed seed: every run.seed is scored on the same prompts
+TRAIN_PROMPTS = 512  # captions of data.world_train_split a run trains on, an equal share per caption form
+EVAL_SEED = 1  # the eval sets are drawn with a fixed seed: every run.seed is scored on the same captions
+# The training captions are a fixed data set too, as a data set is in TRL: run.seed draws each step's
+# prompts from it and every image's seed, so runs that differ in their seed share their training sample
+TRAIN_SEED = 0
 CLIP_CONFIG = Path(__file__).parent / "shapes_clip.json"  # the tiny CLIP's open_clip architecture
 
 
@@ -36,14 +40,57 @@ def world_reward_defaults(world: Path) -> dict[str, dict]:
 
 
 def world_prompts(cfg) -> PromptSets:
-    """The world's captions: training prompts of `data.world_train_split` drawn with the run's seed;
-    test captions of the base policy's training split (compositions it saw, captions RL never trains
-    on: the headline); captions naming a held-out pair, which no model trained on (the transfer row)."""
-    from grpo_vision.shapes.scene import prompt_list
+    """The world's captions, each set an equal share per caption form (plain, size, background, relation:
+    a form the judge finds hard weighs as much as an easy one, whatever its number of captions):
 
-    train = [PromptEntry(p) for p in prompt_list(cfg.data.world_train_split, TRAIN_PROMPTS, cfg.run.seed)]
-    return PromptSets(train, [PromptEntry(p) for p in prompt_list("train", EVAL_PROMPTS, EVAL_SEED)],
-                      [PromptEntry(p) for p in prompt_list("heldout", EVAL_PROMPTS, EVAL_SEED)])
+    * test (the headline): half of each form's captions of the base policy's training split, fixed for
+      every run (EVAL_SEED), are the test pool; RL never trains on them. A set draws data.eval_size of
+      them; a form with fewer captions than its share (15 plain ones: 7 in the pool) repeats them with
+      other image seeds. data.eval_draw 2, 3, ... draw again from the same pool (another relation,
+      background and size sample), for a check of the draw;
+    * held-out (the transfer row): captions naming a held-out colour-shape pair, which no model trained on;
+    * train: TRAIN_PROMPTS captions of data.world_train_split outside the test pool, the same for every
+      run.seed; train_sample: data.eval_size of them, scored beside the eval sets."""
+    from grpo_vision.shapes.scene import FORMS, all_captions
+
+    share = -(-cfg.data.eval_size // len(FORMS))  # per form, rounded up
+    test_pool, rest = {}, {}
+    for form in FORMS:
+        pool = all_captions("train", form)
+        order = np.random.default_rng([EVAL_SEED, FORMS.index(form)]).permutation(len(pool))
+        test_pool[form] = [pool[i] for i in order[:len(pool) // 2]]
+        rest[form] = [pool[i] for i in order[len(pool) // 2:]]
+    heldout_pool = {form: all_captions("heldout", form) for form in FORMS}
+    split = cfg.data.world_train_split
+    train_pool = {f: (rest[f] if split != "heldout" else []) + (heldout_pool[f] if split != "train" else [])
+                  for f in FORMS}
+    train = balanced(train_pool, TRAIN_PROMPTS // len(FORMS), [TRAIN_SEED])
+    draw = [EVAL_SEED, cfg.data.eval_draw]
+    return PromptSets([PromptEntry(p) for p in train],
+                      [PromptEntry(p) for p in balanced(test_pool, share, [*draw, 0])][:cfg.data.eval_size],
+                      [PromptEntry(p) for p in balanced(heldout_pool, share, [*draw, 1])][:cfg.data.eval_size],
+                      [PromptEntry(p) for p in balanced({f: sorted(set(v)) for f, v in _by_form(train).items()},
+                                                        share, [EVAL_SEED, 2])][:cfg.data.eval_size])
+
+
+def balanced(pools: dict[str, list[str]], share: int, seed: list[int]) -> list[str]:
+    """`share` captions of each form's pool (a permutation, cycled when the pool is smaller), the forms
+    taking turns (plain, size, background, relation, plain, ...), so that any prefix is balanced too."""
+    rng = np.random.default_rng(seed)
+    drawn = {}
+    for form, pool in pools.items():
+        order = rng.permutation(len(pool))
+        drawn[form] = [pool[order[i % len(pool)]] for i in range(share)] if pool else []
+    return [drawn[f][i] for i in range(share) for f in pools if drawn[f]]
+
+
+def _by_form(captions: list[str]) -> dict[str, list[str]]:
+    from grpo_vision.shapes.scene import FORMS, parse_caption
+
+    out = {f: [] for f in FORMS}
+    for c in captions:
+        out[parse_caption(c).form].append(c)
+    return out
 
 
 @register_policy_kind("shapes", prompts=world_prompts)
