@@ -19,7 +19,7 @@ from grpo_vision.checkpoint import find_checkpoint, load_checkpoint, load_iterat
 from grpo_vision.config import Config, ConfigError
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.intervals import caption_interval
-from grpo_vision.judge import Judge, judge_tables, paired_changes
+from grpo_vision.judge import Judge, judge_tables, paired_differences
 from grpo_vision.metrics import interval
 from grpo_vision.policies import Bundle, load_bundle, prompt_lists, resolve_device
 from grpo_vision.prompts import PromptEntry, load_prompts
@@ -125,9 +125,9 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
     if result["models"]["policy"]["checker"]:
         keys = list(result["models"]["policy"]["checker"])
         result["checker_difference"] = {k: _diff(result, "checker", k) for k in keys}
-        result["checker_difference_ci"] = paired_changes(verdicts["policy"], verdicts["reference"], keys, prompts,
-                                                         strata)
-        result["checker_difference_ci_per_image"] = paired_changes(verdicts["policy"], verdicts["reference"], keys)
+        diffs = paired_differences(verdicts["policy"], verdicts["reference"], keys)
+        result["checker_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
+        result["checker_difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}
     return result
 
 

@@ -41,7 +41,7 @@ def caption_interval(values: torch.Tensor, captions: Sequence[str], strata: Sequ
     sums = torch.zeros(S, len(index), dtype=torch.float64).index_add_(1, which, v.nan_to_num())  # [S, C]
     counts = torch.zeros(S, len(index), dtype=torch.float64).index_add_(1, which, keep.double())
     seen = counts.sum(0) > 0  # captions where the measure applies (a judge attribute may not)
-    out = {"n": int(keep.sum()) // S if S > 1 else int(keep.sum()), "captions": int(seen.sum())}
+    out = {"n": int(keep.sum()) // S, "captions": int(seen.sum())}
     if two_d:
         out["seeds"] = S
     if not seen.any():
@@ -51,7 +51,8 @@ def caption_interval(values: torch.Tensor, captions: Sequence[str], strata: Sequ
     if int(seen.sum()) < 2:
         return {"mean": round(mean, 5), "ci95": None, **out}
     g = torch.Generator().manual_seed(seed)
-    layer = [strata[captions.index(c)] if strata is not None else None for c in index]
+    stratum_of = dict(zip(captions, strata)) if strata is not None else {}  # a caption has one form
+    layer = [stratum_of.get(c) for c in index]
     draws = torch.zeros(replicates, len(index), dtype=torch.float64)  # times each caption is drawn
     for stratum in dict.fromkeys(layer):
         members = torch.tensor([i for i, s in enumerate(layer) if s == stratum and seen[i]], dtype=torch.long)

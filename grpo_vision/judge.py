@@ -15,7 +15,6 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from grpo_vision.intervals import caption_interval
 from grpo_vision.metrics import interval
 
 Verdict = dict[str, "bool | None"]
@@ -64,16 +63,10 @@ def judge_tables(judge: Judge | None, images: torch.Tensor, prompts: list[str],
     return table, by_form
 
 
-def paired_changes(policy: list[Verdict | None], reference: list[Verdict | None], keys: Sequence[str],
-                   captions: Sequence[str] | None = None, strata: Sequence[str | None] | None = None) -> dict:
-    """Per attribute: the mean and 95% interval of policy minus reference over the images both were
-    judged on with the same seed (the attribute applying to both), as fractions. With `captions` (one
-    per image) the interval resamples captions within `strata` (intervals.caption_interval); without,
-    it holds them fixed (per image)."""
-    out = {}
-    for key in keys:
-        d = torch.tensor([float(p[key]) - float(r[key]) if p is not None and r is not None and p.get(key) is not None
-                          and r.get(key) is not None else float("nan") for p, r in zip(policy, reference)],
-                         dtype=torch.float64)
-        out[key] = interval(d) if captions is None else caption_interval(d, captions, strata)
-    return out
+def paired_differences(policy: list[Verdict | None], reference: list[Verdict | None],
+                       keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Per attribute: policy minus reference per image (the same prompt and seed), as 0/1 differences;
+    NaN where either has no verdict or the attribute does not apply to the prompt."""
+    return {key: torch.tensor([float(p[key]) - float(r[key]) if p is not None and r is not None and
+                               p.get(key) is not None and r.get(key) is not None else float("nan")
+                               for p, r in zip(policy, reference)], dtype=torch.float64) for key in keys}

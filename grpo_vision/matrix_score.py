@@ -196,11 +196,12 @@ def pool_seeds(scorer: Scorer, reference: dict, scores: list[dict]) -> dict:
     out = {}
     for set_name in reference["sets"]:
         r = reference["sets"][set_name]
+        measured = [_measures(s["sets"][set_name], r) for s in scores]
         table = {}
-        for name, (_, ref_values) in _measures(scores[0]["sets"][set_name], r).items():
+        for name, (_, ref_values) in measured[0].items():
             if ref_values is None:
                 continue
-            per_run = torch.stack([_tensor(_measures(s["sets"][set_name], r)[name][0]) for s in scores])
+            per_run = torch.stack([_tensor(m[name][0]) for m in measured])
             table[name] = {"change": caption_interval(per_run - _tensor(ref_values), *_clusters(
                 scorer.captions, scorer.strata, set_name, per_run.shape[1]))}
         out[set_name] = table

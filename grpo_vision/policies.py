@@ -146,7 +146,7 @@ def prompt_lists(cfg: Config) -> PromptSets:
         raise ConfigError(_nothing_to_train(cfg, train, sets, own is not None))
     kept = {e.prompt for e in sets.train}
     sets.train_sample = [e for e in own.train_sample if e.prompt in kept] if own and own.train_sample else \
-        _draw(sets.train, min(d.eval_size, len(kept)))
+        _draw(sets.train, d.eval_size)
     return sets
 
 

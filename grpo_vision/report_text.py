@@ -13,6 +13,8 @@ or a monitored reward falls.
 
 from __future__ import annotations
 
+from statistics import fmean, variance
+
 
 def _sign(change: dict | None) -> int:
     """+1 / -1 when the change's 95% interval excludes 0, else 0 (also for an interval of no width:
@@ -101,11 +103,9 @@ def rollout_trend(metrics: list[dict], name: str) -> dict | None:
         return None
     q = len(values) // 4
     first, last = values[:q], values[-q:]
-    mean = lambda v: sum(v) / len(v)  # noqa: E731
-    var = lambda v: sum((x - mean(v)) ** 2 for x in v) / (len(v) - 1)  # noqa: E731
-    half = 1.96 * (var(first) / q + var(last) / q) ** 0.5
-    change = mean(last) - mean(first)
-    return {"first": mean(first), "last": mean(last), "steps": q,
+    half = 1.96 * (variance(first) / q + variance(last) / q) ** 0.5
+    change = fmean(last) - fmean(first)
+    return {"first": fmean(first), "last": fmean(last), "steps": q,
             "change": {"mean": change, "ci95": [change - half, change + half]}}
 
 

@@ -64,33 +64,31 @@ def world_prompts(cfg) -> PromptSets:
     split = cfg.data.world_train_split
     train_pool = {f: (rest[f] if split != "heldout" else []) + (heldout_pool[f] if split != "train" else [])
                   for f in FORMS}
-    train = balanced(train_pool, TRAIN_PROMPTS // len(FORMS), [TRAIN_SEED])
-    draw = [EVAL_SEED, cfg.data.eval_draw]
-    return PromptSets([PromptEntry(p) for p in train],
-                      [PromptEntry(p) for p in balanced(test_pool, share, [*draw, 0])][:cfg.data.eval_size],
-                      [PromptEntry(p) for p in balanced(heldout_pool, share, [*draw, 1])][:cfg.data.eval_size],
-                      [PromptEntry(p) for p in balanced({f: sorted(set(v)) for f, v in _by_form(train).items()},
-                                                        share, [EVAL_SEED, 2])][:cfg.data.eval_size])
+    train = draw_per_form(train_pool, TRAIN_PROMPTS // len(FORMS), [TRAIN_SEED])
+    drawn = [EVAL_SEED, cfg.data.eval_draw]
+    sets = [interleave(train),
+            interleave(draw_per_form(test_pool, share, [*drawn, 0]))[:cfg.data.eval_size],
+            interleave(draw_per_form(heldout_pool, share, [*drawn, 1]))[:cfg.data.eval_size],
+            interleave(draw_per_form({f: sorted(set(v)) for f, v in train.items()}, share, [EVAL_SEED, 2]))
+            [:cfg.data.eval_size]]
+    return PromptSets(*([PromptEntry(p) for p in captions] for captions in sets))
 
 
-def balanced(pools: dict[str, list[str]], share: int, seed: list[int]) -> list[str]:
-    """`share` captions of each form's pool (a permutation, cycled when the pool is smaller), the forms
-    taking turns (plain, size, background, relation, plain, ...), so that any prefix is balanced too."""
+def draw_per_form(pools: dict[str, list[str]], share: int, seed: list[int]) -> dict[str, list[str]]:
+    """`share` captions of each form's pool: a permutation, cycled when the pool is smaller."""
     rng = np.random.default_rng(seed)
     drawn = {}
     for form, pool in pools.items():
         order = rng.permutation(len(pool))
         drawn[form] = [pool[order[i % len(pool)]] for i in range(share)] if pool else []
-    return [drawn[f][i] for i in range(share) for f in pools if drawn[f]]
+    return drawn
 
 
-def _by_form(captions: list[str]) -> dict[str, list[str]]:
-    from grpo_vision.shapes.scene import FORMS, parse_caption
-
-    out = {f: [] for f in FORMS}
-    for c in captions:
-        out[parse_caption(c).form].append(c)
-    return out
+def interleave(drawn: dict[str, list[str]]) -> list[str]:
+    """The forms taking turns (plain, size, background, relation, plain, ...), so that any prefix of a
+    set is balanced too."""
+    share = max(map(len, drawn.values()), default=0)
+    return [v[i] for i in range(share) for v in drawn.values() if v]
 
 
 @register_policy_kind("shapes", prompts=world_prompts)
