@@ -1,6 +1,6 @@
 """`python demo/app.py RUN [--host 127.0.0.1] [--port N]`: the same app as `grpo-vision demo RUN`.
 
-The logic lives in grpo_vision/demo.py; this script only forwards its arguments to the CLI, so
+The logic lives in grpo_vision/tools/demo.py; this script only forwards its arguments to the CLI, so
 errors (a missing run directory, a taken port) exit 2 with the same messages.
 """
 

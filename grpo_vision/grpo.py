@@ -38,12 +38,38 @@ Variants (names and formulas as in TRL's GRPOTrainer, `grpo_trainer.py` `_comput
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 SCALES = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 IS_LEVELS = ("token", "sequence")
+
+
+@dataclass(frozen=True)
+class LossParams:
+    """The loss's settings (TRL's names; `train.*` in a config), like `sampling.SamplingParams`."""
+    beta: float = 0.0  # weight of the k3 KL to the reference; > 0 needs ref_logprobs
+    epsilon_low: float = 0.2  # ratio clip [1 - epsilon_low, 1 + epsilon_high]
+    epsilon_high: float = 0.2  # DAPO's clip-higher when > epsilon_low; cispo: the weight's cap itself
+    loss_type: str = "grpo"  # one of LOSS_TYPES: how token terms become the loss
+    importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per sequence
+    delta: float | None = None  # INTELLECT-2's cap on the unclipped ratio; None = off
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; choose one of {LOSS_TYPES}")
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(f"unknown importance_sampling_level {self.importance_sampling_level!r}; "
+                             f"choose one of {IS_LEVELS}")
+
+    @classmethod
+    def from_config(cls, train_cfg) -> "LossParams":
+        """The settings of a config's `train` section (delta 0 there means off)."""
+        t = train_cfg
+        return cls(t.beta, t.epsilon_low, t.epsilon_high, t.loss_type, t.importance_sampling_level, t.delta or None)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -179,9 +205,7 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     return mask & (entropy >= threshold.to(entropy.dtype))  # [B*G, N]
 
 
-def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, *, epsilon_low: float,
-                    epsilon_high: float, loss_type: str, importance_sampling_level: str,
-                    delta: float | None) -> tuple[Tensor, Tensor]:
+def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, p: LossParams) -> tuple[Tensor, Tensor]:
     """Per-token policy terms l_t `[B*G, N]` (to maximise) and the ratios `[B*G, N]` they used.
 
     logp, old: `[B*G, N]` with masked entries already zeroed; adv: `[B*G, 1]`.
@@ -189,23 +213,19 @@ def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, *, eps
     # old is detached, so at logp == old the ratio is 1 with d ratio / d logp = 1: the
     # exp(x - x.detach()) identity, giving the plain policy-gradient A * grad(logp).
     log_ratio = logp - old  # [B*G, N]
-    if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
+    if p.importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
         log_ratio = masked_mean(log_ratio, mask, dim=1)[:, None].expand_as(logp)  # [B*G, N], one value a row
     ratio = log_ratio.exp()  # [B*G, N]
-    if loss_type == "cispo":
-        weight = ratio.clamp(max=epsilon_high).detach()  # [B*G, N] the clipped IS weight, a constant
+    if p.loss_type == "cispo":
+        weight = ratio.clamp(max=p.epsilon_high).detach()  # [B*G, N] the clipped IS weight, a constant
         return weight * adv * logp, ratio  # [B*G, N] gradient weight * A * grad(logp) on every token
-    capped = ratio if delta is None else ratio.clamp(max=delta)  # [B*G, N] INTELLECT-2's upper cap
-    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv  # [B*G, N]
+    capped = ratio if p.delta is None else ratio.clamp(max=p.delta)  # [B*G, N] INTELLECT-2's upper cap
+    clipped = ratio.clamp(1 - p.epsilon_low, 1 + p.epsilon_high) * adv  # [B*G, N]
     return torch.minimum(capped * adv, clipped), ratio  # [B*G, N]
 
 
 def _check(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
-           beta: float, loss_type: str, importance_sampling_level: str) -> None:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; choose one of {LOSS_TYPES}")
-    if importance_sampling_level not in IS_LEVELS:
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; choose one of {IS_LEVELS}")
+           beta: float) -> None:
     if beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (the KL term is measured against the reference)")
     if old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
@@ -223,14 +243,9 @@ def grpo_loss(
     ref_logprobs: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    p: LossParams = LossParams(),
     *,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    loss_type: str = "grpo",
     max_tokens: int | None = None,
-    importance_sampling_level: str = "token",
-    delta: float | None = None,
     policy_mask: Tensor | None = None,
     num_items: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -239,9 +254,9 @@ def grpo_loss(
     logprobs/old_logprobs/ref_logprobs/mask/policy_mask: `[B*G, N]`; advantages: `[B*G]`. Masked
     tokens never reach the loss or its gradient, even when their inputs are NaN/inf. old_logprobs and
     ref_logprobs are constants; ref_logprobs may be None only when beta == 0. `num_items` is the
-    "dapo" / "cispo" normaliser (default: this batch's unmasked tokens).
+    "dapo" / "cispo" normaliser (default: this batch's unmasked tokens); `max_tokens` the "dr_grpo" one.
     """
-    _check(logprobs, old_logprobs, ref_logprobs, advantages, mask, beta, loss_type, importance_sampling_level)
+    _check(logprobs, old_logprobs, ref_logprobs, advantages, mask, p.beta)
     mask = mask.bool()  # [B*G, N]
     pg_mask = mask if policy_mask is None else mask & policy_mask.bool()  # [B*G, N] tokens with a policy term
     zeros = torch.zeros_like(logprobs)  # [B*G, N]
@@ -249,9 +264,7 @@ def grpo_loss(
     logp = torch.where(mask, logprobs, zeros)  # [B*G, N]
     old = torch.where(mask, old_logprobs.detach(), zeros)  # [B*G, N]
     adv = advantages.detach().to(logp.dtype)[:, None]  # [B*G, 1]
-    surrogate, ratio = surrogate_terms(logp, old, adv, mask, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
-                                       loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-                                       delta=delta)  # [B*G, N] each
+    surrogate, ratio = surrogate_terms(logp, old, adv, mask, p)  # [B*G, N] each
     surrogate = torch.where(pg_mask, surrogate, zeros)  # [B*G, N]
 
     if ref_logprobs is not None:
@@ -259,18 +272,18 @@ def grpo_loss(
         kl = k3_kl(logp, ref)  # [B*G, N]
     else:
         kl = zeros  # [B*G, N]
-    per_token = surrogate - beta * kl  # [B*G, N]
-    loss = -_aggregate(per_token, mask, loss_type, max_tokens, num_items)
+    per_token = surrogate - p.beta * kl  # [B*G, N]
+    loss = -_aggregate(per_token, mask, p.loss_type, max_tokens, num_items)
 
     with torch.no_grad():
-        if loss_type == "cispo":  # only the weight's cap clips, counted on either sign of A (TRL: A > 0 only)
-            clip_low, clip_high = torch.zeros_like(mask), ratio > epsilon_high  # [B*G, N]
+        if p.loss_type == "cispo":  # only the weight's cap clips, counted on either sign of A (TRL: A > 0 only)
+            clip_low, clip_high = torch.zeros_like(mask), ratio > p.epsilon_high  # [B*G, N]
         else:
             # The min picks the clipped (constant, zero-gradient) term only on one side per sign of A:
             # A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low. Elsewhere r*A is the min.
-            clip_low = (adv < 0) & (ratio < 1 - epsilon_low)  # [B*G, N]
-            clip_high = (adv > 0) & (ratio > 1 + epsilon_high)  # [B*G, N]
-        capped_by_delta = (adv < 0) & (ratio > delta) if delta is not None else torch.zeros_like(mask)  # [B*G, N]
+            clip_low = (adv < 0) & (ratio < 1 - p.epsilon_low)  # [B*G, N]
+            clip_high = (adv > 0) & (ratio > 1 + p.epsilon_high)  # [B*G, N]
+        capped_by_delta = (adv < 0) & (ratio > p.delta) if p.delta is not None else torch.zeros_like(mask)  # [B*G, N]
         any_token = mask.any()
         inf = torch.full_like(ratio, torch.inf)  # [B*G, N]
         one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
@@ -284,7 +297,7 @@ def grpo_loss(
             # With no unmasked token at all, report the neutral ratio 1 rather than +-inf.
             "ratio_max": torch.where(any_token, torch.where(mask, ratio, -inf).amax(), one),
             "ratio_min": torch.where(any_token, torch.where(mask, ratio, inf).amin(), one),
-            "policy_loss": -_aggregate(surrogate, mask, loss_type, max_tokens, num_items),
+            "policy_loss": -_aggregate(surrogate, mask, p.loss_type, max_tokens, num_items),
             "policy_token_frac": masked_mean(pg_mask.to(ratio.dtype), mask),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}

@@ -11,17 +11,30 @@ apart so that `grpo-vision --help` never imports a plugin's models. ShapesWorld 
     world = "grpo_vision.shapes.commands:add_commands"
 
 Plugins load on demand: only when a name is looked up that no registry holds yet, so a run that
-uses built-in kinds and rewards imports no plugin at all.
+uses built-in kinds and rewards imports no plugin at all. The built-in policy kinds (models/kinds.py)
+register the same way, from `BUILT_IN`, before any installed plugin: the core names no model.
 """
 
 from __future__ import annotations
 
 import warnings
+import importlib
 from importlib.metadata import entry_points
 
 PLUGINS = "grpo_vision.plugins"
 COMMANDS = "grpo_vision.commands"
+BUILT_IN = ("grpo_vision.models.kinds",)  # registered first, on the first lookup: llama, janus
 _loaded = False
+_built_in = False
+
+
+def load_built_in() -> None:
+    """Register the built-in policy kinds (their modules import torch, so not before a kind is asked for)."""
+    global _built_in
+    if not _built_in:
+        _built_in = True
+        for module in BUILT_IN:
+            importlib.import_module(module)
 
 
 def load_plugins() -> None:

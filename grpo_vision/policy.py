@@ -1,4 +1,7 @@
-"""The `ImagePolicy` protocol: what the sampler and the trainer need from an image-token model.
+"""The contracts of a model: the `ImagePolicy` protocol, the `Judge` protocol, and the registry of
+policy kinds that load them (`register_policy_kind`, `Bundle`).
+
+`ImagePolicy`: what the sampler and the trainer need from an image-token model.
 
 A policy turns captions into condition token ids, and gives logits over its image codebook, either
 step by step with a KV cache (sampling) or for a whole token sequence at once (teacher forcing, for
@@ -10,17 +13,23 @@ Optional: `unknown_words(prompt) -> list[str]`, the words a policy would read as
 training refuses prompts it cannot read (`prompt_problem` below); Janus reads any text and does not.
 
 The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling.py`. Adapters:
-`llama_policy.LlamaImagePolicy` (built in, LlamaGen-style) and `janus_policy.JanusImagePolicy` (Janus-Pro through transformers).
+`models.llama.LlamaImagePolicy` (built in, LlamaGen-style) and `models.janus.JanusImagePolicy` (Janus-Pro through transformers).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from grpo_vision.config_load import brief
+from grpo_vision.config import Config, ConfigError, PolicyConfig, brief
+from grpo_vision.plugins import load_built_in, load_plugins, not_found_hint
 from grpo_vision.prompts import PromptsError
+
+if TYPE_CHECKING:  # splits.py builds on this module
+    from grpo_vision.splits import PromptSets
 
 
 @runtime_checkable
@@ -88,3 +97,88 @@ def check_prompts(policy, prompts: Iterable[tuple[str, str]]) -> None:
         problem = prompt_problem(policy, prompt)
         if problem:
             raise PromptsError(f"{where}: {problem}")
+
+
+# ---------------------------------------------------------------------------- judges
+
+Verdict = dict[str, "bool | None"]
+
+
+@runtime_checkable
+class Judge(Protocol):
+    name: str  # heading of its tables, e.g. "Exact checker (ShapesWorld)"
+    attributes: Sequence[str]  # the verdict keys besides "correct", in table order
+    forms: Sequence[str]  # prompt forms it groups by (e.g. plain, size, relation); may be empty
+
+    def verdicts(self, images: torch.Tensor, prompts: Sequence[str]) -> list[Verdict | None]:
+        """One verdict per image `[B, 3, H, W]` in [0, 1] against its prompt."""
+        ...
+
+    def form(self, prompt: str) -> str | None:
+        """The prompt's form (one of `forms`), or None when the judge cannot read it."""
+        ...
+
+    def problem(self, prompt: str) -> str | None:
+        """Why the judge cannot read `prompt`, or None when it can."""
+        ...
+
+    # Optional: `render(prompt, seed) -> uint8 [H, W, 3] | None`, an image the prompt describes (the
+    # ground truth shown beside samples; ShapesWorld draws its scene). Sample sheets look it up by name.
+
+
+# ---------------------------------------------------------------------------- policy kinds
+# Policy kinds: a registry of short names mapped to loaders, like the reward registry.
+#
+# A kind's loader reads `policy.path` (and `policy.tokenizer`) and returns a `Bundle`: the policy, its
+# image tokenizer, and what the kind brings besides: a judge (exact verdicts for the report and the
+# demo), default options for rewards whose model files it ships, and its own prompt splits. Built in:
+# `llama` (LlamaImagePolicy with a diffusers VQ tokenizer) and `janus` (Janus-Pro through
+# transformers); plugins add more (ShapesWorld adds `shapes`, see plugins.py).
+#
+#     @register_policy_kind("my_gpt")
+#     def load_my_gpt(pcfg, device) -> Bundle:
+#         return Bundle(MyPolicy.from_pretrained(pcfg.path, device), MyTokenizer(pcfg.tokenizer, device))
+
+PromptSplits = Callable[[Config], "PromptSets"]
+
+
+@dataclass
+class Bundle:
+    policy: torch.nn.Module  # an ImagePolicy
+    tokenizer: torch.nn.Module  # an ImageTokenizer
+    judge: Judge | None = None  # exact per-attribute verdicts, when the kind has a judge
+    reward_defaults: dict[str, dict] = field(default_factory=dict)  # reward name -> default options
+    source: Path | None = None  # the directory the kind loaded from, when it has one
+
+
+@dataclass
+class PolicyKind:
+    name: str
+    load: Callable[[PolicyConfig, torch.device | str], Bundle]
+    prompts: PromptSplits | None = None  # its PromptSets when data.* names no files
+
+
+REGISTRY: dict[str, PolicyKind] = {}
+
+
+def register_policy_kind(name: str, prompts: PromptSplits | None = None):
+    """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
+    kind's default PromptSets."""
+    def wrap(load):
+        REGISTRY[name] = PolicyKind(name, load, prompts)
+        return load
+    return wrap
+
+
+def policy_kind(name: str) -> PolicyKind:
+    load_built_in()
+    if name not in REGISTRY:
+        load_plugins()
+    if name not in REGISTRY:
+        raise ConfigError(f"unknown policy.kind {brief(name)}; registered kinds: {', '.join(sorted(REGISTRY))} "
+                          f"({not_found_hint()})")
+    return REGISTRY[name]
+
+
+def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
+    return policy_kind(pcfg.kind).load(pcfg, device)

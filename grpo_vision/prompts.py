@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_vision.config_load import brief
-from grpo_vision.runfiles import write_file
+from grpo_vision.config.load import brief
+from grpo_vision.files import write_file
 
 # Lists and objects one JSON line may nest. Python's parser stops near 1,000 with a RecursionError, and
 # a value a few hundred deep parses but breaks json.dumps (the run saves its prompts) and copies
@@ -115,7 +115,7 @@ def _parse_jsonl_line(text: str, path: Path, number: int) -> PromptEntry:
 
 def save_prompts(entries: list[PromptEntry], path: str | Path, root: str | Path | None = None) -> None:
     """Write entries as a JSONL prompts file that `load_prompts` reads back (prompt, rewards, metadata);
-    `root`: the run folder that `path` lies in a sub-folder of (runfiles.write_file)."""
+    `root`: the run folder that `path` lies in a sub-folder of (files.write_file)."""
     rows = [{"prompt": e.prompt, **({"rewards": e.rewards} if e.rewards else {}),
              **({"metadata": e.metadata} if e.metadata else {})} for e in entries]
     write_file(path, "".join(json.dumps(row) + "\n" for row in rows), root)

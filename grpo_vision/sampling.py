@@ -190,3 +190,20 @@ def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Ten
     else:  # conditional mode needs the conditional branch only
         c, un = policy(cond, tokens), None  # [B, N, K]
     return token_logprobs(c, un, tokens, params)  # [B, N]
+
+
+def micro_batches(rows: int | torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+    """Row indices in consecutive chunks of `size`: of `range(rows)`, or of the given index tensor (an
+    update's shuffled minibatch). The one way every pass over a step's sequences splits them."""
+    rows = torch.arange(rows) if isinstance(rows, int) else rows
+    return rows.split(size)
+
+
+@torch.no_grad()
+def batched_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                     micro_batch: int) -> torch.Tensor:
+    """`sequence_logprobs` without gradients, `micro_batch` rows a forward pass: `[B, N]` (the old and
+    the reference log-probs of a step)."""
+    return torch.cat([sequence_logprobs(policy, cond[idx], tokens[idx], params)
+                      for idx in micro_batches(cond.shape[0], micro_batch)])
+

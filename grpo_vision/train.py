@@ -1,13 +1,17 @@
 """GRPO training: one loop, read top to bottom. SAMPLING -> REWARD -> ADVANTAGE -> UPDATE -> LOG, and
 with train.iterations > 1 an ITERATION boundary before some steps (iterative.py).
 
-All randomness of a step is derived from (run.seed, step): which prompts, each image's sampling seed
-and the update order. A resumed run therefore continues exactly: it only needs the weights, the
-optimizer and scheduler state and the step, which every checkpoint holds.
+Each phase is a function below `train()`, and each hands the next one a typed container: `Samples`
+(this process's images of the step) -> `Scored` (every reward, gathered) -> `UpdateBatch` (update.py).
+docs/architecture.md draws the data flow and lists the invariants.
+
+All randomness of a step is derived from (run.seed, step) and a salt (seeds.py): which prompts, each
+image's sampling seed and the update order. A resumed run therefore continues exactly: it only needs
+the weights, the optimizer and scheduler state and the step, which every checkpoint holds.
 
 Processes (accelerate) each take whole groups; rewards are gathered so that every process computes
 the same advantages as a one-process run. The policy and its optimizer are prepared by accelerate:
-DDP averages gradients before each optimizer update, or FSDP shards them (distributed.py).
+DDP averages gradients before each optimizer update, or FSDP shards them (run/distributed.py).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from __future__ import annotations
 import math
 import signal
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,33 +27,264 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from grpo_vision.checkpoint import (
+from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, save_config
+from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
+from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
+from grpo_vision.models.adapters import add_adapter
+from grpo_vision.policy import Bundle, load_bundle
+from grpo_vision.prompts import PromptEntry, save_prompts
+from grpo_vision.reference import Reference
+from grpo_vision.rewards import CompositeReward, RewardError
+from grpo_vision.run.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, load_training_state, save_checkpoint,
 )
-from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, save_config
-from grpo_vision.distributed import (
-    full_state_dict, full_weights, is_fsdp, load_optimizer_state, optimizer_state, prepare, trainable_weights,
+from grpo_vision.run.distributed import (
+    full_state_dict, full_weights, gather, is_fsdp, load_optimizer_state, optimizer_state, prepare, process_slice,
+    trainable_weights,
 )
-from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
-from grpo_vision.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
-from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
-from grpo_vision.machine import check_load, set_threads
-from grpo_vision.memory import report_memory
-from grpo_vision.metrics import MetricsLogger, nanmean, nanstd
-from grpo_vision.policies import Bundle, PromptSets, checked_prompt_sets, load_bundle, resolve_device
-from grpo_vision.prompts import save_prompts
-from grpo_vision.reference import Reference, add_adapter
-from grpo_vision.rewards import CompositeReward, RewardError
-from grpo_vision.run_folder import read_run_config, save_origin
-from grpo_vision.run_folder import resume_command
-from grpo_vision.runlock import RunLock, check_run_dir
-from grpo_vision.sampling import SamplingParams, sample_batched
-from grpo_vision.signals import GracefulStop, Interrupted
-from grpo_vision.update import StepBatch, old_logprobs, reference_logprobs, update
+from grpo_vision.run.folder import read_run_config, resume_command, save_origin
+from grpo_vision.run.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
+from grpo_vision.run.lock import RunLock, check_run_dir
+from grpo_vision.run.machine import check_load, resolve_device, set_threads
+from grpo_vision.run.memory import report_memory
+from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, nanmean, nanstd
+from grpo_vision.run.signals import GracefulStop, Interrupted
+from grpo_vision.sampling import Rollout, SamplingParams, sample_batched
+from grpo_vision.seeds import IMAGE, REPLAY, step_rng, step_seed
+from grpo_vision.splits import PromptSets, checked_prompt_sets
+from grpo_vision.update import Learner, UpdateBatch, old_logprobs, policy_tokens, reference_logprobs, update
 
 
-def step_seed(seed: int, step: int, salt: int) -> int:
-    return int(np.random.default_rng([seed, step, salt]).integers(2**62))
+def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
+    st = set_up(cfg, resume)  # every model, reward and prompt loaded; a bad input stops here
+    s, t, main = cfg.sample, cfg.train, st.acc.is_main_process
+    lock = RunLock(st.run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
+    if main:  # only once everything has loaded, so a bad override never reaches the run's config
+        save_run_files(st, cfg)
+    logger = MetricsLogger(st.run_dir, st.start, cfg.log.tensorboard) if main else None
+    stop, step = GracefulStop(), st.start
+    try:
+        for step in (bar := tqdm(range(st.start, t.steps), initial=st.start, total=t.steps, desc="grpo",
+                                 disable=not (progress and main))):
+            timer = PhaseTimer()
+            iteration = new_iteration(st, cfg, step, timer)  # ---- ITERATION: at a boundary (iterative RL)
+            samples = sample_step(st, cfg, step, timer)  # ---- SAMPLING: B prompts x G images, decoded
+            with timer("reward"):  # ---- REWARD: every process's scores, in group order
+                scored = score(st, cfg, samples)
+            # ---- ADVANTAGE: each image against its group, from every process's rewards; this process's rows
+            advantages = group_advantages(scored.total, s.group_size, t.adv_scale)[samples.rows]  # [n]
+            with timer("logprobs"):  # ---- the ratio's old log-probs, the reference's for the KL
+                batch = update_batch(st, cfg, samples, advantages)
+            with timer("update"):  # ---- UPDATE: the clipped GRPO loss, num_iterations passes
+                st.policy.train()
+                losses = update(st.learner, batch, st.params, t, cfg.run.seed, step)
+            after_update(st, cfg, step, samples)
+            # ---- LOG / CHECKPOINT
+            metrics = step_metrics(st, cfg, step, samples, scored, losses, timer) | iteration
+            if main:
+                logger.log(step + 1, metrics)
+                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
+            if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == st.start):
+                sample_grid(st, step)
+            if signum := stop.agreed(st.acc):
+                checkpoint(st, step + 1)
+                print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
+                      f"continue with: {resume_command(st.run_dir, cfg, st.prompts.all())}", file=sys.stderr)
+                raise Interrupted(signum)
+            if st.learner.health.too_many_skipped():  # skipped updates leave the weights as the last applied made them
+                checkpoint(st, step + 1)
+                raise st.learner.health.stuck(step + 1, st.run_dir)
+            if cfg.log.checkpoint_every and (step + 1) % cfg.log.checkpoint_every == 0:
+                checkpoint(st, step + 1)
+        step = t.steps
+        checkpoint(st, step)
+    except RewardError as e:
+        saved = "no step had finished, nothing was saved: the same command starts again"
+        if step:  # at step 0 a checkpoint would hold the starting weights and make the folder refuse a fresh start
+            checkpoint(st, step)
+            saved = f"checkpoint saved at step {step} in {st.run_dir}"
+        raise RewardError(e.name, f"{e.message} ({saved})") from e
+    except NonFiniteWeightsError as e:  # no checkpoint: it would hold the broken weights
+        last = latest_checkpoint(st.run_dir)
+        raise NonFiniteWeightsError(f"{e}; the last checkpoint, {last}, holds finite weights" if last else
+                                    f"{e}; no checkpoint was saved before it") from e
+    else:  # still under the lock: the report is part of the run
+        stop.at_once()  # no step is left to finish: a signal now stops at once
+        if cfg.log.report:
+            write_report(st, cfg, stop)
+    finally:
+        stop.restore()
+        if logger:
+            logger.close()
+        if lock:
+            lock.release()
+    return st.run_dir
+
+
+# ---------------------------------------------------------------------------- the phases' hand-offs
+
+
+@dataclass
+class Samples:  # SAMPLING's hand-off: this process's n = B / processes * G images of the step
+    chosen: np.ndarray  # [B] the step's prompt indices into the training prompts (every process: the same)
+    entries: list[PromptEntry]  # [n] each image's prompt entry, groups contiguous
+    rows: slice  # these images' rows among the step's B*G, in group order
+    cond: torch.Tensor  # [n, L] condition ids
+    rollout: Rollout  # tokens, log-probs and entropy [n, N] each
+    images: torch.Tensor  # [n, 3, H, W] decoded, in [0, 1]
+
+
+@dataclass
+class Scored:  # REWARD's hand-off: every process's images, [B*G] each, in group order
+    total: torch.Tensor  # [B*G] the weighted total (NaN where no reward applies)
+    raw: dict[str, torch.Tensor]  # reward name -> [B*G] its unweighted values (NaN: does not apply)
+    weights: dict[str, torch.Tensor]  # reward name -> [B*G] its weight for each image
+
+
+# ---------------------------------------------------------------------------- the phases
+
+
+def new_iteration(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> dict:
+    """Iterative RL (train.iterations > 1): before the first step of each later iteration, the reference
+    becomes the policy and the rewards that learn update on the iteration's samples; their metrics and
+    the iteration's number (none with one iteration)."""
+    t = cfg.train
+    if t.iterations == 1:
+        return {}
+    index, metrics = iteration_of(step, t.steps, t.iterations), {}
+    if starts_iteration(step, t.steps, t.iterations):
+        with timer("iteration"):
+            if st.reference.mode != "none":
+                sync_reference(st)
+            # not again after a checkpoint saved past it (a reward that failed later in the step)
+            if st.buffer is not None and st.buffer.iteration < index:
+                with full_weights(st.learner.model):  # the decoder may be part of the sharded policy (Janus)
+                    metrics = update_rewards(st.rewards, st.buffer, st.bundle.tokenizer, st.bundle.judge,
+                                             cfg.reward.replay_fraction, step_rng(cfg.run.seed, step, REPLAY),
+                                             cfg.sample.batch_size, st.acc.device)
+    return metrics | {"iteration": index + 1}
+
+
+def sample_step(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> Samples:
+    """Every process draws the step's B prompts (the same list) and samples its own whole groups, each
+    image from its own seed (seeds.IMAGE + its row among the step's B*G)."""
+    s, acc, policy = cfg.sample, st.acc, st.policy
+    with timer("sample"):
+        chosen = step_rng(cfg.run.seed, step).choice(len(st.prompts.train), s.prompts_per_step,
+                                                     replace=len(st.prompts.train) < s.prompts_per_step)
+        entries = [st.prompts.train[i] for i in chosen[process_slice(s.prompts_per_step, acc)]
+                   for _ in range(s.group_size)]
+        rows = process_slice(s.prompts_per_step * s.group_size, acc)
+        seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
+        policy.eval()
+        cond = policy.encode_prompts([e.prompt for e in entries])  # [n, L]
+    with full_weights(st.learner.model):  # decoding too: Janus's VQ decoder is part of the sharded policy
+        with timer("sample"):
+            rollout = sample_batched(policy, cond, seeds, st.params, s.batch_size)
+        with timer("decode"), torch.no_grad():
+            images = torch.cat([st.bundle.tokenizer.decode(rollout.tokens[i:i + s.batch_size])
+                                for i in range(0, len(entries), s.batch_size)])  # [n, 3, H, W]
+    return Samples(chosen, entries, rows, cond, rollout, images)
+
+
+def score(st: RunState, cfg: Config, samples: Samples) -> Scored:
+    """Every reward on this process's images, gathered from every process (in group order)."""
+    entries = samples.entries
+    out = st.rewards(samples.images, [e.prompt for e in entries], [e.metadata for e in entries],
+                     [e.rewards for e in entries])
+    total = gather(st.acc, out.total)  # [B*G]
+    raw = {k: gather(st.acc, v) for k, v in out.raw.items()}
+    weights = {k: gather(st.acc, v) for k, v in out.weights.items()}
+    if cfg.reward.combine == "normalize_then_sum":
+        total = normalize_then_sum(torch.stack([raw[k] for k in st.rewards.names], 1),
+                                   torch.stack([weights[k] for k in st.rewards.names], 1), cfg.sample.group_size)
+    return Scored(total, raw, weights)
+
+
+def update_batch(st: RunState, cfg: Config, samples: Samples, advantages: torch.Tensor) -> UpdateBatch:
+    """The update's inputs: the log-probs its ratio divides by, the reference's for the KL, and the
+    tokens that carry the policy term."""
+    t, acc, cond, tokens = cfg.train, st.acc, samples.cond, samples.rollout.tokens
+    old = old_logprobs(st.policy, cond, samples.rollout, st.params, acc, t.micro_batch_size)
+    with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
+        ref = reference_logprobs(st.policy, st.reference, cond, tokens, st.params, t)
+    mask = torch.ones_like(tokens, dtype=torch.bool)  # image sequences have a fixed length
+    keep = policy_tokens(samples.rollout.entropy, mask, t.top_entropy_quantile, acc)
+    return UpdateBatch(cond, tokens, mask, samples.rollout.logprobs, old, ref, advantages.to(acc.device), keep)
+
+
+def after_update(st: RunState, cfg: Config, step: int, samples: Samples) -> None:
+    """A reference that moves every N steps takes the policy's weights; the step's samples join the
+    replay buffer once it is done (the last iteration's would never be used)."""
+    t = cfg.train
+    if st.reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
+        sync_reference(st)
+    if st.buffer is not None and iteration_of(step, t.steps, t.iterations) < t.iterations - 1:
+        step_entries = [st.prompts.train[i] for i in samples.chosen for _ in range(cfg.sample.group_size)]
+        st.buffer.add(gather(st.acc, samples.rollout.tokens), step_entries)
+
+
+def step_metrics(st: RunState, cfg: Config, step: int, samples: Samples, scored: Scored, losses: dict,
+                 timer: PhaseTimer) -> dict:
+    """The step's namespaced scalars (README, Metrics); the health checks read the rewards here."""
+    G, acc = cfg.sample.group_size, st.acc
+    spread = frac_zero_std(scored.total, G)
+    health = st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, spread)
+    metrics = {f"reward/{k}/mean": nanmean(v) for k, v in scored.raw.items()}
+    metrics |= {f"reward/{k}/std": nanstd(v) for k, v in scored.raw.items()}
+    metrics |= {f"reward/{k}/frac_zero_std": frac_zero_std(v, G) for k, v in scored.raw.items()}
+    return metrics | {
+        "reward/total/mean": nanmean(scored.total), "reward/total/std": nanstd(scored.total),
+        "adv/frac_zero_std": spread, **losses, **health,
+        "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),
+        **timer.metrics(),
+        "perf/sample_tokens_per_s": samples.rollout.tokens.numel() / timer.seconds["sample"],
+        "lr": st.learner.scheduler.get_last_lr()[0],
+    }
+
+
+# ---------------------------------------------------------------------------- around the steps
+
+
+def save_run_files(st: RunState, cfg: Config) -> None:
+    """The run's config, where its relative paths are relative to, and its prompts (fixed in the run)."""
+    save_config(cfg, st.run_dir / "config.yaml")
+    save_origin(st.run_dir)  # eval RUN works from anywhere
+    for name, entries in (("train", st.prompts.train), *st.prompts.scored().items()):
+        save_prompts(entries, st.run_dir / "prompts" / f"{name}.jsonl", root=st.run_dir)
+
+
+def checkpoint(st: RunState, step: int) -> None:
+    """An atomic checkpoint at `step` (run/checkpoint.py), with every process: FSDP gathers the shards
+    together; DDP copies on the main process."""
+    model, optimizer, main = st.learner.model, st.learner.optimizer, st.acc.is_main_process
+    weights = opt_state = None
+    if main or is_fsdp(model):
+        weights, opt_state = trainable_weights(model), optimizer_state(model, optimizer)
+    if main:
+        learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": st.rewards.state_dict()}
+        save_checkpoint(st.run_dir, step, st.policy, optimizer, st.learner.scheduler, st.reference.state_dict(st.policy),
+                        {"counters": st.learner.health.counters}, learned, weights=weights, optimizer_state=opt_state)
+    st.acc.wait_for_everyone()
+
+
+def sync_reference(st: RunState) -> None:
+    """The reference becomes the policy; a frozen copy takes every weight whole, gathered from FSDP's shards."""
+    st.reference.sync(st.policy, full_state_dict(st.learner.model) if st.reference.mode == "frozen" else None)
+
+
+def sample_grid(st: RunState, step: int) -> None:
+    """Policy and reference on the same seeds, four test and four training prompts: samples/step_N.png."""
+    from grpo_vision.evaluation.evaluate import save_sample_grid
+
+    with full_weights(st.learner.model):  # every process: FSDP gathers the shards together
+        if st.acc.is_main_process:
+            save_sample_grid(st.policy, st.reference, st.bundle.tokenizer, st.prompts.test[:4] + st.prompts.train[:4],
+                             st.params, st.run_dir / "samples" / f"step_{step + 1:06d}.png", judge=st.bundle.judge,
+                             root=st.run_dir)
+
+
+# ---------------------------------------------------------------------------- set-up
 
 
 @dataclass
@@ -60,15 +294,11 @@ class RunState:  # everything set-up builds before the first step, on this proce
     params: SamplingParams  # the rollout's sampling settings
     bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
     policy: torch.nn.Module  # the bundle's policy, peft-wrapped when train.adapter is set
-    model: torch.nn.Module  # the policy as accelerate prepared it (DDP / FSDP): the update's forward passes
-    trainable: list[torch.Tensor]  # parameters the optimizer updates
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    learner: Learner  # the prepared model, its optimizer and schedule, the health checks
     reference: Reference
     rewards: CompositeReward
     prompts: PromptSets  # train, and the two eval sets
     start: int  # the first step to run (0, or the resumed checkpoint's step)
-    counters: dict  # RunHealth's counters, checkpointed
     buffer: ReplayBuffer | None  # iterative RL with a learning reward: the samples it updates on
 
 
@@ -119,7 +349,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     elif t.iterations > 1 and reference.mode == "none":
         warnings.warn(f"train.iterations={t.iterations} does nothing here: there is no reference to reset "
                       "(train.reference: none) and no reward that learns", stacklevel=2)
-    start, counters, ckpt = 0, {"skipped_updates": 0}, latest_checkpoint(run_dir) if resume else None
+    start, counters, ckpt = 0, None, latest_checkpoint(run_dir) if resume else None
     if ckpt is not None:  # weights before accelerate shards them (FSDP); the optimizer's state after
         state, ref_state = load_checkpoint(ckpt, policy)
     model, optimizer = prepare(acc, policy, optimizer, t.adapter)
@@ -143,179 +373,22 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     if resume and main:
         print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
               "starting at step 0", flush=True)
-    return RunState(acc, run_dir, params, bundle, policy, model, trainable, optimizer, scheduler, reference,
-                    rewards, prompts, start, counters, buffer)
-
-
-def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
-    # ------------------------------------------------------------------ set-up
-    st = set_up(cfg, resume)
-    acc, run_dir, params, policy, reference, rewards = st.acc, st.run_dir, st.params, st.policy, st.reference, st.rewards
-    tokenizer, optimizer, scheduler, counters, start = st.bundle.tokenizer, st.optimizer, st.scheduler, st.counters, st.start
-    train_prompts = st.prompts.train
-    s, t, main = cfg.sample, cfg.train, acc.is_main_process
-    lock = RunLock(run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
-    if main:  # only once everything has loaded, so a bad override never reaches the run's config
-        save_config(cfg, run_dir / "config.yaml")
-        save_origin(run_dir)  # what the config's relative paths are relative to: eval RUN works from anywhere
-        for name, entries in (("train", train_prompts), *st.prompts.scored().items()):  # the split, fixed in the run
-            save_prompts(entries, run_dir / "prompts" / f"{name}.jsonl", root=run_dir)
-    logger = MetricsLogger(run_dir, start, cfg.log.tensorboard) if main else None
-    bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc="grpo", disable=not (progress and main))
-
-    def checkpoint(step: int) -> None:
-        weights = opt_state = None
-        if main or is_fsdp(st.model):  # FSDP gathers the shards with every process; DDP copies on the main one
-            weights, opt_state = trainable_weights(st.model), optimizer_state(st.model, optimizer)
-        if main:
-            learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": rewards.state_dict()}
-            save_checkpoint(run_dir, step, policy, optimizer, scheduler, reference.state_dict(policy),
-                            {"counters": counters}, learned, weights=weights, optimizer_state=opt_state)
-        acc.wait_for_everyone()
-
-    def sync_reference() -> None:  # a frozen copy takes every weight whole, gathered from FSDP's shards
-        reference.sync(policy, full_state_dict(st.model) if reference.mode == "frozen" else None)
-
     low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
     health = RunHealth(counters, t.max_skipped_updates, loud=main,
                        drift_limit=DRIFT_WARN["low_precision" if low_precision else "float32"])
-    stop = GracefulStop()
-    step = start
-    try:
-        for step in bar:
-            t0 = time.perf_counter()
-            # ---------------------------------------------------------- ITERATION (iterative RL only)
-            # Before the first step of each later iteration: a new anchor, and the rewards that learn update.
-            iteration, index = {}, iteration_of(step, t.steps, t.iterations)
-            if starts_iteration(step, t.steps, t.iterations):
-                if reference.mode != "none":
-                    sync_reference()
-                # not again after a checkpoint saved past it (a reward that failed later in the step)
-                if st.buffer is not None and st.buffer.iteration < index:
-                    replay_rng = np.random.default_rng([cfg.run.seed, step, 3])
-                    with full_weights(st.model):  # the decoder may be part of the sharded policy (Janus)
-                        iteration = update_rewards(rewards, st.buffer, tokenizer, st.bundle.judge,
-                                                   cfg.reward.replay_fraction, replay_rng, s.batch_size, acc.device)
-            # ---------------------------------------------------------- SAMPLING
-            # Every process draws the same global prompt list and keeps its own whole groups.
-            rng = np.random.default_rng([cfg.run.seed, step])
-            chosen = rng.choice(len(train_prompts), s.prompts_per_step, replace=len(train_prompts) < s.prompts_per_step)
-            per_proc = s.prompts_per_step // acc.num_processes
-            mine = chosen[acc.process_index * per_proc:(acc.process_index + 1) * per_proc]
-            entries = [train_prompts[i] for i in mine for _ in range(s.group_size)]
-            prompts = [e.prompt for e in entries]
-            first = acc.process_index * per_proc * s.group_size  # global index of this process's first image
-            seeds = [step_seed(cfg.run.seed, step, first + j) for j in range(len(prompts))]
-            policy.eval()
-            cond = policy.encode_prompts(prompts)  # [n, L]
-            with full_weights(st.model):  # decoding too: Janus's VQ decoder is part of the sharded policy
-                rollout = sample_batched(policy, cond, seeds, params, s.batch_size)
-                t_sample = time.perf_counter() - t0
-                with torch.no_grad():
-                    images = torch.cat([tokenizer.decode(rollout.tokens[i:i + s.batch_size])
-                                        for i in range(0, len(prompts), s.batch_size)])  # [n, 3, H, W]
-            t_decode = time.perf_counter() - t0 - t_sample
-            # ---------------------------------------------------------- REWARD
-            t1 = time.perf_counter()
-            out = rewards(images, prompts, [e.metadata for e in entries], [e.rewards for e in entries])
-            total = acc.gather(out.total.to(acc.device)).cpu()  # [B*G] global, in group order
-            raw = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.raw.items()}
-            weights = {k: acc.gather(v.to(acc.device)).cpu() for k, v in out.weights.items()}
-            if cfg.reward.combine == "normalize_then_sum":
-                total = normalize_then_sum(torch.stack([raw[k] for k in rewards.names], 1),
-                                           torch.stack([weights[k] for k in rewards.names], 1), s.group_size)
-            t_reward = time.perf_counter() - t1
-            # ---------------------------------------------------------- ADVANTAGE
-            t1 = time.perf_counter()
-            adv_all = group_advantages(total, s.group_size, t.adv_scale)  # [B*G], identical on every process
-            n = len(prompts)
-            adv = adv_all[first:first + n].to(acc.device)
-            old = old_logprobs(policy, cond, rollout, params, acc, t.micro_batch_size)
-            with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
-                ref = reference_logprobs(policy, reference, cond, rollout.tokens, params, t)
-            batch = StepBatch(cond, rollout.tokens, rollout.logprobs, old, ref, adv, rollout.entropy)
-            t_logprobs = time.perf_counter() - t1
-            # ---------------------------------------------------------- UPDATE
-            policy.train()
-            t1 = time.perf_counter()
-            losses = update(st.model, st.trainable, optimizer, scheduler, batch, params, cfg, acc, step, health,
-                            lambda salt: step_seed(cfg.run.seed, step, salt))
-            t_update = time.perf_counter() - t1
-            if reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
-                sync_reference()
-            # the step's samples join the buffer once it is done (the last iteration's would never be used)
-            if st.buffer is not None and index < t.iterations - 1:
-                global_entries = [train_prompts[i] for i in chosen for _ in range(s.group_size)]
-                st.buffer.add(acc.gather(rollout.tokens.to(acc.device)).cpu(), global_entries)
-            # ---------------------------------------------------------- LOG / CHECKPOINT
-            metrics = {f"reward/{k}/mean": nanmean(v) for k, v in raw.items()}
-            metrics |= {f"reward/{k}/std": nanstd(v) for k, v in raw.items()}
-            metrics |= {f"reward/{k}/frac_zero_std": frac_zero_std(v, s.group_size) for k, v in raw.items()}
-            spread = frac_zero_std(total, s.group_size)
-            metrics |= {"reward/total/mean": nanmean(total), "reward/total/std": nanstd(total),
-                        "adv/frac_zero_std": spread, **losses,
-                        **health.after_rewards(step, total, raw, weights, spread),
-                        "policy/entropy": acc.reduce(rollout.entropy.mean().to(acc.device), "mean").item(),
-                        "perf/step_s": time.perf_counter() - t0, "perf/sample_s": t_sample, "perf/decode_s": t_decode,
-                        "perf/reward_s": t_reward, "perf/logprobs_s": t_logprobs, "perf/update_s": t_update,
-                        "perf/sample_tokens_per_s": n * policy.num_image_tokens / t_sample,
-                        "lr": scheduler.get_last_lr()[0], **iteration}
-            if t.iterations > 1:
-                metrics["iteration"] = index + 1
-            if main:
-                logger.log(step + 1, metrics)
-                bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
-            if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == start):
-                with full_weights(st.model):  # every process: FSDP gathers the shards together
-                    if main:
-                        from grpo_vision.evaluate import save_sample_grid
-                        save_sample_grid(policy, reference, tokenizer, st.prompts.test[:4] + train_prompts[:4],
-                                         params, run_dir / "samples" / f"step_{step + 1:06d}.png",
-                                         judge=st.bundle.judge, root=run_dir)
-            if signum := stop.agreed(acc):
-                checkpoint(step + 1)
-                print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
-                      f"continue with: {resume_command(run_dir, cfg, st.prompts.all())}", file=sys.stderr)
-                raise Interrupted(signum)
-            if health.too_many_skipped():  # skipped updates leave the weights as the last applied one made them
-                checkpoint(step + 1)
-                raise health.stuck(step + 1, run_dir)
-            if cfg.log.checkpoint_every and (step + 1) % cfg.log.checkpoint_every == 0:
-                checkpoint(step + 1)
-        step = t.steps
-        checkpoint(step)
-    except RewardError as e:
-        saved = "no step had finished, nothing was saved: the same command starts again"
-        if step:  # at step 0 a checkpoint would hold the starting weights and make the folder refuse a fresh start
-            checkpoint(step)
-            saved = f"checkpoint saved at step {step} in {run_dir}"
-        raise RewardError(e.name, f"{e.message} ({saved})") from e
-    except NonFiniteWeightsError as e:  # no checkpoint: it would hold the broken weights
-        last = latest_checkpoint(run_dir)
-        raise NonFiniteWeightsError(f"{e}; the last checkpoint, {last}, holds finite weights" if last else
-                                    f"{e}; no checkpoint was saved before it") from e
-    else:  # still under the lock: the report is part of the run
-        stop.at_once()  # no step is left to finish: a signal now stops at once
-        if cfg.log.report:
-            write_report(st, cfg, stop)
-    finally:
-        stop.restore()
-        if logger:
-            logger.close()
-        if lock:
-            lock.release()
-    return run_dir
+    learner = Learner(model, trainable, optimizer, scheduler, acc, health)
+    return RunState(acc, run_dir, params, bundle, policy, learner, reference, rewards, prompts, start, buffer)
 
 
 def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:
     """The final report; a signal while it is written (or since the last step) stops it, saying that the
     training itself finished and how to write the report again."""
-    from grpo_vision.report import final_report
+    from grpo_vision.evaluation.report import final_report
 
     try:
         if signum := stop.agreed(st.acc):  # every process, or one would wait in full_weights for the others
             raise Interrupted(signum)
-        with full_weights(st.model):  # every process: FSDP gathers the shards together
+        with full_weights(st.learner.model):  # every process: FSDP gathers the shards together
             if st.acc.is_main_process:
                 final_report(st.run_dir, st.policy, st.reference, st.bundle.tokenizer, st.rewards, st.prompts,
                              st.params, cfg, st.bundle.judge)

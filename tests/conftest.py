@@ -1,9 +1,31 @@
+"""Fixtures shared by the test files; plain helpers (ROOT, run_cli, micro_cfg) are in tests/helpers.py.
+
+Two tiers (pyproject.toml's markers): `pytest -m "not e2e"` is the fast tier (math, sampler, config,
+rewards, in-process loops on the micro world); tests marked `e2e` run the CLI in a subprocess, several
+processes, TRL, the browser, matrix runs or world builds. `pytest -q` runs both."""
+
+import sys
+
 import pytest
 import torch
 
-from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+from tests.helpers import micro_cfg
 
 WORDS = "a red blue circle square left of".split()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """accelerate keeps one state per process (its device, its mixed precision): a run trained in this
+    process with run.device=cpu after one on a GPU was refused ("AcceleratorState has already been
+    initialized"). Each in-process train() gets a fresh one, as each CLI process does; accelerate's own
+    AccelerateTestCase.tearDown resets it the same way."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
+        state.GradientState._reset_state()
 
 
 @pytest.fixture
@@ -37,6 +59,18 @@ def micro_world(tmp_path_factory):
     path = tmp_path_factory.mktemp("worlds") / "shapes_micro"
     build_world(path, preset="micro", seed=0, progress=False, log=lambda _: None)
     return path
+
+
+@pytest.fixture(scope="session")
+def micro_run(micro_world, tmp_path_factory):
+    """Two GRPO steps of the micro config, trained once per session in this process: a sample grid each
+    step, checkpoints, and the report evaluated at two temperatures (the headline 0.7, and 1.0). Tests
+    read it and never change it: a test that writes into a run trains its own."""
+    from grpo_vision.train import train
+
+    cfg = micro_cfg(micro_world, tmp_path_factory.mktemp("micro_runs"), "log.sample_every=1",
+                    "log.eval_temperatures=[0.7,1.0]")
+    return train(cfg, progress=False)
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from grpo_vision.distributed import (
+from grpo_vision.run.distributed import (
     as_float, full_state_dict, full_weights, load_optimizer_state, optimizer_state, trainable_weights,
 )
-from grpo_vision.health import weights_finite
-from grpo_vision.llama_policy import LlamaImagePolicy
-from grpo_vision.safe_state import load_state, save_state
+from grpo_vision.run.health import weights_finite
+from grpo_vision.models.llama import LlamaImagePolicy
+from grpo_vision.run.safe_state import load_state, save_state
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 
 

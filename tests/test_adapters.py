@@ -2,20 +2,19 @@
 adapter moves, a reference sync folds it in, and a run saves, resumes and evaluates with it."""
 
 import copy
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from grpo_vision.config import load_config
-from grpo_vision.reference import ADAPTERS, Reference, add_adapter, is_adapter_weight
+from grpo_vision.models.adapters import ADAPTERS, add_adapter, is_adapter_weight
+from grpo_vision.reference import Reference
+from grpo_vision.run.metrics import load_metrics
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
+from grpo_vision.train import train
+from tests.helpers import micro_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
 PARAMS = SamplingParams(cfg_scale=2.0)
 
 
@@ -70,21 +69,18 @@ def test_a_reference_sync_folds_the_adapter_into_the_base_weights(tiny_policy, k
 
 
 @pytest.mark.parametrize("kind", ["loha", "lokr"])
-def test_an_adapter_run_trains_saves_and_loads_through_the_cli(micro_world, tmp_path, kind):
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", f"train.adapter={kind}",
-                          "train.reference=adapter", "train.adapter_rank=4", "train.lr=1e-3", "train.num_iterations=1", "log.report=false",
-                          "log.sample_every=0"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run = tmp_path / "shapes_micro"
+def test_an_adapter_run_trains_saves_and_loads_back(micro_world, tmp_path, kind):
+    run = train(micro_cfg(micro_world, tmp_path, f"train.adapter={kind}", "train.reference=adapter",
+                          "train.adapter_rank=4", "train.lr=1e-3", "train.num_iterations=1", "log.report=false"),
+                progress=False)
     saved = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
     assert saved and all(is_adapter_weight(k) for k in saved)  # only the adapter is trained and saved
     assert max(v.abs().max().item() for v in saved.values()) > 0
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = load_metrics(run)
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-9) and rows[1]["loss/kl"] > 0  # adapter off = reference
 
-    from grpo_vision.evaluate import load_run
-    from grpo_vision.policies import load_bundle
+    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.policy import load_bundle
 
     loaded = load_run(run, device="cpu")  # what eval, sample and the demo load
     own = dict(loaded.policy.named_parameters())
@@ -100,15 +96,7 @@ def test_an_adapter_run_trains_saves_and_loads_through_the_cli(micro_world, tmp_
     assert (on - off).abs().max() > 0  # and adapter on is the trained policy
 
 
-def test_older_lora_keys_read_as_the_adapter_keys(tmp_path):
-    path = tmp_path / "config.yaml"
-    path.write_text("train:\n  reference: lora\n  lora_rank: 8\n  lora_alpha: 16.0\n")
-    with pytest.warns(UserWarning) as seen:
-        cfg = load_config(path)
-    t = cfg.train
-    assert (t.adapter, t.reference, t.adapter_rank, t.adapter_alpha) == ("lora", "adapter", 8, 16.0)
-    text = " ".join(str(w.message) for w in seen)
-    assert "'train.lora_rank' moved to 'train.adapter_rank'" in text and "'train.reference: adapter'" in text
+def test_the_adapter_settings_are_checked_together():
     with pytest.raises(Exception, match="train.reference: adapter is the policy with its adapter disabled"):
         load_config(None, ["train.reference=adapter"])
     with pytest.warns(UserWarning, match="keeps a second full copy of the policy"):

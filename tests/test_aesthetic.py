@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo_vision.aesthetic import (
+from grpo_vision.rewards.aesthetic import (
     CONFIG_NAME, AestheticMLP, load_aesthetic, save_aesthetic,
 )
 from grpo_vision.shapes.build.train_aesthetic import SHAPES_HIDDEN, fit_aesthetic, spearman

@@ -1,23 +1,15 @@
-"""The algorithm menu through the real trainer: each option smoke-trained by the CLI on the micro world,
-its config checks, and the on-policy gauge. The formulas themselves are checked by hand in test_grpo.py."""
+"""The algorithm menu through the real trainer: each option smoke-trained on the micro world, its config
+checks, and the on-policy gauge. The formulas themselves are checked by hand in test_grpo.py."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, load_config
+from grpo_vision.run.metrics import load_metrics
 from grpo_vision.train import train
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def metrics_of(run: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+from tests.helpers import micro_cfg
 
 
 @pytest.mark.parametrize("options, metric", [
@@ -28,16 +20,12 @@ def metrics_of(run: Path) -> list[dict]:
     (["train.top_entropy_quantile=0.2"], "loss/policy_token_frac"),
     (["train.gradient_checkpointing=true"], None),
 ])
-def test_each_option_trains_two_steps_through_the_cli(micro_world, tmp_path, options, metric):
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.report=false",
-                          "log.sample_every=0", *options], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run = tmp_path / "shapes_micro"
+def test_each_option_trains_two_steps(micro_world, tmp_path, options, metric):
+    run = train(micro_cfg(micro_world, tmp_path, "log.report=false", *options), progress=False)
     before = load_file(micro_world / "policy" / "policy.safetensors")
     after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
     assert max((after[k] - before[k]).abs().max().item() for k in after) > 0
-    rows = metrics_of(run)
+    rows = load_metrics(run)
     assert [m["step"] for m in rows] == [1, 2]
     for m in rows:
         assert all(v is not None and math.isfinite(v) for v in m.values()), m
@@ -56,12 +44,10 @@ def test_dapo_and_bnpo_agree_on_one_process(micro_world, tmp_path):
     # Every image has the same number of tokens, so the token mean over an update's minibatch (dapo)
     # equals the mean of its micro-batches' token means (bnpo): the same losses and gradients up to float
     # rounding, over two updates a pass (a normaliser counting the whole step's tokens would halve dapo's).
-    runs = [train(load_config(ROOT / "configs" / "shapes_micro.yaml",
-                              [f"policy.path={micro_world}", f"run.out_dir={tmp_path}", f"run.name={lt}",
-                               "train.steps=1", "log.report=false", "log.sample_every=0", "train.micro_batch_size=2",
-                               "train.minibatches_per_pass=2",
-                               f"train.loss_type={lt}"]), progress=False) for lt in ("bnpo", "dapo")]
-    a, b = (metrics_of(r)[0] for r in runs)
+    runs = [train(micro_cfg(micro_world, tmp_path, f"run.name={lt}", "train.steps=1", "log.report=false",
+                            "train.micro_batch_size=2", "train.minibatches_per_pass=2", f"train.loss_type={lt}"),
+                  progress=False) for lt in ("bnpo", "dapo")]
+    a, b = (load_metrics(r)[0] for r in runs)
     for key in ("loss/policy", "loss/total", "train/grad_norm", "loss/ratio_mean"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-8), key
 

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from grpo_vision.checkpoint import (CheckpointError, checkpoint_steps, find_checkpoint, latest_checkpoint,
+from grpo_vision.run.checkpoint import (CheckpointError, checkpoint_steps, find_checkpoint, latest_checkpoint,
                                     load_checkpoint, load_iterative_state, load_training_state, save_checkpoint)
 
 
@@ -114,7 +114,7 @@ def _assert_disk_full_kept_step_1(tmp_path, error):
 def test_a_full_disk_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     import errno
 
-    import grpo_vision.checkpoint as ckpt
+    import grpo_vision.run.checkpoint as ckpt
 
     model, opt, sched = tiny()
     save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})

@@ -1,21 +1,18 @@
-"""The real `grpo-vision` entry point, run as a user would run it."""
+"""The real `grpo-vision` entry point, run as a user would run it: in a subprocess where what is checked
+is what a shell sees (exit codes, stderr, a closed pipe, start-up imports: the e2e tier), else through
+`main` in this process."""
 
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, cli_cmd, run_cli
 
 
-def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
+@pytest.mark.e2e
 def test_config_prints_resolved_values_and_sizes():
     out = run_cli("config", "configs/shapes.yaml", "train.lr=2e-5", "--num-processes", "2")
     assert out.returncode == 0, out.stderr
@@ -23,6 +20,7 @@ def test_config_prints_resolved_values_and_sizes():
     assert "images_per_step=64" in out.stdout and "images_per_process=32" in out.stdout
 
 
+@pytest.mark.e2e
 def test_config_errors_exit_2_and_name_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("sample:\n  group_siz: 8\n")
@@ -36,18 +34,18 @@ def test_config_errors_exit_2_and_name_the_key(tmp_path):
         assert "Traceback" not in out.stderr
 
 
-def test_bench_sampler_prints_json(tmp_path):
-    from grpo_vision.bench import BENCH_WORDS
-    from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
+def test_bench_sampler_prints_json(tmp_path, capsys):
+    from grpo_vision.cli import main
+    from grpo_vision.tools.bench import BENCH_WORDS
+    from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
 
     # A tiny saved policy, not the default-size one: what is checked is the JSON, not the speed, and
     # the default size took minutes on a shared CPU
     LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(2, 2), dim=32,
                                        n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
-    out = run_cli("bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--batch", "2", "--repeats", "1",
-                  "--top-k", "8", timeout=900)
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--batch", "2", "--repeats", "1",
+          "--top-k", "8"])
+    result = json.loads(capsys.readouterr().out)
     runs = {f"{n}_{t}" for n in ("ours", "generate", "teacher_forced") for t in ("cfg_off", "cfg_on")}
     assert set(result["tokens_per_s"]) == runs
     assert all(v > 0 for v in result["tokens_per_s"].values())
@@ -72,7 +70,9 @@ def test_bench_counts_must_be_positive(capsys):
 
 
 def test_overrides_are_taken_anywhere_on_the_line(monkeypatch, capsys):
-    from grpo_vision import cli
+    import importlib
+
+    cli = importlib.import_module("grpo_vision.cli.main")  # the module: `grpo_vision.cli.main` is also the function
 
     seen = {}
     for name in ("cmd_matrix", "cmd_train", "cmd_bench_step", "cmd_bench_trl"):  # each records what it was given
@@ -115,27 +115,28 @@ def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_a_warning_is_one_line_like_an_error():
     # before: Python's "config.py:199: UserWarning: ..." and the library's source line under it
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "config", "configs/shapes_micro.yaml",
-                          "train.adapter=lora", "train.reference=frozen"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = run_cli("config", "configs/shapes_micro.yaml", "train.adapter=lora", "train.reference=frozen", timeout=120)
     assert out.returncode == 0 and out.stderr == (
         "grpo-vision: warning: train.adapter with train.reference: frozen keeps a second full copy of the policy as "
         "the reference; train.reference: adapter is the same reference (the adapter disabled) without it\n")
 
 
+@pytest.mark.e2e
 def test_a_closed_stdout_ends_the_command_quietly():
     # `grpo-vision eval RUN | head -4` printed a BrokenPipeError traceback; now it exits 141 (128 + SIGPIPE),
     # as a command a closed pipe stopped does, and says nothing
     read, write = os.pipe()
     os.close(read)  # the reader has gone before the command writes
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "config", "configs/shapes_micro.yaml"], cwd=ROOT,
-                         stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    out = subprocess.run(cli_cmd("config", "configs/shapes_micro.yaml"), cwd=ROOT, stdout=write, stderr=subprocess.PIPE,
+                         text=True, timeout=120)
     os.close(write)
     assert out.returncode == 141 and out.stderr == ""
 
 
+@pytest.mark.e2e
 def test_a_non_finite_learning_rate_is_one_line_on_stderr():
     # Before: accepted, and every weight of the policy was NaN in the checkpoints
     out = run_cli("config", "configs/shapes_micro.yaml", "train.lr=inf")
@@ -143,6 +144,7 @@ def test_a_non_finite_learning_rate_is_one_line_on_stderr():
     assert out.stderr == "grpo-vision: error: train.lr must be a finite number in (0, 1], got inf\n"
 
 
+@pytest.mark.e2e
 def test_help_imports_no_model_library_and_shows_defaults():
     # `grpo-vision --help` is fast because parsing imports neither torch nor the world's checker (scipy);
     # checked by what is imported, not by a clock
@@ -151,11 +153,9 @@ def test_help_imports_no_model_library_and_shows_defaults():
             f"print(json.dumps([m for m in {heavy!r} if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert json.loads(out.stdout) == [], out.stderr
-    prompts_help = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "prompts", "--help"], cwd=ROOT,
-                                  capture_output=True, text=True, timeout=120).stdout
+    prompts_help = run_cli("world", "prompts", "--help", timeout=120).stdout
     assert "(default: heldout)" in prompts_help and "{all,plain," in prompts_help and "{," not in prompts_help
     assert "(default: 0)" in prompts_help  # a zero default is shown; an empty one is not
-    version = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "--version"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=120)
+    version = run_cli("--version", timeout=120)
     from grpo_vision import __version__
     assert version.stdout.strip() == f"grpo-vision {__version__}"

@@ -1,4 +1,5 @@
-"""The Gradio demo: pure functions by hand, the app through gradio_client, and a real headless browser."""
+"""The Gradio demo: pure functions by hand, the app through gradio_client (in this process), and the e2e
+tier: the command in a subprocess and a real headless browser."""
 
 import json
 import math
@@ -7,34 +8,22 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from grpo_vision.config import load_config
-from grpo_vision.demo import (MAX_IMAGES, DemoInputError, Side, check_run_dir, clean_prompt, grid_png,
+from grpo_vision.tools.demo import (MAX_IMAGES, DemoInputError, Side, check_run_dir, clean_prompt, grid_png,
                               sampling_request, summary_rows)
-from grpo_vision.demo_app import build_app, launch
-from grpo_vision.plots import curves_figure
+from grpo_vision.tools.demo_app import build_app, launch
+from grpo_vision.evaluation.plots import curves_figure
 from grpo_vision.shapes.judge import ShapesJudge
 from grpo_vision.sampling import SamplingParams
+from tests.helpers import ROOT, cli_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red circle left of a blue square"
-
-
-@pytest.fixture(scope="module")
-def demo_run(micro_world, tmp_path_factory):
-    """Two GRPO steps on the micro world, a checkpoint after each (about 15 s)."""
-    from grpo_vision.train import train
-
-    out = tmp_path_factory.mktemp("demo_runs")
-    cfg = load_config(ROOT / "configs" / "shapes_micro.yaml",
-                      [f"policy.path={micro_world}", f"run.out_dir={out}", "log.sample_every=0", "log.eval_images=1"])
-    return train(cfg, progress=False)
+# the run the app serves: conftest.py's micro_run, two GRPO steps with a checkpoint after each
 
 
 def free_port() -> int:
@@ -44,9 +33,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def served(demo_run, tmp_path_factory):
+def served(micro_run, tmp_path_factory):
     """The app in this process on a free port: (url, port)."""
-    app = build_app(demo_run, out_dir=tmp_path_factory.mktemp("grids"))
+    app = build_app(micro_run, out_dir=tmp_path_factory.mktemp("grids"))
     port = free_port()
     launch(app, port=port)  # the demo command's settings
     yield f"http://127.0.0.1:{port}/", port
@@ -156,8 +145,9 @@ def test_run_directory_errors_name_the_path_and_the_fix(tmp_path):
         check_run_dir(tmp_path)
 
 
+@pytest.mark.e2e
 def test_cli_and_script_exit_2_with_a_message_for_a_missing_run(tmp_path):
-    for cmd in ([sys.executable, "-m", "grpo_vision.cli", "demo", str(tmp_path / "missing")],
+    for cmd in (cli_cmd("demo", tmp_path / "missing"),
                 [sys.executable, "demo/app.py", str(tmp_path / "missing"), "--port", "7999"]):
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2, out.stderr
@@ -196,7 +186,7 @@ def test_api_same_seed_same_images_new_seed_new_images(client):
 
 
 def test_api_compares_any_two_checkpoints(client, micro_world):
-    from grpo_vision.evaluate import generate as sample_images
+    from grpo_vision.evaluation.evaluate import generate as sample_images
     from grpo_vision.images import to_uint8
     from grpo_vision.shapes.world import load_world
 
@@ -238,26 +228,26 @@ def test_the_upload_route_refuses_a_large_file(served):
     assert httpx.post(url, files={"files": ("small.txt", b"x" * 1000)}, timeout=60).status_code == 200
 
 
-def test_bench_demo_reports_seconds_per_click(demo_run, capsys):
+def test_bench_demo_reports_seconds_per_click(micro_run, capsys):
     """The 5-second target is checked by `grpo-vision bench demo RUN --json`, not here; this checks the
     benchmark itself runs the real handler and reports what it timed."""
     from grpo_vision.cli import main
 
-    main(["bench", "demo", str(demo_run), "--json", "--n", "2", "--repeats", "2", "--prompt", "a red circle"])
+    main(["bench", "demo", str(micro_run), "--json", "--n", "2", "--repeats", "2", "--prompt", "a red circle"])
     result = json.loads(capsys.readouterr().out)
     assert result["images_per_side"] == 2 and len(result["seconds"]) == 2 and result["prompt"] == "a red circle"
     assert all(t > 0 for t in result["seconds"]) and result["median_s"] > 0
     with pytest.raises(SystemExit) as exit_info:  # bad input is a command-line error, not a traceback
-        main(["bench", "demo", str(demo_run), "--prompt", "a pink unicorn"])
+        main(["bench", "demo", str(micro_run), "--prompt", "a pink unicorn"])
     assert exit_info.value.code == 2
     assert "bench demo: Words the policy does not know: 'pink', 'unicorn'" in capsys.readouterr().err
 
 
-def test_busy_port_exits_2(demo_run, served, capsys):
+def test_busy_port_exits_2(micro_run, served, capsys):
     from grpo_vision.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", str(demo_run), "--port", str(served[1])])
+        main(["demo", str(micro_run), "--port", str(served[1])])
     assert exit_info.value.code == 2
     assert f"cannot listen on 127.0.0.1:{served[1]}" in capsys.readouterr().err
 
@@ -265,6 +255,7 @@ def test_busy_port_exits_2(demo_run, served, capsys):
 # ---------------------------------------------------------------------------- a real browser
 
 
+@pytest.mark.e2e
 def test_browser_types_a_prompt_and_sees_both_galleries(request, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is missing: pip install -e '.[dev]'")
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -297,13 +288,14 @@ def test_browser_types_a_prompt_and_sees_both_galleries(request, tmp_path):
     assert Image.open(artifacts / "demo.png").size[0] >= 1000
 
 
-def test_the_demo_command_prints_its_address_and_how_to_reach_it_safely(demo_run, tmp_path):
+@pytest.mark.e2e
+def test_the_demo_command_prints_its_address_and_how_to_reach_it_safely(micro_run, tmp_path):
     from gradio_client import Client
 
     port = free_port()
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the demo's and Gradio's temporary files go
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_vision.cli", "demo", str(demo_run), "--port", str(port)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(cli_cmd("demo", micro_run, "--port", port), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
     try:
         lines = []
         for line in proc.stdout:  # the start-up lines, until the address

@@ -4,13 +4,14 @@ training loop through accelerate's FSDP plugin where accelerate allows it (an ac
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import MICRO, ROOT
+
+pytestmark = pytest.mark.e2e  # several processes
 
 
 def test_a_sharded_policy_samples_updates_and_checkpoints_as_an_unsharded_one(micro_world, tmp_path):
@@ -47,8 +48,8 @@ def test_training_under_accelerate_fsdp_resumes_exactly(micro_world, tmp_path):
 
     common = [f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.sample_every=0", "log.eval_images=1",
               "train.steps=4"]
-    launch("configs/shapes_micro.yaml", *common, "run.name=straight")
-    launch("configs/shapes_micro.yaml", *common, "run.name=half", "log.checkpoint_every=2")
+    launch(str(MICRO), *common, "run.name=straight")
+    launch(str(MICRO), *common, "run.name=half", "log.checkpoint_every=2")
     (tmp_path / "half" / "checkpoints" / "latest").write_text("step_000002")  # as if stopped after step 2
     launch("--resume", str(tmp_path / "half"))
     a, b = (load_file(tmp_path / run / "checkpoints" / "step_000004" / "policy.safetensors")

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from grpo_vision.config import load_config
-from grpo_vision.evaluate import eval_params
-from grpo_vision.judge import Judge, judge_tables
+from grpo_vision.evaluation.evaluate import eval_params
+from grpo_vision.policy import Judge
+from grpo_vision.evaluation.judge import judge_tables
 from grpo_vision.shapes.judge import ShapesJudge
 from grpo_vision.shapes.scene import render, scene_for_caption
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import MICRO, ROOT
 
 
 def test_judge_tables_count_renders_right_per_form():
@@ -59,8 +59,7 @@ def project_run(micro_world, tmp_path_factory):
     here = os.getcwd()
     os.chdir(project)
     try:
-        cfg = load_config(ROOT / "configs" / "shapes_micro.yaml", ["run.out_dir=runs", "train.steps=1",
-                                                                  "log.sample_every=0", "log.report=false"])
+        cfg = load_config(MICRO, ["run.out_dir=runs", "train.steps=1", "log.sample_every=0", "log.report=false"])
         return project / train(cfg, progress=False)
     finally:
         os.chdir(here)
@@ -78,8 +77,8 @@ def prompts_file(path: Path, text: str = "a red circle\n") -> Path:
 
 
 def test_a_run_folder_reads_from_any_directory(project_run, tmp_path, monkeypatch, capsys):
-    from grpo_vision.evaluate import load_run
-    from grpo_vision.run_folder import read_run_config
+    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.run.folder import read_run_config
 
     project, prompts = project_run.parents[1], prompts_file(tmp_path / "p.txt")
     assert read_run_config(project_run).policy.path != "worlds/shapes_micro"  # resolved from here, not as typed
@@ -103,7 +102,7 @@ def test_a_run_folder_reads_from_any_directory(project_run, tmp_path, monkeypatc
 
 
 def test_a_run_resumes_from_any_directory_and_keeps_reading_from_anywhere(project_run, tmp_path, monkeypatch):
-    from grpo_vision.run_folder import read_run_config
+    from grpo_vision.run.folder import read_run_config
 
     world = (project_run.parents[1] / "worlds" / "shapes_micro").resolve()
     run = tmp_path / "runs" / "copy"
@@ -119,7 +118,7 @@ def test_a_run_resumes_from_any_directory_and_keeps_reading_from_anywhere(projec
 
 
 def test_a_run_samples_here_whatever_device_it_saved(project_run, tmp_path, monkeypatch, capsys):
-    from grpo_vision.demo import DemoRun
+    from grpo_vision.tools.demo import DemoRun
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA, GPU box or not
     prompts = prompts_file(tmp_path / "p.txt")
@@ -146,7 +145,7 @@ def test_by_default_a_run_samples_where_it_trained_if_this_machine_has_that_devi
                                                                                   monkeypatch):
     # a CPU run evaluated on a GPU box samples on the CPU (CUDA's random streams differ, so its report would
     # not reproduce); `auto` asks for the best device here, and a device this machine lacks falls back to it
-    from grpo_vision.run_folder import read_run_config
+    from grpo_vision.run.folder import read_run_config
 
     run = tmp_path / "cpu_run"
     shutil.copytree(project_run, run)

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from grpo_vision.evaluate import generate
-from grpo_vision.export import flat_name, load_geneval_metadata, write_flat, write_geneval
+from grpo_vision.evaluation.evaluate import generate
+from grpo_vision.evaluation.export import flat_name, load_geneval_metadata, write_flat, write_geneval
 from grpo_vision.images import to_uint8
 from grpo_vision.prompts import PromptsError
 from grpo_vision.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parents[1]
 PARAMS = SamplingParams(2.0, 1.0, 0)
 # two lines in the form of GenEval's evaluation_metadata.jsonl (tags, include lists, ...)
 ROWS = [{"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a red circle"},
@@ -84,14 +83,10 @@ def test_a_bad_metadata_line_is_named(tmp_path):
         load_geneval_metadata(meta)
 
 
-def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_world, tmp_path, monkeypatch, capsys):
+def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_run, tmp_path, monkeypatch, capsys):
     from grpo_vision.cli import main
-    from grpo_vision.config import load_config
-    from grpo_vision.train import train
 
-    run = train(load_config(ROOT / "configs" / "shapes_micro.yaml", [f"policy.path={micro_world}", f"run.out_dir={tmp_path}",
-                                                          "train.steps=1", "log.sample_every=0", "log.eval_images=1"]),
-                progress=False)
+    run = micro_run  # read, never written: the images go to --out
     meta = tmp_path / "evaluation_metadata.jsonl"
     meta.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     main(["sample", str(run), "--prompts", str(meta), "--out", str(tmp_path / "gen"), "--n", "2", "--layout", "geneval"])

@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from grpo_vision.grpo import (
-    frac_zero_std, group_advantages, grpo_loss, high_entropy_mask, k3_kl, masked_mean, normalize_then_sum,
+    LossParams, frac_zero_std, group_advantages, grpo_loss, high_entropy_mask, k3_kl, masked_mean, normalize_then_sum,
 )
 
 EPS = 1e-4
@@ -121,7 +121,7 @@ def hand_batch():
 )
 def test_loss_types_hand_example(loss_type, kwargs, expected):
     logp, old, adv, mask = hand_batch()
-    loss, m = grpo_loss(logp, old, None, adv, mask, loss_type=loss_type, **kwargs)
+    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type=loss_type), **kwargs)
     assert_close(loss, t(expected))
     assert_close(m["policy_loss"], t(expected))  # beta = 0: no KL term
     # clipped: seq0 tok1 (A>0, r=1.5>1.2) high; seq1 tok0 (A<0, r=0.5<0.8) low; 1 of 5 each.
@@ -147,10 +147,10 @@ def test_grpo_gradient_hand_example():
     assert_close(logp.grad, t([[-1 / 6, 0, -1 / 12], [0, 0.375, 0]]))
 
 
-def one_token(r, a, **kwargs):
+def one_token(r, a, **params):
     """Surrogate term l for a single token with ratio r and advantage a, plus metrics and grad."""
     logp, old = ratios_to_logprobs([[r]])
-    loss, m = grpo_loss(logp, old, None, t([a]), torch.ones(1, 1, dtype=torch.bool), **kwargs)
+    loss, m = grpo_loss(logp, old, None, t([a]), torch.ones(1, 1, dtype=torch.bool), LossParams(**params))
     loss.backward()
     return -loss.item(), m, logp.grad.item()
 
@@ -202,7 +202,7 @@ def test_k3_hand_value_and_in_loss():
     k3 = 1 - math.log(2)
     logp = torch.zeros(1, 2, dtype=F64, requires_grad=True)
     ref = torch.full((1, 2), math.log(2), dtype=F64)
-    loss, m = grpo_loss(logp, logp.detach(), ref, t([0.5]), torch.ones(1, 2), beta=0.1)
+    loss, m = grpo_loss(logp, logp.detach(), ref, t([0.5]), torch.ones(1, 2), LossParams(beta=0.1))
     loss.backward()
     assert_close(loss, t(-(0.5 - 0.1 * k3)))
     assert_close(m["kl"], t(k3))
@@ -231,10 +231,8 @@ def test_masked_tokens_change_nothing(loss_type):
 
     def run(fill_logp, fill_old, fill_ref):
         logp = torch.where(mask, base, fill_logp).requires_grad_()
-        loss, m = grpo_loss(
-            logp, torch.where(mask, old, fill_old), torch.where(mask, ref, fill_ref), adv, mask,
-            beta=0.05, loss_type=loss_type,
-        )
+        loss, m = grpo_loss(logp, torch.where(mask, old, fill_old), torch.where(mask, ref, fill_ref), adv, mask,
+                            LossParams(beta=0.05, loss_type=loss_type))
         loss.backward()
         return loss, m, logp.grad
 
@@ -254,7 +252,7 @@ def test_gradient_at_ratio_one_is_weighted_advantage(loss_type):
     logp = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(2)).requires_grad_()
     adv = t([0.5, -2.0, 1.5])
     mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0], [0, 0, 1, 0]], dtype=torch.bool)
-    loss, m = grpo_loss(logp, logp.detach(), None, adv, mask, loss_type=loss_type)
+    loss, m = grpo_loss(logp, logp.detach(), None, adv, mask, LossParams(loss_type=loss_type))
     loss.backward()
     w = {"grpo": 1 / (t([4, 2, 1]) * 3), "bnpo": t([1 / 7] * 3), "dr_grpo": t([1 / 12] * 3)}[loss_type]
     expected = torch.where(mask, (-adv * w)[:, None].expand(3, 4), t(0.0))
@@ -276,8 +274,8 @@ def test_empty_sequences_do_not_nan():
     logp = torch.zeros(2, 3, requires_grad=True)
     mask = torch.zeros(2, 3, dtype=torch.bool)
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
-        loss, m = grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(2), mask, beta=0.1,
-                            loss_type=loss_type)
+        loss, m = grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(2), mask,
+                            LossParams(beta=0.1, loss_type=loss_type))
         assert loss.item() == 0.0
         assert all(torch.isfinite(v) for v in m.values())
 
@@ -286,7 +284,7 @@ def test_constants_are_detached_and_masked_mean():
     logp = torch.zeros(1, 2, requires_grad=True)
     old = torch.zeros(1, 2, requires_grad=True)
     ref = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = grpo_loss(logp, old, ref, torch.ones(1), torch.ones(1, 2), beta=0.1)
+    loss, _ = grpo_loss(logp, old, ref, torch.ones(1), torch.ones(1, 2), LossParams(beta=0.1))
     loss.backward()
     assert old.grad is None and ref.grad is None and logp.grad is not None
     # (1 + 3) / 2 = 2 over the unmasked entries; the NaN is masked out.
@@ -296,11 +294,11 @@ def test_constants_are_detached_and_masked_mean():
 def test_loss_errors():
     logp, old, adv, mask = hand_batch()
     with pytest.raises(ValueError, match="grpo.*bnpo.*dr_grpo.*dapo.*cispo"):
-        grpo_loss(logp, old, None, adv, mask, loss_type="ppo")
+        LossParams(loss_type="ppo")
     with pytest.raises(ValueError, match="token.*sequence"):
-        grpo_loss(logp, old, None, adv, mask, importance_sampling_level="batch")
+        LossParams(importance_sampling_level="batch")
     with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(logp, old, None, adv, mask, beta=0.04)
+        grpo_loss(logp, old, None, adv, mask, LossParams(beta=0.04))
 
 
 def test_normalize_then_sum_z_scores_each_reward_within_its_group_then_weighs():
@@ -325,8 +323,8 @@ def test_dapo_is_bnpo_on_one_process_and_the_global_token_mean_across_two():
     # TRL: dapo divides the token sum by the global batch's active tokens over num_processes, and
     # DDP then averages the processes' gradients; bnpo averages each process's own token mean.
     logp, old, adv, mask = hand_batch()  # token sum 0.4 over 5 tokens (see hand_batch)
-    bnpo, _ = grpo_loss(logp, old, None, adv, mask, loss_type="bnpo")
-    dapo, _ = grpo_loss(logp, old, None, adv, mask, loss_type="dapo")
+    bnpo, _ = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo"))
+    dapo, _ = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="dapo"))
     assert_close(dapo, bnpo)
     assert_close(dapo, t(-0.08))
     # A second process holds one token, r = 1 and A = +1: token sum 1 over 1 token.
@@ -334,7 +332,7 @@ def test_dapo_is_bnpo_on_one_process_and_the_global_token_mean_across_two():
     mask2, adv2 = torch.tensor([[1, 0]], dtype=torch.bool), t([1.0])
     # bnpo: mean(-0.4/5, -1/1) = -0.54. dapo: global 6 tokens, each process divides by 6/2 = 3:
     # mean(-0.4/3, -1/3) = -1.4/6, the token mean of the whole global batch.
-    per_proc = [grpo_loss(lp, o, None, a, m, loss_type=lt, num_items=6 / 2 if lt == "dapo" else None)[0]
+    per_proc = [grpo_loss(lp, o, None, a, m, LossParams(loss_type=lt), num_items=6 / 2 if lt == "dapo" else None)[0]
                 for lt in ("bnpo", "dapo") for lp, o, a, m in ((logp, old, adv, mask), (logp2, old2, adv2, mask2))]
     assert_close((per_proc[0] + per_proc[1]) / 2, t(-0.54))
     assert_close((per_proc[2] + per_proc[3]) / 2, t(-1.4 / 6))
@@ -360,8 +358,8 @@ def test_cispo_multiplies_the_log_prob_itself_and_counts_a_capped_weight_on_eith
     # TRL's per-token loss is -w * A * logp with the absolute log-prob: logp = -0.5, old = -1.5 -> r = e,
     # w = min(e, 2) = 2; A = -1: l = 2 * -1 * -0.5 = 1, loss -1 (one token); d loss / d logp = -w * A = 2
     logp = t([[-0.5]]).requires_grad_()
-    loss, m = grpo_loss(logp, t([[-1.5]]), None, t([-1.0]), torch.ones(1, 1, dtype=torch.bool), loss_type="cispo",
-                        epsilon_high=2.0)
+    loss, m = grpo_loss(logp, t([[-1.5]]), None, t([-1.0]), torch.ones(1, 1, dtype=torch.bool),
+                        LossParams(loss_type="cispo", epsilon_high=2.0))
     loss.backward()
     assert_close(loss, t(-1.0))
     assert_close(logp.grad, t([[2.0]]))
@@ -373,7 +371,7 @@ def test_sequence_level_ratio_is_the_exponent_of_the_mean_token_log_ratio():
     # loss = -(s + s) / 2 = -s; d loss / d logp_t = -s * (1/2): the sequence ratio moves with each token.
     logp = t([[0.1, 0.3]]).requires_grad_()
     loss, m = grpo_loss(logp, torch.zeros(1, 2, dtype=F64), None, t([1.0]), torch.ones(1, 2, dtype=torch.bool),
-                        epsilon_high=0.28, importance_sampling_level="sequence")
+                        LossParams(epsilon_high=0.28, importance_sampling_level="sequence"))
     loss.backward()
     s = math.exp(0.2)
     assert_close(loss, t(-s))
@@ -383,8 +381,8 @@ def test_sequence_level_ratio_is_the_exponent_of_the_mean_token_log_ratio():
     # level clips only the first token and keeps the second's gradient
     for level, grad in (("sequence", [0.0, 0.0]), ("token", [0.0, -0.5])):
         logp, old = ratios_to_logprobs([[4.0, 1.0]])
-        loss, m = grpo_loss(logp, old, None, t([1.0]), torch.ones(1, 2, dtype=torch.bool), epsilon_high=0.28,
-                            importance_sampling_level=level)
+        loss, m = grpo_loss(logp, old, None, t([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                            LossParams(epsilon_high=0.28, importance_sampling_level=level))
         loss.backward()
         assert_close(logp.grad, t([grad]))
     assert m["clip_frac_high"].item() == 0.5  # token level: one of two tokens
@@ -398,7 +396,7 @@ def test_sequence_level_equals_token_level_on_policy():
     grads = []
     for level in ("token", "sequence"):
         logp = logp0.clone().requires_grad_()
-        loss, _ = grpo_loss(logp, logp0, None, adv, mask, loss_type="grpo", importance_sampling_level=level)
+        loss, _ = grpo_loss(logp, logp0, None, adv, mask, LossParams(loss_type="grpo", importance_sampling_level=level))
         loss.backward()
         grads.append((loss.detach(), logp.grad))
     assert_close(grads[0][0], grads[1][0])
@@ -433,7 +431,7 @@ def test_policy_mask_keeps_the_policy_term_only_where_it_says():
     logp, old, adv, mask = hand_batch()
     # keep seq0 tok0 (term 1) and seq1 tok1 (term -1.5): bnpo still divides by all 5 tokens -> -(-0.5 / 5)
     keep = torch.tensor([[1, 0, 0], [0, 1, 0]], dtype=torch.bool)
-    loss, m = grpo_loss(logp, old, None, adv, mask, loss_type="bnpo", policy_mask=keep)
+    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo"), policy_mask=keep)
     assert_close(loss, t(0.1))
     assert_close(m["policy_token_frac"], t(0.4))
     loss.backward()  # bnpo weight 1/5: seq0 tok0 -A*r/5 = -0.2; seq1 tok1 -A*r/5 = 1.5/5 = 0.3
@@ -442,5 +440,13 @@ def test_policy_mask_keeps_the_policy_term_only_where_it_says():
     logp2 = torch.zeros(1, 2, dtype=F64)
     ref = torch.full((1, 2), math.log(2), dtype=F64)
     none_kept = torch.zeros(1, 2, dtype=torch.bool)
-    loss, _ = grpo_loss(logp2, logp2, ref, t([1.0]), torch.ones(1, 2), beta=0.1, policy_mask=none_kept)
+    loss, _ = grpo_loss(logp2, logp2, ref, t([1.0]), torch.ones(1, 2), LossParams(beta=0.1), policy_mask=none_kept)
     assert_close(loss, t(0.1 * (1 - math.log(2))))
+
+
+def test_loss_params_from_a_train_config():
+    from grpo_vision.config import TrainConfig
+
+    p = LossParams.from_config(TrainConfig())  # the config's defaults: DAPO's clip-higher, delta 0 = off
+    assert (p.epsilon_low, p.epsilon_high, p.delta, p.beta) == (0.2, 0.28, None, 0.0)
+    assert LossParams.from_config(TrainConfig(delta=4.0)).delta == 4.0

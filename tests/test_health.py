@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo_vision.health import RunHealth, learning_warnings, run_summary, weights_finite
+from grpo_vision.run.health import RunHealth, learning_warnings, run_summary, weights_finite
 
 NAN = math.nan
 
@@ -20,14 +20,8 @@ def test_weights_finite_sees_nan_and_inf_and_trusts_huge_finite_weights():
     assert weights_finite([])
 
 
-def test_counters_of_an_older_checkpoint_gain_the_new_keys_at_zero():
-    counters = {"skipped_updates": 5}
-    RunHealth(counters, max_skipped=4, loud=False)
-    assert counters == {"skipped_updates": 5, "skipped_in_a_row": 0, "steps_no_spread": 0, "steps_without_signal": 0}
-
-
 def test_a_step_without_any_trained_reward_is_counted_and_warned_about_once(capsys):
-    health = RunHealth({}, max_skipped=0, loud=True)
+    health = RunHealth(None, max_skipped=0, loud=True)
     total = torch.full((4,), NAN)  # two groups of 2; reward 'a' is trained (weight 1) and NaN everywhere
     raw, weights = {"a": torch.full((4,), NAN), "m": torch.ones(4)}, {"a": torch.ones(4), "m": torch.zeros(4)}
     for step in range(2):
@@ -40,7 +34,7 @@ def test_a_step_without_any_trained_reward_is_counted_and_warned_about_once(caps
 
 
 def test_a_trained_reward_that_never_applies_is_named_when_others_still_teach(capsys):
-    health = RunHealth({}, max_skipped=0, loud=True)
+    health = RunHealth(None, max_skipped=0, loud=True)
     raw = {"a": torch.full((4,), NAN), "b": torch.tensor([1.0, 2.0, 3.0, 4.0])}
     weights = {"a": torch.ones(4), "b": torch.ones(4)}
     health.after_rewards(0, raw["b"], raw, weights, frac_zero_std=0.0)
@@ -50,14 +44,14 @@ def test_a_trained_reward_that_never_applies_is_named_when_others_still_teach(ca
 
 
 def test_all_zero_entry_weights_are_named_as_the_reason(capsys):
-    health = RunHealth({}, max_skipped=0, loud=True)
+    health = RunHealth(None, max_skipped=0, loud=True)
     health.after_rewards(0, torch.full((4,), NAN), {"a": torch.ones(4)}, {"a": torch.zeros(4)}, frac_zero_std=1.0)
     assert "every prompt entry of the step gives weight 0 to every reward" in capsys.readouterr().err
     assert health.counters["steps_without_signal"] == 1
 
 
 def test_a_step_without_spread_is_counted_and_one_with_spread_is_not(capsys):
-    health = RunHealth({}, max_skipped=0, loud=True)
+    health = RunHealth(None, max_skipped=0, loud=True)
     raw, weights = {"a": torch.tensor([1.0, 2.0, 3.0, 3.0])}, {"a": torch.ones(4)}
     # group 1 spreads (1 vs 2), group 2 does not: half the groups have zero std, the step still teaches
     health.after_rewards(0, raw["a"], raw, weights, frac_zero_std=0.5)
@@ -67,7 +61,7 @@ def test_a_step_without_spread_is_counted_and_one_with_spread_is_not(capsys):
     health.after_rewards(2, flat["a"], flat, weights, frac_zero_std=1.0)
     assert (health.counters["steps_no_spread"], health.counters["steps_without_signal"]) == (2, 0)
     assert capsys.readouterr().err.count("in every group all images got the same reward") == 1
-    quiet = RunHealth({}, max_skipped=0, loud=False)  # processes other than the main one count silently
+    quiet = RunHealth(None, max_skipped=0, loud=False)  # processes other than the main one count silently
     quiet.after_rewards(0, flat["a"], flat, weights, frac_zero_std=1.0)
     assert quiet.counters["steps_no_spread"] == 1 and capsys.readouterr().err == ""
 
@@ -78,7 +72,7 @@ def test_a_step_without_spread_is_counted_and_one_with_spread_is_not(capsys):
     (0, [False] * 10, False),  # 0 = never stop
 ])
 def test_skipped_updates_in_a_row_stop_the_run(max_skipped, applied, stops):
-    health = RunHealth({}, max_skipped=max_skipped, loud=False)
+    health = RunHealth(None, max_skipped=max_skipped, loud=False)
     for a in applied:
         health.after_update(a)
     assert health.too_many_skipped() == stops
@@ -102,4 +96,3 @@ def test_the_end_of_run_summary_says_what_was_not_learned():
                                           "nothing"]
     assert learning_warnings({"step": 3, "train/skipped_updates": 1}, 2) == [
         "1 of 6 optimizer updates were skipped (non-finite loss or gradient)"]
-    assert learning_warnings({"step": 3}, 2) == []  # a run from before the counters existed

@@ -4,8 +4,8 @@ include that the per-image interval leaves out."""
 import pytest
 import torch
 
-from grpo_vision.intervals import caption_interval
-from grpo_vision.metrics import interval
+from grpo_vision.evaluation.intervals import caption_interval
+from grpo_vision.run.metrics import interval
 
 
 def test_mean_is_the_image_mean_and_captions_are_counted():

@@ -2,37 +2,25 @@
 around them: the reference equals the policy at each boundary, and a run resumed at a boundary
 continues exactly."""
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from grpo_vision.checkpoint import load_iterative_state
+from grpo_vision.run.checkpoint import load_iterative_state
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.iterative import ReplayBuffer, replay_count, starts_iteration
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, make_reward
 from grpo_vision.rewards.refit import pairwise_loss
-from grpo_vision.safe_state import load_state, save_state
+from grpo_vision.run.metrics import load_metrics
+from grpo_vision.run.safe_state import load_state, save_state
 from grpo_vision.train import train
+from tests.helpers import micro_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def micro_cfg(world, out, *overrides):
-    return load_config(ROOT / "configs" / "shapes_micro.yaml",
-                       [f"policy.path={world}", f"run.out_dir={out}", "log.sample_every=0", "log.report=false",
-                        *overrides])
-
-
-def metrics_of(run: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+NO_REPORT = "log.report=false"  # what is checked here is the training, not its report
 
 
 # ---------------------------------------------------------------- the pure parts
@@ -197,7 +185,7 @@ def test_clip_refit_learns_the_judges_order_deterministically_and_leaves_the_cli
 
 def test_the_reference_is_the_policy_at_each_boundary_and_clip_refit_updates_there(micro_world, tmp_path):
     # steps 4, iterations 2: the boundary runs at the start of step 3, after the checkpoint of step 2
-    run = train(micro_cfg(micro_world, tmp_path, "train.steps=4", "train.iterations=2", "train.beta=0.04",
+    run = train(micro_cfg(micro_world, tmp_path, NO_REPORT, "train.steps=4", "train.iterations=2", "train.beta=0.04",
                           "reward.weights={clip_refit: 1.0}", "reward.options.clip_refit.lr=1e-3"), progress=False)
     ckpt = run / "checkpoints"
     policy_at_2 = load_file(ckpt / "step_000002" / "policy.safetensors")
@@ -208,7 +196,7 @@ def test_the_reference_is_the_policy_at_each_boundary_and_clip_refit_updates_the
         else:
             saved = load_file(ref)
             assert all(torch.equal(saved[k], v) for k, v in reference.items())
-    rows = metrics_of(run)
+    rows = load_metrics(run)
     assert [m.get("iteration") for m in rows] == [1, 1, 2, 2]
     assert "reward_update/clip_refit/samples" not in rows[1]
     assert rows[2]["iteration/update_samples"] == 16 and rows[2]["iteration/replayed"] == 0  # 2 steps x 2 x 4
@@ -216,7 +204,7 @@ def test_the_reference_is_the_policy_at_each_boundary_and_clip_refit_updates_the
     learned = load_iterative_state(ckpt / "step_000003")
     assert int(learned["rewards"]["clip_refit"]["updates"]) == 1 and len(learned["buffer"]["entries"]) == 0
     assert load_iterative_state(ckpt / "step_000002")["buffer"]["tokens"].shape == (16, 64)  # an 8 x 8 token grid each
-    from grpo_vision.evaluate import load_run
+    from grpo_vision.evaluation.evaluate import load_run
 
     assert int(load_run(run).learned_rewards["clip_refit"]["updates"]) == 1  # eval scores as the run had learned
 
@@ -224,8 +212,8 @@ def test_the_reference_is_the_policy_at_each_boundary_and_clip_refit_updates_the
 def test_a_run_resumed_at_a_boundary_continues_exactly(micro_world, tmp_path):
     common = ["train.steps=6", "train.iterations=3", "reward.weights={clip_refit: 1.0}",
               "reward.options.clip_refit.lr=1e-3", "reward.replay_fraction=0.25"]
-    straight = train(micro_cfg(micro_world, tmp_path, "run.name=straight", *common), progress=False)
-    half = train(micro_cfg(micro_world, tmp_path, "run.name=half", *common), progress=False)
+    straight = train(micro_cfg(micro_world, tmp_path, NO_REPORT, "run.name=straight", *common), progress=False)
+    half = train(micro_cfg(micro_world, tmp_path, NO_REPORT, "run.name=half", *common), progress=False)
     (half / "checkpoints" / "latest").write_text("step_000004")  # stop at the second boundary, resume into it
     resumed = train(load_config(half / "config.yaml"), resume=half, progress=False)
     for name in ("policy.safetensors", "reference.safetensors"):
@@ -234,7 +222,7 @@ def test_a_run_resumed_at_a_boundary_continues_exactly(micro_world, tmp_path):
     la, lb = (load_iterative_state(r / "checkpoints" / "step_000006") for r in (straight, resumed))
     assert all(torch.equal(la["rewards"]["clip_refit"]["weights"][k], v)
                for k, v in lb["rewards"]["clip_refit"]["weights"].items())
-    ma, mb = metrics_of(straight), metrics_of(resumed)
+    ma, mb = load_metrics(straight), load_metrics(resumed)
     assert ma[4]["iteration/replayed"] == 5  # round(0.25 / 0.75 x 16 fresh), of the first iteration's 16
     for a, b in zip(ma, mb):  # every logged number but the timings
         assert {k: v for k, v in a.items() if not k.startswith("perf/")} == \
@@ -242,8 +230,8 @@ def test_a_run_resumed_at_a_boundary_continues_exactly(micro_world, tmp_path):
 
 
 def test_a_failing_reward_update_stops_the_run_with_a_checkpoint_that_resumes_into_the_boundary(micro_world, tmp_path):
-    cfg = micro_cfg(micro_world, tmp_path, "train.steps=4", "train.iterations=2", "reward.weights={placebo: 1.0}",
-                    "reward.monitor=[python:tests.test_iterative:failing]")
+    cfg = micro_cfg(micro_world, tmp_path, NO_REPORT, "train.steps=4", "train.iterations=2",
+                    "reward.weights={placebo: 1.0}", "reward.monitor=[python:tests.test_iterative:failing]")
     with pytest.raises(RewardError, match=r"failing' failed: its update failed: RuntimeError: out of patience "
                                           r"\(checkpoint saved at step 2 in "):
         train(cfg, progress=False)
@@ -258,8 +246,8 @@ def test_a_reward_failing_after_the_boundary_resumes_without_updating_twice(micr
     import importlib
 
     name = "python:tests.test_iterative:brittle"
-    cfg = micro_cfg(micro_world, tmp_path, "train.steps=4", "train.iterations=2", "reward.weights={placebo: 1.0}",
-                    f"reward.monitor=[{name}]")
+    cfg = micro_cfg(micro_world, tmp_path, NO_REPORT, "train.steps=4", "train.iterations=2",
+                    "reward.weights={placebo: 1.0}", f"reward.monitor=[{name}]")
     with pytest.raises(RewardError, match="scored after learning"):  # step 3: the boundary ran, then scoring failed
         train(cfg, progress=False)
     run = tmp_path / "shapes_micro"
@@ -269,15 +257,12 @@ def test_a_reward_failing_after_the_boundary_resumes_without_updating_twice(micr
     train(load_config(run / "config.yaml"), resume=run, progress=False)
     final = load_iterative_state(run / "checkpoints" / "step_000004")
     assert int(final["rewards"][name]["updates"]) == 1  # the boundary was not run a second time
-    assert [m["step"] for m in metrics_of(run)] == [1, 2, 3, 4]
+    assert [m["step"] for m in load_metrics(run)] == [1, 2, 3, 4]
 
 
-def test_iterative_rl_smoke_trains_two_steps_through_the_cli(micro_world, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.report=false",
-                          "log.sample_every=0", "train.iterations=2", "reward.weights={clip_refit: 1.0}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = metrics_of(tmp_path / "shapes_micro")
+def test_iterative_rl_trains_two_iterations_of_one_step(micro_world, tmp_path):
+    run = train(micro_cfg(micro_world, tmp_path, NO_REPORT, "train.iterations=2", "reward.weights={clip_refit: 1.0}"),
+                progress=False)
+    rows = load_metrics(run)
     assert [m["iteration"] for m in rows] == [1, 2]
     assert rows[1]["reward_update/clip_refit/samples"] == 8 and math.isfinite(rows[1]["reward/clip_refit/mean"])

@@ -7,8 +7,6 @@ WordLevel tokenizer with Janus's special tokens and a chat template) are written
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,13 +14,13 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, PolicyConfig, load_config
-from grpo_vision.janus_policy import NO_TOKEN, JanusImagePolicy, JanusVQTokenizer
-from grpo_vision.policies import load_bundle
-from grpo_vision.reference import add_adapter
+from grpo_vision.models.janus import NO_TOKEN, JanusImagePolicy, JanusVQTokenizer
+from grpo_vision.policy import load_bundle
+from grpo_vision.models.adapters import add_adapter
+from grpo_vision.run.metrics import load_metrics
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 from grpo_vision.train import train
 
-ROOT = Path(__file__).resolve().parents[1]
 SPECIAL = ["<pad>", "<bos>", "<eos>", "<image_placeholder>", "<begin_of_image>", "<end_of_image>",
            "<|User|>", "<|Assistant|>", "<unk>"]
 WORDS = "a red blue green circle square left right of : . ,".split()
@@ -232,16 +230,12 @@ def write_config(tmp_path: Path, janus_dir: Path, reference: str) -> Path:
     return path
 
 
-def test_cli_two_lora_steps_move_the_adapters(janus_dir, tmp_path):
-    config = write_config(tmp_path, janus_dir, "lora")
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", str(config)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run = tmp_path / "runs" / "janus_lora"
+def test_two_lora_steps_move_the_adapters(janus_dir, tmp_path):
+    run = train(load_config(write_config(tmp_path, janus_dir, "lora")), progress=False)
     after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
     assert after and all("lora_" in k and "language_model" in k for k in after)
     assert max(after[k].abs().max().item() for k in after if "lora_B" in k) > 0  # B starts at zero
-    metrics = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = load_metrics(run)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["loss/ratio_mean"] is not None and m["reward/jpeg_compressibility/mean"] is not None for m in metrics)
     assert (run / "samples" / "step_000001.png").is_file() and (run / "report.md").is_file()

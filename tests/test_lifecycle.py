@@ -1,6 +1,6 @@
 """A run's life through the real CLI: stopped by SIGTERM and resumed exactly, one run per directory,
 a start killed before its first step, a lock left by a killed holder, a signal during the report, a
-folder that cannot be written."""
+folder that cannot be written. Those that start processes are the e2e tier."""
 
 import json
 import os
@@ -14,17 +14,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from grpo_vision.metrics import load_metrics
-from grpo_vision.runlock import LOCK_NAME, RunLock, RunLockedError, check_run_dir
-from grpo_vision.signals import GracefulStop, Interrupted
+from grpo_vision.run.metrics import load_metrics
+from grpo_vision.run.lock import LOCK_NAME, RunLock, RunLockedError, check_run_dir
+from grpo_vision.run.signals import GracefulStop, Interrupted
+from tests.helpers import MICRO, ROOT, cli_cmd, micro_args, run_cli
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 900  # generous: other jobs may share the CPU; nothing here checks time
 
 
-def train_cmd(world, out, *overrides):
-    return [sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={world}",
-            f"run.out_dir={out}", "log.checkpoint_every=0", "log.sample_every=0", "log.eval_images=1", *overrides]
+def train_args(world, out, *overrides):
+    return ["train", *micro_args(world, out, "log.checkpoint_every=0", *overrides)]
 
 
 def steps_logged(run: Path) -> list[int]:
@@ -35,13 +34,14 @@ def dying_reward(images, prompts, metadata):  # python:tests.test_lifecycle:dyin
     os._exit(137)  # as the kernel's OOM killer ends a process: no except, no finally, no clean-up
 
 
+@pytest.mark.e2e
 def test_sigterm_finishes_the_step_saves_and_the_resumed_run_is_exact(micro_world, tmp_path):
     steps = 4
-    out = subprocess.run(train_cmd(micro_world, tmp_path, "run.name=straight", f"train.steps={steps}"), cwd=ROOT,
-                         capture_output=True, text=True, timeout=TIMEOUT)
+    out = run_cli(*train_args(micro_world, tmp_path, "run.name=straight", f"train.steps={steps}"), timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "stopped"
-    proc = subprocess.Popen(train_cmd(micro_world, tmp_path, "run.name=stopped", f"train.steps={steps}"), cwd=ROOT,
+    proc = subprocess.Popen(cli_cmd(*train_args(micro_world, tmp_path, "run.name=stopped", f"train.steps={steps}")),
+                            cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + TIMEOUT
     while not steps_logged(run) and proc.poll() is None and time.monotonic() < deadline:
@@ -55,8 +55,7 @@ def test_sigterm_finishes_the_step_saves_and_the_resumed_run_is_exact(micro_worl
            f"--resume {run}" in err
     assert (run / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
     assert (run / LOCK_NAME).read_text() == ""  # released on the way out
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(run)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=TIMEOUT)
+    out = run_cli("train", "--resume", run, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert steps_logged(run) == list(range(1, steps + 1))
     a = load_file(tmp_path / "straight" / "checkpoints" / f"step_{steps:06d}" / "policy.safetensors")
@@ -80,10 +79,12 @@ def test_a_second_signal_of_either_kind_stops_at_once_and_handlers_come_back():
     assert {s: signal.getsignal(s) for s in GracefulStop.SIGNALS} == before
 
 
+@pytest.mark.e2e
 def test_two_trains_on_one_directory_one_runs_the_other_is_refused(micro_world, tmp_path):
     logs = [tmp_path / f"stderr_{seed}.txt" for seed in (0, 1)]  # files, not pipes: neither blocks on a full pipe
-    procs = [subprocess.Popen(train_cmd(micro_world, tmp_path, "train.steps=2", f"run.seed={seed}"), cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=log.open("w")) for seed, log in zip((0, 1), logs)]
+    procs = [subprocess.Popen(cli_cmd(*train_args(micro_world, tmp_path, "train.steps=2", f"run.seed={seed}")),
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+             for seed, log in zip((0, 1), logs)]
     results = [(p.wait(timeout=TIMEOUT), log.read_text()) for p, log in zip(procs, logs)]
     assert sorted(rc for rc, _ in results) == [0, 2], [err[-2000:] for _, err in results]
     refused = next(err for rc, err in results if rc == 2)
@@ -93,15 +94,15 @@ def test_two_trains_on_one_directory_one_runs_the_other_is_refused(micro_world, 
     assert steps_logged(tmp_path / "shapes_micro") == [1, 2]  # one run's steps, not two interleaved
 
 
+@pytest.mark.e2e
 def test_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
     run = tmp_path / "shapes_micro"
     lock = RunLock(run, fresh=True)
     holder = f"is in use by a running train (pid {os.getpid()} on {socket.gethostname()}, started "
     try:
-        for args in (["configs/shapes_micro.yaml", f"run.out_dir={tmp_path}"], ["--resume", str(run)]):
+        for args in ([MICRO, f"run.out_dir={tmp_path}"], ["--resume", run]):
             (run / "config.yaml").write_text("run:\n  name: shapes_micro\n")  # what --resume reads
-            out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", *args], cwd=ROOT,
-                                 capture_output=True, text=True, timeout=TIMEOUT)
+            out = run_cli("train", *args, timeout=TIMEOUT)
             assert out.returncode == 2 and holder in out.stderr, out.stderr[-2000:]
             assert "Traceback" not in out.stderr
     finally:
@@ -110,10 +111,11 @@ def test_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
     assert (run / LOCK_NAME).read_text() == ""
 
 
+@pytest.mark.e2e
 def test_a_lock_left_by_a_killed_holder_is_taken_over(tmp_path, capfd):
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\n"
-                               "from grpo_vision.runlock import RunLock\n"
+                               "from grpo_vision.run.lock import RunLock\n"
                                "lock = RunLock(Path(sys.argv[1]), fresh=True)\nprint('held', flush=True)\ntime.sleep(600)",
                                str(run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -135,15 +137,14 @@ def test_a_lock_left_by_a_killed_holder_is_taken_over(tmp_path, capfd):
         lock.release()
 
 
+@pytest.mark.e2e
 def test_a_start_killed_before_its_first_step_is_rerun_by_the_same_command(micro_world, tmp_path):
     run = tmp_path / "shapes_micro"
-    out = subprocess.run(train_cmd(micro_world, tmp_path, "train.steps=1", "reward.monitor=[]",
-                                   "reward.weights={python:tests.test_lifecycle:dying_reward: 1.0}"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    out = run_cli(*train_args(micro_world, tmp_path, "train.steps=1", "reward.monitor=[]",
+                              "reward.weights={python:tests.test_lifecycle:dying_reward: 1.0}"), timeout=TIMEOUT)
     assert out.returncode == 137, out.stderr[-3000:]
     assert (run / "config.yaml").is_file() and steps_logged(run) == [] and not (run / "checkpoints").exists()
-    out = subprocess.run(train_cmd(micro_world, tmp_path, "train.steps=1"), cwd=ROOT, capture_output=True,
-                         text=True, timeout=TIMEOUT)
+    out = run_cli(*train_args(micro_world, tmp_path, "train.steps=1"), timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "stopped without releasing it; taking it over" in out.stderr  # the killed start's lock
     assert steps_logged(run) == [1]
@@ -157,19 +158,18 @@ def signalling_reward(images, prompts, metadata):  # python:tests.test_lifecycle
     return images.mean((1, 2, 3))
 
 
+@pytest.mark.e2e
 def test_sigterm_during_the_report_says_the_training_finished_and_resume_writes_it(micro_world, tmp_path):
     run = tmp_path / "shapes_micro"
-    cmd = train_cmd(micro_world, tmp_path, "reward.monitor=[]", "data.eval_size=32",
-                    "reward.weights={python:tests.test_lifecycle:signalling_reward: 1.0}")
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
-                         env={**os.environ, "SIGTERM_IN_REPORT": "1"})
+    out = run_cli(*train_args(micro_world, tmp_path, "reward.monitor=[]", "data.eval_size=32",
+                              "reward.weights={python:tests.test_lifecycle:signalling_reward: 1.0}"),
+                  timeout=TIMEOUT, env={**os.environ, "SIGTERM_IN_REPORT": "1"})
     assert out.returncode == 143, out.stderr[-3000:]  # before: 143 too, from the signal itself, and nothing said
     assert out.stderr.splitlines()[-1] == (
         f"[train] stopped by SIGTERM while writing the report; the training finished (checkpoint at step 2): "
         f"grpo-vision train --resume {run} --trust-run writes the report")  # its own python: reward: trusted
     assert not (run / "report.md").exists() and steps_logged(run) == [1, 2]
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(run), "--trust-run"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    out = run_cli("train", "--resume", run, "--trust-run", timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"[train] done: {run / 'report.md'}" in out.stdout
     assert (run / "report.md").read_text().startswith("# GRPO report: shapes_micro")
@@ -178,14 +178,14 @@ def test_sigterm_during_the_report_says_the_training_finished_and_resume_writes_
 
 def test_a_run_folder_that_cannot_be_written_is_refused_naming_it(tmp_path, monkeypatch):
     from grpo_vision.config import load_config
-    from grpo_vision.runfiles import FolderError
+    from grpo_vision.files import FolderError
     from grpo_vision.train import train
 
     run = tmp_path / "run"
     run.mkdir()
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) != run and access(path, mode, **kw))
-    cfg = load_config(ROOT / "configs" / "shapes_micro.yaml", [f"run.out_dir={tmp_path}", "run.name=run"])
+    cfg = load_config(MICRO, [f"run.out_dir={tmp_path}", "run.name=run"])
     with pytest.raises(FolderError, match=f"^cannot write in {run} \\(no permission to write\\): make it writable, or "
                                           "copy the run elsewhere and resume the copy \\(--resume COPY\\)$"):
         train(cfg, resume=run, progress=False)  # before loading anything: before, an OSError traceback, later
@@ -198,7 +198,7 @@ def test_a_folder_that_turns_read_only_is_named_when_written(tmp_path, monkeypat
     import errno
 
     from grpo_vision.config import Config, save_config
-    from grpo_vision.runfiles import FolderError
+    from grpo_vision.files import FolderError
 
     run = tmp_path / "run"
     run.mkdir()

@@ -1,16 +1,17 @@
 """Policy kinds and the prompts a run trains and evaluates on."""
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from grpo_vision.config import ConfigError, load_config
-from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.policies import REGISTRY, Bundle, PromptSets, load_bundle, policy_kind, prompt_lists
-from grpo_vision.policies import checked_prompt_sets, register_policy_kind
+from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.policy import REGISTRY, Bundle, load_bundle, policy_kind
+from grpo_vision.splits import PromptSets, prompt_lists
+from grpo_vision.splits import checked_prompt_sets
+from grpo_vision.policy import register_policy_kind
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.shapes.scene import all_words, is_held_out
+from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def test_unknown_kind_lists_the_registered_ones():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_shapes_kind_loads_its_policy_in_policy_dtype(dtype):
     """The world saves float32 weights; policy.dtype casts them, as for the llama kind (issue 33: it was ignored)."""
-    world = Path(__file__).resolve().parents[1] / "worlds" / "shapes"
+    world = ROOT / "worlds" / "shapes"
     cfg = load_config(None, [f"policy.path={world}", f"policy.dtype={dtype}", "train.adapter=lora"])
     bundle = load_bundle(cfg.policy, "cpu")
     assert {p.dtype for p in bundle.policy.parameters()} == {getattr(torch, dtype)}
@@ -128,7 +129,7 @@ def test_the_shapes_kind_loads_its_policy_in_policy_dtype(dtype):
 def test_a_policy_config_that_does_not_fit_its_weights_is_one_line_naming_both(tiny_policy, tmp_path):
     import json
 
-    from grpo_vision.checkpoint import CheckpointError
+    from grpo_vision.run.checkpoint import CheckpointError
 
     tiny_policy.save_pretrained(tmp_path)
     config = tmp_path / "policy_config.json"
@@ -143,7 +144,7 @@ def test_a_policy_config_that_does_not_fit_its_weights_is_one_line_naming_both(t
 def test_non_finite_policy_weights_are_named_at_load(tiny_policy, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from grpo_vision.checkpoint import CheckpointError
+    from grpo_vision.run.checkpoint import CheckpointError
 
     tiny_policy.save_pretrained(tmp_path)
     weights = tmp_path / "policy.safetensors"

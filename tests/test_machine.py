@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from grpo_vision.machine import available_cores, load_warning, set_threads
+from grpo_vision.run.machine import available_cores, load_warning, set_threads
 
 
 def test_a_load_well_above_the_cores_is_one_line_naming_the_load_and_the_knob():
@@ -31,7 +31,7 @@ def test_threads_follow_run_threads_else_omp_num_threads_else_the_cores(monkeypa
 def test_more_threads_than_usable_cores_is_a_config_error_naming_both(monkeypatch):
     # run.threads=100000 once made OpenMP start 100000 threads: the memory ran out, a world file was
     # blamed for the failed mmap, and the process segfaulted on exit (issue 33)
-    import grpo_vision.machine as machine
+    import grpo_vision.run.machine as machine
     from grpo_vision.config import ConfigError
 
     monkeypatch.setattr(machine, "available_cores", lambda: 4)

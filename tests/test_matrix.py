@@ -1,4 +1,5 @@
-"""`grpo-vision matrix`: reward specs, run states, paired changes, and the whole command on a micro world."""
+"""`grpo-vision matrix`: reward specs, run states, paired changes, and the whole command on a micro world
+(the e2e tier: matrix runs through the CLI, stopped by signals)."""
 
 import fcntl
 import json
@@ -6,7 +7,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,14 +15,13 @@ import torch
 from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, load_config
-from grpo_vision.matrix import DONE, parse_reward_spec, plan, run_matrix
-from grpo_vision.matrix_jobs import OutLock
-from grpo_vision.matrix_score import pairwise_distance, pool_seeds, summarize
-from grpo_vision.metrics import load_metrics
+from grpo_vision.tools.matrix import DONE, parse_reward_spec, plan, run_matrix
+from grpo_vision.tools.matrix_jobs import OutLock
+from grpo_vision.tools.matrix_score import pairwise_distance, pool_seeds, summarize
+from grpo_vision.run.metrics import load_metrics
 from grpo_vision.prompts import PromptsError
-from grpo_vision.runlock import RunLock, RunLockedError
-
-ROOT = Path(__file__).resolve().parents[1]
+from grpo_vision.run.lock import RunLock, RunLockedError
+from tests.helpers import ROOT, cli_cmd, run_cli
 
 
 def test_reward_specs_take_explicit_weights_then_the_configs():
@@ -117,16 +116,16 @@ def _overrides(world, folder):
             f"data.heldout_prompts={prompts / 'heldout.txt'}"]
 
 
-def _matrix_cmd(world, out, rewards, *extra):
-    return [sys.executable, "-m", "grpo_vision.cli", "matrix", "configs/shapes_micro.yaml",
-            *_overrides(world, out.parent), *extra, "--out", str(out), "--rewards", rewards]
+def _matrix_args(world, out, rewards, *extra):
+    return ["matrix", "configs/shapes_micro.yaml", *_overrides(world, out.parent), *extra, "--out", out,
+            "--rewards", rewards]  # the config as a user names it: the resume line quotes it
 
 
 def _matrix(world, out, *extra):
-    return subprocess.run(_matrix_cmd(world, out, "clip,placebo", *extra), cwd=ROOT, capture_output=True, text=True,
-                          timeout=1800)
+    return run_cli(*_matrix_args(world, out, "clip,placebo", *extra), timeout=1800)
 
 
+@pytest.mark.e2e
 def test_matrix_through_the_cli_goes_on_past_a_failed_run_and_reuses_the_rest(micro_world, tmp_path):
     out = tmp_path / "matrix"
     broken = out / "runs" / "placebo-kl0-s0" / "run.lock"
@@ -197,10 +196,10 @@ def test_the_matrix_writes_through_no_link_planted_in_its_folders(tmp_path, monk
     # empty or overwrite a file outside the folders (as run.lock did, issue 33)
     from types import SimpleNamespace
 
-    from grpo_vision import matrix
+    from grpo_vision.tools import matrix
     from grpo_vision.config import save_config
-    from grpo_vision.matrix_jobs import open_log
-    from grpo_vision.runfiles import FolderError
+    from grpo_vision.tools.matrix_jobs import open_log
+    from grpo_vision.files import FolderError
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -274,12 +273,13 @@ STEPS = 12
 STOP = (f"train.steps={STEPS}", "log.checkpoint_every=0")
 
 
+@pytest.mark.e2e
 def test_sigterm_is_passed_on_and_the_same_command_resumes_exactly(micro_world, tmp_path):
-    straight = subprocess.run(_matrix_cmd(micro_world, tmp_path / "straight", "placebo", *STOP), cwd=ROOT,
-                              capture_output=True, text=True, timeout=1800)
+    straight = run_cli(*_matrix_args(micro_world, tmp_path / "straight", "placebo", *STOP), timeout=1800)
     assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "stopped"
-    run, cmd = out / "runs" / "placebo-kl0-s0", _matrix_cmd(micro_world, tmp_path / "stopped", "placebo", *STOP)
+    run, cmd = out / "runs" / "placebo-kl0-s0", cli_cmd(*_matrix_args(micro_world, tmp_path / "stopped", "placebo",
+                                                                      *STOP))
     stopped = _start_and_stop(cmd, run, lambda proc: proc.send_signal(signal.SIGTERM))  # the matrix alone
     assert stopped.returncode == 143, stopped.stderr[-3000:]  # 128 + SIGTERM
     assert "Traceback" not in stopped.stderr
@@ -301,11 +301,12 @@ def test_sigterm_is_passed_on_and_the_same_command_resumes_exactly(micro_world, 
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
 
 
+@pytest.mark.e2e
 def test_ctrl_c_stops_the_runs_at_a_checkpoint_in_one_line(micro_world, tmp_path):
     out = tmp_path / "matrix"
     run = out / "runs" / "placebo-kl0-s0"
     # Ctrl-C in a terminal: SIGINT to every process of the command's group
-    stopped = _start_and_stop(_matrix_cmd(micro_world, out, "placebo", *STOP), run,
+    stopped = _start_and_stop(cli_cmd(*_matrix_args(micro_world, out, "placebo", *STOP)), run,
                               lambda proc: os.killpg(proc.pid, signal.SIGINT))
     assert stopped.returncode == 130, stopped.stderr[-3000:]  # 128 + SIGINT
     assert "Traceback" not in stopped.stderr and "KeyboardInterrupt" not in stopped.stderr
@@ -320,7 +321,7 @@ def test_an_interrupted_run_resumes_trusting_only_the_matrixs_own_config(tmp_pat
     run's config to be the one it gives that run (another config is refused before anything runs)."""
     from types import SimpleNamespace
 
-    from grpo_vision import matrix
+    from grpo_vision.tools import matrix
     from grpo_vision.config import save_config
 
     config = str(ROOT / "configs" / "shapes_micro.yaml")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grpo_vision.config import ConfigError
-from grpo_vision.memory import PolicyShape, available_memory, check_memory, estimate_memory, peak, policy_shape
+from grpo_vision.run.memory import PolicyShape, available_memory, check_memory, estimate_memory, peak, policy_shape
 
 SHAPE = PolicyShape(params=1000, trainable=1000, param_bytes=4, image_tokens=4, image_values=12, cond_len=2,
                     layers=1, dim=8, heads=2, kv_heads=1, ffn_dim=16, codebook=10)

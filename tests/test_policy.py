@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from grpo_vision.hf_llama import condition_text, from_hf_llama, hf_tokenizer, to_hf_llama
-from grpo_vision.llama_policy import BOI, BOS, NULL, PAD, UNK, LlamaImagePolicy
+from grpo_vision.models.llama_hf import condition_text, from_hf_llama, hf_tokenizer, to_hf_llama
+from grpo_vision.models.llama import BOI, BOS, NULL, PAD, UNK, LlamaImagePolicy
 from grpo_vision.policy import ImagePolicy
 
 
@@ -115,7 +115,7 @@ def test_lora_adapters_are_used_by_kv_cache_decode(tiny_policy):
 def test_attention_stays_float32_under_cpu_autocast():
     # CPU autocast would run scaled_dot_product_attention in bf16, whose backward is slower than
     # float32's on CPU; `attention` keeps it in float32 and equal to the plain call.
-    from grpo_vision.llama_policy import attention
+    from grpo_vision.models.llama import attention
 
     q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
     plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

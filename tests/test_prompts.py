@@ -3,7 +3,8 @@
 import pytest
 
 from grpo_vision.config import load_config
-from grpo_vision.policies import Bundle, checked_prompt_sets
+from grpo_vision.policy import Bundle
+from grpo_vision.splits import checked_prompt_sets
 from grpo_vision.policy import prompt_problem
 from grpo_vision.prompts import PromptsError, load_prompts
 
@@ -152,7 +153,7 @@ def test_a_rejected_long_prompt_is_quoted_briefly(tmp_path, tiny_policy):
 
 def test_a_resumed_run_keeps_the_prompts_it_saved(tmp_path):
     """A later version may draw a kind's sets otherwise (issue 34 did): a run folder's saved prompts win."""
-    from grpo_vision.policies import prompt_lists, run_prompt_sets
+    from grpo_vision.splits import prompt_lists, run_prompt_sets
     from grpo_vision.prompts import PromptEntry, save_prompts
 
     cfg = load_config("configs/shapes.yaml")

@@ -1,6 +1,6 @@
 """report.md's words from eval.json's numbers: units, the judge's duplicate row, "What changed"."""
 
-from grpo_vision.report_text import (change_table, duplicate_of_judge, rate_change, reward_change, rollout_trend,
+from grpo_vision.evaluation.report_text import (change_table, duplicate_of_judge, rate_change, reward_change, rollout_trend,
                                      what_changed)
 
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 import torchvision.transforms.functional as TF
 from torchvision.transforms import InterpolationMode
 
-from grpo_vision.aesthetic import AestheticMLP, save_aesthetic
-from grpo_vision.clip import ClipLoadError
+from grpo_vision.rewards.aesthetic import AestheticMLP, save_aesthetic
+from grpo_vision.rewards.clip import ClipLoadError
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, make_reward
 from grpo_vision.rewards.models import HPSv2Options
@@ -122,10 +122,8 @@ def test_clip_reward_loads_an_openai_torchscript_archive_and_warns_without_quick
     assert not torch.allclose(wrong, got, atol=1e-4)
 
 
-def test_a_torchscript_archive_needs_trust_or_a_one_time_conversion(tiny_clip, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_a_torchscript_archive_needs_trust_or_a_one_time_conversion(tiny_clip, tmp_path, capsys):
+    from grpo_vision.cli import main
 
     config, _, model = tiny_clip
     path = tmp_path / "ViT-L-14.pt"
@@ -134,11 +132,10 @@ def test_a_torchscript_archive_needs_trust_or_a_one_time_conversion(tiny_clip, t
     with pytest.raises(RewardError, match=rf"reward 'clip' failed: its model did not load: ClipLoadError: {path} is a "
                                           r"TorchScript archive.*grpo-vision convert-clip .*trust_torchscript: true"):
         CompositeReward({"clip": 1.0}, [], RewardContext(), {"clip": {"model": config, "checkpoint": str(path)}}).load()
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "convert-clip", str(path),
-                          str(tmp_path / "c.safetensors")], cwd=Path(__file__).resolve().parents[1],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith(f"[convert-clip] loading {path} with torch.jit.load, which runs the TorchScript code")
+    capsys.readouterr()
+    main(["convert-clip", str(path), str(tmp_path / "c.safetensors")])  # the one-time conversion, run by the user
+    assert capsys.readouterr().out.startswith(f"[convert-clip] loading {path} with torch.jit.load, which runs the "
+                                              "TorchScript code")
     converted = make_reward("clip", RewardContext(), {"model": config, "checkpoint": str(tmp_path / "c.safetensors")})
     torch.testing.assert_close(converted(images, PROMPTS[:3], [{}] * 3),
                                _open_clip_reference(model, images, PROMPTS[:3]), atol=1e-5, rtol=0)
@@ -345,18 +342,3 @@ def test_unknown_options_are_named_with_the_keys_they_could_be():
     cfg = load_config(None, ["reward.options.cilp.checkpoint=/x"])
     with pytest.raises(ConfigError, match="reward.options names 'cilp', which is not a reward; registered rewards: "):
         CompositeReward.from_config(cfg.reward)
-
-
-def test_old_flat_keys_move_to_options_with_a_warning(tmp_path):
-    old = tmp_path / "old.yaml"  # as an earlier version saved a run's config.yaml: every key, most at defaults
-    old.write_text("reward:\n  weights: {clip: 1.0}\n  clip_model: ViT-B-32\n  clip_checkpoint: /m/clip.bin\n"
-                   "  aesthetic_checkpoint: ''\n  pickscore_path: ''\n  pickscore_processor: ''\n"
-                   "  hpsv2_checkpoint: ''\n  hpsv2_model: ViT-H-14\n")
-    with pytest.warns(UserWarning, match="'reward.clip_checkpoint' moved to 'reward.options.clip.checkpoint' and "
-                                         "'reward.options.aesthetic.clip_checkpoint'"):
-        cfg = load_config(old)
-    assert cfg.reward.options == {"clip": {"model": "ViT-B-32", "checkpoint": "/m/clip.bin"},
-                                  "aesthetic": {"clip_model": "ViT-B-32", "clip_checkpoint": "/m/clip.bin"}}
-    with pytest.warns(UserWarning, match="'reward.hpsv2_checkpoint' moved to 'reward.options.hpsv2.checkpoint'"):
-        cfg = load_config(None, ["reward.hpsv2_checkpoint=/h.pt"])
-    assert cfg.reward.options == {"hpsv2": {"checkpoint": "/h.pt"}}

@@ -24,12 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_vision.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from grpo_vision.clip import ClipLoadError, load_clip
-from grpo_vision.safe_state import load_state, save_state
+from grpo_vision.run.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from grpo_vision.rewards.clip import ClipLoadError, load_clip
+from grpo_vision.run.safe_state import load_state, save_state
 from grpo_vision.shapes.plugin import CLIP_CONFIG
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, micro_args, micro_cfg, run_cli
 
 
 class Payload:
@@ -141,39 +140,18 @@ def test_a_state_file_holds_data_only(tmp_path):
         load_state(tmp_path / "plain.safetensors")
 
 
-def _legacy(path: Path, opt, sched, rng: dict) -> None:
-    """Turn a checkpoint into the format written before the pickle-free one."""
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, path / "optimizer.pt")
-    torch.save(rng, path / "rng.pt")
-    (path / "optimizer.safetensors").unlink()
-    (path / "rng.safetensors").unlink()
-
-
-def test_a_checkpoint_in_the_previous_format_still_resumes_exactly(tmp_path):
-    model, opt, sched = tiny()
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    path = save_checkpoint(tmp_path, 2, model, opt, sched, None, {"counters": {}})
-    _legacy(path, opt, sched, rng)
-    fresh, fresh_opt, fresh_sched = tiny()
-    torch.manual_seed(123)
-    load_checkpoint(path, fresh, fresh_opt, fresh_sched)
-    assert torch.equal(torch.get_rng_state(), rng["torch"]) and random.getstate() == rng["python"]
-    assert np.array_equal(np.random.get_state()[1], rng["numpy"][1])
-    assert fresh_sched.state_dict() == sched.state_dict()
-    assert all(torch.equal(fresh_opt.state_dict()["state"][i][k], v)
-               for i, s in opt.state_dict()["state"].items() for k, v in s.items())
-
-
 @pytest.mark.parametrize("name, make", [("optimizer.pt", crafted_optimizer), ("rng.pt", crafted_rng)])
-def test_a_crafted_pickle_in_a_checkpoint_is_refused_naming_the_file(tmp_path, name, make):
+def test_a_crafted_pickle_in_place_of_a_state_file_is_never_read(tmp_path, name, make):
     assert armed(make, tmp_path)
     model, opt, sched = tiny()
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     path = save_checkpoint(tmp_path / "run", 1, model, opt, sched, None, {"counters": {}})
-    _legacy(path, opt, sched, rng)
+    state_file = path / name.replace(".pt", ".safetensors")
+    state_file.unlink()
     make(path / name, tmp_path / "RAN")
-    with pytest.raises(CheckpointError, match=f"refused: .*{name} holds pickled Python objects .*io.open"):
+    with pytest.raises(CheckpointError) as err:
         load_checkpoint(path, model, opt, sched)
+    assert str(err.value) == (f"checkpoint file missing: {state_file}; the step directory is incomplete: delete "
+                              f"{path} and use an earlier step")
     assert not (tmp_path / "RAN").exists()
 
 
@@ -218,8 +196,8 @@ def test_a_torchscript_clip_archive_runs_nothing_without_trust(tmp_path):
 def test_a_raw_pickle_is_refused_as_pickled_objects_never_as_damaged(tmp_path, protocol):
     """pickle.dump's protocols 4 and 5 use opcodes torch's safe unpickler does not read: torch's error then
     names no object and advises weights_only=False; the message names the object and no such advice."""
-    from grpo_vision.aesthetic import load_aesthetic
-    from grpo_vision.safe_state import UnsafeFileError, load_pickled_tensors
+    from grpo_vision.rewards.aesthetic import load_aesthetic
+    from grpo_vision.run.safe_state import UnsafeFileError, load_pickled_tensors
 
     path = tmp_path / "weights.pt"
     with open(path, "wb") as f:
@@ -244,7 +222,7 @@ def test_a_raw_pickle_is_refused_as_pickled_objects_never_as_damaged(tmp_path, p
 
 
 def test_bytes_that_are_no_pickle_are_damaged_without_torchs_advice(tmp_path):
-    from grpo_vision.safe_state import load_pickled_tensors
+    from grpo_vision.run.safe_state import load_pickled_tensors
 
     path = tmp_path / "weights.pt"
     path.write_bytes(bytes([27]) + bytes(range(256)))
@@ -298,34 +276,26 @@ def test_no_load_path_in_the_package_unpickles():
 # ---------------------------------------------------------------- the real CLI
 
 
+@pytest.mark.e2e
 def test_attack_files_through_the_cli_leave_no_marker(micro_world, tmp_path):
-    from grpo_vision.config import load_config
     from grpo_vision.train import train
 
-    base = ["configs/shapes_micro.yaml", f"policy.path={micro_world}", "log.sample_every=0", "log.eval_images=1"]
-    run = train(load_config(ROOT / base[0], [*base[1:], f"run.out_dir={tmp_path}", "run.name=base",
-                                             "train.steps=1"]), progress=False)
-    opt = load_state(run / "checkpoints" / "step_000001" / "optimizer.safetensors")
-    rng = load_state(run / "checkpoints" / "step_000001" / "rng.safetensors")
-
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=900)
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=base", "train.steps=1"), progress=False)
+    cli = run_cli
 
     for name, make in (("optimizer.pt", crafted_optimizer), ("rng.pt", crafted_rng)):
         shared = tmp_path / f"shared_{name}"
         shutil.copytree(run, shared)
         step = shared / "checkpoints" / "step_000001"
-        torch.save(opt, step / "optimizer.pt")  # a previous-format checkpoint, one file replaced
-        torch.save(rng, step / "rng.pt")
-        (step / "optimizer.safetensors").unlink()
-        (step / "rng.safetensors").unlink()
+        state_file = step / name.replace(".pt", ".safetensors")
+        state_file.unlink()  # a crafted pickle in its place: never read
         make(step / name, tmp_path / f"RAN_{name}")
         out = cli("train", "--resume", str(shared))
-        assert out.returncode != 0 and f"{name} holds pickled Python objects" in out.stderr, out.stderr[-2000:]
+        assert out.returncode != 0 and f"checkpoint file missing: {state_file}" in out.stderr, out.stderr[-2000:]
         assert "Traceback" not in out.stderr and not (tmp_path / f"RAN_{name}").exists()
     crafted_clip(tmp_path / "clip.pt", tmp_path / "RAN_clip")
-    out = cli("train", *base, f"run.out_dir={tmp_path}", "run.name=clip", f"reward.options.clip.checkpoint={tmp_path / 'clip.pt'}")
+    out = cli("train", *micro_args(micro_world, tmp_path, "run.name=clip",
+                                   f"reward.options.clip.checkpoint={tmp_path / 'clip.pt'}"))
     assert out.returncode != 0 and "clip.pt is a TorchScript archive" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and not (tmp_path / "RAN_clip").exists()
 
@@ -333,15 +303,7 @@ def test_attack_files_through_the_cli_leave_no_marker(micro_world, tmp_path):
 # ---------------------------------------------------------------- code a run folder names
 
 
-@pytest.fixture(scope="module")
-def shared_run(micro_world, tmp_path_factory):
-    """A one-step micro run, standing for a run folder someone else made."""
-    from grpo_vision.config import load_config
-    from grpo_vision.train import train
-
-    return train(load_config(ROOT / "configs" / "shapes_micro.yaml", [
-        f"policy.path={micro_world}", f"run.out_dir={tmp_path_factory.mktemp('shared')}", "train.steps=1",
-        "log.sample_every=0", "log.report=false"]), progress=False)
+# conftest.py's micro_run stands for a run folder someone else made; each test changes a copy of it
 
 
 def planted(tmp_path, monkeypatch, name: str) -> Path:
@@ -354,12 +316,12 @@ def planted(tmp_path, monkeypatch, name: str) -> Path:
     return marker
 
 
-def test_a_run_folder_runs_no_code_it_names_without_trust_run(shared_run, tmp_path, monkeypatch, capsys):
+def test_a_run_folder_runs_no_code_it_names_without_trust_run(micro_run, tmp_path, monkeypatch, capsys):
     from grpo_vision.cli import main
 
     marker = planted(tmp_path, monkeypatch, "planted_in_config")
     run = tmp_path / "shared"
-    shutil.copytree(shared_run, run)
+    shutil.copytree(micro_run, run)
     config = run / "config.yaml"
     config.write_text(config.read_text().replace("  weights:\n", "  weights:\n    python:planted_in_config:score: 1.0\n"))
     prompts = tmp_path / "p.txt"
@@ -375,7 +337,7 @@ def test_a_run_folder_runs_no_code_it_names_without_trust_run(shared_run, tmp_pa
         assert not marker.exists(), args[0]
     # a run folder may also tell a reward to trust a TorchScript archive, whose code runs as it loads
     torchscript = run / "torchscript"
-    shutil.copytree(shared_run, torchscript)
+    shutil.copytree(micro_run, torchscript)
     scripted_clip(torchscript / "clip.pt", tmp_path / "RAN_torchscript")
     config = torchscript / "config.yaml"
     config.write_text(config.read_text().replace("  options: {}\n", "  options:\n    clip:\n      checkpoint: "
@@ -394,12 +356,12 @@ def test_a_run_folder_runs_no_code_it_names_without_trust_run(shared_run, tmp_pa
         "mean"] == 0.5
 
 
-def test_a_reward_named_in_a_run_folders_prompts_is_refused_too(shared_run, tmp_path, monkeypatch, capsys):
+def test_a_reward_named_in_a_run_folders_prompts_is_refused_too(micro_run, tmp_path, monkeypatch, capsys):
     from grpo_vision.cli import main
 
     marker = planted(tmp_path, monkeypatch, "planted_in_prompts")
     run = tmp_path / "shared"
-    shutil.copytree(shared_run, run)
+    shutil.copytree(micro_run, run)
     test_set = run / "prompts" / "test.jsonl"  # eval's default set: the run folder's own file
     test_set.write_text(json.dumps({"prompt": "a red circle", "rewards": {"python:planted_in_prompts:score": 1}}))
     with pytest.raises(SystemExit):
@@ -412,7 +374,7 @@ def test_the_resume_command_a_run_prints_trusts_only_its_own_code():
     # --trust-run, so the line it prints says so (whoever started the run chose that reward)
     from grpo_vision.config import load_config
     from grpo_vision.prompts import PromptEntry
-    from grpo_vision.run_folder import resume_command
+    from grpo_vision.run.folder import resume_command
 
     plain = load_config(None, ["reward.weights={clip: 1.0}", "reward.monitor=[]"])
     assert resume_command("runs/x", plain) == "grpo-vision train --resume runs/x"
@@ -434,8 +396,8 @@ def outside(tmp_path, name: str) -> Path:
 
 
 def test_the_run_lock_refuses_a_link_before_and_after_loading(tmp_path):
-    from grpo_vision.runfiles import FolderError
-    from grpo_vision.runlock import LOCK_NAME, RunLock, check_run_dir
+    from grpo_vision.files import FolderError
+    from grpo_vision.run.lock import LOCK_NAME, RunLock, check_run_dir
 
     run, target = tmp_path / "run", outside(tmp_path, "lock.txt")
     run.mkdir()
@@ -449,8 +411,8 @@ def test_the_run_lock_refuses_a_link_before_and_after_loading(tmp_path):
 
 def test_files_written_whole_replace_a_link_and_leave_its_target_alone(tmp_path):
     from grpo_vision.config import Config, save_config
-    from grpo_vision.metrics import MetricsLogger
-    from grpo_vision.plots import save_figure
+    from grpo_vision.run.metrics import MetricsLogger
+    from grpo_vision.evaluation.plots import save_figure
     from grpo_vision.prompts import PromptEntry, save_prompts
 
     run = tmp_path / "run"
@@ -482,9 +444,9 @@ def test_files_written_whole_replace_a_link_and_leave_its_target_alone(tmp_path)
 
 @pytest.mark.parametrize("sub", ["prompts", "checkpoints", "samples", "tensorboard"])
 def test_a_sub_folder_that_is_a_link_is_refused_naming_it(tmp_path, sub):
-    from grpo_vision.metrics import MetricsLogger
+    from grpo_vision.run.metrics import MetricsLogger
     from grpo_vision.prompts import PromptEntry, save_prompts
-    from grpo_vision.runfiles import FolderError, write_file
+    from grpo_vision.files import FolderError, write_file
 
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     run.mkdir()
@@ -503,12 +465,11 @@ def test_a_sub_folder_that_is_a_link_is_refused_naming_it(tmp_path, sub):
 def test_resuming_a_run_with_planted_links_overwrites_nothing_outside_it(micro_world, tmp_path):
     """The finding: run.lock, metrics.jsonl and prompts/train.jsonl replaced by links, then --resume."""
     from grpo_vision.config import load_config
-    from grpo_vision.metrics import load_metrics
-    from grpo_vision.runfiles import FolderError
+    from grpo_vision.run.metrics import load_metrics
+    from grpo_vision.files import FolderError
     from grpo_vision.train import train
 
-    overrides = [f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1", "log.report=false"]
-    run = train(load_config(ROOT / "configs" / "shapes_micro.yaml", [*overrides, "train.steps=1"]), progress=False)
+    run = train(micro_cfg(micro_world, tmp_path, "log.report=false", "train.steps=1"), progress=False)
     targets = {name: outside(tmp_path, name.replace("/", "_")) for name in ("run.lock", "metrics.jsonl",
                                                                              "prompts/train.jsonl")}
     for name, target in targets.items():

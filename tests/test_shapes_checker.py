@@ -1,7 +1,7 @@
 """The exact checker: thresholds, shape features, 100% on renders, rejection of each attribute."""
 
 import itertools
-import time
+import json
 
 import numpy as np
 import pytest
@@ -181,7 +181,7 @@ def test_relation_boundary_follows_the_contract():
     assert not S.relation_holds("left of", (0, 0), (7.5, 0))
 
 
-# ---------------------------------------------------------------- inputs, errors, speed
+# ---------------------------------------------------------------- inputs, errors, the bench
 
 
 def test_accepts_float_and_channels_first_inputs():
@@ -204,10 +204,15 @@ def test_bad_caption_raises_quoting_it():
         check(img, "a red dog")
 
 
-def test_fast_enough():
-    samples = [(render(s), c) for s, c in _samples(50, seed=30, aesthetic=True)]
-    t = time.perf_counter()
-    for img, caption in samples:
-        check(img, caption)
-    per_image = (time.perf_counter() - t) / len(samples)
-    assert per_image < 5e-3  # ~0.5 ms measured on a 2-core CPU; loose for loaded machines
+def test_the_checker_bench_prints_seconds_per_image_against_its_target(capsys):
+    # Speed is measured by `grpo-vision world bench` (target 5 ms an image; docs/benchmarks.md), never
+    # asserted here: this checks what the command reports, not how fast the checker is
+    from grpo_vision.cli import main
+
+    main(["world", "bench", "--json", "--n", "1", "--repeats", "1", "--seed", "3"])
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"images", "forms", "repeats", "accepted", "seconds_per_image", "target_s", "targets_met"}
+    assert (result["images"], result["forms"], result["repeats"]) == (4, list(S.FORMS), 1)  # one render per form
+    assert result["accepted"] == 1.0  # every render checked right: the time is that of real verdicts
+    assert result["seconds_per_image"] > 0 and result["target_s"] == 5e-3
+    assert result["targets_met"] == (result["seconds_per_image"] <= result["target_s"])

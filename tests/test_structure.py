@@ -1,5 +1,5 @@
-"""The architecture's rules, checked: the core never imports ShapesWorld, training never imports the
-world builder, and files and functions stay small enough to read."""
+"""The architecture's rules, checked: imports go down the layers, the core never imports ShapesWorld,
+training never imports the world builder, and the public API loads without torch."""
 
 import ast
 import json
@@ -13,29 +13,164 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "grpo_vision"
 CORE = sorted(p for p in PACKAGE.rglob("*.py") if "shapes" not in p.relative_to(PACKAGE).parts)
-MAX_FILE_LINES = 350
-MAX_FUNCTION_LINES = 80
-LONG_FUNCTIONS_ALLOWED = {"train"}  # the one loop, read top to bottom (STYLE.md, rule 1)
+PLUGIN = "grpo_vision.shapes"  # ShapesWorld: may import anything; nothing outside it may import it
+
+# The package's parts, lowest first: a module may import its own layer and lower ones, never a higher
+# one (at module level or inside a function; `if TYPE_CHECKING:` imports are exempt, they never run).
+# A name covers its submodules; "grpo_vision" is the package's __init__ only, whose public API
+# (`grpo_vision.load_config`, ...) is imported lazily by importlib from strings, not by import
+# statements, so the re-exports are exempt by construction.
+LAYERS = [
+    ("core", ["grpo_vision", "grpo_vision.config", "grpo_vision.files", "grpo_vision.plugins", "grpo_vision.policy",
+              "grpo_vision.prompts", "grpo_vision.splits", "grpo_vision.sampling", "grpo_vision.grpo",
+              "grpo_vision.images", "grpo_vision.iterative", "grpo_vision.seeds"]),  # contracts and math
+    ("run", ["grpo_vision.run"]),  # checkpoints, safe state, distributed, health, memory, metrics, lock, ...
+    ("models and rewards", ["grpo_vision.models", "grpo_vision.rewards"]),  # which must not import each other
+    ("the step", ["grpo_vision.reference", "grpo_vision.update"]),
+    ("evaluation", ["grpo_vision.evaluation"]),
+    ("train", ["grpo_vision.train"]),
+    ("tools", ["grpo_vision.tools"]),  # demo, matrix, benches
+    ("cli", ["grpo_vision.cli"]),
+]
+PARTS = {part: layer for layer, (_, parts) in enumerate(LAYERS) for part in parts}
 
 
-def world_imports(source: str, module: str) -> list[str]:
-    """The `import` statements of `source` (module `module`, dotted) that reach grpo_vision.shapes."""
-    found = []
-    package = module.rsplit(".", 1)[0]
-    for node in ast.walk(ast.parse(source)):
+def module_name(path: Path) -> str:
+    """grpo_vision/run/lock.py -> grpo_vision.run.lock; a package's __init__.py -> the package."""
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def is_module(dotted: str) -> bool:
+    """Whether `dotted` is a module or package of this tree (run/, models/, ... have no __init__.py)."""
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or path.is_dir()
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imported_modules(source: str, module: str, is_package: bool = False, type_checking: bool = False):
+    """(line, dotted module) for each module that `source` (module `module`) imports, anywhere in it:
+    `import a.b` -> a.b; `from a import b` -> a.b where that is a module, else a; relative imports
+    resolved against the module's package. `if TYPE_CHECKING:` bodies are skipped unless `type_checking`."""
+    package = module if is_package else module.rpartition(".")[0]
+    stack = [ast.parse(source)]
+    while stack:
+        node = stack.pop()
+        if not type_checking and _is_type_checking(node):
+            stack.extend(node.orelse)  # the `else:` of a TYPE_CHECKING block does run
+            continue
+        stack.extend(ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            for alias in node.names:
+                yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:  # relative: resolve against the module's package
+            if node.level:  # relative: `.` is the module's package, each further dot one package up
                 parts = package.split(".")[:len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            names = [f"{base}.{a.name}" for a in node.names] + [base]
-        else:
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                yield node.lineno, full if is_module(full) else base
+
+
+def part_of(dotted: str) -> str | None:
+    """The entry of LAYERS (or PLUGIN) that holds module `dotted`: the longest name it starts with."""
+    if dotted == PLUGIN or dotted.startswith(PLUGIN + "."):
+        return PLUGIN
+    names = [p for p in PARTS if dotted == p or (p != "grpo_vision" and dotted.startswith(p + "."))]
+    return max(names, key=len, default=None)
+
+
+def layer_violations(source: str, module: str, label: str, is_package: bool = False) -> list[str]:
+    """`label:line: imports X (layer N) from layer M` for each import of `source` (module `module`) that
+    goes up the layers, crosses between models/ and rewards/, or reaches the ShapesWorld plugin."""
+    home = part_of(module)
+    if home == PLUGIN:
+        return []  # a plugin builds on the whole package
+    if home is None:
+        return [f"{label}: {module} has no layer in LAYERS"]
+    found = []
+    for line, target in sorted(imported_modules(source, module, is_package)):
+        if not (target == "grpo_vision" or target.startswith("grpo_vision.")):
             continue
-        if any(n == "grpo_vision.shapes" or n.startswith("grpo_vision.shapes.") for n in names):
-            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        there = part_of(target)
+        where = f"{label}:{line}: imports {target}"
+        if there is None:
+            found.append(f"{where} (no layer: a module that does not exist?) from layer {PARTS[home]}")
+        elif there == PLUGIN:
+            found.append(f"{where} (the ShapesWorld plugin) from layer {PARTS[home]}")
+        elif PARTS[there] > PARTS[home]:
+            found.append(f"{where} (layer {PARTS[there]}) from layer {PARTS[home]}")
+        elif {home, there} == {"grpo_vision.models", "grpo_vision.rewards"}:
+            found.append(f"{where} (layer {PARTS[there]}) from layer {PARTS[home]}: models/ and rewards/ "
+                         "must not import each other")
     return found
+
+
+def test_every_module_has_a_layer():
+    loose = [str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py")) if part_of(module_name(p)) is None]
+    assert loose == [], "give each new module a layer in LAYERS (tests/test_structure.py)"
+
+
+def test_imports_go_down_the_layers():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found += layer_violations(path.read_text(), module_name(path), str(path.relative_to(ROOT)),
+                                  is_package=path.name == "__init__.py")
+    assert found == [], "imports that go up the layers (tests/test_structure.py, LAYERS):\n" + "\n".join(found)
+
+
+def test_the_layer_check_finds_every_spelling():
+    def check(module: str, source: str, is_package: bool = False) -> list[str]:
+        return layer_violations(textwrap.dedent(source), module, "f.py", is_package)
+
+    assert check("grpo_vision.run.lock", """
+        import grpo_vision.train
+        from grpo_vision import train
+        from grpo_vision.train import train as fit
+        def later():
+            from grpo_vision.evaluation.report import write_report  # a lazy import counts
+        from ..tools import demo  # relative: grpo_vision.tools.demo
+        from . import metrics, checkpoint  # down or level: allowed
+        import numpy, grpo_vision, grpo_vision.config
+        from grpo_vision import __version__, files
+    """) == ["f.py:2: imports grpo_vision.train (layer 5) from layer 1",
+             "f.py:3: imports grpo_vision.train (layer 5) from layer 1",
+             "f.py:4: imports grpo_vision.train (layer 5) from layer 1",
+             "f.py:6: imports grpo_vision.evaluation.report (layer 4) from layer 1",
+             "f.py:7: imports grpo_vision.tools.demo (layer 6) from layer 1"]
+    assert check("grpo_vision.rewards", """
+        from .base import RewardFn  # the package's own module
+        from ..models.llama import LlamaImagePolicy
+        from grpo_vision.shapes.world import World
+    """, is_package=True) == [
+        "f.py:3: imports grpo_vision.models.llama (layer 2) from layer 2: models/ and rewards/ must not import "
+        "each other",
+        "f.py:4: imports grpo_vision.shapes.world (the ShapesWorld plugin) from layer 2"]
+    assert check("grpo_vision.tools.demo", """
+        from typing import TYPE_CHECKING
+        import typing
+        if TYPE_CHECKING:
+            from grpo_vision.cli.args import MAX_SEED  # exempt: never runs
+        if typing.TYPE_CHECKING:
+            import grpo_vision.cli
+        else:
+            import grpo_vision.cli.main  # the else branch runs
+        from grpo_vision.nothing_here import x
+    """) == ["f.py:9: imports grpo_vision.cli.main (layer 7) from layer 6",
+             "f.py:10: imports grpo_vision.nothing_here (no layer: a module that does not exist?) from layer 6"]
+    assert check("grpo_vision.shapes.plugin", "from grpo_vision.cli.main import main\n") == []  # a plugin
+
+
+def world_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The modules of grpo_vision.shapes that `source` (module `module`) imports, `line N: name`, those under
+    `if TYPE_CHECKING:` included (even a type-only dependency on a plugin is one too many)."""
+    return [f"line {line}: {target}" for line, target in imported_modules(source, module, is_package, True)
+            if part_of(target) == PLUGIN]
 
 
 def test_the_import_check_finds_every_spelling():
@@ -52,8 +187,8 @@ def test_the_import_check_finds_every_spelling():
 
 @pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_core_module_imports_the_world(path):
-    module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    assert world_imports(path.read_text(), module) == [], f"{path.relative_to(ROOT)} imports grpo_vision.shapes"
+    found = world_imports(path.read_text(), module_name(path), is_package=path.name == "__init__.py")
+    assert found == [], f"{path.relative_to(ROOT)} imports grpo_vision.shapes"
 
 
 def _fresh(code: str) -> dict:
@@ -63,7 +198,7 @@ def _fresh(code: str) -> dict:
 
 
 def test_importing_each_core_module_leaves_the_world_out():
-    modules = [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for p in CORE]
+    modules = [module_name(p) for p in CORE if p.name != "__main__.py"]  # importing __main__ runs the CLI
     code = f"""
 import importlib, json, sys
 loaded = {{}}
@@ -75,6 +210,7 @@ print(json.dumps(loaded))
     assert _fresh(code) == {m: [] for m in modules}
 
 
+@pytest.mark.e2e  # a training in a fresh interpreter
 def test_training_a_policy_from_outside_the_world_never_imports_it(tmp_path):
     """A tiny LlamaGen-style policy and diffusers VQ tokenizer, saved in their real formats, trained for
     one step on a built-in reward with a sample grid and the report: no ShapesWorld module is loaded."""
@@ -83,8 +219,8 @@ import json, sys
 import torch
 from diffusers import VQModel
 from grpo_vision.config import load_config
-from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.tokenizer import VQTokenizer
+from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.models.tokenizer import VQTokenizer
 from grpo_vision.train import train
 
 torch.manual_seed(0)
@@ -111,6 +247,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("grpo_vision.shap
     assert _fresh(code) == []
 
 
+@pytest.mark.e2e  # a training in a fresh interpreter
 def test_training_on_the_world_never_imports_its_builder(micro_world, tmp_path):
     code = f"""
 import json, sys
@@ -127,20 +264,39 @@ print(json.dumps(sorted(m for m in sys.modules if m.startswith("grpo_vision.shap
     assert [m for m in loaded if m.startswith("grpo_vision.shapes.build")] == []
 
 
-def _functions(tree):
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield node
+def test_the_public_api_loads_without_torch():
+    code = """
+import json, sys
+import grpo_vision
+names = grpo_vision.__all__
+grpo_vision.load_config, grpo_vision.Config, grpo_vision.__version__
+listed = sorted([*grpo_vision._EXPORTS, *grpo_vision._SUBMODULES, "__version__"])
+print(json.dumps({"torch": "torch" in sys.modules, "not in dir()": sorted(set(names) - set(dir(grpo_vision))),
+                  "__all__": names == listed}))
+"""
+    assert _fresh(code) == {"torch": False, "not in dir()": [], "__all__": True}
 
 
-def test_files_and_functions_stay_small():
-    too_long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        source = path.read_text()
-        if source.count("\n") > MAX_FILE_LINES:
-            too_long.append(f"{path.relative_to(ROOT)}: {source.count(chr(10))} lines")
-        for fn in _functions(ast.parse(source)):
-            length = fn.end_lineno - fn.lineno + 1
-            if length > MAX_FUNCTION_LINES and fn.name not in LONG_FUNCTIONS_ALLOWED:
-                too_long.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}(): {length} lines")
-    assert too_long == []
+@pytest.mark.parametrize("import_first", [False, True], ids=["attribute first", "import first"])
+def test_grpo_vision_train_is_the_module_in_either_order(import_first):
+    """Python sets the package's attribute `train` to the submodule on `import grpo_vision.train`, so the
+    API leaves that name to the module (grpo_vision/__init__.py says why); the function is
+    `grpo_vision.train.train`, whichever of the attribute and the import statement comes first."""
+    steps = ["import grpo_vision.train", "before = grpo_vision.train"]
+    steps = "\n".join(steps if import_first else steps[::-1])
+    code = f"""
+import importlib, json, sys
+import grpo_vision
+{steps}
+import grpo_vision.train as as_module
+from grpo_vision import train
+module = sys.modules["grpo_vision.train"]
+exports = grpo_vision._EXPORTS  # name -> module
+print(json.dumps({{
+    "module": [before is module, grpo_vision.train is module, as_module is module, train is module],
+    "function": callable(grpo_vision.train.train),
+    "exports": sorted(n for n, m in exports.items()
+                      if getattr(grpo_vision, n) is not getattr(importlib.import_module(m), n)),
+}}))
+"""
+    assert _fresh(code) == {"module": [True] * 4, "function": True, "exports": []}

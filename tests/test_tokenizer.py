@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo_vision.shapes.build.train_vq import EMACodebook, VQ_PRESETS, build_vq, image_loss, kmeans
-from grpo_vision.tokenizer import Float32GroupNorm, ImageTokenizer, VQTokenizer
+from grpo_vision.models.tokenizer import Float32GroupNorm, ImageTokenizer, VQTokenizer
 
 
 @pytest.fixture(scope="module")

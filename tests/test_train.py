@@ -13,17 +13,11 @@ from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, load_config, save_config
 from grpo_vision.grpo import grpo_loss
-from grpo_vision.health import NonFiniteWeightsError, TrainingHealthError, weights_finite
+from grpo_vision.run.health import NonFiniteWeightsError, TrainingHealthError, weights_finite
 from grpo_vision.rewards import RewardError
+from grpo_vision.run.metrics import load_metrics
 from grpo_vision.train import train
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def micro_cfg(world, out, *overrides):
-    return load_config(ROOT / "configs" / "shapes_micro.yaml",
-                       [f"policy.path={world}", f"run.out_dir={out}", "log.sample_every=0", "log.eval_images=1",
-                        *overrides])
+from tests.helpers import MICRO, ROOT, cli_cmd, micro_args, micro_cfg, run_cli
 
 
 def inf_reward(images, prompts, metadata):  # python:tests.test_train:inf_reward
@@ -57,17 +51,16 @@ def exiting_later(images, prompts, metadata):  # python:tests.test_train:exiting
     return images.mean((1, 2, 3))
 
 
+@pytest.mark.e2e
 def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1",
-                          "log.eval_temperatures=[0.7,1.0]"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_cli("train", str(MICRO), f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.report=false")
     assert out.returncode == 0, out.stderr[-3000:]
     run = tmp_path / "shapes_micro"
     before = load_file(micro_world / "policy" / "policy.safetensors")
     after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
     assert set(after) == set(before)
     assert max((after[k].float() - before[k].float()).abs().max().item() for k in after) > 0
-    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = load_metrics(run)
     assert [m["step"] for m in lines] == [1, 2]
     required = {"reward/clip/mean", "reward/clip/std", "reward/aesthetic/mean", "reward/shapes_exact/mean",
                 "reward/total/mean", "adv/frac_zero_std", "loss/policy", "loss/kl", "loss/clip_frac_low",
@@ -75,33 +68,60 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
     for m in lines:
         assert required <= set(m)
         assert all(v is not None and math.isfinite(v) for v in m.values()), m
-    for name in ("report.md", "eval.json", "curves.png", "config.yaml", "samples/step_000001.png"):
-        assert (run / name).exists(), name
-    report = (run / "report.md").read_text()
+
+
+# The rest of what a finished run holds, on the session's in-process micro run (conftest.py: micro_run,
+# two steps, the report at eval temperatures 0.7 and 1.0)
+
+
+def test_a_run_writes_its_report_eval_curves_config_and_a_grid_each_step(micro_run):
+    for name in ("report.md", "eval.json", "curves.png", "config.yaml", "final_samples.png",
+                 "samples/step_000001.png", "samples/step_000002.png"):
+        assert (micro_run / name).is_file(), name
+
+
+def test_the_report_tables_the_checker_by_prompt_form(micro_run):
+    report = (micro_run / "report.md").read_text()
     assert "Exact checker" in report and "All attributes right, by prompt form" in report
-    result = json.loads((run / "eval.json").read_text())
-    by_form = result["models"]["policy"]["checker_by_form"]
-    assert set(by_form) <= {"plain", "size", "background", "relation"} and by_form
-    # The headline is the first eval temperature; every temperature is kept and tabled
+    by_form = json.loads((micro_run / "eval.json").read_text())["models"]["policy"]["checker_by_form"]
+    assert by_form and set(by_form) <= {"plain", "size", "background", "relation"}
+
+
+def test_the_headline_is_the_first_eval_temperature_and_every_temperature_is_tabled(micro_run):
+    result = json.loads((micro_run / "eval.json").read_text())
     assert (result["temperature"], result["train_temperature"]) == (0.7, 1.0)
     assert list(result["by_temperature"]) == ["0.7", "1.0"]
     assert result["by_temperature"]["0.7"]["models"] == result["models"]
+    report = (micro_run / "report.md").read_text()
     assert "sampled at temperature 0.7 (training sampled at 1.0)" in report
     assert "## By sampling temperature" in report and "| 1.0 |" in report
+
+
+def test_the_report_tells_the_story_then_tables_test_prompts_then_held_out_compositions(micro_run):
     # two eval sets: test prompts (the headline) and held-out compositions (transfer), fixed in the run
+    result = json.loads((micro_run / "eval.json").read_text())
     assert result["eval_set"] == "test" and result["heldout"]["prompts"] == result["prompts"]
-    assert "## Test prompts" in report and "## Transfer: held-out compositions" in report
-    assert report.index("## What changed") < report.index("## Test prompts")  # the story first, then the tables
+    report = (micro_run / "report.md").read_text()
+    assert report.index("## What changed") < report.index("## Test prompts") < \
+        report.index("## Transfer: held-out compositions")
+
+
+def test_the_final_sample_sheet_has_a_row_per_test_prompt_and_the_ground_truth(micro_run):
     from PIL import Image
-    sheet = Image.open(run / "final_samples.png")  # 8 test prompts, one row each, 128 px tiles and their verdicts
+
+    sheet = Image.open(micro_run / "final_samples.png")  # 8 test prompts, one row each, 128 px tiles and verdicts
     assert sheet.height >= 8 * 128 and sheet.width >= 4 * 128 + 128  # policy x2, reference x2, ground truth
+
+
+def test_a_run_never_trains_on_its_eval_prompts_and_eval_scores_its_own_sets(micro_run):
+    from grpo_vision.evaluation.evaluate import run_eval_sets  # what `eval RUN` scores without --prompts
     from grpo_vision.prompts import load_prompts
-    test, heldout, trained = (load_prompts(run / "prompts" / f"{n}.jsonl") for n in ("test", "heldout", "train"))
+
+    test, heldout, trained, sample = (load_prompts(micro_run / "prompts" / f"{n}.jsonl")
+                                      for n in ("test", "heldout", "train", "train_sample"))
     assert not {e.prompt for e in trained} & {e.prompt for e in (*test, *heldout)}
-    from grpo_vision.evaluate import run_eval_sets  # what `eval RUN` scores without --prompts
-    sample = load_prompts(run / "prompts" / "train_sample.jsonl")  # scored beside them, never held out
-    assert {e.prompt for e in sample} <= {e.prompt for e in trained}
-    scored = run_eval_sets(run, load_config(run / "config.yaml"))
+    assert {e.prompt for e in sample} <= {e.prompt for e in trained}  # scored beside them, never held out
+    scored = run_eval_sets(micro_run, load_config(micro_run / "config.yaml"))
     assert {k: [e.prompt for e in v] for k, v in scored.items()} == {
         "test": [e.prompt for e in test], "heldout": [e.prompt for e in heldout],
         "train_sample": [e.prompt for e in sample]}
@@ -118,12 +138,12 @@ def test_resume_is_exact(micro_world, tmp_path):
     a = load_file(straight / "checkpoints" / "step_000004" / "policy.safetensors")
     b = load_file(resumed / "checkpoints" / "step_000004" / "policy.safetensors")
     assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0
-    la = [json.loads(ln) for ln in (straight / "metrics.jsonl").read_text().splitlines()]
-    lb = [json.loads(ln) for ln in (resumed / "metrics.jsonl").read_text().splitlines()]
+    la, lb = load_metrics(straight), load_metrics(resumed)
     assert [m["step"] for m in lb] == [1, 2, 3, 4]
     assert [m["loss/total"] for m in la] == [m["loss/total"] for m in lb]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("options", [[], ["train.loss_type=dapo", "train.top_entropy_quantile=0.3"]])
 def test_two_processes_match_one(micro_world, tmp_path, options):
     # Both on the CPU (run.device=cpu: gloo), also where a GPU is present. `accelerate launch --cpu`
@@ -135,14 +155,12 @@ def test_two_processes_match_one(micro_world, tmp_path, options):
                 progress=False)
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                          "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={micro_world}",
-                          f"run.out_dir={tmp_path}", "run.name=two", "train.steps=1", "log.sample_every=0",
-                          "log.eval_images=1", "run.device=cpu", *options],
+                          "-m", "grpo_vision.cli", "train", *micro_args(micro_world, tmp_path, "run.name=two",
+                                                                         "train.steps=1", "run.device=cpu", *options)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "processes=2 " in out.stdout and "micro_batches_per_update=2" in out.stdout, out.stdout[-2000:]
-    m1 = json.loads((one / "metrics.jsonl").read_text().splitlines()[0])
-    m2 = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
+    m1, m2 = load_metrics(one)[0], load_metrics(tmp_path / "two")[0]
     for key in m1:
         if key.startswith(("reward/", "adv/")):
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
@@ -168,7 +186,7 @@ def nan_loss(*args, **kwargs):  # grpo_loss, poisoned: as an fp16 overflow would
 def test_a_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp_path, monkeypatch):
     monkeypatch.setattr("grpo_vision.update.grpo_loss", nan_loss)
     run = train(micro_cfg(micro_world, tmp_path, "run.name=nanloss", "train.max_skipped_updates=0"), progress=False)
-    lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = load_metrics(run)
     assert lines[-1]["step"] == 2 and lines[-1]["train/skipped_updates"] == 4  # 2 steps x 2 passes
     before = load_file(Path(micro_world) / "policy" / "policy.safetensors")
     after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
@@ -189,7 +207,7 @@ def test_skipped_updates_in_a_row_stop_the_run_with_a_checkpoint(micro_world, tm
         train(cfg, progress=False)
     run = tmp_path / "stuck"
     assert (run / "checkpoints" / "latest").read_text() == "step_000002"
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    assert [m["step"] for m in load_metrics(run)] == [1, 2]
 
 
 def test_non_finite_weights_stop_the_run_and_name_the_last_finite_checkpoint(micro_world, tmp_path, monkeypatch):
@@ -210,13 +228,12 @@ def test_non_finite_weights_stop_the_run_and_name_the_last_finite_checkpoint(mic
     assert (tmp_path / "broken" / "checkpoints" / "latest").read_text() == "step_000001"  # not overwritten
 
 
+@pytest.mark.e2e
 def test_a_reward_on_an_absurd_scale_stops_the_cli_after_skipped_updates(micro_world, tmp_path):
     # Finite rewards of 3e38 overflow their group's mean to inf: NaN advantages, a NaN loss, every update
     # skipped. The default train.max_skipped_updates=4 stops the run when step 2 ends (two updates a step)
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.sample_every=0",
-                          "train.steps=3", "reward.weights={python:tests.test_train:huge_reward: 1.0}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = run_cli("train", *micro_args(micro_world, tmp_path, "train.steps=3",
+                                       "reward.weights={python:tests.test_train:huge_reward: 1.0}"))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     error = [ln for ln in out.stderr.splitlines() if ln.startswith("grpo-vision: error:")]
     assert error == [f"grpo-vision: error: 4 optimizer updates in a row were skipped (non-finite loss or gradient; "
@@ -225,20 +242,19 @@ def test_a_reward_on_an_absurd_scale_stops_the_cli_after_skipped_updates(micro_w
     assert (tmp_path / "shapes_micro" / "checkpoints" / "latest").read_text() == "step_000002"
 
 
-def test_a_reward_that_never_applies_finishes_with_warnings_not_silence(micro_world, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.sample_every=0",
-                          "log.eval_images=1", "reward.weights={python:tests.test_train:nan_reward: 1.0}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "[train] done: " in out.stdout and out.stdout.rstrip().endswith("report.md (0 of 4 updates skipped)")
-    warnings = [ln for ln in out.stderr.splitlines() if ln.startswith("[train] WARNING")]
+def test_a_reward_that_never_applies_finishes_with_warnings_not_silence(micro_world, tmp_path, capfd):
+    from grpo_vision.cli import main
+
+    main(["train", *micro_args(micro_world, tmp_path, "reward.weights={python:tests.test_train:nan_reward: 1.0}")])
+    out = capfd.readouterr()  # main returned: exit status 0
+    assert "[train] done: " in out.out and out.out.rstrip().endswith("report.md (0 of 4 updates skipped)")
+    warnings = [ln for ln in out.err.splitlines() if ln.startswith("[train] WARNING")]
     assert warnings[0].startswith("[train] WARNING: step 1 has nothing to learn from: the trained rewards "
                                   "('python:tests.test_train:nan_reward') returned NaN for every image they weigh")
     assert warnings[1] == "[train] WARNING: 2 of 2 steps had no trained reward for any image (NaN, or weight 0): " \
                           "nothing to learn from"  # the summary after the final line
     run = tmp_path / "shapes_micro"
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    last = load_metrics(run)[-1]
     assert (last["train/steps_without_signal"], last["train/steps_no_spread"]) == (2, 2)
     assert "2 of 2 steps had no trained reward" in (run / "report.md").read_text()
 
@@ -250,7 +266,7 @@ def test_prompt_entries_that_weigh_no_reward_are_counted(micro_world, tmp_path, 
     (tmp_path / "test.txt").write_text("a green circle\n")  # a test set of its own: nothing is held back
     run = train(micro_cfg(micro_world, tmp_path, "run.name=zero", f"data.train_prompts={prompts}",
                           f"data.eval_prompts={tmp_path / 'test.txt'}", "train.steps=1"), progress=False)
-    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    last = load_metrics(run)[-1]
     assert last["train/steps_without_signal"] == 1
     assert "every prompt entry of the step gives weight 0 to every reward" in capfd.readouterr().err
 
@@ -272,7 +288,7 @@ def test_a_reward_failing_at_the_first_step_leaves_the_folder_to_the_same_comman
             train(cfg, progress=False)
         assert not (tmp_path / "stop" / "checkpoints").exists()
     cfg.reward.weights = {"clip": 1.0}  # the reward fixed, the same folder
-    assert json.loads((train(cfg, progress=False) / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 2
+    assert load_metrics(train(cfg, progress=False))[-1]["step"] == 2
 
 
 def test_a_reward_that_exits_later_stops_the_run_with_a_checkpoint_and_status_1(micro_world, tmp_path, capsys):
@@ -282,7 +298,7 @@ def test_a_reward_that_exits_later_stops_the_run_with_a_checkpoint_and_status_1(
 
     importlib.import_module("tests.test_train").CALLS.clear()
     with pytest.raises(SystemExit) as exit_status:  # before: SystemExit(0) from the reward itself
-        main(["train", str(ROOT / "configs" / "shapes_micro.yaml"), f"policy.path={micro_world}",
+        main(["train", str(MICRO), f"policy.path={micro_world}",
               f"run.out_dir={tmp_path}", "run.name=exit", "reward.weights={python:tests.test_train:exiting_later: 1.0}",
               "reward.monitor=[]", "log.checkpoint_every=0", "log.sample_every=0"])
     assert exit_status.value.code == 1
@@ -304,16 +320,14 @@ def test_a_corrupt_reward_model_stops_the_run_before_it_starts(micro_world, tmp_
     assert not (tmp_path / "corrupt").exists()  # nothing sampled, nothing written
 
 
+@pytest.mark.e2e
 def test_bad_input_is_named(micro_world, tmp_path):
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
-
-    base = ["train", "configs/shapes_micro.yaml", f"policy.path={micro_world}", f"run.out_dir={tmp_path}"]
+    cli = run_cli
+    base = ["train", str(MICRO), f"policy.path={micro_world}", f"run.out_dir={tmp_path}"]
     out = cli(*base, "reward.weights={clipp: 1.0}")
     assert out.returncode == 2 and "unknown reward 'clipp'; registered rewards:" in out.stderr
     assert "shapes_exact" in out.stderr and "Traceback" not in out.stderr
-    out = cli("train", "configs/shapes_micro.yaml", f"policy.path={tmp_path / 'no_world'}")
+    out = cli("train", str(MICRO), f"policy.path={tmp_path / 'no_world'}")
     assert out.returncode == 2 and f"world directory not found: {tmp_path / 'no_world'}" in out.stderr
     out = cli(*base, "sample.group_size=1")
     assert out.returncode == 2 and "sample.group_size must be >= 2" in out.stderr
@@ -325,11 +339,10 @@ def test_bad_input_is_named(micro_world, tmp_path):
     assert out.returncode == 2 and "missing_run is not a run directory" in out.stderr
 
 
+@pytest.mark.e2e
 def test_unreadable_prompts_and_a_step_too_large_for_memory_are_refused_by_the_cli(micro_world, tmp_path):
     def cli(*args):
-        out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                              f"policy.path={micro_world}", f"run.out_dir={tmp_path}", *args], cwd=ROOT,
-                             capture_output=True, text=True, timeout=900)
+        out = run_cli("train", str(MICRO), f"policy.path={micro_world}", f"run.out_dir={tmp_path}", *args)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
         errors = [ln for ln in out.stderr.splitlines() if ln.startswith("grpo-vision: error: ")]
         assert len(errors) == 1, out.stderr[-3000:]
@@ -352,47 +365,43 @@ def test_unreadable_prompts_and_a_step_too_large_for_memory_are_refused_by_the_c
 
 def test_the_memory_estimate_refuses_the_step_of_the_report(micro_world, tmp_path, monkeypatch):
     # The finding itself (prompts_per_step=100000, 400,000 images a step), on a machine with 16 GiB free
-    monkeypatch.setattr("grpo_vision.memory.available_memory", lambda device: 16 * 2**30)
+    monkeypatch.setattr("grpo_vision.run.memory.available_memory", lambda device: 16 * 2**30)
     with pytest.raises(ConfigError, match=r"this run needs about \d+\.\d GiB but 16.0 GiB are available; the largest "
                                           r"part is step .*lower sample.prompts_per_step"):
         train(micro_cfg(micro_world, tmp_path, "sample.prompts_per_step=100000"), progress=False)
 
 
+@pytest.mark.e2e
 def test_ctrl_c_finishes_the_step_saves_and_resumes(micro_world, tmp_path):
     import signal
     import time
 
-    cmd = [sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml", f"policy.path={micro_world}",
-           f"run.out_dir={tmp_path}", "train.steps=50", "log.sample_every=0", "log.checkpoint_every=0"]
+    cmd = cli_cmd("train", *micro_args(micro_world, tmp_path, "train.steps=50", "log.checkpoint_every=0"))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "shapes_micro" / "metrics.jsonl"
+    run = tmp_path / "shapes_micro"
     deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+    while not load_metrics(run) and proc.poll() is None and time.monotonic() < deadline:  # a cut line is skipped
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
-    done = len(metrics.read_text().splitlines())
+    done = len(load_metrics(run))
     assert f"saved a checkpoint at step {done}" in err
-    assert (tmp_path / "shapes_micro" / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "--resume", str(tmp_path / "shapes_micro"),
-                          f"train.steps={done + 1}", "log.eval_images=1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    assert (run / "checkpoints" / "latest").read_text() == f"step_{done:06d}"
+    out = run_cli("train", "--resume", str(run), f"train.steps={done + 1}", "log.eval_images=1", timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == list(range(1, done + 2))
+    assert [m["step"] for m in load_metrics(run)] == list(range(1, done + 2))
 
 
+@pytest.mark.e2e
 def test_bf16_mixed_precision_starts_at_ratio_one_and_zero_kl(micro_world, tmp_path):
     # Old and reference log-probs are taken under the update's autocast, so at the first update the
     # ratio is 1 and the KL to the (still identical) reference is 0, not a bf16-vs-fp32 rounding gap.
     # In its own process: accelerate fixes the mixed-precision mode once per process.
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "log.eval_images=1",
-                          "log.sample_every=0", "train.mixed_precision=bf16", "train.steps=1",
-                          "train.num_iterations=1", "train.minibatches_per_pass=1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_cli("train", *micro_args(micro_world, tmp_path, "train.mixed_precision=bf16", "train.steps=1",
+                                       "train.num_iterations=1", "train.minibatches_per_pass=1"), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    m = json.loads((tmp_path / "shapes_micro" / "metrics.jsonl").read_text().splitlines()[0])
+    m = load_metrics(tmp_path / "shapes_micro")[0]
     assert m["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert m["loss/kl"] == pytest.approx(0.0, abs=1e-6)
     assert all(v is not None and math.isfinite(v) for v in m.values()), m
@@ -410,7 +419,7 @@ def test_a_sampler_and_a_scorer_that_disagree_are_warned_about_once(micro_world,
 
     monkeypatch.setattr("grpo_vision.update.sequence_logprobs", off_by_a_tenth)
     run = train(micro_cfg(micro_world, tmp_path, "run.name=drift", "log.report=false"), progress=False)
-    drifts = [json.loads(ln)["rollout/logp_drift"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    drifts = [m["rollout/logp_drift"] for m in load_metrics(run)]
     assert drifts == pytest.approx([0.1, 0.1], abs=1e-5)  # logged every step
     err = capfd.readouterr().err
     assert err.count("rollout/logp_drift is 0.1 nats per token") == 1 and "temperature, top-k" in err
@@ -436,8 +445,6 @@ def test_a_bad_resume_override_leaves_the_run_config_alone(micro_world, tmp_path
 
 
 def test_a_metrics_line_cut_short_by_a_crash_is_skipped(tmp_path):
-    from grpo_vision.metrics import load_metrics
-
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lr": 0.1}\n{"step": 2, "l')
     assert load_metrics(tmp_path) == [{"step": 1, "lr": 0.1}]
 
@@ -449,30 +456,30 @@ def test_kl_measured_on_a_subset_leaves_training_unchanged(micro_world, tmp_path
                                f"train.kl_metric_sequences={k}"), progress=False) for k in (0, 4)}
     a, b = (load_file(runs[k] / "checkpoints" / "step_000002" / "policy.safetensors") for k in (0, 4))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    rows = {k: [json.loads(ln) for ln in (runs[k] / "metrics.jsonl").read_text().splitlines()] for k in (0, 4)}
+    rows = {k: load_metrics(runs[k]) for k in (0, 4)}
     assert [m["loss/policy"] for m in rows[0]] == [m["loss/policy"] for m in rows[4]]
     for m0, m4 in zip(rows[0], rows[4]):
         assert math.isfinite(m4["loss/kl"]) and m4["loss/kl"] >= 0
         assert m4["loss/kl"] != m0["loss/kl"] or m0["step"] == 1  # a different sample of the same policy pair
 
 
-def test_eval_and_sample_cli_sample_at_the_asked_temperature(micro_world, tmp_path):
-    run = train(micro_cfg(micro_world, tmp_path, "run.name=ev", "train.steps=1", "log.eval_temperatures=[0.7]"),
-                progress=False)
+def test_eval_and_sample_cli_sample_at_the_asked_temperature(micro_run, tmp_path, capsys):
+    from grpo_vision.cli import main
+
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle\na small blue square\n")
 
     def cli(*args):
-        out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", *args], cwd=ROOT, capture_output=True,
-                             text=True, timeout=600)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout
+        capsys.readouterr()
+        main(list(args))
+        return capsys.readouterr().out
 
-    default, cooler = (json.loads(cli("eval", str(run), "--prompts", str(prompts), "--n", "2", *extra))
+    default, cooler = (json.loads(cli("eval", str(micro_run), "--prompts", str(prompts), "--n", "2", *extra))
                        for extra in ((), ("--temperature", "0.4")))
     assert (default["temperature"], cooler["temperature"]) == (0.7, 0.4)  # the run's headline, then the asked one
     assert default["models"]["policy"]["checker"]["correct"]["n"] == 4
-    cli("sample", str(run), "--prompts", str(prompts), "--out", str(tmp_path / "s"), "--n", "1", "--temperature", "0.4")
+    cli("sample", str(micro_run), "--prompts", str(prompts), "--out", str(tmp_path / "s"), "--n", "1",
+        "--temperature", "0.4")
     assert len((tmp_path / "s" / "index.jsonl").read_text().splitlines()) == 2
 
 
@@ -485,7 +492,7 @@ def test_training_runs_on_the_device(micro_world, tmp_path, device):
     run = train(micro_cfg(micro_world, tmp_path, f"run.device={device}", "train.beta=0", "train.kl_metric_sequences=4",
                           "train.num_iterations=1", "train.minibatches_per_pass=1", "train.lr=1e-3",
                           "train.warmup_steps=0", "log.sample_every=1"), progress=False)
-    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = load_metrics(run)
     assert [m["step"] for m in rows] == [1, 2]
     assert all(v is not None and math.isfinite(v) for m in rows for v in m.values()), rows
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-5) and rows[1]["loss/kl"] > 1e-6  # one update apart
@@ -496,7 +503,8 @@ def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once
     # train.reference=none: sample grids at every step and the report still compare with the base
     # policy, which is loaded once (not once a grid), on the run's device (not a hard-coded CPU).
     import grpo_vision.train as train_module
-    from grpo_vision.policies import load_bundle, resolve_device
+    from grpo_vision.policy import load_bundle
+    from grpo_vision.run.machine import resolve_device
 
     loads = []
 
@@ -538,7 +546,7 @@ def test_the_reference_sampler_loads_the_base_once_on_the_policys_device(tiny_po
 def test_rewards_combined_normalize_then_sum_train_and_log_each_rewards_spread(micro_world, tmp_path):
     run = train(micro_cfg(micro_world, tmp_path, "run.name=gdpo", "train.steps=1", "reward.combine=normalize_then_sum"),
                 progress=False)
-    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    row = load_metrics(run)[0]
     for name in ("clip", "aesthetic", "shapes_exact"):
         assert 0.0 <= row[f"reward/{name}/frac_zero_std"] <= 1.0
     # z-scores summed: each group's total has mean 0, so the batch mean is 0 up to rounding (which a

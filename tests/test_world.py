@@ -1,11 +1,8 @@
-"""ShapesWorld build: the micro preset end to end, resumable, validated, reloadable."""
+"""ShapesWorld build: the micro preset end to end, resumable, validated, reloadable. The tests that build
+(or rebuild part of) a world, or run the CLI in a subprocess, are the e2e tier."""
 
 import json
 import shutil
-import subprocess
-import sys
-import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -14,8 +11,7 @@ import torch
 from grpo_vision.shapes.build import build_world, load_problem
 from grpo_vision.shapes.world import (FILES, STAGES, WorldError, check_world_dir, checksum_problem, file_checksums,
                                       load_world, stage_problem, with_dependents)
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import MICRO, ROOT, run_cli
 
 
 def test_micro_world_has_every_part_and_figure(micro_world):
@@ -31,7 +27,7 @@ def test_micro_world_has_every_part_and_figure(micro_world):
     assert not list(micro_world.glob("*.tmp"))  # nothing half-written left behind
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_build_is_deterministic(micro_world, tmp_path):
     """The same preset and seed build the same weights, to the bit, and the same figures (on one
     machine: another CPU's floating point may differ)."""
@@ -52,6 +48,7 @@ def test_the_build_is_deterministic(micro_world, tmp_path):
     assert figures(micro_world) == figures(again)
 
 
+@pytest.mark.e2e
 def test_rebuild_skips_finished_stages(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
@@ -61,13 +58,12 @@ def test_rebuild_skips_finished_stages(micro_world, tmp_path):
     (copy / "world.json").unlink()  # as if the last build stopped during evaluation
     before = {n: (copy / "stages" / f"{n}.json").read_text() for n in STAGES}
     messages = []
-    start = time.monotonic()
     build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
-    assert sum("already built" in m for m in messages) == len(STAGES)
+    assert sum("already built" in m for m in messages) == len(STAGES)  # evaluation only: no stage trained again
     assert {n: (copy / "stages" / f"{n}.json").read_text() for n in STAGES} == before
-    assert time.monotonic() - start < 60  # evaluation only
 
 
+@pytest.mark.e2e
 def test_changed_recipe_rebuilds_that_stage_and_what_is_trained_on_it(micro_world, tmp_path, monkeypatch):
     import dataclasses
 
@@ -113,7 +109,7 @@ def test_incomplete_world_is_reported_not_used(micro_world, tmp_path):
 
 
 def test_saved_models_load_back_with_identical_outputs(micro_world):
-    from grpo_vision.aesthetic import load_aesthetic
+    from grpo_vision.rewards.aesthetic import load_aesthetic
     from grpo_vision.shapes.build.train_clip import MODEL_NAME, clip_scores, image_embeddings, load_clip
 
     w1, w2 = load_world(micro_world), load_world(micro_world)
@@ -181,6 +177,7 @@ def nan_under_the_header(path: Path, nbytes: int = 4096) -> None:
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.e2e
 def test_a_file_damaged_under_an_intact_header_is_named_and_rebuilt(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
@@ -204,37 +201,32 @@ def test_a_file_damaged_under_an_intact_header_is_named_and_rebuilt(micro_world,
     load_world(copy)
 
 
-def test_a_world_without_checksums_loads_with_a_warning_until_world_build_adds_them(micro_world, tmp_path):
-    from grpo_vision.checkpoint import CheckpointError
-
+def test_a_world_json_without_checksums_is_refused_until_world_build_records_them(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
     info = json.loads((copy / "world.json").read_text())
-    del info["files"]  # as written before checksums were recorded
+    del info["files"]  # edited by hand: not one file could be checked
     (copy / "world.json").write_text(json.dumps(info))
     # the command rebuilds nothing: the world's own preset and seed (the default preset would rebuild it all)
-    with pytest.warns(UserWarning, match=rf"records no checksums .*add them with grpo-vision world build --out {copy} "
-                                         r"--preset micro --seed 0$"):
+    with pytest.raises(WorldError) as err:
         load_world(copy)
-    weights = copy / "policy" / "policy.safetensors"
-    original = weights.read_bytes()
-    nan_under_the_header(weights)
-    with pytest.warns(UserWarning, match="records no checksums"), pytest.raises(CheckpointError) as err:
-        load_world(copy)  # the loader's own check still names the file
-    assert str(err.value).startswith(f"policy checkpoint {weights} holds 1024 NaN or infinite values in ")
-    weights.write_bytes(original)
+    assert str(err.value) == (f"{copy / 'world.json'} records no checksums of the world's files (was it edited?); "
+                              f"check and record them with: grpo-vision world build --out {copy} --preset micro "
+                              "--seed 0")
     messages = []
     build_world(copy, preset="micro", seed=0, progress=False, log=messages.append)
     assert messages == [f"[world] {copy}: recorded the size and sha256 of each file in world.json",
                         f"[world] {copy} is complete (micro, seed 0); nothing to build"]
     assert json.loads((copy / "world.json").read_text())["files"] == file_checksums(copy)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    load_world(copy)
+    info["files"] = {}  # recording none checks none no more: every file is named as not the build's
+    (copy / "world.json").write_text(json.dumps(info))
+    with pytest.raises(WorldError, match=rf"^world file {copy / 'vq' / 'config.json'} is not the file the build wrote"):
         load_world(copy)
 
 
 def test_non_finite_weights_in_any_stage_are_named_by_its_loader(micro_world, tmp_path):
-    """Without checksums (a world from before them, or a user's own files) each loader names NaN weights."""
+    """Without checksums (a user's own files) each loader names NaN weights."""
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
     for stage in STAGES:
@@ -257,13 +249,13 @@ def test_a_policy_config_edited_after_the_build_is_named(micro_world, tmp_path):
         load_world(copy)
 
 
+@pytest.mark.e2e
 def test_world_build_rebuilds_a_stage_whose_file_does_not_load(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
     weights = copy / "aesthetic" / "aesthetic.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "build", "--out", str(copy), "--preset",
-                          "micro", "--seed", "0"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = run_cli("world", "build", "--out", copy, "--preset", "micro", "--seed", "0")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     why = next(ln for ln in lines if ln.startswith("[world] aesthetic: "))
@@ -273,14 +265,13 @@ def test_world_build_rebuilds_a_stage_whose_file_does_not_load(micro_world, tmp_
     assert stage_problem(copy, "aesthetic") is None and check_world_dir(copy)["preset"] == "micro"
 
 
+@pytest.mark.e2e
 def test_train_on_a_broken_world_file_is_one_line_naming_it(micro_world, tmp_path):
     copy = tmp_path / "w"
     shutil.copytree(micro_world, copy)
     weights = copy / "vq" / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "train", "configs/shapes_micro.yaml",
-                          f"policy.path={copy}", f"run.out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
+    out = run_cli("train", MICRO, f"policy.path={copy}", f"run.out_dir={tmp_path}")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     error = [ln for ln in out.stderr.splitlines() if ln.startswith("grpo-vision: error:")]
     assert len(error) == 1 and error[0].startswith(f"grpo-vision: error: world file {weights} does not load (")
@@ -289,15 +280,15 @@ def test_train_on_a_broken_world_file_is_one_line_naming_it(micro_world, tmp_pat
     assert not (tmp_path / "shapes_micro").exists()  # nothing was started
 
 
+@pytest.mark.e2e
 def test_world_render_cli(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle\na large blue square left of a green circle\n")
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "render", "--prompts", str(prompts),
-                          "--out", str(tmp_path / "r"), "--n", "2", "--seed", "3"], cwd=ROOT, capture_output=True, text=True)
+    render = ("world", "render", "--prompts", prompts, "--out", tmp_path / "r", "--n", "2", "--seed", "3")
+    out = run_cli(*render)
     assert out.returncode == 2 and "line 2: caption 'a large blue square left of a green circle' is outside" in out.stderr
     prompts.write_text("a red circle\na blue square left of a green circle\n")
-    out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "render", "--prompts", str(prompts),
-                          "--out", str(tmp_path / "r"), "--n", "2", "--seed", "3"], cwd=ROOT, capture_output=True, text=True)
+    out = run_cli(*render)
     assert out.returncode == 0, out.stderr
     index = [json.loads(ln) for ln in (tmp_path / "r" / "index.jsonl").read_text().splitlines()]
     assert [(r["prompt"], r["seed"]) for r in index] == [("a red circle", 3), ("a red circle", 4),
@@ -310,9 +301,10 @@ def test_world_render_cli(tmp_path):
         assert check(__import__("numpy").asarray(Image.open(tmp_path / "r" / r["file"])), r["prompt"]).correct
 
 
-def test_world_prompts_cli_leaves_out_what_a_run_trained_on(tmp_path):
+def test_world_prompts_cli_leaves_out_what_a_run_trained_on(tmp_path, capsys):
+    from grpo_vision.cli import main
     from grpo_vision.config import load_config, save_config
-    from grpo_vision.policies import prompt_lists
+    from grpo_vision.splits import prompt_lists
     from grpo_vision.shapes.scene import all_captions, parse_caption
 
     run = tmp_path / "run"
@@ -322,9 +314,8 @@ def test_world_prompts_cli_leaves_out_what_a_run_trained_on(tmp_path):
     save_config(cfg, run / "config.yaml")
 
     def cli(*args):
-        out = subprocess.run([sys.executable, "-m", "grpo_vision.cli", "world", "prompts", *args], cwd=ROOT,
-                             capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
+        main(["world", "prompts", *args])
+        assert capsys.readouterr().out.startswith("wrote ")
         return Path(args[args.index("--out") + 1]).read_text().splitlines()
 
     assert sorted(cli("--form", "plain", "--out", str(tmp_path / "a.txt"))) == ["a blue triangle", "a purple square",
@@ -356,7 +347,7 @@ def test_eval_sets_are_balanced_by_form_never_trained_on_and_drawn_again_by_opti
     from collections import Counter
 
     from grpo_vision.config import load_config
-    from grpo_vision.policies import prompt_lists
+    from grpo_vision.splits import prompt_lists
     from grpo_vision.shapes.scene import all_captions, parse_caption
 
     cfg = load_config(ROOT / "configs" / "shapes.yaml")

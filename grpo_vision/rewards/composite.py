@@ -30,7 +30,7 @@ class CompositeReward:
     A reward that can learn (iterative RL, train.iterations) has three more attributes besides the
     call: `update(images, prompts, metadata, labels) -> {metric: float}`, and `state_dict()` /
     `load_state_dict(state)`, which checkpoints hold so that a resumed run scores as a straight one.
-    `labels` are the judge's verdicts on the images (judge.py), None where there is no judge.
+    `labels` are the judge's verdicts on the images (policy.Judge), None where there is no judge.
     """
 
     def __init__(self, weights: dict[str, float], monitor: Sequence[str], ctx: RewardContext,

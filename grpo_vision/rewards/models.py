@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from grpo_vision.clip import (
+from grpo_vision.rewards.clip import (
     ClipLoadError, clip_scores, hf_clip_scores, image_embeddings, load_clip, load_hf_clip, resolve_model_name,
 )
 from grpo_vision.config import ConfigError, brief
@@ -104,7 +104,7 @@ def _open_clip(name: str, checkpoint: str, device: str, trust_torchscript: bool 
 
 @lru_cache(maxsize=None)
 def _aesthetic_head(path: str, device: str):
-    from grpo_vision.aesthetic import load_aesthetic
+    from grpo_vision.rewards.aesthetic import load_aesthetic
 
     return load_aesthetic(path).to(device)
 

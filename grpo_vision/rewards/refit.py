@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from grpo_vision.clip import clip_scores, image_embeddings, load_clip
+from grpo_vision.rewards.clip import clip_scores, image_embeddings, load_clip
 from grpo_vision.config import ConfigError
 from grpo_vision.rewards.base import RewardContext, RewardFn, batched, register_reward
 from grpo_vision.rewards.models import _clip_spec

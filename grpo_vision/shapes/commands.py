@@ -1,4 +1,4 @@
-"""`grpo-vision world ...`: build the world, render captions, write prompts files.
+"""`grpo-vision world ...`: build the world, render captions, write prompts files, time the checker.
 
 Added to the command line through the `grpo_vision.commands` entry point (see grpo_vision/plugins.py);
 this module imports only argparse at start-up, so `grpo-vision --help` stays fast.
@@ -34,8 +34,8 @@ def cmd_world_render(args) -> None:
 def cmd_world_prompts(args) -> None:
     import numpy as np
 
-    from grpo_vision.policies import prompt_lists
-    from grpo_vision.run_folder import read_run_config
+    from grpo_vision.splits import prompt_lists
+    from grpo_vision.run.folder import read_run_config
     from grpo_vision.shapes.scene import all_captions
 
     captions = all_captions(args.split, None if args.form == "all" else args.form)
@@ -50,9 +50,20 @@ def cmd_world_prompts(args) -> None:
     print(f"wrote {len(captions)} captions to {args.out}")
 
 
+def cmd_world_bench(args) -> None:
+    from grpo_vision.shapes.bench import bench_checker
+
+    result = bench_checker(n_per_form=args.n, repeats=args.repeats, seed=args.seed)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+
+
 def add_commands(sub) -> None:
-    """Add `world build | render | prompts` to the `grpo-vision` subparsers `sub`."""
-    from grpo_vision.cli_args import positive_int
+    """Add `world build | render | prompts | bench` to the `grpo-vision` subparsers `sub`."""
+    from grpo_vision.cli.args import positive_int
 
     world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
         dest="what", required=True)
@@ -80,3 +91,11 @@ def add_commands(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the draw")
     p.add_argument("--out", required=True, help="the text file to write (one caption per line)")
     p.set_defaults(func=cmd_world_prompts)
+    # here, not under `grpo-vision bench`: the core never imports the world (tests/test_structure.py)
+    p = world.add_parser("bench", help="seconds per image of the exact checker on renders of every caption form "
+                                       "(target 5 ms; speed is checked here, never in timed tests)")
+    p.add_argument("--n", type=positive_int, default=50, help="renders per caption form")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed passes over the renders (median reported)")
+    p.add_argument("--seed", type=int, default=30, help="seed of the scenes")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_world_bench)

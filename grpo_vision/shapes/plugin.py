@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 import grpo_vision.shapes.rewards  # noqa: F401  (registers shapes_exact)
-from grpo_vision.policies import Bundle, PromptSets, register_policy_kind
+from grpo_vision.policy import Bundle, register_policy_kind
+from grpo_vision.splits import PromptSets
 from grpo_vision.prompts import PromptEntry
 
 TRAIN_PROMPTS = 512  # captions of data.world_train_split a run trains on, an equal share per caption form

@@ -13,16 +13,14 @@
 The builder (`grpo_vision.shapes.build`) writes it; this module only checks and loads it, which is
 all training needs. `load_world` refuses an incomplete directory, a file that does not parse or one
 that is not the file the build wrote (the sha256 of every file: under 50 ms for the default world's
-18 MB on a 2-core CPU), and says which part is missing or broken and the command that fixes it. A
-world.json written before checksums were recorded loads with a warning; `grpo-vision world build`
-adds them (the stage files are marked -text in .gitattributes, so no checkout changes a line ending).
+18 MB on a 2-core CPU), and says which part is missing or broken and the command that fixes it (the
+stage files are marked -text in .gitattributes, so no checkout changes a line ending).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +46,8 @@ class WorldError(ConfigError):
 class World:
     path: Path
     info: dict  # world.json
-    tokenizer: Any  # grpo_vision.tokenizer.VQTokenizer
-    policy: Any  # grpo_vision.llama_policy.LlamaImagePolicy
+    tokenizer: Any  # grpo_vision.models.tokenizer.VQTokenizer
+    policy: Any  # grpo_vision.models.llama.LlamaImagePolicy
 
     @property
     def sampling(self) -> dict:
@@ -149,19 +147,18 @@ def check_world_dir(path: str | Path) -> dict:
 
 
 def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
-    from grpo_vision.llama_policy import LlamaImagePolicy
-    from grpo_vision.tokenizer import VQTokenizer
+    from grpo_vision.models.llama import LlamaImagePolicy
+    from grpo_vision.models.tokenizer import VQTokenizer
 
     info = check_world_dir(path)
     world = Path(path)
     recorded = info.get("files")
-    if not isinstance(recorded, dict):
-        warnings.warn(f"{world / 'world.json'} records no checksums of the world's files (it was built before they "
-                      f"were), so they are not checked: add them with grpo-vision world build --out {world} --preset "
-                      f"{info.get('preset')} --seed {info.get('seed')}",
-                      stacklevel=2)
+    if not isinstance(recorded, dict):  # the build always records them: without them no file could be checked
+        raise WorldError(f"{world / 'world.json'} records no checksums of the world's files (was it edited?); check "
+                         f"and record them with: grpo-vision world build --out {world} --preset {info.get('preset')} "
+                         f"--seed {info.get('seed')}")
     for name in STAGES:  # a broken file is named here, not three tracebacks deep in a loader
-        problem = stage_problem(world, name) or (checksum_problem(world, recorded, name) if recorded else None)
+        problem = stage_problem(world, name) or checksum_problem(world, recorded, name)
         if problem:
             raise WorldError(f"world file {problem}; {rebuild_command(world, info, name)}")
     tokenizer = VQTokenizer.from_pretrained(world / "vq", device=device)

@@ -46,7 +46,7 @@ def build_clip(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -
 
 
 def build_aesthetic(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
-    from grpo_vision.aesthetic import save_aesthetic
+    from grpo_vision.rewards.aesthetic import save_aesthetic
     from grpo_vision.shapes.build.train_aesthetic import evaluate_aesthetic, train_aesthetic
     from grpo_vision.shapes.build.train_clip import MODEL_NAME, load_clip
 
@@ -58,7 +58,7 @@ def build_aesthetic(world: Path, tmp: Path, preset: str, seed: int, progress: bo
 
 def build_policy(world: Path, tmp: Path, preset: str, seed: int, progress: bool) -> dict:
     from grpo_vision.shapes.build.train_policy import train_policy
-    from grpo_vision.tokenizer import VQTokenizer
+    from grpo_vision.models.tokenizer import VQTokenizer
 
     tok = VQTokenizer.from_pretrained(world / "vq")
     policy, info = train_policy(tok, preset, seed=seed, progress=progress)
@@ -68,10 +68,10 @@ def build_policy(world: Path, tmp: Path, preset: str, seed: int, progress: bool)
 
 def load_stage(folder: Path, name: str):
     """The model stage `name` saved in `folder`, loaded as the later stages and training load it."""
-    from grpo_vision.aesthetic import load_aesthetic
-    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.rewards.aesthetic import load_aesthetic
+    from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.shapes.build.train_clip import CHECKPOINT_NAME, MODEL_NAME, load_clip
-    from grpo_vision.tokenizer import VQTokenizer
+    from grpo_vision.models.tokenizer import VQTokenizer
 
     loaders = {"vq": lambda: VQTokenizer.from_pretrained(folder),
                "clip": lambda: load_clip(MODEL_NAME, folder / CHECKPOINT_NAME),
@@ -82,9 +82,9 @@ def load_stage(folder: Path, name: str):
 
 def evaluate_world(world: Path, preset: str, seed: int, progress: bool) -> dict:
     """Every quality figure of world.json, from the saved stages (so they describe what loads)."""
-    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING, evaluate_policy
-    from grpo_vision.tokenizer import VQTokenizer
+    from grpo_vision.models.tokenizer import VQTokenizer
 
     micro = preset == "micro"
     figures = checker_figures(n=50 if micro else 500, seed=seed + EVAL_SEED_OFFSET)
@@ -130,11 +130,11 @@ def world_constants(world: Path) -> dict:
 def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
     """Rows: renders, their VQ reconstructions, base-policy samples for the same captions."""
     from grpo_vision.images import Cell, paint_grid
-    from grpo_vision.llama_policy import LlamaImagePolicy
+    from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.sampling import SamplingParams, sample
     from grpo_vision.shapes.data import render_batch, to_tensor, to_uint8
     from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING
-    from grpo_vision.tokenizer import VQTokenizer
+    from grpo_vision.models.tokenizer import VQTokenizer
 
     tok = VQTokenizer.from_pretrained(world / "vq")
     policy = LlamaImagePolicy.from_pretrained(world / "policy").float().eval()

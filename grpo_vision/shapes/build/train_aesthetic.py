@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from grpo_vision.aesthetic import AestheticMLP
+from grpo_vision.rewards.aesthetic import AestheticMLP
 from grpo_vision.shapes.data import render_batch, to_tensor
 from grpo_vision.shapes.scene import aesthetic_label
 from grpo_vision.shapes.build.train_clip import image_embeddings
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from grpo_vision.aesthetic import save_aesthetic
+    from grpo_vision.rewards.aesthetic import save_aesthetic
     from grpo_vision.shapes.build.train_clip import MODEL_NAME, load_clip
 
     ap = argparse.ArgumentParser(description=main.__doc__)

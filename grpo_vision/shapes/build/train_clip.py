@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-# the open_clip helpers live in grpo_vision.clip (the rewards use them too); re-exported here
-from grpo_vision.clip import clip_scores, image_embeddings, image_transform, load_clip, register_config  # noqa: F401
+# the open_clip helpers live in grpo_vision.rewards.clip (the rewards use them too); re-exported here
+from grpo_vision.rewards.clip import clip_scores, image_embeddings, image_transform, load_clip, register_config  # noqa: F401
 from grpo_vision.shapes.build.clip_captions import (  # noqa: F401  (re-exported)
     ATTRIBUTES, OPPOSITE, caption_holds, hard_negatives, holds_matrix,
 )

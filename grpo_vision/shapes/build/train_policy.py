@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from grpo_vision.llama_policy import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
 from grpo_vision.sampling import SamplingParams, sample_batched
 from grpo_vision.shapes.data import render_batch, to_tensor
 from grpo_vision.shapes.scene import all_words, prompt_list
-from grpo_vision.tokenizer import VQTokenizer
+from grpo_vision.models.tokenizer import VQTokenizer
 
 
 @dataclass

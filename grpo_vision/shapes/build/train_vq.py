@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from grpo_vision.shapes.data import psnr, render_batch, to_tensor
-from grpo_vision.tokenizer import VQTokenizer
+from grpo_vision.models.tokenizer import VQTokenizer
 
 
 @dataclass

@@ -1,0 +1,3 @@
+from grpo_vision.cli.main import main
+
+main()

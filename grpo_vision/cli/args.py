@@ -1,0 +1,60 @@
+"""argparse types of the command line: each refuses a bad value with a message naming what it expects."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from grpo_vision.config import DEVICE_HINT, DEVICE_NAME, MAX_SEED
+from grpo_vision.config.load import brief
+
+
+def _whole(text: str, low: int, why: str = "", high: int | None = None) -> int:
+    """`text` as a whole number in [low, high], or the error argparse prints under the option's name."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"from {low} to {high}"
+        raise argparse.ArgumentTypeError(f"expected a whole number {span}{why}, got {brief(text)}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (images per prompt, benchmark repeats)."""
+    return _whole(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0 (warm-up steps)."""
+    return _whole(text, 0)
+
+
+def at_least_two(text: str) -> int:
+    """argparse type: a whole number >= 2 (a round's first step is not timed)."""
+    return _whole(text, 2, " (the first step is a warm-up)")
+
+
+def seed(text: str) -> int:
+    """argparse type: an image seed, 0 to MAX_SEED (a larger one was an OverflowError deep in torch)."""
+    return _whole(text, 0, high=MAX_SEED)
+
+
+def device(text: str) -> str:
+    """argparse type: a device name, or `run` (whether this machine has it is checked when the model loads)."""
+    if text != "run" and not DEVICE_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected run (the run's own device where this machine has it), "
+                                         f"{DEVICE_HINT}, got {brief(text)}")
+    return text
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a sampling temperature)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {brief(text)}")
+    return value

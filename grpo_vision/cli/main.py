@@ -1,0 +1,314 @@
+"""The `grpo-vision` command line: one subcommand per job, each a thin shell over the library.
+
+Start-up imports only the config (YAML) and plugin registries: torch and the models load inside the
+command that needs them, so `--help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import warnings
+
+from grpo_vision import __version__
+from grpo_vision.cli.args import at_least_two, non_negative_int, positive_int
+from grpo_vision.cli.runs import add_reader_options, add_run_commands
+from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
+from grpo_vision.plugins import command_adders
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that shows an option's default where it has a meaningful one (not an empty string)."""
+
+    def _get_help_string(self, action):
+        empty = action.default is None or action.default is False or action.default in ("", [], argparse.SUPPRESS)
+        if empty or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):  # every subcommand's parser shows its defaults
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+
+def cmd_config(args) -> None:
+    """Print the resolved config (defaults + YAML + overrides) and the derived batch sizes."""
+    import yaml
+
+    cfg = load_config(args.config, args.overrides)
+    sizes = derived_sizes(cfg, args.num_processes)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    print("# derived: " + format_sizes(sizes))
+
+
+def cmd_train(args) -> None:
+    from grpo_vision.run.health import run_summary, warn
+    from grpo_vision.run.metrics import load_metrics
+    from grpo_vision.splits import run_prompt_sets
+    from grpo_vision.run.folder import refuse_code
+    from grpo_vision.train import resume_config, train
+
+    overrides = list(args.overrides)
+    if args.resume:
+        if args.config and "=" not in args.config:
+            raise ConfigError("give either a config file or --resume RUN_DIR (a run resumes with its own "
+                              "config.yaml; add key=value overrides to change it)")
+        cfg = resume_config(args.resume, ([args.config] if args.config else []) + overrides)
+        # a run folder may be someone else's: the code its rewards name runs only when the user says so
+        refuse_code(cfg, run_prompt_sets(cfg, args.resume).all(), args.resume, args.trust_run)
+    else:
+        if not args.config:
+            raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")
+        cfg = load_config(args.config, overrides)
+    try:
+        run_dir = train(cfg, resume=args.resume or None)
+    except KeyboardInterrupt as e:  # 130 after Ctrl-C, 143 after SIGTERM: what a shell reports for a killed command
+        sys.exit(128 + getattr(e, "signum", signal.SIGINT))
+    skipped, updates, warnings = run_summary(load_metrics(run_dir),
+                                             cfg.train.num_iterations * cfg.train.minibatches_per_pass)
+    done = run_dir / "report.md" if cfg.log.report else run_dir
+    print(f"[train] done: {done} ({skipped} of {updates} updates skipped)")
+    for message in warnings:  # exit 0 (the run finished), but not a silent success
+        warn(message)
+
+
+def cmd_matrix(args) -> None:
+    import shlex
+    from pathlib import Path
+
+    from grpo_vision.tools.matrix import run_matrix
+
+    command = "grpo-vision " + shlex.join(sys.argv[1:])
+    try:
+        result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"),
+                            _items(args.kl, float, "--kl"), _items(args.seeds, int, "--seeds"), Path(args.out),
+                            args.jobs, args.images, command)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the runs in training saved a checkpoint first
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"[matrix] stopped by {signal.Signals(signum).name}; continue with: {command} (finished runs and "
+              "scores are reused, stopped runs resume from their checkpoint)", file=sys.stderr)
+        sys.exit(128 + signum)
+    failed = [r["name"] for r in result["runs"] if r["status"] == "failed"]
+    print(f"[matrix] {Path(args.out) / 'matrix.md'}" + (f" ({len(failed)} failed: {', '.join(failed)})" if failed else ""))
+    if failed:
+        sys.exit(1)
+
+
+def _items(text: str, kind, option: str) -> list:
+    """A comma-separated option as a list of `kind`; ConfigError naming the option otherwise."""
+    try:
+        return [kind(t.strip()) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} {brief(text)}: expected a comma-separated list of {kind.__name__}") from None
+
+
+def cmd_demo(args) -> None:
+    from grpo_vision.tools.demo import DemoRun
+    from grpo_vision.tools.demo_app import serve
+
+    run = DemoRun(args.run, args.device, args.trust_run)  # a bad run fails now, before serving
+    try:
+        serve(run, host=args.host, port=args.port)
+    except OSError as e:  # the port is taken or the address is not this machine's
+        raise ConfigError(f"cannot listen on {args.host}:{args.port or '7860+'} ({e}); "
+                          "choose another --port or --host") from None
+
+
+def cmd_convert_clip(args) -> None:
+    from grpo_vision.rewards.clip import ClipLoadError, convert_torchscript
+
+    print(f"[convert-clip] loading {args.archive} with torch.jit.load, which runs the TorchScript code inside it")
+    try:
+        n = convert_torchscript(args.archive, args.out)
+    except ClipLoadError as e:
+        raise ConfigError(str(e)) from None
+    print(f"[convert-clip] wrote {n} tensors to {args.out}; use it as the reward's checkpoint (no trust needed)")
+
+
+def cmd_bench_sampler(args) -> None:
+    from grpo_vision.tools.bench import bench_sampler
+
+    policy = None
+    if args.policy:
+        from grpo_vision.models.llama import LlamaImagePolicy
+
+        policy = LlamaImagePolicy.from_pretrained(args.policy)
+    result = bench_sampler(policy, batch=args.batch, repeats=args.repeats, cfg_scale=args.cfg_scale,
+                           top_k=args.top_k, dtype=args.dtype)
+    _print_result(result, args.json)
+
+
+def cmd_bench_demo(args) -> None:
+    from grpo_vision.tools.bench import bench_demo
+
+    _print_result(bench_demo(args.run, n=args.n, repeats=args.repeats, prompt=args.prompt, device=args.device,
+                             trust=args.trust_run), args.json)
+
+
+def cmd_bench_step(args) -> None:
+    from grpo_vision.tools.bench_train import bench_step
+
+    _print_result(bench_step(args.config, args.overrides, steps=args.steps, warmup=args.warmup), args.json)
+
+
+def cmd_bench_trl(args) -> None:
+    try:
+        from grpo_vision.tools.bench_train import bench_trl
+        import trl  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"bench trl needs TRL ({e}): pip install -e \".[bench]\"") from None
+    _print_result(bench_trl(args.config, args.overrides, rounds=args.rounds, steps_per_round=args.steps_per_round),
+                  args.json)
+
+
+def _print_result(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="grpo-vision", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"grpo-vision {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("config", help="print the resolved config and derived sizes")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
+    p.add_argument("--num-processes", type=positive_int, default=1, help="check divisibility for this many processes")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run); the main job takes "
+                                     "7-13 min on a quiet 2-core CPU")
+    p.add_argument("config", nargs="?", default="", help="YAML config, e.g. configs/shapes.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5 sample.group_size=16")
+    p.add_argument("--resume", default="", metavar="RUN_DIR", help="continue a run exactly where it stopped")
+    p.add_argument("--trust-run", action="store_true", help="with --resume: load python: rewards that the run "
+                                                            "folder names (they import and run its code)")
+    p.set_defaults(func=cmd_train)
+
+    add_run_commands(sub)
+
+    p = sub.add_parser("matrix", help="train on each reward, score every run with every reward: one table")
+    p.add_argument("config", help="YAML config every run starts from, e.g. configs/shapes.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. train.steps=36")
+    p.add_argument("--out", required=True, help="output directory (runs/, scores/, matrix.md, matrix.json, matrix.png)")
+    p.add_argument("--rewards", required=True,
+                   help="train rewards, comma-separated: a name or a + mix (clip+aesthetic, 4*clip+aesthetic)")
+    p.add_argument("--kl", default="0", help="KL coefficients (train.beta), comma-separated, e.g. 0,0.04")
+    p.add_argument("--seeds", default="0", help="run seeds, comma-separated")
+    p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once (CPU cores are split among them)")
+    p.add_argument("--images", type=positive_int, default=None, help="images per eval prompt (default log.eval_images)")
+    p.set_defaults(func=cmd_matrix)
+
+    p = sub.add_parser("demo", help="Gradio app: two checkpoints (or the reference) side by side on the same seeds")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
+    add_reader_options(p, rewards=True)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("convert-clip", help="a TorchScript CLIP archive (OpenAI's ViT-L-14.pt) to safetensors, once; "
+                                            "this runs the archive's code: only on an archive you trust")
+    p.add_argument("archive", help="the TorchScript archive")
+    p.add_argument("out", help="the safetensors file to write (OUT.safetensors)")
+    p.set_defaults(func=cmd_convert_clip)
+
+    add_bench_commands(sub)
+    for add_commands in command_adders():  # plugins' own subcommands (ShapesWorld: world build | render | prompts)
+        add_commands(sub)
+    return parser
+
+
+def add_bench_commands(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="what", required=True)
+    p = bench.add_parser("sampler", help="the sampler vs transformers generate() vs teacher forcing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--policy", default="", help="a saved policy directory (default: random default-size policy)")
+    p.add_argument("--batch", type=positive_int, default=64, help="sequences per call")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per run (median reported)")
+    p.add_argument("--cfg-scale", type=float, default=3.0, help="guidance scale of the CFG-on runs")
+    p.add_argument("--top-k", type=int, default=100, help="top-k of all runs (0 = off)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+    p.set_defaults(func=cmd_bench_sampler)
+    p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
+    p.add_argument("run", help="a run directory (as for grpo-vision demo)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--n", type=int, default=4, help="images per side")
+    p.add_argument("--repeats", type=positive_int, default=4, help="timed calls (median reported)")
+    p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
+    add_reader_options(p, rewards=True)
+    p.set_defaults(func=cmd_bench_demo)
+
+    def training_bench(name: str, help_text: str, config_help: str):  # the arguments of `train`, and --json
+        p = bench.add_parser(name, help=help_text)
+        p.add_argument("config", help=config_help)
+        p.add_argument("overrides", nargs="*", help="key=value overrides")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        return p
+
+    p = training_bench("step", "one training step of CONFIG by phase, images/s and peak memory (a minute or two "
+                               "for the main job on a 2-core CPU)", "a config file, as for grpo-vision train")
+    p.add_argument("--steps", type=positive_int, default=4, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="steps run first and not timed")
+    p.set_defaults(func=cmd_bench_step)
+    p = training_bench("trl", "images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench]; "
+                              "about 3 min for the main job on a 2-core CPU)",
+                       "a config of the built-in Llama policy (e.g. configs/shapes.yaml)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (each trainer once per round)")
+    p.add_argument("--steps-per-round", type=at_least_two, default=3,
+                   help="steps per trainer and round; the first is not timed")
+    p.set_defaults(func=cmd_bench_trl)
+
+
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as the command line prints it: one line, like its errors (not Python's file:line and
+    source line, which name the library's code rather than what the user set)."""
+    return f"grpo-vision: warning: {message}\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    warnings.formatwarning = _one_line
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _take_overrides(parser, args, extra)
+    # the errors a command reports in one line; imported after parsing, since they bring torch
+    from grpo_vision.run.checkpoint import CheckpointError
+    from grpo_vision.run.health import TrainingHealthError
+    from grpo_vision.prompts import PromptsError
+    from grpo_vision.rewards import RewardError
+    from grpo_vision.files import FolderError
+    from grpo_vision.run.lock import RunLockedError
+
+    try:
+        args.func(args)
+        sys.stdout.flush()  # a reader that has gone (`eval RUN | head -4`) shows here, not at exit
+    except BrokenPipeError:  # Python's recipe: nothing more to say, and nothing more written to the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(128 + signal.SIGPIPE)  # 141: what a shell reports for a command a closed pipe stopped
+    except (ConfigError, CheckpointError, FileNotFoundError, FolderError, PromptsError, RunLockedError) as e:
+        print(f"grpo-vision: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (RewardError, TrainingHealthError) as e:
+        print(f"grpo-vision: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _take_overrides(parser: argparse.ArgumentParser, args, extra: list[str]) -> None:
+    """key=value overrides anywhere on the line: argparse matches CONFIG and the overrides positional
+    together, so those after an option come back unparsed; they join the overrides, in order. Any
+    other leftover is an error, as argparse reports it."""
+    wanted = [t for t in extra if "=" in t and not t.startswith("-")] if hasattr(args, "overrides") else []
+    unknown = [t for t in extra if t not in wanted]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *wanted]
+

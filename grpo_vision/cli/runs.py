@@ -1,0 +1,136 @@
+"""The commands that read a run folder: `sample` and `eval` here, and the options they share with `demo`
+and `bench demo` (cli/main.py). A run folder may come from someone else, so these commands load no code it
+names without --trust-run (run/folder.py), sample where the run trained when this machine has that device
+(else on the best one here), and refuse prompts the policy cannot read, as `train` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from grpo_vision.cli.args import MAX_SEED, device, positive_float, positive_int, seed
+from grpo_vision.config import ConfigError
+
+
+def add_reader_options(p, rewards: bool) -> None:
+    """--device, and --trust-run for a command that loads the run's rewards."""
+    p.add_argument("--device", type=device, default="run",
+                   help="where to sample: run (the device the run trained on where this machine has it, so that "
+                        "its report reproduces; else the best one here), auto (the best one here), cpu, cuda, "
+                        "cuda:N or mps")
+    if rewards:
+        p.add_argument("--trust-run", action="store_true",
+                       help="load python: rewards that the run folder names (they import and run its code); only "
+                            "for a run folder you trust")
+
+
+def add_run_commands(sub) -> None:
+    """`sample` and `eval`, on the subparsers `sub`."""
+    for name, help_text in (("sample", "write PNGs from a run's policy or reference"),
+                            ("eval", "JSON: each reward's mean and 95%% interval, policy vs reference")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("run", help="run directory")
+        p.add_argument("--prompts", required=name == "sample", default="",
+                       help="plain text (one prompt per line) or JSONL with 'prompt'" + (
+                           "" if name == "sample" else "; default: the run's test and held-out sets and its sample "
+                                                       "of training prompts (JSON 'sets')"))
+        p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
+        p.add_argument("--seed", type=seed, default=0,
+                       help="image j of each prompt uses seed + j" if name == "sample" else
+                       "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images")
+        p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+        p.add_argument("--temperature", type=positive_float, default=None,
+                       help="sampling temperature (default: the run's first log.eval_temperatures entry, "
+                            "else sample.temperature)")
+        add_reader_options(p, rewards=name == "eval")
+        if name == "eval":
+            p.add_argument("--draw", type=positive_int, default=1,
+                           help="2, 3, ...: other test and held-out prompts drawn from the policy kind's pools "
+                                "(data.eval_draw; a check that a result is not the draw's); default 1, the run's own")
+        if name == "sample":
+            p.add_argument("--out", required=True, help="output directory")
+            p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")
+            p.add_argument("--layout", default="index", choices=["index", "geneval", "flat"],
+                           help="index: numbered PNGs + index.jsonl; geneval: GenEval's folders (--prompts is its "
+                                "evaluation_metadata.jsonl); flat: <prompt>_<k>.png (T2I-CompBench style)")
+        p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
+
+
+def check_seeds(first: int, span: int) -> None:
+    """ConfigError when the last image's seed, `first + span`, is past MAX_SEED."""
+    if first + span > MAX_SEED:
+        raise ConfigError(f"--seed {first}: the last image would get seed {first + span}, past the largest seed, "
+                          f"{MAX_SEED}; use --seed {max(0, MAX_SEED - span)} or less")
+
+
+def cmd_sample(args) -> None:
+    from grpo_vision.evaluation import export
+    from grpo_vision.evaluation.evaluate import eval_params, load_run
+    from grpo_vision.policy import check_prompts
+    from grpo_vision.prompts import load_prompts
+    from grpo_vision.files import check_writable
+
+    # read the prompts and look at --out before loading the model: a bad file or folder is named at once
+    if args.layout == "geneval":
+        rows = export.load_geneval_metadata(args.prompts)
+        prompts = [r["prompt"] for r in rows]
+        where = [f"{args.prompts}, entry {i}" for i in range(1, len(rows) + 1)]
+    else:
+        entries = load_prompts(args.prompts)
+        prompts, where = [e.prompt for e in entries], [f"{args.prompts}, line {e.line}" for e in entries]
+    check_seeds(args.seed, args.n - 1)
+    check_writable(args.out, "make it writable, or choose another --out")
+    run = load_run(args.run, args.step, args.device)
+    check_prompts(run.policy, zip(where, prompts))
+    model, ctx = run.reference.sampler(run.policy) if args.reference else (run.policy, contextlib.nullcontext())
+    params, tokenizer = eval_params(run.cfg, args.temperature), run.bundle.tokenizer
+    with ctx:
+        if args.layout == "geneval":
+            count = export.write_geneval(model, tokenizer, rows, args.out, args.n, args.seed, params)
+        elif args.layout == "flat":
+            count = export.write_flat(model, tokenizer, prompts, args.out, args.n, args.seed, params)
+        else:
+            count = export.write_index(model, tokenizer, prompts, args.out, args.n, args.seed, params,
+                                       "reference" if args.reference else "policy", run.step)
+    print(f"wrote {count} images to {args.out} ({args.layout} layout)")
+
+
+def cmd_eval(args) -> None:
+    from grpo_vision.evaluation.evaluate import eval_params, evaluate, load_run, run_eval_sets
+    from grpo_vision.policy import check_prompts
+    from grpo_vision.prompts import load_prompts
+    from grpo_vision.rewards import CompositeReward
+    from grpo_vision.run.folder import read_run_config, refuse_code
+
+    cfg = read_run_config(args.run, device=args.device)
+    if args.draw != 1 and args.prompts:
+        raise ConfigError("--draw and --prompts: give one (--draw draws the policy kind's eval sets again)")
+    cfg.data.eval_draw = args.draw
+    sets = {"prompts": load_prompts(args.prompts)} if args.prompts else run_eval_sets(args.run, cfg)
+    # the run's own prompts are the run folder's, and may name rewards too; a --prompts file is the user's own
+    refuse_code(cfg, [] if args.prompts else [e for v in sets.values() for e in v], args.run, args.trust_run)
+    check_seeds(args.seed, 1000 * (max(map(len, sets.values()), default=1) - 1) + args.n - 1)
+    run = load_run(args.run, args.step, args.device)
+    check_prompts(run.policy, ((f"{_source(args, name)}, line {e.line}", e.prompt)
+                               for name, entries in sets.items() for e in entries))
+    device = next(run.policy.parameters()).device
+    rewards = CompositeReward.from_config(run.cfg.reward, device, run.bundle.reward_defaults,
+                                          [e for entries in sets.values() for e in entries]).load()
+    if run.learned_rewards:  # a reward that learned (clip_refit) scores as it had learned by this step
+        rewards.load_state_dict(run.learned_rewards)
+    params = eval_params(run.cfg, args.temperature)
+    results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
+                              run.bundle.judge, seed=args.seed) for name, entries in sets.items()}
+    head = {"run": str(args.run), "step": run.step, "device": str(device), "temperature": params.temperature,
+            **({"draw": args.draw} if args.draw != 1 else {})}
+    print(json.dumps({**head, **results["prompts"]} if args.prompts else {**head, "sets": results}, indent=2))
+
+
+def _source(args, name: str) -> str:
+    """Where eval set `name` was read: the --prompts file, the run's prompts/<name>.jsonl, or its config."""
+    if args.prompts:
+        return args.prompts
+    path = Path(args.run) / "prompts" / f"{name}.jsonl"
+    return str(path) if path.is_file() else f"the {name} prompts of {args.run}/config.yaml"

@@ -1,0 +1,14 @@
+"""A run's configuration: typed dataclasses with a one-line doc per knob (schema.py), read from YAML and
+dotted overrides with strict checking (load.py). Importers use `grpo_vision.config`."""
+
+from grpo_vision.config.load import ConfigError, apply_override, brief, coerce, from_dict, read_yaml
+from grpo_vision.config.schema import (
+    DEVICE_HINT, DEVICE_NAME, MAX_SEED, Config, DataConfig, LogConfig, PolicyConfig, RewardConfig, RunConfig,
+    SampleConfig, TrainConfig, derived_sizes, format_sizes, load_config, save_config, to_dict, validate,
+)
+
+__all__ = [
+    "DEVICE_HINT", "DEVICE_NAME", "MAX_SEED", "Config", "ConfigError", "DataConfig", "LogConfig", "PolicyConfig",
+    "RewardConfig", "RunConfig", "SampleConfig", "TrainConfig", "apply_override", "brief", "coerce", "derived_sizes",
+    "format_sizes", "from_dict", "load_config", "read_yaml", "save_config", "to_dict", "validate",
+]

@@ -1,0 +1,195 @@
+"""Reading configuration: YAML, dotted command-line overrides, strict type coercion.
+
+Generic over dataclasses: config.py defines the sections and calls these. Loading is strict: an
+unknown key, a value of the wrong type or a malformed YAML file raises `ConfigError` that names the
+key and what was expected, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and how to fix it."""
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """`repr(value)` for an error message, cut after `limit` characters with the full length noted:
+    a rejected 10 MB prompt line was echoed whole to stderr (issue 33). Every error quotes user text
+    through this."""
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) <= limit:
+        return repr(value)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The mapping in the YAML file at `path`, or ConfigError naming the file and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as stream:  # a stream, so YAML errors name the file and line
+            raw = yaml.load(stream, Loader=_StrictLoader) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): save it as UTF-8") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key '{key}' appears twice in one mapping; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict, rejecting unknown keys and wrong types."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: '{prefix.rstrip('.') or 'config'}' must be a mapping, got {brief(raw)}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(_unknown_key(f"{prefix}{key}", str(key), names, where))
+        if dataclasses.is_dataclass(hints[key]):  # an empty section (`train:`) is None: the defaults
+            kwargs[key] = from_dict(hints[key], {} if value is None else value, where, f"{prefix}{key}.")
+        else:
+            kwargs[key] = coerce(value, hints[key], f"{prefix}{key}", where)
+    return cls(**kwargs)
+
+
+def apply_override(cfg, item: str) -> None:
+    """Apply one ``section.key=value`` override to dataclass `cfg`; the value is parsed for the field's type.
+
+    A mapping field takes whole (``reward.weights={clip: 1.0}``) or one entry at a time
+    (``reward.weights.aesthetic=0.25`` adds or replaces that entry; ``reward.options.clip.checkpoint=P``
+    sets one key of a nested mapping)."""
+    if "=" not in item:
+        raise ConfigError(f"override {brief(item)} must look like section.key=value, e.g. train.lr=1e-5")
+    dotted, text = item.split("=", 1)
+    dotted = dotted.strip()
+    *parents, leaf = dotted.split(".")
+    node, prefix = cfg, ""
+    for depth, part in enumerate(parents):
+        names = [f.name for f in dataclasses.fields(node)]
+        hint = typing.get_type_hints(type(node)).get(part)
+        if typing.get_origin(hint) is dict:  # entries of a mapping, possibly nested
+            _set_entry(getattr(node, part), hint, [*parents[depth + 1:], leaf], text, dotted, f"{prefix}{part}")
+            return
+        if part in names and not dataclasses.is_dataclass(getattr(node, part)):
+            raise ConfigError(f"command line: '{prefix}{part}' is a value, not a section; write {prefix}{part}=VALUE")
+        if part not in names:
+            raise ConfigError(_unknown_key(prefix + part, part, names, "command line"))
+        node, prefix = getattr(node, part), f"{prefix}{part}."
+    names = [f.name for f in dataclasses.fields(node)]
+    if leaf in names and dataclasses.is_dataclass(getattr(node, leaf)):
+        raise ConfigError(f"command line: '{prefix}{leaf}' is a section, not a value; "
+                          f"write {prefix}{leaf}.KEY=VALUE (its keys: "
+                          f"{', '.join(f.name for f in dataclasses.fields(getattr(node, leaf)))})")
+    if leaf not in names:
+        raise ConfigError(_unknown_key(prefix + leaf, leaf, names, "command line"))
+    hint = typing.get_type_hints(type(node))[leaf]
+    value = text if hint is str else _parse_text(text)
+    setattr(node, leaf, coerce(value, hint, dotted, "command line"))
+
+
+def _set_entry(mapping: dict, hint: Any, path: list[str], text: str, dotted: str, name: str) -> None:
+    """Set `mapping[path[0]]...[path[-1]]` to `text` parsed for the mapping's value type."""
+    _, value_type = typing.get_args(hint)
+    if not path[0]:
+        raise ConfigError(f"command line: '{dotted}' names no entry of '{name}'; write {name}.NAME=VALUE")
+    if len(path) == 1:
+        value = text if value_type is str else _parse_text(text)
+        mapping[path[0]] = coerce(value, value_type, dotted, "command line")
+        return
+    if typing.get_origin(value_type) is not dict:
+        raise ConfigError(f"command line: '{name}.{path[0]}' is a value, not a mapping; write {name}.{path[0]}=VALUE")
+    inner = mapping.setdefault(path[0], {})
+    _set_entry(inner, value_type, path[1:], text, dotted, f"{name}.{path[0]}")
+
+
+def _parse_text(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
+    """Check `value` against type `hint`; convert the lossless cases (int -> float, "1e-5" -> float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:  # a reward's own options: checked by that reward's options dataclass
+        return value
+
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(f"{where}: '{key}' expects {expected}, got {brief(value)} ({type(value).__name__})")
+
+    if origin is Literal:
+        if value is False and "no" in args:  # YAML 1.1 reads a bare `no` (accelerate's spelling) as false
+            return "no"
+        if value not in args:
+            raise fail("one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(value, inner[0], key, where)
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise fail("a boolean (true or false)")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise fail("an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise fail("a number")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise fail("a string")
+    if origin is list:
+        if not isinstance(value, list):
+            raise fail(f"a list of {args[0].__name__}")
+        return [coerce(v, args[0], f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise fail(f"a mapping of {args[0].__name__} to {args[1].__name__}")
+        return {coerce(k, args[0], key, where): coerce(v, args[1], f"{key}.{k}", where) for k, v in value.items()}
+    raise TypeError(f"unsupported config type {hint} for {key}")  # a bug in this file, not user input
+
+
+def _unknown_key(full: str, key: str, names: list[str], where: str) -> str:
+    close = difflib.get_close_matches(key, names, n=1)
+    section = full.rsplit(".", 1)[0] if "." in full else "the top level"
+    hint = f" (did you mean '{full[:-len(key)]}{close[0]}'?)" if close else ""
+    return f"{where}: unknown key {brief(full)}{hint}; valid keys in {section}: {', '.join(names)}"

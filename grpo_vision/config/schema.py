@@ -1,0 +1,331 @@
+"""Typed configuration: nested dataclasses, YAML files and dotted command-line overrides.
+
+Every knob is one typed field with a one-line doc (cleanrl style), and the defaults run. Loading is
+strict: an unknown key, a value of the wrong type or a malformed YAML file raises `ConfigError` that
+names the key and what was expected, so a typo never silently falls back to a default.
+
+    cfg = load_config("configs/shapes.yaml", ["train.lr=1e-5", "sample.group_size=16"])
+    sizes = derived_sizes(cfg, num_processes=2)   # checks divisibility, prints with format_sizes()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from grpo_vision.config.load import ConfigError, apply_override, brief, from_dict, read_yaml
+from grpo_vision.files import write_file
+
+
+# run.device's names (and --device's); whether this machine has one is checked at use (policies.resolve_device)
+DEVICE_NAME = re.compile(r"auto|cpu|cuda(:[0-9]+)?|mps")
+DEVICE_HINT = "auto (the best device here), cpu, cuda, cuda:N or mps"
+# the largest image seed the commands and the demo take (numpy's and most tools' limit); here, in the core,
+# so that the command line and the tools share it without importing each other
+MAX_SEED = 2**32 - 1
+
+
+@dataclass
+class RunConfig:
+    name: str = "shapes_grpo"  # run directory name, created under out_dir
+    out_dir: str = "runs"  # parent folder of run directories
+    seed: int = 0  # seeds prompts order, sampling and initialisation
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"
+    threads: int = 0  # torch's CPU threads per process, at most the usable cores; 0 = OMP_NUM_THREADS if set, else its share
+
+
+@dataclass
+class PolicyConfig:
+    kind: str = "shapes"  # a registered policy kind: llama, janus, or one a plugin adds (ShapesWorld: shapes)
+    path: str = "worlds/shapes"  # what the kind loads: a LlamaImagePolicy or Janus-Pro directory, a world
+    tokenizer: str = ""  # VQ tokenizer directory (diffusers VQModel) when kind is "llama"; Janus ships its own
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
+
+
+@dataclass
+class SampleConfig:
+    prompts_per_step: int = 8  # distinct prompts per training step (B)
+    group_size: int = 8  # images sampled per prompt (G); advantages are normalised within a group
+    cfg_scale: float = 3.0  # classifier-free guidance: logits = uncond + s * (cond - uncond); 1 = off
+    temperature: float = 1.0  # softmax temperature of image-token sampling
+    top_k: int = 0  # keep the k most likely image tokens; 0 = all
+    top_p: float = 1.0  # nucleus sampling: keep the smallest set with this much mass; 1 = all
+    logprob_mode: Literal["guided", "conditional"] = "guided"  # distribution used by ratio and KL
+    batch_size: int = 64  # sequences per sampler call (CFG doubles the rows internally)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100  # training steps; one step = one rollout of B*G images plus its updates
+    lr: float = 1e-5  # AdamW peak learning rate
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # decay after warmup
+    warmup_steps: int = 0  # linear warmup, in optimizer updates
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW (beta1, beta2)
+    max_grad_norm: float = 1.0  # clip the global gradient norm; 0 = no clipping
+    max_skipped_updates: int = 4  # stop (with a checkpoint) after this many skipped updates in a row; 0 = never
+    num_iterations: int = 1  # update passes over each rollout (mu), old log-probs cached
+    minibatches_per_pass: int = 1  # optimizer updates per pass; each averages its micro-batches
+    micro_batch_size: int = 16  # sequences per forward/backward (gradient accumulation unit)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"  # autocast dtype for forward passes
+    # recompute each transformer block's activations in the backward pass instead of keeping them:
+    # activation memory falls from one copy per block to one block's, for about one more forward pass
+    gradient_checkpointing: bool = False
+    beta: float = 0.0  # weight of the k3 KL penalty against the reference policy
+    epsilon_low: float = 0.2  # ratio clip below: 1 - epsilon_low
+    epsilon_high: float = 0.28  # ratio clip above: 1 + epsilon_high (DAPO "clip higher")
+    # loss normalisation or variant (TRL's names, grpo.py): grpo, bnpo, dr_grpo, dapo (token sum over the
+    # global batch's tokens), cispo (clipped detached IS weight x log-prob; epsilon_high is its cap, e.g. 5.0)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "bnpo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # "sequence": one clipped ratio per image (GSPO)
+    delta: float = 0.0  # cap the ratio at delta for negative-advantage tokens too (INTELLECT-2); 0 = off
+    # only tokens whose sampling entropy is in this top fraction of the step carry the policy term (1 = all;
+    # "Beyond the 80/20 rule" keeps 0.2); the KL term still covers every token
+    top_entropy_quantile: float = 1.0
+    adv_scale: Literal["group", "batch", "none"] = "group"  # divide advantages by this std
+    # train a peft adapter instead of every weight: LoRA, or LoHa / LoKr of the LyCORIS family; none = full fine-tune
+    adapter: Literal["none", "lora", "loha", "lokr"] = "none"
+    # where reference log-probs come from: a frozen copy, the policy with its adapter disabled (multiplier 0;
+    # needs train.adapter; no second copy), or none
+    reference: Literal["frozen", "adapter", "none"] = "frozen"
+    ref_sync_every: int = 0  # copy the policy into the reference every N steps; 0 = never
+    # iterative RL (DeepSeekMath 4.2; not num_iterations, the passes per rollout): train.steps split into this
+    # many equal iterations; at each boundary the reference becomes the policy and learning rewards update
+    iterations: int = 1
+    # With beta 0 the reference is only a yardstick: measure the logged KL on the first N of each
+    # process's sequences a step (0 = all), which saves reference forward passes. With beta > 0
+    # every sequence needs its reference log-probs, and this is ignored
+    kl_metric_sequences: int = 0
+    adapter_rank: int = 16  # the adapter's rank r (LoRA, LoHa, LoKr)
+    adapter_alpha: float = 32.0  # the adapter's scaling numerator: its update is scaled by alpha / r
+    adapter_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # modules
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"clip": 1.0, "aesthetic": 1.0})  # name -> weight
+    monitor: list[str] = field(default_factory=list)  # rewards logged and evaluated, not trained on
+    # reward name -> its options, checked by that reward's options dataclass (rewards/models.py), e.g.
+    # {clip: {model: ViT-L-14-quickgelu, checkpoint: /models/clip.bin}}; a policy kind may supply defaults
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    batch_size: int = 64  # images per reward-model call
+    # How several rewards make the total the advantages come from (TRL's multi_objective_aggregation):
+    # "sum_then_normalize" weights the raw values; "normalize_then_sum" z-scores each reward within its
+    # group first (GDPO), so rewards on different scales need no hand-tuned weights to count equally
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    # iterative RL: a learning reward (e.g. clip_refit) updates at each boundary on that iteration's samples
+    # plus earlier ones replayed as this fraction of the update set (DeepSeekMath replays 10%)
+    replay_fraction: float = 0.1
+    replay_capacity: int = 8192  # earlier samples (image tokens and prompts) kept for replay; a random subset
+
+
+@dataclass
+class DataConfig:
+    train_prompts: str = ""  # prompts file (text or JSONL); "" = the policy kind's (ShapesWorld: its captions)
+    # The report's headline eval set: prompts of the training distribution, never trained on (GenEval's
+    # practice). "" = the kind's test captions, or with train_prompts, test_prompts of its prompts held
+    # back with a fixed seed (the same split for every run.seed)
+    eval_prompts: str = ""
+    test_prompts: int = 32  # how many prompts of train_prompts to hold back when eval_prompts is ""
+    # The transfer row: compositions no model trained on. "" = the kind's (ShapesWorld: captions naming
+    # a held-out colour-shape pair), none with train_prompts. Removed from training like eval_prompts
+    heldout_prompts: str = ""
+    # Without train_prompts on a ShapesWorld: "train" = captions of the base policy's training split
+    # (the test captions' distribution); "all" = both splits, so RL also trains on held-out
+    # compositions (other captions than the transfer row's); "heldout" = held-out compositions only
+    world_train_split: Literal["train", "all", "heldout"] = "train"
+    # Captions in each of the kind's eval sets (ShapesWorld: test, held-out, and the sample of training
+    # captions the report also scores), drawn balanced by prompt form; eval_draw 2, 3, ... draws other
+    # test and held-out captions from the same pools (a check that the headline is not the draw's)
+    eval_size: int = 128
+    eval_draw: int = 1
+
+
+@dataclass
+class LogConfig:
+    sample_every: int = 25  # save a policy-vs-reference sample grid every N steps; 0 = never
+    checkpoint_every: int = 50  # write a checkpoint every N steps; 0 = only at the end
+    eval_images: int = 4  # images per prompt of each scored set (test, held-out, training sample) in the report
+    # Sampling temperatures at which the report evaluates policy and reference (the same seeds for
+    # both); the first gives the headline tables, each one a row of the by-temperature table. Empty =
+    # sample.temperature only. Training still samples at sample.temperature
+    eval_temperatures: list[float] = field(default_factory=list)
+    tensorboard: bool = True  # also write TensorBoard events
+    report: bool = True  # evaluate and write report.md at the end (`matrix` scores its runs itself)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the YAML file at `path`, then `overrides` like ``train.lr=1e-5``."""
+    where = str(path) if path is not None else "config"
+    raw = read_yaml(path) if path is not None else {}
+    cfg = from_dict(Config, raw, where=where)
+    for item in overrides or []:
+        apply_override(cfg, item)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Range checks that types alone cannot express."""
+    s, t = cfg.sample, cfg.train
+    for key, value, allowed, ok in _float_ranges(cfg):
+        # isfinite first: NaN fails every comparison and inf passes `> 0`, and either reaches the
+        # optimizer or the sampler as a silent no-op or as NaN weights
+        if not (math.isfinite(value) and ok(value)):
+            raise ConfigError(f"{key} must be a finite number {allowed}, got {value}")
+    checks = [
+        (s.group_size >= 2, "sample.group_size must be >= 2: GRPO normalises rewards within a group, "
+                            "and a group of one has no spread to learn from"),
+        (bool(DEVICE_NAME.fullmatch(cfg.run.device)), f"run.device {brief(cfg.run.device)} is not a device: use {DEVICE_HINT}"),
+        (cfg.run.threads >= 0, "run.threads must be >= 0 (0 = one per core this process may use)"),
+        (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
+        (s.batch_size >= 1, "sample.batch_size must be >= 1"),
+        (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),
+        (t.steps >= 1, "train.steps must be >= 1"),
+        (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
+        (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
+        (t.minibatches_per_pass >= 1, "train.minibatches_per_pass must be >= 1"),
+        (t.micro_batch_size >= 1, "train.micro_batch_size must be >= 1"),
+        (t.ref_sync_every >= 0, "train.ref_sync_every must be >= 0"),
+        (t.iterations >= 1, "train.iterations must be >= 1 (1 = no iterative RL)"),
+        (t.iterations < 1 or t.steps % t.iterations == 0,
+         f"train.steps ({t.steps}) must split into train.iterations ({t.iterations}) equal iterations: make "
+         f"train.steps a multiple of {t.iterations}, or pick iterations among "
+         f"{[k for k in range(1, min(t.steps, 64) + 1) if t.steps % k == 0]}"),
+        (cfg.reward.replay_capacity >= 0, "reward.replay_capacity must be >= 0 (0 = no replay)"),
+        (t.kl_metric_sequences >= 0, "train.kl_metric_sequences must be >= 0 (0 = every sequence)"),
+        (t.max_skipped_updates >= 0, "train.max_skipped_updates must be >= 0 (0 = never stop)"),
+        (t.adapter_rank >= 1, "train.adapter_rank must be >= 1"),
+        (t.reference != "adapter" or t.adapter != "none",
+         "train.reference: adapter is the policy with its adapter disabled, and train.adapter is none: set "
+         "train.adapter to lora, loha or lokr, or train.reference to frozen"),
+        (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
+        # AdamW on float16 weights: grad**2 and eps (1e-8) underflow to 0, and 0/0 makes the weights NaN
+        (cfg.policy.dtype != "float16" or t.adapter != "none", "policy.dtype float16 cannot be fine-tuned in full "
+         "(AdamW's steps on float16 weights underflow and make them NaN): use bfloat16, or float32 with train."
+         "mixed_precision fp16, or keep the float16 weights frozen under an adapter (train.adapter lora)"),
+        (t.loss_type != "cispo" or t.epsilon_high > 1,
+         f"train.loss_type=cispo caps the importance weight at train.epsilon_high itself (ScaleRL's eps_max), so it "
+         f"must be above 1; got {t.epsilon_high}: set train.epsilon_high=5.0 (the ScaleRL recipe)"),
+        (t.delta == 0 or t.loss_type != "cispo",
+         "train.delta caps the ratio of the clipped losses; cispo clips its weight at train.epsilon_high instead: "
+         "set train.delta=0"),
+        (t.delta == 0 or t.loss_type == "cispo" or t.delta > 1 + t.epsilon_high,
+         f"train.delta caps the ratio above the clip, so it must exceed 1 + train.epsilon_high = "
+         f"{1 + t.epsilon_high:g}; got {t.delta}: set it higher, or 0 for off"),
+        (not (t.beta > 0 and t.reference == "none"),
+         "train.beta > 0 needs a reference policy: set train.reference to frozen or adapter, or beta to 0"),
+        (bool(cfg.reward.weights), "reward.weights must name at least one reward, e.g. {clip: 1.0}"),
+        (all(math.isfinite(w) for w in cfg.reward.weights.values()),
+         f"reward.weights must be finite numbers, got {cfg.reward.weights}"),
+        (cfg.reward.batch_size >= 1, "reward.batch_size must be >= 1"),
+        (bool(cfg.run.name) and cfg.run.name not in (".", "..") and "/" not in cfg.run.name,
+         f"run.name must be a plain folder name (no '/'), got {brief(cfg.run.name)}"),
+        (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
+        (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
+        (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per eval prompt in the report)"),
+        (cfg.data.test_prompts >= 1, "data.test_prompts must be >= 1 (prompts held back as the test set)"),
+        (cfg.data.eval_size >= 1, "data.eval_size must be >= 1 (captions per eval set)"),
+        (cfg.data.eval_draw >= 1, "data.eval_draw must be >= 1 (1: the eval sets every run is scored on)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    if t.adapter != "none" and t.reference == "frozen":
+        warnings.warn("train.adapter with train.reference: frozen keeps a second full copy of the policy as the "
+                      "reference; train.reference: adapter is the same reference (the adapter disabled) without it",
+                      stacklevel=2)
+    if t.reference == "adapter" and t.ref_sync_every and cfg.policy.dtype != "float32":
+        warnings.warn(f"train.ref_sync_every folds the adapter into {cfg.policy.dtype} base weights, which rounds "
+                      "it: after a sync the policy moves by that rounding and the reference equals it only "
+                      "approximately", stacklevel=2)
+
+
+def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
+    """(key, value, what is allowed, test) for every float knob; the test runs on finite values only."""
+    s, t = cfg.sample, cfg.train
+    ranges = [
+        ("sample.cfg_scale", s.cfg_scale, ">= 0 (1 turns guidance off)", lambda v: v >= 0),
+        ("sample.temperature", s.temperature, "> 0", lambda v: v > 0),
+        ("sample.top_p", s.top_p, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
+        # AdamW moves each weight by about lr per update: above 1 that only wrecks the weights, and from
+        # about 3e37 PyTorch cannot even represent the step (a RuntimeError mid-run)
+        ("train.lr", t.lr, "in (0, 1]", lambda v: 0 < v <= 1),
+        ("train.weight_decay", t.weight_decay, ">= 0", lambda v: v >= 0),
+        ("train.max_grad_norm", t.max_grad_norm, "> 0, or 0 for no clipping", lambda v: v >= 0),
+        ("train.beta", t.beta, ">= 0", lambda v: v >= 0),
+        ("train.epsilon_low", t.epsilon_low, "in [0, 1)", lambda v: 0 <= v < 1),
+        ("train.epsilon_high", t.epsilon_high, ">= 0", lambda v: v >= 0),
+        ("train.delta", t.delta, ">= 0 (0 = off)", lambda v: v >= 0),
+        ("train.top_entropy_quantile", t.top_entropy_quantile, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
+        ("train.adapter_alpha", t.adapter_alpha, "> 0", lambda v: v > 0),
+        ("reward.replay_fraction", cfg.reward.replay_fraction, "in [0, 1) (0 = no replay)", lambda v: 0 <= v < 1),
+    ]
+    ranges += [(f"train.adam_betas[{i}]", b, "in [0, 1)", lambda v: 0 <= v < 1) for i, b in enumerate(t.adam_betas)]
+    ranges += [(f"log.eval_temperatures[{i}]", x, "> 0", lambda v: v > 0)
+               for i, x in enumerate(cfg.log.eval_temperatures)]
+    return ranges
+
+
+# ---------------------------------------------------------------- derived sizes
+
+
+def derived_sizes(cfg: Config, num_processes: int = 1) -> dict[str, int]:
+    """The batch arithmetic, checked: whole groups stay on one process, micro-batches tile a minibatch."""
+    s, t = cfg.sample, cfg.train
+    if s.prompts_per_step % num_processes:
+        raise ConfigError(
+            f"sample.prompts_per_step={s.prompts_per_step} must be divisible by the number of processes "
+            f"({num_processes}) so that every group of {s.group_size} images stays on one process")
+    images_per_process = s.prompts_per_step // num_processes * s.group_size
+    per_update = t.minibatches_per_pass * t.micro_batch_size
+    if images_per_process % per_update:
+        raise ConfigError(
+            f"images per process per step ({images_per_process} = prompts_per_step {s.prompts_per_step} / "
+            f"{num_processes} processes x group_size {s.group_size}) must be divisible by "
+            f"train.minibatches_per_pass x train.micro_batch_size = {per_update}")
+    return {
+        "processes": num_processes,
+        "images_per_step": s.prompts_per_step * s.group_size,
+        "images_per_process": images_per_process,
+        "micro_batch_size": t.micro_batch_size,
+        "micro_batches_per_update": images_per_process // per_update,
+        "updates_per_step": t.num_iterations * t.minibatches_per_pass,
+        "steps": t.steps,
+        "total_updates": t.steps * t.num_iterations * t.minibatches_per_pass,
+        "total_images": t.steps * s.prompts_per_step * s.group_size,
+    }
+
+
+def format_sizes(sizes: dict[str, int]) -> str:
+    return "  ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config atomically (a resumed run reads it back)."""
+    write_file(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

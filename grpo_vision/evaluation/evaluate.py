@@ -1,0 +1,187 @@
+"""Evaluate and sample a run: policy vs reference on the same prompts and seeds.
+
+`evaluate` reports each reward's mean with a 95% interval (normal approximation, 1.96 standard
+errors) for the policy and the reference, and, where the policy kind brings a judge (ShapesWorld's
+exact checker), its accuracy per attribute. Both models draw image i of a prompt with the same
+seed, so differences come from the weights, not from the sampling noise.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo_vision.run.checkpoint import find_checkpoint, load_checkpoint, load_iterative_state
+from grpo_vision.config import Config, ConfigError
+from grpo_vision.images import Cell, paint_grid, to_uint8
+from grpo_vision.evaluation.intervals import caption_interval
+from grpo_vision.policy import Judge
+from grpo_vision.evaluation.judge import judge_tables, paired_differences
+from grpo_vision.run.metrics import interval
+from grpo_vision.policy import Bundle, load_bundle
+from grpo_vision.splits import prompt_lists
+from grpo_vision.run.machine import resolve_device
+from grpo_vision.prompts import PromptEntry, load_prompts
+from grpo_vision.reference import Reference
+from grpo_vision.models.adapters import add_adapter
+from grpo_vision.run.folder import read_run_config
+from grpo_vision.files import write_file
+from grpo_vision.sampling import SamplingParams, sample_batched
+
+
+@dataclass
+class LoadedRun:
+    cfg: Config
+    bundle: Bundle
+    policy: torch.nn.Module  # with the checkpoint's weights (peft-wrapped if the run trained an adapter)
+    reference: Reference
+    step: int
+    learned_rewards: dict | None = None  # iterative RL: what learning rewards had learned by this checkpoint
+
+
+def load_run(run_dir: str | Path, step: int | None = None, device: str = "run") -> LoadedRun:
+    """A run's checkpoint (the latest, or `step`) on `device` (a --device value; "run": the run's own
+    where this machine has it, else the best one here). Loads no reward: no code the run folder names runs."""
+    run_dir = Path(run_dir)
+    cfg = read_run_config(run_dir, device=device)
+    ckpt = find_checkpoint(run_dir, step)
+    device = resolve_device(cfg.run.device, "--device")
+    bundle = load_bundle(cfg.policy, device)
+    policy = bundle.policy
+    t = cfg.train
+    if t.adapter != "none":
+        policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
+    reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, device).policy)
+    state, ref_state = load_checkpoint(ckpt, policy)
+    if ref_state is not None:
+        reference.load_state_dict(policy, ref_state)
+    learned = load_iterative_state(ckpt)
+    return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"], learned["rewards"] if learned else None)
+
+
+def run_eval_sets(run_dir: str | Path, cfg: Config) -> dict[str, list[PromptEntry]]:
+    """A run's scored sets by name (test first, then held-out and the sample of training prompts): the
+    files it wrote at its start (prompts/*.jsonl; test.jsonl always, the others when not empty). With
+    data.eval_draw other than the run's, the config's draw (the kind's own sets only: the training
+    prompts must stay the run's)."""
+    files = {name: Path(run_dir) / "prompts" / f"{name}.jsonl" for name in ("test", "heldout", "train_sample")}
+    if cfg.data.eval_draw == 1:
+        return {name: load_prompts(path) for name, path in files.items() if name == "test" or path.is_file()}
+    sets = prompt_lists(cfg)
+    trained = Path(run_dir) / "prompts" / "train.jsonl"
+    if cfg.data.eval_prompts or cfg.data.heldout_prompts or cfg.data.train_prompts or (
+            trained.is_file() and [e.prompt for e in load_prompts(trained)] != [e.prompt for e in sets.train]):
+        raise ConfigError(f"--draw {cfg.data.eval_draw}: {run_dir} takes its eval sets from prompts files, or "
+                          "trained on other prompts than its policy kind draws now (prompts/train.jsonl); "
+                          "give the prompts to score with --prompts")
+    return sets.named()
+
+
+def eval_temperatures(cfg: Config) -> list[float]:
+    """Temperatures the report evaluates at, the headline first (log.eval_temperatures, else the
+    training temperature)."""
+    return list(cfg.log.eval_temperatures) or [cfg.sample.temperature]
+
+
+def eval_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
+    """Sampling settings of `eval` and `sample`: at `temperature`, else at the report's headline one."""
+    return SamplingParams.from_config(cfg.sample, temperature or eval_temperatures(cfg)[0])
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], seeds: list[int], params: SamplingParams,
+             batch_size: int = 64) -> torch.Tensor:
+    """Images `[n, 3, H, W]` in [0, 1] for prompts, image i drawn with seeds[i]."""
+    rollout = sample_batched(model, model.encode_prompts(prompts), seeds, params, batch_size)
+    return torch.cat([tokenizer.decode(rollout.tokens[i:i + batch_size]) for i in range(0, len(prompts), batch_size)])
+
+
+def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[PromptEntry], n: int,
+             params: SamplingParams, judge: Judge | None = None, seed: int = 0) -> dict:
+    prompts = [e.prompt for e in entries for _ in range(n)]
+    seeds = [seed + 1000 * i + j for i in range(len(entries)) for j in range(n)]
+    meta = [e.metadata for e in entries for _ in range(n)]
+    strata = [judge.form(p) for p in prompts] if judge is not None else None  # the sets are balanced by form
+    result = {"prompts": len(entries), "captions": len({e.prompt for e in entries}), "images_per_prompt": n,
+              "models": {}}
+    ref_model, ref_ctx = reference.sampler(policy)
+    raw, verdicts = {}, {}
+    for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):
+        with ctx:
+            images = generate(model, tokenizer, prompts, seeds, params)
+        raw[name] = rewards(images, prompts, meta).raw
+        verdicts[name] = judge.verdicts(images, prompts) if judge is not None else None
+        table, by_form = judge_tables(judge, images, prompts, verdicts[name])
+        result["models"][name] = {"rewards": {k: interval(v) for k, v in raw[name].items()}, "checker": table,
+                                  "checker_by_form": by_form}
+    result["difference"] = {k: _diff(result, "rewards", k) for k in result["models"]["policy"]["rewards"]}
+    # paired per image (the same prompt and seed on both sides); the interval resamples captions, all
+    # their images with them: another draw of captions is what a reader would re-draw (evaluation/intervals.py)
+    diffs = {k: raw["policy"][k].double() - raw["reference"][k].double() for k in raw["policy"]}
+    result["difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
+    result["difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}  # these captions held fixed
+    if result["models"]["policy"]["checker"]:
+        keys = list(result["models"]["policy"]["checker"])
+        result["checker_difference"] = {k: _diff(result, "checker", k) for k in keys}
+        diffs = paired_differences(verdicts["policy"], verdicts["reference"], keys)
+        result["checker_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
+        result["checker_difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}
+    return result
+
+
+def _diff(result: dict, table: str, key: str):
+    p, r = (result["models"][m][table][key]["mean"] for m in ("policy", "reference"))
+    return None if p is None or r is None else round(p - r, 5)
+
+
+@torch.no_grad()
+def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[PromptEntry], params: SamplingParams,
+                     path: Path, seeds_per_prompt: int = 2, judge: Judge | None = None, scale: int = 2,
+                     root: Path | None = None) -> None:
+    """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right,
+    each image `scale` times its size; under each, the judge's verdict per attribute (✓ / ✗) where
+    the policy kind has a judge, and the judge's own rendering of the prompt (ground truth) last,
+    where the judge can draw one (ShapesWorld). `root`: the run folder when `path` lies in a sub-folder
+    of it (written as files.write_file writes)."""
+    prompts = [e.prompt for e in entries for _ in range(seeds_per_prompt)]
+    seeds = [j for _ in entries for j in range(seeds_per_prompt)]
+    images = {"policy": generate(policy, tokenizer, prompts, seeds, params)}
+    model, context = reference.sampler(policy)
+    with context:
+        images["reference"] = generate(model, tokenizer, prompts, seeds, params)
+    marks = {side: verdict_lines(judge, batch, prompts) for side, batch in images.items()}
+    cells = {side: [Cell(img, marks[side][i]) for i, img in enumerate(to_uint8(batch))] for side, batch in images.items()}
+    draw = getattr(judge, "render", None)
+    truth = [draw(e.prompt, 0) if draw else None for e in entries]
+    k = seeds_per_prompt
+    rows = [[*cells["policy"][r * k:(r + 1) * k], *cells["reference"][r * k:(r + 1) * k],
+             *([Cell(truth[r], ["ground truth"])] if truth[r] is not None else [])] for r in range(len(entries))]
+    headings = [(0, "policy"), (k, "reference")] + ([(2 * k, "what the prompt\ndescribes")] if any(
+        t is not None for t in truth) else [])
+    sheet = paint_grid(rows, headings=headings, row_labels=[textwrap.fill(e.prompt, 26) for e in entries],
+                       label_width=180, split=k, scale=scale, line=13)
+    write_file(path, lambda f: sheet.save(f, format="PNG"), root)
+
+
+def verdict_lines(judge: Judge | None, images: torch.Tensor, prompts: list[str]) -> list[list[str]]:
+    """Per image, its verdicts as caption lines that fit under a 128 px tile ('✓ count  ✗ color'); none
+    without a judge."""
+    if judge is None:
+        return [[] for _ in prompts]
+    out = []
+    for verdict in judge.verdicts(images, prompts):
+        lines = []
+        for a, ok in (verdict or {}).items():
+            if a == "correct" or ok is None:
+                continue
+            mark = f"{'✓' if ok else '✗'} {a}"
+            if lines and len(lines[-1]) + 2 + len(mark) <= 19:
+                lines[-1] += "  " + mark
+            else:
+                lines.append(mark)
+        out.append(lines)
+    return out

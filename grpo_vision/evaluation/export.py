@@ -1,0 +1,118 @@
+"""Images in the folder layouts that published benchmarks' own scorers read.
+
+* GenEval (djghosh13/geneval, `generation/diffusers_generate.py`): for the i-th line of its
+  `evaluation_metadata.jsonl`, a folder `<out>/<i:05d>/` holding that line as `metadata.jsonl` and
+  the images as `samples/<j:05d>.png`; `evaluation/evaluate_images.py <out>` then scores them.
+* index (`grpo-vision sample`'s own): `<i:05d>_<j:02d>_<policy|reference>.png` and `index.jsonl`
+  (prompt, file, seed, model, step).
+* flat: one folder of `<prompt>_<k:06d>.png` files, k counting images in prompt order, the naming
+  that T2I-CompBench-style scorers match prompts by; plus `index.jsonl` (prompt, file, seed).
+
+Image j of every prompt is drawn with seed + j, as `grpo-vision sample` draws it, so the policy and
+its reference export the same seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from grpo_vision.evaluation.evaluate import generate
+from grpo_vision.images import to_uint8
+from grpo_vision.prompts import PromptsError, parse_json_line, read_lines
+
+LAYOUTS = ("index", "geneval", "flat")
+IMAGES_PER_CALL = 64  # images generated per sampler call, whatever the number of prompts
+MAX_NAME_BYTES = 255  # the longest file name most file systems take (ext4, XFS, APFS, NTFS)
+
+
+def load_geneval_metadata(path: str | Path) -> list[dict]:
+    """The lines of a GenEval `evaluation_metadata.jsonl`: JSON objects with a non-empty 'prompt'
+    (their other fields, tag, include, exclude, ..., are kept as they are for the scorer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptsError(f"GenEval metadata file not found: {path}")
+    rows = []
+    for number, line in enumerate(read_lines(path), start=1):  # as a prompts file's: see prompts.py
+        if not line.strip():
+            continue
+        row = parse_json_line(line, f"{path}, line {number}")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise PromptsError(f"{path}, line {number}: a GenEval metadata line is an object with a non-empty "
+                               "'prompt' (and its tag, include, ... fields)")
+        rows.append(row)
+    if not rows:
+        raise PromptsError(f"{path} holds no metadata lines")
+    return rows
+
+
+def _images(model, tokenizer, prompts: list[str], n: int, seed: int, params):
+    """uint8 images `[n, H, W, 3]` per prompt, image j drawn with seed + j, in chunks of IMAGES_PER_CALL."""
+    per_call = max(1, IMAGES_PER_CALL // n)
+    for start in range(0, len(prompts), per_call):
+        chunk = prompts[start:start + per_call]
+        images = to_uint8(generate(model, tokenizer, [p for p in chunk for _ in range(n)],
+                                   [seed + j for _ in chunk for j in range(n)], params))
+        for i in range(len(chunk)):
+            yield images[i * n:(i + 1) * n]
+
+
+def write_index(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params, which: str,
+                step: int) -> int:
+    """Numbered PNGs and `index.jsonl` (prompt, file, seed, model, step); returns the number of images."""
+    from PIL import Image
+
+    out, index = Path(out), []
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, images) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
+        for j, img in enumerate(images):
+            name = f"{i:05d}_{j:02d}_{which}.png"
+            Image.fromarray(img).save(out / name)
+            index.append({"prompt": prompt, "file": name, "seed": seed + j, "model": which, "step": step})
+    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
+    return len(index)
+
+
+def write_geneval(model, tokenizer, rows: list[dict], out: str | Path, n: int, seed: int, params) -> int:
+    """GenEval's folder layout for `rows` (load_geneval_metadata); returns the number of images."""
+    from PIL import Image
+
+    out, count = Path(out), 0
+    for index, (row, images) in enumerate(zip(rows, _images(model, tokenizer, [r["prompt"] for r in rows], n,
+                                                                seed, params))):
+        samples = out / f"{index:05d}" / "samples"
+        samples.mkdir(parents=True, exist_ok=True)
+        (samples.parent / "metadata.jsonl").write_text(json.dumps(row))  # one line, as GenEval writes it
+        for j, img in enumerate(images):
+            Image.fromarray(img).save(samples / f"{j:05d}.png")
+        count += len(images)
+    return count
+
+
+def flat_name(prompt: str, k: int) -> str:
+    """`<prompt>_<k:06d>.png` with the characters a file name cannot hold replaced by '_'. A prompt too long
+    for one file name is cut, and a hash of the whole prompt keeps prompts that start alike apart
+    (`index.jsonl` holds each file's whole prompt)."""
+    safe = "".join("_" if c in '/\\\0' else c for c in prompt.strip())
+    tail = f"_{k:06d}.png"
+    if len((safe + tail).encode()) <= MAX_NAME_BYTES:
+        return safe + tail
+    digest = "-" + hashlib.sha256(prompt.encode()).hexdigest()[:12]
+    room = MAX_NAME_BYTES - len(digest) - len(tail)
+    return safe.encode()[:room].decode("utf-8", errors="ignore") + digest + tail  # never half a character
+
+
+def write_flat(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params) -> int:
+    """Prompt-named PNGs in one folder and `index.jsonl`; returns the number of images."""
+    from PIL import Image
+
+    out, index = Path(out), []
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (prompt, images) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
+        for j, img in enumerate(images):
+            name = flat_name(prompt, i * n + j)
+            Image.fromarray(img).save(out / name)
+            index.append({"prompt": prompt, "file": name, "seed": seed + j})
+    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
+    return len(index)

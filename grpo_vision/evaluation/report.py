@@ -1,0 +1,177 @@
+"""The end-of-run report: `eval.json`, plots, and `report.md` that says what RL changed and what it cost."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from grpo_vision.evaluation.evaluate import eval_temperatures, evaluate, save_sample_grid
+from grpo_vision.run.health import run_summary
+from grpo_vision.run.metrics import load_metrics
+from grpo_vision.evaluation.plots import curves_figure, judge_figure, save_figure
+from grpo_vision.evaluation.report_text import (change_table, duplicate_of_judge, interval_heading, rate_change, rate_value,
+                                     reward_change, reward_value, rollout_trend, what_changed)
+from grpo_vision.files import write_file
+
+
+def _temperature_table(by_temperature: dict) -> list[str]:
+    """Both models at each eval temperature: the judge's all-attributes rate (where the policy kind has
+    a judge) and each reward's mean."""
+    first = next(iter(by_temperature.values()))
+    names = [n for n in first["models"]["policy"]["rewards"] if n != duplicate_of_judge(first)]
+    checked = bool(first["models"]["policy"]["checker"])
+    head = ["temperature"] + (["checker: all right, reference -> policy"] if checked else []) + \
+           [f"{n}: reference -> policy" for n in names]
+    lines = ["", "## By sampling temperature", "",
+             "The same prompts and seeds at each temperature; the first row is the tables above.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for t, r in by_temperature.items():
+        ref, pol = r["models"]["reference"], r["models"]["policy"]
+        cells = [str(t)]
+        if checked:
+            a, b = ref["checker"]["correct"]["mean"], pol["checker"]["correct"]["mean"]
+            cells.append(f"{100 * a:.1f}% -> {100 * b:.1f}% ({100 * (b - a):+.1f} pts)")
+        for n in names:
+            a, b = ref["rewards"][n]["mean"], pol["rewards"][n]["mean"]
+            cells.append("n/a" if a is None or b is None else f"{a:.3f} -> {b:.3f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+SET_NAMES = {"train_sample": "training prompts (a sample)", "test": "test prompts (the headline)",
+             "heldout": "held-out compositions"}
+
+
+def sets_table(result: dict, twin: str | None) -> list[str]:
+    """Train sample, test and held-out side by side: the judge's all-right rate (else the first reward),
+    its change with the interval over captions and, labelled, the per-image one."""
+    sets = {"train_sample": result.get("train_sample"), "test": result, "heldout": result.get("heldout")}
+    judged = bool(result["models"]["policy"]["checker"])
+    name = "judge: all attributes right" if judged else next(iter(result["difference_ci"]), None)
+    if name is None:
+        return []
+    lines = [f"{name[0].upper()}{name[1:]}" + (f" (= `{twin}`)" if twin else "") + ", by set:", "",
+             "| prompts | captions (prompts x images) | reference | policy | change, 95% interval over captions "
+             "| per-image interval (captions fixed) |", "|---|---|---|---|---|---|"]
+    for key, r in sets.items():
+        if r is None:
+            continue
+        if judged:
+            ref, pol = (r["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
+            cells = [rate_value(ref), rate_value(pol), rate_change(r["checker_difference_ci"]["correct"]),
+                     rate_change(r["checker_difference_ci_per_image"]["correct"])]
+        else:
+            ref, pol = (r["models"][m]["rewards"][name] for m in ("reference", "policy"))
+            cells = [reward_value(ref), reward_value(pol), reward_change(r["difference_ci"][name]),
+                     reward_change(r["difference_ci_per_image"][name])]
+        lines.append(f"| {SET_NAMES[key]} | {r['captions']} ({r['prompts']} x {r['images_per_prompt']}) | "
+                     + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _warning_paragraph(warnings: list[str]) -> list[str]:
+    """A paragraph near the top that says the run may not have learned, and why (empty when it did)."""
+    if not warnings:
+        return []
+    return ["## Warning: this run may not have learned", "", *[f"- {w}" for w in warnings], ""]
+
+
+def _judge_section(result: dict, title: str) -> list[str]:
+    """The judge per attribute on the test prompts, and its all-right rate per prompt form."""
+    lines = ["", f"## {title}, per attribute (test prompts)", "",
+             f"| attribute | reference | policy | {interval_heading(result)} |", "|---|---|---|---|"]
+    for name in result["checker_difference"]:
+        ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
+        label = "all attributes right" if name == "correct" else name
+        lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
+                     f"{rate_change(result['checker_difference_ci'].get(name))} |")
+    lines += ["", "![checker accuracy](checker.png)", "", "All attributes right, by prompt form:",
+              "", "| form | reference | policy | change |", "|---|---|---|---|"]
+    for form, pol in result["models"]["policy"]["checker_by_form"].items():
+        ref = result["models"]["reference"]["checker_by_form"][form]
+        change = 100 * (pol["mean"] - ref["mean"])
+        lines.append(f"| {form} | {rate_value(ref)} | {rate_value(pol)} | {change:+.1f} pts |")
+    return lines
+
+
+def _other_sets(result: dict) -> list[str]:
+    """The held-out compositions' and the training sample's tables."""
+    lines = []
+    if "heldout" in result:
+        lines += ["", "## Transfer: held-out compositions", "",
+                  f"{result['heldout']['prompts']} prompts that no model trained on (prompts/heldout.jsonl), the same "
+                  "images per prompt and temperature: does what RL taught carry over to compositions never seen?", "",
+                  *change_table(result["heldout"])]
+    if "train_sample" in result:
+        lines += ["", "## Training prompts (a sample)", "",
+                  f"{result['train_sample']['prompts']} prompts the policy trained on (prompts/train_sample.jsonl), "
+                  "the same images per prompt and temperature: against the test prompts, what RL fitted on what "
+                  "it saw and what carried over to captions it never saw.", "", *change_table(result["train_sample"])]
+    return lines
+
+
+def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, params, cfg, judge=None) -> dict:
+    """Evaluate policy and reference on the run's eval sets (`sets`, a PromptSets): the test prompts at
+    every eval temperature (the headline), the held-out compositions and the sample of training prompts
+    at the first; write eval.json, the figures and report.md."""
+    run_dir = Path(run_dir)
+    policy.eval()
+    temperatures = eval_temperatures(cfg)
+    n, seed = cfg.log.eval_images, cfg.run.seed + 99
+
+    def run_eval(entries, t, what):
+        print(f"[report] evaluating on {len(entries)} {what} x {n} images at temperature {t}", flush=True)
+        return evaluate(policy, reference, tokenizer, rewards, entries, n, replace(params, temperature=t), judge, seed)
+
+    by_temperature = {t: run_eval(sets.test, t, "test prompts") for t in temperatures}  # same prompts and seeds
+    result = {**by_temperature[temperatures[0]], "eval_set": "test", "temperature": temperatures[0],
+              "train_temperature": params.temperature}
+    if len(temperatures) > 1:
+        result["by_temperature"] = {str(t): r for t, r in by_temperature.items()}
+    if sets.heldout:
+        result["heldout"] = run_eval(sets.heldout, temperatures[0], "held-out-composition prompts")
+    if sets.train_sample:
+        result["train_sample"] = run_eval(sets.train_sample, temperatures[0], "training prompts (a sample)")
+    write_file(run_dir / "eval.json", json.dumps(result, indent=2))
+    metrics = load_metrics(run_dir)
+    twin = duplicate_of_judge(result)
+    save_figure(curves_figure(metrics), run_dir / "curves.png")
+    save_sample_grid(policy, reference, tokenizer, sets.test[:8], replace(params, temperature=temperatures[0]),
+                     run_dir / "final_samples.png", judge=judge)
+    last = metrics[-1] if metrics else {}
+    skipped, updates, warnings = run_summary(metrics, cfg.train.num_iterations * cfg.train.minibatches_per_pass)
+    kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]
+    trained = [k for k, w in cfg.reward.weights.items() if w]
+    lines = [f"# GRPO report: {run_dir.name}", "",
+             f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "
+             f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
+             f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
+             *_warning_paragraph(warnings),
+             *what_changed(result, trained, list(cfg.reward.monitor), kl if cfg.train.reference != "none" else [],
+                           rollout_trend(metrics, twin) if twin else None),
+             f"Evaluation: {result['prompts']} test prompts ({result['captions']} distinct captions of the training "
+             f"prompts' distribution, never trained on; prompts/test.jsonl) x {result['images_per_prompt']} images, "
+             f"the same seeds for policy and reference, sampled at temperature {result['temperature']} (training "
+             f"sampled at {params.temperature}); mean [95% interval]. Changes are paired per image; their interval "
+             "resamples the captions, all their images with them (a reader's other draw of captions), within "
+             "each prompt form; eval.json also holds the per-image interval, which holds the captions fixed "
+             "(`*_per_image`).", "",
+             *sets_table(result, twin), "## Test prompts", "", *change_table(result)]
+    if result["models"]["policy"]["checker"]:
+        save_figure(judge_figure(result), run_dir / "checker.png")
+        lines += _judge_section(result, judge.name)
+    lines += _other_sets(result)
+    if len(by_temperature) > 1:
+        lines += _temperature_table(by_temperature)
+    lines += ["", "## What it cost", "",
+              f"KL to the reference (k3, mean per token): last step {kl[-1]:.4f}, max {max(kl):.4f}." if kl else "",
+              f"Skipped optimizer updates (non-finite loss or gradient): {skipped} of {updates}.",
+              f"Wall time: {sum(m.get('perf/step_s', 0) for m in metrics) / 60:.1f} min of steps.", "",
+              "![training curves](curves.png)", "",
+              "## Samples (test prompts): policy | reference, the same seeds" +
+              (" | what the prompt describes" if getattr(judge, "render", None) else ""), "",
+              "![samples](final_samples.png)", ""]
+    write_file(run_dir / "report.md", "\n".join(lines))
+    print(f"[report] {run_dir / 'report.md'}", flush=True)
+    return result

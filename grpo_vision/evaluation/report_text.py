@@ -1,0 +1,177 @@
+"""The words of report.md, from eval.json's numbers: one unit per quantity, and "What changed".
+
+Rewards are shown in their own units with 3 decimals; the judge's accuracies in percent, their
+changes in points. Every change is paired per image (the same prompt and seed for policy and
+reference) with a 95% interval that resamples the captions (evaluation/intervals.py), and called a rise or a
+fall only when that interval excludes 0.
+
+Possible reward hacking is named the way the reward-hacking literature reads a reward-swap table
+(a trained reward up, an independent measure down: Gao et al. 2022, "Scaling laws for reward model
+overoptimization"; docs/experiments/reward_matrix.md): a trained reward rises while the exact judge
+or a monitored reward falls.
+"""
+
+from __future__ import annotations
+
+from statistics import fmean, variance
+
+
+def _sign(change: dict | None) -> int:
+    """+1 / -1 when the change's 95% interval excludes 0, else 0 (also for an interval of no width:
+    identical paired differences, or a single one, say nothing about noise)."""
+    if not change or change.get("mean") is None or not change.get("ci95"):
+        return 0
+    lo, hi = change["ci95"]
+    if not hi > lo:
+        return 0
+    return 1 if lo > 0 else -1 if hi < 0 else 0
+
+
+def _fmt(entry: dict | None, scale: float, signed: bool, unit: str, rate: bool = False) -> str:
+    """'mean [lo, hi]' scaled, with the sign shown for changes; a rate's interval kept in [0, 100]."""
+    if not entry or entry.get("mean") is None:
+        return "n/a"
+    lo, hi = entry["ci95"] or (float("nan"), float("nan"))
+    if rate:  # a rate's normal-approximation interval can leave [0, 1]
+        lo, hi = max(lo, 0.0), min(hi, 1.0)
+    digits, sign = 1 if scale == 100 else 3, "+" if signed else ""  # points to 0.1, rewards to 0.001
+    f = lambda v: f"{scale * v:{sign}.{digits}f}"  # noqa: E731
+    return f"{f(entry['mean'])}{unit} [{f(lo)}, {f(hi)}]"
+
+
+def reward_value(entry: dict) -> str:
+    return _fmt(entry, 1, signed=False, unit="")
+
+
+def reward_change(change: dict | None) -> str:
+    return _fmt(change, 1, signed=True, unit="")
+
+
+def rate_value(entry: dict) -> str:
+    return _fmt(entry, 100, signed=False, unit="%", rate=True)
+
+
+def rate_change(change: dict | None) -> str:
+    return _fmt(change, 100, signed=True, unit=" pts")
+
+
+def duplicate_of_judge(result: dict) -> str | None:
+    """The reward that is the judge's all-right rate itself (ShapesWorld's shapes_exact): the same mean
+    and interval on both sides. Its row would repeat the judge's."""
+    models = result["models"]
+    if not models["policy"]["checker"]:
+        return None
+    for name in models["policy"]["rewards"]:
+        if all(models[m]["rewards"][name] == models[m]["checker"]["correct"] for m in ("policy", "reference")):
+            return name
+    return None
+
+
+def interval_heading(result: dict) -> str:
+    """What a change column's interval resamples, with the number of captions it rests on."""
+    return f"change (paired; 95% interval over {result.get('captions', result['prompts'])} captions)"
+
+
+def change_table(result: dict) -> list[str]:
+    """One row per reward, then the judge's all-right rate: reference, policy, paired change."""
+    lines = [f"| measured by | reference | policy | {interval_heading(result)} |", "|---|---|---|---|"]
+    twin = duplicate_of_judge(result)
+    for name in result["models"]["policy"]["rewards"]:
+        if name == twin:
+            continue
+        ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
+        lines.append(f"| {name} | {reward_value(ref)} | {reward_value(pol)} | "
+                     f"{reward_change(result.get('difference_ci', {}).get(name))} |")
+    if result["models"]["policy"]["checker"]:
+        ref, pol = (result["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
+        label = "judge: all attributes right" + (f" (= reward `{twin}`)" if twin else "")
+        lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
+                     f"{rate_change(result.get('checker_difference_ci', {}).get('correct'))} |")
+    return lines
+
+
+def _names(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def rollout_trend(metrics: list[dict], name: str) -> dict | None:
+    """Reward `name` on the training rollouts (`reward/<name>/mean` of metrics.jsonl): its mean over the
+    first and the last quarter of the steps, and the change with a 95% interval that takes each step's
+    mean as one draw (Welch, normal approximation); None with fewer than 8 steps logged."""
+    values = [m[f"reward/{name}/mean"] for m in metrics if m.get(f"reward/{name}/mean") is not None]
+    if len(values) < 8:
+        return None
+    q = len(values) // 4
+    first, last = values[:q], values[-q:]
+    half = 1.96 * (variance(first) / q + variance(last) / q) ** 0.5
+    change = fmean(last) - fmean(first)
+    return {"first": fmean(first), "last": fmean(last), "steps": q,
+            "change": {"mean": change, "ci95": [change - half, change + half]}}
+
+
+def _rollouts_sentence(trend: dict | None, trained_up: list[str]) -> list[str]:
+    """The judge on the training rollouts: flat while a trained reward rose says RL taught the reward."""
+    if not trend:
+        return []
+    rates = (f"{100 * trend['first']:.1f}% over the first {trend['steps']} steps' rollouts and "
+             f"{100 * trend['last']:.1f}% over the last {trend['steps']} ({rate_change(trend['change'])})")
+    if trained_up and not _sign(trend["change"]):
+        return [f"**On its own training rollouts the judge did not move** ({rates}) while {_names(trained_up)} "
+                "rose: what RL taught here is mostly the trained rewards, not the task the judge checks."]
+    return [f"On the training rollouts the judge's rate was {rates}."]
+
+
+def what_changed(result: dict, trained: list[str], monitored: list[str], kl: list[float],
+                 rollouts: dict | None = None) -> list[str]:
+    """The paragraph at the top of the report: what rose and fell beyond its interval, a plain line
+    when that looks like reward hacking, the judge on the training rollouts (`rollouts`, a
+    `rollout_trend`), and the KL it cost."""
+    changes = result.get("difference_ci", {})
+    judged = result.get("checker_difference_ci", {})
+    up = lambda names: [n for n in names if _sign(changes.get(n)) > 0]  # noqa: E731
+    down = lambda names: [n for n in names if _sign(changes.get(n)) < 0]  # noqa: E731
+    said = []
+    for verb, names in (("rose", up(trained)), ("fell", down(trained))):
+        if names:
+            said.append(f"The trained reward{'s' if len(names) > 1 else ''} {_names(names)} {verb} "
+                        f"({'; '.join(f'{n} {reward_change(changes[n])}' for n in names)}).")
+    flat = [n for n in trained if n not in up(trained) + down(trained)]
+    if flat:
+        said.append(f"The trained reward{'s' if len(flat) > 1 else ''} {_names(flat)} did not move beyond "
+                    f"{'its interval' if len(flat) == 1 else 'their intervals'}.")
+    twin = duplicate_of_judge(result)
+    watched = [n for n in monitored if n != twin]
+    watched_down = down(watched)
+    moved = [f"{n} {'rose' if _sign(changes[n]) > 0 else 'fell'} ({reward_change(changes[n])})"
+             for n in watched if _sign(changes.get(n))]
+    if moved:
+        said.append(f"Monitored, not trained on: {'; '.join(moved)}.")
+    if judged:
+        ref = result["models"]["reference"]["checker"]["correct"]["mean"]
+        pol = result["models"]["policy"]["checker"]["correct"]["mean"]
+        said.append(f"The exact judge's all-attributes-right rate went from {100 * ref:.1f}% to {100 * pol:.1f}% "
+                    f"({rate_change(judged.get('correct'))}, {result.get('captions', result['prompts'])} captions).")
+        attrs = [a for a in judged if a != "correct"]
+        for verb, sign in (("Rose", 1), ("Fell", -1)):
+            moved = [a for a in attrs if _sign(judged[a]) == sign]
+            if moved:
+                said.append(f"{verb} beyond their intervals: "
+                            f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in moved)}.")
+        unclear = [a for a in attrs if not _sign(judged[a]) and judged[a].get("mean") is not None
+                   and abs(judged[a]["mean"]) >= 0.05]  # 5 points or more, inside the interval
+        if unclear:
+            said.append(f"Moved 5 points or more but within their intervals (more images would tell): "
+                        f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in unclear)}.")
+    judge_down = [a for a in judged if a != "correct" and _sign(judged[a]) < 0]
+    all_right_down = _sign(judged.get("correct")) < 0
+    if up(trained) and (judge_down or all_right_down or watched_down):
+        fell = (["the judge's all-attributes-right rate"] if all_right_down else []) + \
+               ([f"the judge's {_names(judge_down)} accuracy"] if judge_down else []) + watched_down
+        said.append(f"**Possible reward hacking:** {_names(up(trained))} rose while {_names(fell)} fell: the "
+                    "policy may be learning what the reward model scores rather than what the prompts ask. "
+                    "Look at the samples below before trusting the trained reward's gain.")
+    said += _rollouts_sentence(rollouts, up(trained))
+    if kl:
+        said.append(f"It cost a KL to the reference of {kl[-1]:.3f} per token at the last step "
+                    f"(max {max(kl):.3f}).")
+    return ["## What changed", "", " ".join(said), ""]

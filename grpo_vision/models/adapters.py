@@ -1,0 +1,66 @@
+"""peft adapters on a policy (LoRA, and LoHa / LoKr of the LyCORIS family): adding one, finding its
+layers, telling its weights apart. The reference (grpo_vision/reference.py) folds them into the base weights."""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from grpo_vision.config import ConfigError, brief
+
+ADAPTERS = ("lora", "loha", "lokr")
+# The factor of each adapter that peft initialises to zero (LoRA's B, LoHa's second Hadamard factor,
+# LoKr's first Kronecker factor): zero, it makes the adapter's update zero whatever the others hold
+ZERO_FACTORS = ("lora_B", "hada_w2_b", "lokr_w1", "lokr_w1_a")
+TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def add_adapter(policy, kind: str, rank: int, alpha: float, targets: list[str]):
+    """`policy` wrapped by peft with a fresh adapter of `kind` on `targets`: its update starts at zero."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig, get_peft_model
+
+    if kind not in ADAPTERS:
+        raise ValueError(f"train.adapter must be one of {ADAPTERS}, got {kind!r}")
+    scope = getattr(policy, "lora_scope", None)  # module prefix a policy confines adapters to (Janus: its LM)
+    check_targets(policy, targets, scope)
+    if scope:  # a string target is a regex that peft full-matches against each module name
+        targets = rf"{re.escape(scope)}\..*\.({'|'.join(targets)})"
+    config = {"lora": lambda: LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0),
+              "loha": lambda: LoHaConfig(r=rank, alpha=alpha, target_modules=targets),
+              "lokr": lambda: LoKrConfig(r=rank, alpha=alpha, target_modules=targets)}[kind]()
+    return get_peft_model(policy, config)
+
+
+def check_targets(policy, targets: list[str], scope: str | None) -> None:
+    """ConfigError unless every target is one of TARGETS that `policy` has (inside `scope`), naming them:
+    peft would otherwise fail with a traceback, or skip a name silently when another one matches."""
+    present = sorted(TARGETS & {name.rsplit(".", 1)[-1] for name, _ in policy.named_modules()
+                                if not scope or name.startswith(scope + ".")})
+    choose = f"choose among {', '.join(present)}"
+    if not targets:
+        raise ConfigError(f"train.adapter_targets is empty, so the adapter would train nothing: {choose}")
+    unknown = [t for t in targets if t not in present]
+    if unknown:
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise ConfigError(f"train.adapter_targets names {', '.join(brief(t) for t in unknown[:3])}{more}, which "
+                          f"{'is' if len(unknown) == 1 else 'are'} not an adapter target of this policy: {choose}")
+
+
+def adapter_layers(policy):
+    """The peft layers of `policy` with their adapter names: [(module, name), ...]."""
+    return [(m, name) for m in policy.modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")
+            for name in getattr(m, "active_adapters", [])]
+
+
+@lru_cache(maxsize=1)
+def _adapter_parts() -> frozenset[str]:
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+    from peft.tuners.lora import LoraLayer
+
+    return frozenset(n for layer in (LoraLayer, LoHaLayer, LoKrLayer) for n in layer.adapter_layer_names)
+
+
+def is_adapter_weight(name: str) -> bool:
+    """True for a parameter of a peft adapter (a dotted part such as `lora_A` or `hada_w1_a`)."""
+    return not _adapter_parts().isdisjoint(name.split("."))

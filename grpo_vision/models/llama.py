@@ -1,0 +1,342 @@
+"""The built-in policy: a Llama-architecture transformer over caption words and image codes.
+
+One vocabulary holds special tokens, caption words and the VQ codebook, in that order:
+
+    [<pad> <bos> <null> <boi> <unk>] [word_0 ... word_W-1] [code_0 ... code_K-1]
+
+A sequence is a left-padded caption, the image-start token `<boi>`, then the image's N codes in
+raster order (LlamaGen-style, arXiv 2406.06525, with 1D RoPE and a plain token vocabulary so that
+the weights map one-to-one onto transformers' `LlamaForCausalLM`: module names match, see
+`models/llama_hf.py`). Image-token logits use only the codebook rows of `lm_head`, which both restricts
+sampling to the codebook and skips the word rows. Classifier-free guidance uses `<null>` in place of
+the caption; training drops captions to it at random (ShapesWorld's base-policy training).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
+
+from grpo_vision.run.checkpoint import CheckpointError
+from grpo_vision.config.load import brief
+from grpo_vision.run.load_checks import non_finite, shape_mismatch
+
+SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
+PAD, BOS, NULL, BOI, UNK = range(len(SPECIALS))
+
+
+@dataclass
+class LlamaPolicyConfig:
+    words: list[str] = field(default_factory=list)  # caption vocabulary (lower-case words)
+    max_caption_words: int = 12  # longest caption in words; shorter ones are left-padded
+    codebook_size: int = 256  # K, size of the VQ codebook
+    image_grid: tuple[int, int] = (8, 8)  # (h, w) token grid of one image
+    dim: int = 256  # residual width
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 8  # attention heads
+    n_kv_heads: int = 2  # key/value heads; grouped-query attention shrinks the KV cache decode reads
+    ffn_dim: int = 688  # SwiGLU hidden width (~8/3 * dim, as in Llama)
+    rope_theta: float = 10000.0  # RoPE base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+
+    @property
+    def cond_len(self) -> int:  # <pad>* <bos> words <boi>
+        return self.max_caption_words + 2
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.image_grid[0] * self.image_grid[1]
+
+    @property
+    def image_offset(self) -> int:  # vocabulary id of code 0
+        return len(SPECIALS) + len(self.words)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.image_offset + self.codebook_size
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
+    v: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
+    fused: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: W_qkv [(H+2Hkv)*hd, dim], W_gate_up [2F, dim]
+    pos: int = 0  # number of positions already written
+
+
+def rope_tables(cfg: LlamaPolicyConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin `[max_len, head_dim]` in transformers' Llama layout (halves, `rotate_half`)."""
+    head_dim = cfg.dim // cfg.n_heads
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    freqs = torch.outer(torch.arange(max_len).float(), inv_freq)  # [T, head_dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin  # [B, H, T, head_dim]
+
+
+def effective_weight(layer: nn.Module) -> torch.Tensor:
+    """The `[out, in]` matrix a bias-free linear layer applies, also when it is wrapped (a peft LoRA
+    layer computes W x + scale * B A x; applying it to the identity reads off W + scale * B A, with
+    the adapter's current enabled/disabled state)."""
+    if type(layer) is nn.Linear:
+        return layer.weight
+    w = layer.base_layer.weight if hasattr(layer, "base_layer") else layer.weight
+    return layer(torch.eye(w.shape[1], dtype=w.dtype, device=w.device)).t()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool) -> torch.Tensor:
+    """Scaled dot-product attention `[B, H, T, hd]`. On CPU it stays in float32 under autocast: CPU
+    autocast would cast it to bf16, whose flash-attention backward is slower than float32's there
+    (docs/benchmarks.md), while the products around it gain from bf16."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaPolicyConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # write this step's keys/values, attend over everything so far
+            end = cache.pos + T
+            cache.k[layer, :, :, cache.pos:end] = k
+            cache.v[layer, :, :, cache.pos:end] = v
+            k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, Hkv, end, hd]
+        # With a cache and T == 1 every key is in the past, so no mask is needed.
+        y = attention(q, k, v, causal=T > 1, gqa=self.n_kv_heads != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, dim]
+
+
+class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
+    def __init__(self, cfg: LlamaPolicyConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x):
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaPolicyConfig):
+        super().__init__()
+        self.self_attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):  # named like transformers' LlamaModel so state-dict keys match
+    def __init__(self, cfg: LlamaPolicyConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class LlamaImagePolicy(nn.Module):
+    """Caption-conditioned image-token transformer; implements `policy.ImagePolicy`."""
+
+    def __init__(self, cfg: LlamaPolicyConfig):
+        super().__init__()
+        if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(f"dim ({cfg.dim}) must divide by n_heads ({cfg.n_heads}), "
+                             f"and n_heads by n_kv_heads ({cfg.n_kv_heads})")
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.word_ids = {w: i + len(SPECIALS) for i, w in enumerate(cfg.words)}
+        self._rope: dict = {}  # (device, dtype) -> cos/sin tables computed in float32
+        self.gradient_checkpointing = False  # train.gradient_checkpointing (transformers' name for it)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    # ------------------------------------------------------------------ ImagePolicy
+    @property
+    def num_image_tokens(self) -> int:
+        return self.cfg.num_image_tokens
+
+    @property
+    def codebook_size(self) -> int:
+        return self.cfg.codebook_size
+
+    @property
+    def image_grid(self) -> tuple[int, int]:
+        return tuple(self.cfg.image_grid)
+
+    def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        rows = []
+        for prompt in prompts:
+            words = prompt.lower().split()
+            if len(words) > self.cfg.max_caption_words:
+                raise ValueError(f"caption {brief(prompt)} has {len(words)} words; this policy takes at most "
+                                 f"{self.cfg.max_caption_words} (max_caption_words)")
+            ids = [self.word_ids.get(w, UNK) for w in words]
+            rows.append([PAD] * (self.cfg.max_caption_words - len(ids)) + [BOS] + ids + [BOI])
+        return torch.tensor(rows, dtype=torch.long, device=self.lm_head.weight.device)  # [B, L]
+
+    def unknown_words(self, prompt: str) -> list[str]:
+        """The words of `prompt` outside the caption vocabulary, each once: encode_prompts reads them as <unk>."""
+        return [w for w in dict.fromkeys(prompt.lower().split()) if w not in self.word_ids]
+
+    @property
+    def caption_words(self) -> list[str]:
+        return list(self.cfg.words)
+
+    def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        null = [PAD] * (self.cfg.max_caption_words - 1) + [BOS, NULL, BOI]
+        return torch.tensor(null, dtype=cond.dtype, device=cond.device).expand_as(cond)  # [B, L]
+
+    def new_cache(self, batch_size: int) -> KVCache:
+        """Preallocated keys/values, plus fused projection weights for `decode`.
+
+        Weights do not change during a rollout, so q/k/v and gate/up are concatenated once here and
+        each decode step runs 4 matmuls per layer instead of 7.
+        """
+        c, w = self.cfg, self.lm_head.weight
+        shape = (c.n_layers, batch_size, c.n_kv_heads, c.cond_len + c.num_image_tokens, c.dim // c.n_heads)
+        with torch.no_grad():
+            a, m = [b.self_attn for b in self.model.layers], [b.mlp for b in self.model.layers]
+            fused = [(torch.cat([effective_weight(x.q_proj), effective_weight(x.k_proj), effective_weight(x.v_proj)]),
+                      torch.cat([effective_weight(y.gate_proj), effective_weight(y.up_proj)])) for x, y in zip(a, m)]
+        return KVCache(torch.empty(shape, dtype=w.dtype, device=w.device),
+                       torch.empty(shape, dtype=w.dtype, device=w.device), fused)
+
+    def prefill(self, cond: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.pos = 0
+        h = self._forward(self.model.embed_tokens(cond), cache)  # [B, L, dim]
+        return self._image_head(h[:, -1])  # [B, K]
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token per row: the same math as `_forward`, written for T = 1 (a test checks equality)."""
+        c, pos = self.cfg, cache.pos
+        H, Hkv, hd = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
+        B, g = tokens.shape[0], H // Hkv
+        x = self.model.embed_tokens(tokens + c.image_offset)  # [B, dim]
+        cos, sin = (t[pos] for t in self._rope_tables(x))  # [hd] each
+        for i, layer in enumerate(self.model.layers):
+            w_qkv, w_gate_up = cache.fused[i]
+            qkv = F.linear(layer.input_layernorm(x), w_qkv)  # [B, (H+2Hkv)*hd]
+            qk = apply_rope(qkv[:, :(H + Hkv) * hd].view(B, H + Hkv, hd), cos, sin)  # [B, H+Hkv, hd]
+            cache.k[i, :, :, pos] = qk[:, H:]  # [B, Hkv, hd]
+            cache.v[i, :, :, pos] = qkv[:, (H + Hkv) * hd:].view(B, Hkv, hd)
+            q = qk[:, :H].reshape(B, Hkv, g, hd) * hd ** -0.5  # [B, Hkv, g, hd]: heads grouped per kv head
+            k, v = cache.k[i, :, :, :pos + 1], cache.v[i, :, :, :pos + 1]  # [B, Hkv, pos+1, hd]
+            att = (q @ k.transpose(-1, -2)).softmax(-1) @ v  # [B, Hkv, g, hd]
+            x = x + layer.self_attn.o_proj(att.reshape(B, H * hd))  # [B, dim]
+            gate, up = F.linear(layer.post_attention_layernorm(x), w_gate_up).chunk(2, dim=-1)  # [B, F] each
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)  # [B, dim]
+        cache.pos += 1
+        return self._image_head(self.model.norm(x))  # [B, K]
+
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.image_logits(cond, tokens)
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.gradient_checkpointing = True
+
+    def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        # Positions L-1 (<boi>) .. L+N-2 predict image tokens 0 .. N-1; the last token is never input.
+        ids = torch.cat([cond, tokens[:, :-1] + self.cfg.image_offset], dim=1)  # [B, L+N-1]
+        h = self._forward(self.model.embed_tokens(ids))  # [B, L+N-1, dim]
+        return self._image_head(h[:, cond.shape[1] - 1:])  # [B, N, K]
+
+    # ------------------------------------------------------------------ internals
+    def _forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        start = cache.pos if cache is not None else 0
+        T = x.shape[1]
+        cos, sin = (t[start:start + T] for t in self._rope_tables(x))  # [T, hd] each
+        remat = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.model.layers):  # non-reentrant recompute: works under DDP / FSDP hooks
+            x = checkpoint(layer, x, cos, sin, cache, i, use_reentrant=False) if remat else layer(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.pos += T
+        return self.model.norm(x)
+
+    def _rope_tables(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[T_max, hd]` in x's dtype and device, built once (kept out of the state dict)."""
+        key = (x.device, x.dtype)
+        if key not in self._rope:
+            with torch.inference_mode(False):  # usable by autograd even if first built while sampling
+                tables = rope_tables(self.cfg, self.cfg.cond_len + self.cfg.num_image_tokens)
+                self._rope[key] = tuple(t.to(device=x.device, dtype=x.dtype) for t in tables)
+        return self._rope[key]
+
+    def _image_head(self, h: torch.Tensor) -> torch.Tensor:
+        off = self.cfg.image_offset
+        return F.linear(h, self.lm_head.weight[off:off + self.cfg.codebook_size])  # [..., K]
+
+    # ------------------------------------------------------------------ save / load / export
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "policy_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, directory / "policy.safetensors")
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "LlamaImagePolicy":
+        directory = Path(directory)
+        for name in ("policy_config.json", "policy.safetensors"):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"policy checkpoint {directory} has no {name}; expected a directory "
+                                        "written by LlamaImagePolicy.save_pretrained")
+        try:
+            raw = json.loads((directory / "policy_config.json").read_text())
+            raw["image_grid"] = tuple(raw["image_grid"])
+            policy = cls(LlamaPolicyConfig(**raw))
+            device = torch.device(device)  # safetensors reads "cpu", not the "cpu:0" of a process under accelerate
+            state = load_file(directory / "policy.safetensors", device="cpu" if device.type == "cpu" else str(device))
+        except Exception as e:  # JSON, a config field or safetensors: each raises its own kind
+            raise CheckpointError(f"policy checkpoint {directory} is unreadable ({type(e).__name__}: {e}); "
+                                  "rewrite it with save_pretrained (or rebuild the world)") from None
+        weights, config = directory / "policy.safetensors", directory / "policy_config.json"
+        if mismatch := shape_mismatch(policy, state):  # a config edited after the weights were saved
+            raise CheckpointError(f"policy checkpoint {weights} does not fit {config} ({mismatch}); use the "
+                                  "policy_config.json saved with these weights")
+        if bad := non_finite(state):  # damaged under an intact header: it loads, and no update could fix it
+            raise CheckpointError(f"policy checkpoint {weights} holds {bad}: the file is damaged; copy it again, "
+                                  "or rewrite it with save_pretrained (or rebuild the world)")
+        policy.to(device=device, dtype=next(iter(state.values())).dtype)
+        policy.load_state_dict(state)
+        return policy

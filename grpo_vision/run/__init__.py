@@ -1,0 +1,4 @@
+"""What keeps a run alive and whole: checkpoints (checkpoint.py) and the safe loading of their state
+(safe_state.py), the run folder and its lock (folder.py, lock.py), processes (distributed.py), health
+checks, memory estimates and the machine (health.py, memory.py, machine.py), metrics (metrics.py),
+signals (signals.py) and load-time checks (load_checks.py). This file imports nothing."""

@@ -1,0 +1,245 @@
+"""Checkpoints, written atomically: a step directory is complete or absent, never half-written.
+
+    run/checkpoints/step_000050/
+      policy.safetensors      trainable policy weights (the full policy, or only its adapter)
+      reference.safetensors   the reference's weights when it was synced from the policy
+      optimizer.safetensors   AdamW and LR-scheduler state
+      trainer_state.json      step and counters (the run's config is run/config.yaml)
+      rng.safetensors         torch / numpy / python RNG states
+      iterative.safetensors   iterative RL only: the replay buffer and what the learning rewards learned
+    run/checkpoints/latest    name of the newest complete step directory
+
+No file holds a pickle, so loading a checkpoint someone shared never runs code from it: tensors are
+safetensors, the rest is JSON (run/safe_state.py).
+
+Everything is written into `step_N.tmp/` first, flushed to disk and then renamed; `latest` is replaced
+atomically last. Rewriting a step that exists (a finished run resumed, say) moves the old directory
+aside before the new one is renamed in, so some complete copy of that step exists at every moment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo_vision.files import folder, write_file
+from grpo_vision.run.safe_state import load_state, save_state
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters that train (the adapter only, when the run trains one), detached and contiguous."""
+    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, reference_state: dict | None,
+                    state: dict, iterative: dict | None = None, weights: dict | None = None,
+                    optimizer_state: dict | None = None) -> Path:
+    """`weights` and `optimizer_state`, when given, are written instead of reading `policy` and
+    `optimizer` (under FSDP every process gathers them whole first: run/distributed.py)."""
+    root = folder(run_dir, Path(run_dir) / "checkpoints")  # never a link: the steps would land outside the run
+    name = f"step_{step:06d}"
+    tmp, final = root / f"{name}.tmp", root / name
+    _remove(tmp)
+    try:
+        folder(run_dir, tmp)
+        save_file(trainable_state(policy) if weights is None else weights, tmp / "policy.safetensors")
+        if reference_state is not None:
+            save_file({k: v.contiguous().cpu() for k, v in reference_state.items()}, tmp / "reference.safetensors")
+        save_state({"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
+                    "scheduler": scheduler.state_dict()},
+                   tmp / "optimizer.safetensors")
+        save_state({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+                   tmp / "rng.safetensors")
+        if iterative is not None:
+            save_state(iterative, tmp / "iterative.safetensors")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+        _fsync_dir(tmp)
+    except Exception as e:
+        _remove(tmp)  # never leave a partial step behind
+        if not _disk_full(e):
+            raise
+        kept = latest_checkpoint(run_dir)
+        raise CheckpointError(f"no space left on the disk of {run_dir} while writing the checkpoint of step {step}; "
+                              f"nothing was lost: {f'the last checkpoint, {kept.name},' if kept else 'the run folder'} "
+                              f"is intact. Free some space and continue with --resume {run_dir}") from None
+    old = root / f"{name}.old"
+    _remove(old)
+    if final.exists() or final.is_symlink():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    write_file(root / "latest", name, root=run_dir)
+    _remove(old)
+    return final
+
+
+def _remove(path: Path) -> None:
+    """Delete a step directory left behind; a link there is unlinked, never followed."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _disk_full(e: Exception) -> bool:
+    """No space or quota left; safetensors reports it as a SafetensorError naming the OS error."""
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    return (isinstance(e, OSError) and e.errno in codes) or any(f"os error {c})" in str(e) for c in codes)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Flush a directory's files to disk, so a rename after it never exposes empty files."""
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps with a complete checkpoint, ascending."""
+    return sorted(int(p.name[5:]) for p in (Path(run_dir) / "checkpoints").glob("step_*")
+                  if p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The step `latest` names, or, when that pointer is missing or dangling, the highest complete step."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        path = pointer.parent / name
+        if (path / "trainer_state.json").is_file():
+            return own_checkpoint(run_dir, path, f"{pointer} names {name!r}, which")
+    steps = checkpoint_steps(run_dir)
+    return own_checkpoint(run_dir, Path(run_dir) / "checkpoints" / f"step_{steps[-1]:06d}") if steps else None
+
+
+def own_checkpoint(run_dir: Path, path: Path, what: str = "") -> Path:
+    """`path`, or CheckpointError when it resolves outside the run's checkpoints folder: a pointer or a
+    link into another run would otherwise load (and score) that run's weights under this run's name."""
+    root, real = Path(run_dir).resolve() / "checkpoints", path.resolve()
+    links = [p for p in (Path(run_dir) / "checkpoints", *path.iterdir()) if p.is_symlink()]  # the folder, its files
+    if real.parent != root or links:
+        where = f"{links[0]} is a link to {links[0].resolve()}" if links else \
+            f"{what or f'checkpoint {path}'} resolves to {real}"
+        raise CheckpointError(f"{where}, outside this run's checkpoints folder {root}: a run loads only its own "
+                              "checkpoints; delete that pointer or link")
+    return path
+
+
+def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
+    """The checkpoint of `step` (or the latest); FileNotFoundError naming what exists otherwise."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run_dir}")
+    if step is None:
+        path = latest_checkpoint(run_dir)
+        if path is None:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint yet (checkpoints/ holds no complete step)")
+        return path
+    path = run_dir / "checkpoints" / f"step_{step:06d}"
+    if not (path / "trainer_state.json").is_file():
+        steps = ", ".join(str(s) for s in checkpoint_steps(run_dir)) or "none"
+        raise FileNotFoundError(f"{run_dir} has no checkpoint for step {step}; available steps: {steps}")
+    return own_checkpoint(run_dir, path)
+
+
+def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple[dict, dict | None]:
+    """Load weights (and optimizer state when given); returns (trainer_state, reference_state or None)."""
+    path = Path(path)
+    weights = _read(path / "policy.safetensors", load_file)
+    own = dict(policy.named_parameters())
+    missing = [n for n, p in own.items() if p.requires_grad and n not in weights]  # saved: the trainable ones
+    _check_fits(path / "policy.safetensors", weights, own, missing)
+    with torch.no_grad():
+        for name, value in weights.items():
+            own[name].copy_(value)
+    if optimizer is not None:
+        load_training_state(path, optimizer, scheduler)
+    state = _holding(_read(path / "trainer_state.json", lambda f: json.loads(f.read_text())), ("step", "counters"),
+                     path / "trainer_state.json")
+    if path.name.startswith("step_") and path.name[5:].isdigit() and state["step"] != int(path.name[5:]):
+        raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} says step {state['step']} in "
+                              f"{path.name} (copied from another step?); delete {path} and resume from an earlier step")
+    ref = path / "reference.safetensors"
+    ref_state = _read(ref, load_file) if ref.is_file() else None
+    if ref_state is not None:  # the reference is the policy's own network (or a copy of it): its names and shapes
+        _check_fits(ref, ref_state, policy.state_dict())
+    return state, ref_state
+
+
+def _check_fits(file: Path, weights: dict, own: dict, missing: list[str] = ()) -> None:
+    """CheckpointError naming `file` when its tensors are not `own`'s names and shapes."""
+    unknown = sorted(set(weights) - set(own))
+    wrong = sorted(n for n, v in weights.items() if n in own and v.shape != own[n].shape)
+    for problem, names in (("weights this policy does not have", unknown), ("no weights for", sorted(missing)),
+                           ("weights of another shape for", wrong)):
+        if names:
+            raise CheckpointError(f"checkpoint {file} does not match this run's policy: {problem} "
+                                  f"{names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)} in all); "
+                                  "was it written by a run with another policy or train.adapter setting?")
+
+
+def load_training_state(path: Path, optimizer, scheduler, load_optimizer=None) -> None:
+    """The optimizer, scheduler and RNG states of a checkpoint; `load_optimizer(state)` replaces
+    `optimizer.load_state_dict` (FSDP loads a full state into shards: run/distributed.py)."""
+    file = Path(path) / "optimizer.safetensors"
+    opt = _holding(_read(file, load_state), ("optimizer", "scheduler"), file)
+    with applying(file):
+        (load_optimizer or optimizer.load_state_dict)(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+    file = Path(path) / "rng.safetensors"
+    rng = _holding(_read(file, load_state), ("torch", "numpy", "python"), file)
+    with applying(file):
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+
+
+def load_iterative_state(path: Path) -> dict | None:
+    """The replay buffer and learned rewards' state of a checkpoint (iterative RL), or None if it has none."""
+    file = Path(path) / "iterative.safetensors"
+    return _holding(_read(file, load_state), ("buffer", "rewards"), file) if file.is_file() else None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read; the message names it and what to do."""
+
+
+def _read(path: Path, reader):
+    try:
+        return reader(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file missing: {path}; the step directory is incomplete: delete "
+                              f"{path.parent} and use an earlier step") from None
+    except Exception as e:  # safetensors and JSON each raise their own kind
+        raise CheckpointError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e}); delete "
+                              f"{path.parent} and use an earlier step") from None
+
+
+def _holding(tree, keys: tuple[str, ...], file: Path) -> dict:
+    """`tree` when it is a dict with `keys`: a readable file of another kind (another checkpoint file
+    copied over this one) is named, not a KeyError later."""
+    if isinstance(tree, dict) and all(k in tree for k in keys):
+        return tree
+    held = (", ".join(map(repr, tree)) or "nothing") if isinstance(tree, dict) else f"a {type(tree).__name__}"
+    missing = ", ".join(repr(k) for k in keys if not isinstance(tree, dict) or k not in tree)
+    raise CheckpointError(f"checkpoint file {file} holds {held}, not {missing} (was another file copied over it?); "
+                          f"delete {file.parent} and resume from an earlier step")
+
+
+@contextlib.contextmanager
+def applying(file: Path):
+    """Loading a readable file's state into the run: state that does not fit (another run's optimizer, a
+    damaged RNG state) is a CheckpointError naming the file, not a traceback from torch."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint file {file} does not fit this run ({type(e).__name__}: {e}); delete "
+                              f"{file.parent} and resume from an earlier step") from None

@@ -1,0 +1,101 @@
+"""Metrics: the per-step log (metrics.jsonl and TensorBoard) and the NaN-aware statistics every
+table uses. NaN means "does not apply" throughout (a reward that does not score a sample)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from grpo_vision.files import folder, open_kept, write_file
+
+
+def nanmean(x: torch.Tensor) -> float:
+    """Mean over the non-NaN entries; NaN when there are none."""
+    return float(x.nanmean()) if (~x.isnan()).any() else float("nan")
+
+
+def nanstd(x: torch.Tensor) -> float:
+    """Unbiased std over the non-NaN entries; 0 with fewer than two."""
+    v = x[~x.isnan()]
+    return float(v.std()) if v.numel() > 1 else 0.0
+
+
+def interval(values: torch.Tensor) -> dict:
+    """Mean and 95% interval of the non-NaN values (normal approximation, 1.96 standard errors)."""
+    v = values[~values.isnan()].double()
+    if v.numel() == 0:
+        return {"mean": None, "ci95": None, "n": 0}
+    half = 1.96 * float(v.std()) / math.sqrt(v.numel()) if v.numel() > 1 else float("nan")
+    return {"mean": round(float(v.mean()), 5), "ci95": [round(float(v.mean()) - half, 5),
+                                                      round(float(v.mean()) + half, 5)], "n": int(v.numel())}
+
+
+def load_metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows; a line cut short by a crash mid-write, or one that is not a step's row, is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = []
+    for ln in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def finite_or_none(v: float):
+    """JSON has no NaN or inf: a value that is not finite is written as null."""
+    return v if math.isfinite(v) else None
+
+
+class PhaseTimer:
+    """Seconds per phase of one step: `perf/<phase>_s`, and `perf/step_s` from its creation to `metrics()`.
+    Wall-clock on the host: on a GPU a phase's time includes kernels launched by an earlier phase that
+    were still running (no synchronisation, which would slow every step)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {"perf/step_s": time.perf_counter() - self.start, **{f"perf/{k}_s": v for k, v in self.seconds.items()}}
+
+
+class MetricsLogger:
+    """metrics.jsonl (one line per step; on resume, lines past the checkpoint are dropped) and TensorBoard."""
+
+    def __init__(self, run_dir: Path, start: int, tensorboard: bool):
+        self.path = run_dir / "metrics.jsonl"
+        keep = [row for row in load_metrics(run_dir) if row["step"] <= start]
+        write_file(self.path, "".join(json.dumps(row) + "\n" for row in keep))  # replaces a link, never follows it
+        self.file = open_kept(self.path)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(folder(run_dir, run_dir / "tensorboard")), purge_step=start + 1)
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.file.write(json.dumps({"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}) + "\n")
+        self.file.flush()
+        if self.tb:
+            for k, v in metrics.items():
+                self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb:
+            self.tb.close()

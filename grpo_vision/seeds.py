@@ -1,0 +1,35 @@
+"""Every random draw of a training step, from `(run.seed, step, salt)`: the table of salts.
+
+A step's randomness depends on nothing but the run's seed and the step, so a resumed run continues
+exactly and the processes of a run agree without talking (each computes what it needs). Each draw
+has its own salt, listed here once; numpy's SeedSequence hashes the whole key, so two keys that
+differ anywhere give unrelated streams.
+
+| key                            | draws                                            | where        |
+|--------------------------------|--------------------------------------------------|--------------|
+| (seed, step)                   | the step's prompts                               | train.py     |
+| (seed, step, IMAGE + j)        | image j's sampling seed (j: global, group order) | train.py     |
+| (seed, step, PASS_ORDER + k)   | the sequence order of update pass k              | update.py    |
+| (seed, step, REPLAY)           | replayed samples at an iteration boundary        | train.py     |
+
+Evaluation draws no step keys: its images use fixed seeds (evaluation/evaluate.py), the same for the
+policy and the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IMAGE = 0  # + j, j < 2**31 images a step
+PASS_ORDER = 2**31  # + k, k < 2**31 passes a step
+REPLAY = 2**32  # past both ranges: never an image's or a pass's key
+
+
+def step_rng(seed: int, step: int, *salt: int) -> np.random.Generator:
+    """The generator of one draw of step `step` (no salt: the step's prompts)."""
+    return np.random.default_rng([seed, step, *salt])
+
+
+def step_seed(seed: int, step: int, salt: int) -> int:
+    """A 62-bit seed for the draw `salt` of step `step` (an image's sampler, a pass's order)."""
+    return int(step_rng(seed, step, salt).integers(2**62))

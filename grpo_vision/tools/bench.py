@@ -1,0 +1,119 @@
+"""Sampler benchmark: the KV-cache sampler vs transformers' `generate()` on the same weights.
+
+Both sample 64 sequences x 64 image tokens with the same settings (temperature, top-k, image tokens
+only), with CFG off and on; `generate()` runs on the exported `LlamaForCausalLM` and does CFG its own
+way (`guidance_scale` with `negative_prompt_ids`, a second model call per step). A teacher-forced
+forward pass over the same rows is the ceiling: it computes the same logits in one batched pass, as
+fast as those logits can be had. Runs are interleaved so that machine noise hits all of them alike;
+the median of `repeats` is reported. Speed targets are checked here, never in timed tests.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from grpo_vision.models.llama_hf import to_hf_llama
+from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.sampling import SamplingParams, sample
+
+BENCH_WORDS = "a an on of left right above below small large red green blue yellow purple orange " \
+              "circle square triangle white black gray background".split()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repeats: int = 3,
+                  cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 100,
+                  dtype: str = "float32") -> dict:
+    torch.manual_seed(0)
+    policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval()
+    policy = policy.to(getattr(torch, dtype))  # both implementations run on the same weights
+    c, N = policy.cfg, policy.num_image_tokens
+    hf = to_hf_llama(policy)
+    cond = policy.encode_prompts(["a small red circle left of a blue square"] * batch)  # [B, L]
+    null = policy.null_condition(cond[:1])  # [1, L]
+    seeds = list(range(batch))
+    gen_kwargs = dict(max_new_tokens=N, min_new_tokens=N, do_sample=True, temperature=temperature,
+                      top_k=top_k or None, top_p=None, suppress_tokens=list(range(c.image_offset)),
+                      pad_token_id=0, eos_token_id=None)
+
+    def ours(scale):
+        return lambda: sample(policy, cond, seeds, SamplingParams(scale, temperature, top_k))
+
+    def theirs(scale):
+        extra = dict(guidance_scale=scale, negative_prompt_ids=null.expand_as(cond)) if scale != 1 else {}
+        return lambda: hf.generate(cond, attention_mask=torch.ones_like(cond), **gen_kwargs, **extra)
+
+    tokens = torch.randint(0, c.codebook_size, (batch, N))
+
+    def ceiling(scale):
+        rows, toks = (cond, tokens) if scale == 1 else (torch.cat([cond, cond]), tokens.repeat(2, 1))
+        return lambda: policy.image_logits(rows, toks)
+
+    runs = {f"{name}_{tag}": make(scale) for tag, scale in (("cfg_off", 1.0), ("cfg_on", cfg_scale))
+            for name, make in (("ours", ours), ("generate", theirs), ("teacher_forced", ceiling))}
+    times = {name: [] for name in runs}
+    with torch.no_grad():
+        for fn in runs.values():  # warm-up
+            fn()
+        for _ in range(repeats):
+            for name, fn in runs.items():
+                times[name].append(_timed(fn))
+    tps = {name: batch * N / statistics.median(t) for name, t in times.items()}
+    result = {
+        "batch": batch, "image_tokens": N, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "dtype": dtype,
+        "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
+        "repeats": repeats, "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+    }
+    for tag in ("cfg_off", "cfg_on"):
+        result[f"speedup_vs_generate_{tag}"] = round(tps[f"ours_{tag}"] / tps[f"generate_{tag}"], 2)
+        result[f"fraction_of_ceiling_{tag}"] = round(tps[f"ours_{tag}"] / tps[f"teacher_forced_{tag}"], 3)
+    result["targets_met"] = all(result[f"speedup_vs_generate_{t}"] >= 3 and result[f"fraction_of_ceiling_{t}"] >= 0.4
+                                for t in ("cfg_off", "cfg_on"))
+    return result
+
+
+def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", target_s: float = 5.0,
+               device: str = "run", trust: bool = False) -> dict:
+    """Seconds per Compare click of the demo (both sides: sampling, decoding, every reward, the grid
+    PNG), through the app's own handler (Gradio's queue and page update are not included), for n
+    images a side; the first call warms up and is not timed. `prompt` defaults to the run's first
+    example prompt; `device` and `trust` are the demo's (DemoRun)."""
+    import tempfile
+
+    from grpo_vision.config import ConfigError
+    from grpo_vision.tools.demo import DemoInputError, DemoRun, clean_prompt, sampling_request
+    from grpo_vision.tools.demo_app import build_app
+    from grpo_vision.sampling import SamplingParams
+
+    run = DemoRun(run_dir, device, trust)
+    prompt = prompt or next((p for examples in run.examples.values() for p in examples), "")
+    if not prompt:
+        raise ConfigError(f"bench demo: {run_dir} has no example prompts; pass --prompt")
+    s = run.cfg.sample
+    try:  # on the page these are messages; here they are command-line errors
+        prompt = clean_prompt(prompt, run.bundle.policy, run.bundle.judge)
+        sampling_request(0, n, s.cfg_scale, s.temperature, s.top_k, SamplingParams.from_config(s))
+    except DemoInputError as e:
+        raise ConfigError(f"bench demo: {e}") from None
+    policy_side = run.choices()[0]
+    with tempfile.TemporaryDirectory(prefix="grpo_bench_demo_") as out:
+        app = build_app(run, out_dir=out)
+        compare = next(dep.fn for dep in app.fns.values() if getattr(dep, "api_name", None) == "generate")
+
+        def click(seed: int):
+            return compare(prompt, seed, n, s.cfg_scale, s.temperature, s.top_k, policy_side, "reference")
+
+        click(0)  # warm-up
+        times = [_timed(lambda: click(seed)) for seed in range(1, repeats + 1)]
+    median = statistics.median(times)
+    return {"run": str(run_dir), "prompt": prompt, "images_per_side": n, "repeats": repeats,
+            "threads": torch.get_num_threads(), "seconds": [round(t, 3) for t in times],
+            "median_s": round(median, 3), "target_s": target_s, "target_met": median <= target_s}

@@ -1,0 +1,261 @@
+"""`grpo-vision matrix`: train on each reward, score with every reward, one table.
+
+One run per (train reward, KL coefficient, seed), everything else as the config says. Each run is a
+`grpo-vision train` process of its own, so a failed run is reported in its row and the others go on,
+and `--jobs` runs several at once. The runs live in `OUT/runs/<name>`; a second invocation reuses the
+finished ones and resumes the interrupted ones exactly (`train --resume`), also after a Ctrl-C or
+SIGTERM, which the matrix passes on to the runs in training so that they save a checkpoint; one
+matrix at a time per output folder (matrix_jobs.py). The scoring (reference once, then every run,
+on the same prompts and seeds) is in matrix_score.py.
+
+Reward specs: a name (`clip`), or a `+` mix (`clip+aesthetic`, `4*clip+aesthetic`). A mix without
+explicit weights takes the config's `reward.weights` for the names it lists there, 1 otherwise; the
+only reward a single-name run trains on gets weight 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_vision.config import Config, ConfigError, brief, derived_sizes, load_config, to_dict
+from grpo_vision.tools.matrix_jobs import OutLock, PassOn, refuse_held, run_child
+from grpo_vision.run.folder import read_run_config
+from grpo_vision.files import check_writable, write_file
+from grpo_vision.run.signals import Interrupted
+
+DONE = "matrix_run.json"  # written into a run's directory when its train process ends: {"rc": ...}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    reward: str  # the spec as given, e.g. "clip+aesthetic"
+    weights: tuple[tuple[str, float], ...]  # (reward name, weight) it trains on
+    beta: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.reward.replace('*', 'x')}-kl{self.beta:g}-s{self.seed}"
+
+    def overrides(self, runs_dir: Path) -> list[str]:
+        weights = "{" + ", ".join(f"{k}: {w}" for k, w in self.weights) + "}"
+        return [f"run.out_dir={runs_dir}", f"run.name={self.name}", f"run.seed={self.seed}", f"train.beta={self.beta}",
+                f"reward.weights={weights}", "reward.monitor=[]", "log.report=false", "log.sample_every=0"]
+
+
+@dataclass
+class RunResult:
+    spec: RunSpec
+    status: str  # "reused" | "trained" | "resumed" | "failed" | "stopped" (by a signal passed on)
+    rc: int = 0
+    log: str = ""  # the train process's output, when it ran now
+    error: str = field(default="")  # the last lines of a failed run's log
+
+
+def parse_reward_spec(spec: str, base_weights: dict[str, float]) -> tuple[tuple[str, float], ...]:
+    """`clip`, `clip+aesthetic` or `4*clip+0.5*aesthetic` as (name, weight) pairs, each name checked."""
+    from grpo_vision.rewards import available_rewards, is_registered
+
+    terms = [t.strip() for t in spec.split("+")]
+    out = []
+    for term in terms:
+        weight, _, name = term.rpartition("*")
+        try:
+            w = float(weight) if weight else (base_weights.get(name, 1.0) if len(terms) > 1 else 1.0)
+        except ValueError:
+            raise ConfigError(f"--rewards: {brief(term)} in {brief(spec)} is not NAME or WEIGHT*NAME") from None
+        if not name or not is_registered(name):
+            raise ConfigError(f"--rewards: {brief(name)} in {brief(spec)} is not a reward; registered rewards: "
+                              f"{', '.join(available_rewards())}")
+        out.append((name, w))
+    if len({n for n, _ in out}) < len(out):
+        raise ConfigError(f"--rewards: {brief(spec)} names a reward twice")
+    return tuple(out)
+
+
+def plan(cfg: Config, rewards: list[str], betas: list[float], seeds: list[int]) -> list[RunSpec]:
+    """Every (train reward, KL, seed), in table order; a value given twice is refused (its runs would
+    share one folder, or train the same thing twice)."""
+    if not rewards or not betas or not seeds:
+        raise ConfigError("matrix needs at least one train reward, KL coefficient and seed")
+    for beta in betas:
+        if not (math.isfinite(beta) and beta >= 0):
+            raise ConfigError(f"--kl {beta:g}: KL coefficients must be finite numbers >= 0")
+        if beta > 0 and cfg.train.reference == "none":
+            raise ConfigError(f"--kl {beta} needs a reference: the config has train.reference: none")
+    for seed in seeds:
+        if seed < 0:  # numpy's SeedSequence, which seeds every step, takes no negative seed
+            raise ConfigError(f"--seeds {seed}: seeds must be whole numbers >= 0")
+    _refuse_twice("--kl", [f"{b:g}" for b in betas], "KL coefficient")  # as run folders name them
+    _refuse_twice("--seeds", [str(s) for s in seeds], "seed")
+    mixes = [parse_reward_spec(r, cfg.reward.weights) for r in rewards]
+    _refuse_twice("--rewards", rewards, "reward mix", [tuple(sorted(m)) for m in mixes])
+    return [RunSpec(r, m, b, s) for r, m in zip(rewards, mixes) for b in betas for s in seeds]
+
+
+def _refuse_twice(option: str, given: list[str], what: str, keys: list | None = None) -> None:
+    """ConfigError naming the first entry of `given` whose key (itself by default) repeats an earlier one."""
+    first = {}
+    for text, key in zip(given, keys or given):
+        if key in first:
+            raise ConfigError(f"{option}: {text} is given twice; give each {what} once" if first[key] == text else
+                              f"{option}: {first[key]} and {text} are the same {what}; give it once")
+        first[key] = text
+
+
+def run_config(config: str, overrides: list[str], spec: RunSpec, runs_dir: Path) -> Config:
+    return load_config(config, [*overrides, *spec.overrides(runs_dir)])
+
+
+def _same_config(a: Config, b: Config) -> bool:
+    da, db = to_dict(a), to_dict(b)
+    for d in (da, db):
+        d["run"].pop("out_dir")  # the same runs, whether --out was given as a relative or an absolute path
+    return da == db
+
+
+def run_state(run_dir: Path, log: Path, expected: Config) -> str:
+    """"new", "finished", "failed" or "interrupted"; ConfigError when the directory holds another run,
+    RunLockedError when a live train holds it or its log."""
+    refuse_held(run_dir, log)
+    if not (run_dir / "config.yaml").is_file():
+        return "new"
+    # as `train --resume` will read it (its relative paths resolved through origin.json): the matrix
+    # passes --trust-run to that resume, so what it resolves to must be what this matrix gives the run
+    if not _same_config(read_run_config(run_dir), expected):
+        raise ConfigError(f"{run_dir} holds a run with another config than this matrix gives it; "
+                          "choose another --out, or remove that directory to train it again")
+    done = run_dir / DONE
+    if done.is_file():
+        return "finished" if json.loads(done.read_text())["rc"] == 0 else "failed"
+    return "interrupted"
+
+
+def check_options(config: str, overrides: list[str], cfg: Config, specs: list[RunSpec], images: int | None) -> None:
+    """What training and scoring need, checked before anything trains: every run's config, two images
+    per prompt (diversity is a distance between a prompt's images), the config's own rewards (scored
+    though no run trains on them), the eval prompts."""
+    from grpo_vision.splits import prompt_lists
+    from grpo_vision.rewards import available_rewards, is_registered
+
+    for spec in specs:
+        derived_sizes(run_config(config, overrides, spec, Path("runs")), 1)
+    if (images or cfg.log.eval_images) < 2:
+        given = f"--images {images}" if images else f"log.eval_images={cfg.log.eval_images} (the default of --images)"
+        raise ConfigError(f"{given}: matrix measures diversity between a prompt's images, so it needs at least 2; "
+                          "give --images 2 or more")
+    for name in [*cfg.reward.weights, *cfg.reward.monitor]:
+        if not is_registered(name):
+            raise ConfigError(f"the config's reward {name!r} (scored for every run) is not a reward; registered "
+                              f"rewards: {', '.join(available_rewards())}")
+    prompt_lists(cfg)
+
+
+def train_one(config: str, overrides: list[str], spec: RunSpec, out: Path, threads: int, stop: PassOn) -> RunResult:
+    """Train one run in its own process (fresh, or resumed where a previous invocation stopped)."""
+    runs_dir = out / "runs"
+    run_dir, log = runs_dir / spec.name, out / "logs" / f"{spec.name}.log"
+    state = run_state(run_dir, log, run_config(config, overrides, spec, runs_dir))
+    if state == "finished":
+        return RunResult(spec, "reused")
+    if stop.received:
+        return RunResult(spec, "stopped")
+    print(f"[matrix] {spec.name}: {'training' if state == 'new' else 'resuming'}", flush=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # run_state found the run's config to be the one this matrix gives it: its rewards are the user's own
+    args = (["--resume", str(run_dir), "--trust-run"] if state in ("interrupted", "failed") else
+            [config, *overrides, *spec.overrides(runs_dir)])
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    (run_dir / DONE).unlink(missing_ok=True)  # from a failed attempt: this one decides
+    rc, signalled = run_child([sys.executable, "-m", "grpo_vision.cli", "train", *args], log, run_dir, env, stop)
+    if rc is None or (signalled and rc):  # stopped by a signal passed on: interrupted, not failed
+        return RunResult(spec, "stopped", rc or 0, str(log))
+    if run_dir.is_dir():
+        write_file(run_dir / DONE, json.dumps({"rc": rc, "log": str(log)}))
+    status = "failed" if rc else ("resumed" if state != "new" else "trained")
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-5:]) if rc else ""
+    return RunResult(spec, status, rc, str(log), tail)
+
+
+def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path, jobs: int,
+              stop: PassOn) -> list[RunResult]:
+    """Train every run not finished yet, `jobs` at a time; the CPU's cores are shared among them. A
+    signal is passed on to the runs in training, and no more start (`stop`)."""
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    for spec in specs:  # a run directory holding another run, or held by a train, is refused before anything trains
+        run_state(out / "runs" / spec.name, out / "logs" / f"{spec.name}.log",
+                  run_config(config, overrides, spec, out / "runs"))
+
+    def one(spec: RunSpec) -> RunResult:
+        result = train_one(config, overrides, spec, out, threads, stop)
+        if result.status != "stopped":
+            print(f"[matrix] {spec.name}: {result.status}" + (f" (rc {result.rc}, log {result.log})" if result.rc
+                                                                else ""), flush=True)
+        return result
+
+    stop.forwarding = True
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(one, specs))
+    finally:
+        stop.forwarding = False
+    if stop.received:
+        raise Interrupted(stop.received[0])
+    return results
+
+
+def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float], seeds: list[int],
+               out: Path, jobs: int = 1, images: int | None = None, command: str = "") -> dict:
+    """Train every run (reusing and resuming), score them and the reference, write the outputs.
+    Interrupted (a KeyboardInterrupt) after SIGINT or SIGTERM, once the runs in training have stopped."""
+    stop = PassOn()  # from here on a signal ends in Interrupted: at once, or once the runs in training stopped
+    try:
+        cfg = load_config(config, overrides)
+        specs = plan(cfg, rewards, betas, seeds)
+        check_options(config, overrides, cfg, specs, images)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out} is a file; give a folder")
+        check_writable(out, "make it writable, or choose another --out")
+        out.mkdir(parents=True, exist_ok=True)
+        lock = OutLock(out)
+        try:
+            results = train_all(config, overrides, specs, out, jobs, stop)
+            return score_and_write(cfg, config, overrides, specs, results, out, images, command)
+        finally:
+            lock.release()
+    finally:
+        stop.restore()
+
+
+def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[RunSpec], results: list[RunResult],
+                    out: Path, images: int | None, command: str) -> dict:
+    """Score the reference and every run that trained, then write matrix.json, matrix.md and matrix.png."""
+    from grpo_vision.tools.matrix_report import write_outputs
+    from grpo_vision.tools.matrix_score import Scorer, pool_seeds, score_runs
+
+    scorer = Scorer(cfg, images or cfg.log.eval_images)
+    scorer.use_rewards([name for spec in specs for name, _ in spec.weights])
+    reference, summaries, raw = score_runs(scorer, out, [(r.spec.name, out / "runs" / r.spec.name) for r in results
+                                                         if r.status != "failed"])
+    runs = [{"name": r.spec.name, "reward": r.spec.reward, "weights": dict(r.spec.weights), "beta": r.spec.beta,
+             "seed": r.spec.seed, "status": r.status, "rc": r.rc, "log": r.log, "error": r.error,
+             "summary": summaries.get(r.spec.name)} for r in results]
+    groups: dict[tuple, list[dict]] = {}  # runs that differ only in their seed, scored
+    for run in runs:
+        if run["summary"] is not None:
+            groups.setdefault((run["reward"], run["beta"]), []).append(run)
+    pooled = [{"reward": reward, "beta": beta, "seeds": [r["seed"] for r in group],
+               "sets": pool_seeds(scorer, raw["reference"], [raw[r["name"]] for r in group])}
+              for (reward, beta), group in groups.items() if len(group) > 1]
+    header = {"command": command or f"grpo-vision matrix {config}", "config": config, "overrides": overrides,
+              "steps": cfg.train.steps, "images_per_prompt": scorer.n, "temperature": scorer.params.temperature,
+              "embedding": scorer.embedding, "sets": {k: [e.prompt for e in v] for k, v in scorer.sets.items()},
+              "captions": {k: len(set(v)) for k, v in scorer.captions.items()}}
+    write_outputs(out, header, reference, runs, [e.prompt for e in scorer.sets["test"]], pooled)
+    return {"reference": reference, "runs": runs, "pooled": pooled}

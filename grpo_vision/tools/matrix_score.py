@@ -1,0 +1,230 @@
+"""Scoring for `grpo-vision matrix`: the reference once, then every run, on the same prompts and seeds.
+
+For each scored set (test prompts, the headline; held-out compositions, the transfer row; a sample of
+the training prompts) and each model, per image: every reward (the rows' train rewards and the
+config's monitors), the judge's verdicts, the mean per-token entropy of the sampling distribution and
+the mean per-token k3 KL to the reference (Schulman's estimator, as in training); per prompt: the
+diversity of its images, the mean pairwise cosine distance of their CLIP image embeddings (pixels
+when no CLIP is configured). Changes against the reference are paired (image i of prompt p has the
+same seed in both); their 95% intervals resample the captions within each prompt form
+(intervals.py), and runs that differ only in their seed pool into a mean whose interval resamples the
+seeds too. Per-model scores are cached in `OUT/scores/`, keyed by the checkpoint step and the eval
+settings, so a second invocation scores only what changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from grpo_vision.evaluation.evaluate import eval_params, load_run
+from grpo_vision.images import to_uint8
+from grpo_vision.evaluation.intervals import caption_interval
+from grpo_vision.run.metrics import interval
+from grpo_vision.policy import load_bundle
+from grpo_vision.splits import prompt_lists
+from grpo_vision.run.machine import resolve_device
+from grpo_vision.rewards import CompositeReward
+from grpo_vision.sampling import sample_batched, sequence_logprobs
+
+EVAL_SEED = 99  # image j of prompt i uses EVAL_SEED + 1000 i + j, for every model (as the report does)
+STRIP_PROMPTS = 8  # prompts in a run's sample strip: image 0 of each of the first test prompts
+
+
+class Scorer:
+    """Everything shared by every model's scoring: prompts, seeds, rewards, judge, the reference."""
+
+    def __init__(self, cfg, n: int, batch_size: int = 64):
+        self.cfg, self.n, self.batch_size = cfg, n, batch_size
+        self.device = resolve_device(cfg.run.device)
+        self.bundle = load_bundle(cfg.policy, self.device)  # its policy is the base: the reference row
+        self.base = self.bundle.policy.eval()
+        self.sets = prompt_lists(cfg).scored()
+        # per prompt: its caption, and its form (the stratum of the bootstrap over captions)
+        self.captions = {k: [e.prompt for e in v] for k, v in self.sets.items()}
+        form = self.bundle.judge.form if self.bundle.judge is not None else (lambda p: None)
+        self.strata = {k: [form(p) for p in v] for k, v in self.captions.items()}
+        self.params = eval_params(cfg)
+        self.names = list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.monitor]))
+        self.rewards = None
+        self.embed = None
+
+    def use_rewards(self, names: list[str]) -> None:
+        """Score with `names` (the rows' train rewards) besides the config's rewards and monitors."""
+        self.names = list(dict.fromkeys([*self.names, *names]))
+        reward_cfg = replace(self.cfg.reward, weights={n: 1.0 for n in self.names}, monitor=[])
+        self.rewards = CompositeReward.from_config(reward_cfg, self.device, self.bundle.reward_defaults).load()
+        self.embed, self.embedding = image_embedder({**self.bundle.reward_defaults.get("clip", {}),
+                                                     **self.cfg.reward.options.get("clip", {})}, self.device)
+
+    def key(self, step: int) -> str:
+        """What a cached score depends on besides the weights: settings, prompts, rewards."""
+        what = {"step": step, "n": self.n, "seed": EVAL_SEED, "params": repr(self.params), "rewards": self.names,
+                "sets": {k: [e.prompt for e in v] for k, v in self.sets.items()}}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+    @torch.no_grad()
+    def score(self, model) -> tuple[dict, list]:
+        """Per-image and per-prompt scores of `model` on every eval set, and its strip images."""
+        out, strip = {}, []
+        for set_name, entries in self.sets.items():
+            prompts = [e.prompt for e in entries for _ in range(self.n)]
+            seeds = [EVAL_SEED + 1000 * i + j for i in range(len(entries)) for j in range(self.n)]
+            meta = [e.metadata for e in entries for _ in range(self.n)]
+            cond = model.encode_prompts(prompts)
+            rollout = sample_batched(model, cond, seeds, self.params, self.batch_size)
+            images, kl = [], []
+            for i in range(0, len(prompts), self.batch_size):
+                tokens = rollout.tokens[i:i + self.batch_size]
+                images.append(self.bundle.tokenizer.decode(tokens))
+                ref = sequence_logprobs(self.base, cond[i:i + self.batch_size], tokens, self.params)
+                log_ratio = ref - rollout.logprobs[i:i + self.batch_size]
+                kl.append((log_ratio.exp() - log_ratio - 1).mean(1))  # k3 per token, averaged per image
+            images = torch.cat(images)
+            raw = self.rewards(images, prompts, meta).raw
+            emb = self.embed(images).reshape(len(entries), self.n, -1)
+            verdicts = self.bundle.judge.verdicts(images, prompts) if self.bundle.judge else []
+            judge = {} if not verdicts or any(v is None for v in verdicts) else {
+                a: [None if v.get(a) is None else float(v[a]) for v in verdicts]
+                for a in ("correct", *self.bundle.judge.attributes)}
+            out[set_name] = {"rewards": {k: _floats(v) for k, v in raw.items()}, "judge": judge,
+                             "entropy": _floats(rollout.entropy.mean(1)), "kl": _floats(torch.cat(kl)),
+                             "diversity": _floats(pairwise_distance(emb))}
+            if set_name == "test":
+                strip = [images[p * self.n] for p in range(min(STRIP_PROMPTS, len(entries)))]
+        return out, strip
+
+
+def pairwise_distance(emb: torch.Tensor) -> torch.Tensor:
+    """Mean cosine distance over the pairs of a prompt's images: `[P, n, D]` -> `[P]` (NaN for n < 2)."""
+    P, n, _ = emb.shape
+    if n < 2:
+        return torch.full((P,), float("nan"))
+    e = torch.nn.functional.normalize(emb.float(), dim=-1)
+    sim = e @ e.transpose(1, 2)  # [P, n, n]
+    off = ~torch.eye(n, dtype=torch.bool)
+    return (1 - sim[:, off]).mean(1)
+
+
+def image_embedder(clip_options: dict, device):
+    """(embed(images) -> [B, D], its name): the `clip` reward's CLIP when its files are configured, else
+    8x8 average-pooled pixels (a cruder diversity, named so in the tables)."""
+    if clip_options.get("checkpoint"):
+        from grpo_vision.rewards.models import clip_image_encoder
+
+        encode = clip_image_encoder(clip_options, device)
+        return (lambda images: encode(images).cpu()), "CLIP image embeddings"
+    pool = torch.nn.functional.adaptive_avg_pool2d
+    return (lambda images: pool(images.float(), 8).flatten(1).cpu()), "8x8 pooled pixels"
+
+
+def _floats(t: torch.Tensor) -> list:
+    return [None if math.isnan(x) else round(x, 6) for x in t.double().cpu().tolist()]
+
+
+def _tensor(values: list) -> torch.Tensor:
+    return torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float64)
+
+
+def cached_scores(scorer: Scorer, path: Path, step: int, load_model) -> dict:
+    """A model's scores from `path` when they were made with the same settings, else scored now."""
+    key = scorer.key(step)
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return cached
+    print(f"[matrix] scoring {path.stem}", flush=True)
+    scores, strip = scorer.score(load_model())
+    result = {"key": key, "step": step, "sets": scores}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)  # atomic: an interrupted scoring leaves no half-written cache
+    if strip:
+        from PIL import Image
+
+        Image.fromarray(_row(torch.stack(strip))).save(path.with_suffix(".png"))
+    return result
+
+
+def _row(images: torch.Tensor):
+    import numpy as np
+
+    return np.concatenate(list(to_uint8(images)), axis=1)  # [H, k*W, 3]
+
+
+def summarize(scores: dict, reference: dict, captions: dict, strata: dict | None = None) -> dict:
+    """Per eval set: each measure's mean [95% interval over images], and its paired change against the
+    reference, whose interval resamples captions (intervals.caption_interval). `captions`, `strata`:
+    per set, each prompt's caption and form (Scorer.captions, Scorer.strata)."""
+    out = {}
+    for set_name, s in scores["sets"].items():
+        table = {}
+        for name, (values, ref_values) in _measures(s, reference["sets"][set_name]).items():
+            x = _tensor(values)
+            table[name] = interval(x)
+            if ref_values is not None:
+                table[name]["change"] = caption_interval(x - _tensor(ref_values),
+                                                         *_clusters(captions, strata, set_name, len(x)))
+        out[set_name] = table
+    return out
+
+
+def _measures(s: dict, r: dict) -> dict:
+    """{measure: (a model's per-image values, the reference's or None)} of one eval set's scores."""
+    return {**{k: (v, r["rewards"].get(k)) for k, v in s["rewards"].items()},
+            **{f"judge/{k}": (v, r["judge"].get(k)) for k, v in s["judge"].items()},
+            "diversity": (s["diversity"], r["diversity"]), "entropy": (s["entropy"], r["entropy"]),
+            "kl": (s["kl"], None)}
+
+
+def _clusters(captions: dict, strata: dict | None, set_name: str, count: int) -> tuple[list, list | None]:
+    """Each value's caption and form, for `count` values of a set: one per image (its prompt's images in
+    turn), or one per prompt (diversity)."""
+    per_prompt = captions[set_name]
+    k = count // len(per_prompt)
+    spread = lambda v: [x for x in v for _ in range(k)]  # noqa: E731
+    return spread(per_prompt), spread(strata[set_name]) if strata else None
+
+
+def pool_seeds(scorer: Scorer, reference: dict, scores: list[dict]) -> dict:
+    """The mean change over runs that differ only in their training seed, per eval set and measure, with
+    a 95% interval that resamples both the seeds and the captions (all runs share the captions)."""
+    out = {}
+    for set_name in reference["sets"]:
+        r = reference["sets"][set_name]
+        measured = [_measures(s["sets"][set_name], r) for s in scores]
+        table = {}
+        for name, (_, ref_values) in measured[0].items():
+            if ref_values is None:
+                continue
+            per_run = torch.stack([_tensor(m[name][0]) for m in measured])
+            table[name] = {"change": caption_interval(per_run - _tensor(ref_values), *_clusters(
+                scorer.captions, scorer.strata, set_name, per_run.shape[1]))}
+        out[set_name] = table
+    return out
+
+
+def score_runs(scorer: Scorer, out: Path, runs: list[tuple[str, Path]]) -> tuple[dict, dict, dict]:
+    """(the reference's summary, {run name: its summary or None when it has no checkpoint}, {"reference"
+    and each scored run: its per-image scores})."""
+    scores_dir = out / "scores"
+    reference = cached_scores(scorer, scores_dir / "reference.json", 0, lambda: scorer.base)
+    summaries, raw = {}, {"reference": reference}
+    for name, run_dir in runs:
+        from grpo_vision.run.checkpoint import latest_checkpoint
+
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            summaries[name] = None
+            continue
+        step = int(ckpt.name[5:])
+        raw[name] = cached_scores(scorer, scores_dir / f"{name}.json", step,
+                                  lambda: load_run(run_dir, step, device=scorer.device).policy)
+        summaries[name] = {"step": step, "sets": summarize(raw[name], reference, scorer.captions, scorer.strata)}
+    return summarize(reference, reference, scorer.captions, scorer.strata), summaries, raw

@@ -1,0 +1,38 @@
+"""What several test files share: the repository root, the real command line in a subprocess, and the
+micro run's config. Imported as `tests.helpers` (the tests run from the repository root, as the reward
+specs `python:tests.test_train:...` do); fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = ROOT / "configs" / "shapes_micro.yaml"  # two steps of 2 prompts x 4 images on the micro world
+
+
+def cli_cmd(*args) -> list[str]:
+    """`grpo-vision ARGS` as a fresh interpreter runs it (for Popen: signals, several processes)."""
+    return [sys.executable, "-m", "grpo_vision.cli", *map(str, args)]
+
+
+def run_cli(*args, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
+    """`grpo-vision ARGS` in a subprocess from the repository root, its output captured as text. Only for
+    what needs a process of its own: exit codes and stderr as a shell sees them, signals, start-up
+    imports; anything else calls `grpo_vision.cli.main` or the library in-process."""
+    return subprocess.run(cli_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def micro_args(world, out, *overrides) -> list[str]:
+    """`train`'s arguments for the micro config on `world`, its run under `out`: no sample grids, one eval image."""
+    return [str(MICRO), f"policy.path={world}", f"run.out_dir={out}", "log.sample_every=0", "log.eval_images=1",
+            *overrides]
+
+
+def micro_cfg(world, out, *overrides):
+    """The same run as a Config, for `grpo_vision.train.train(cfg, progress=False)` in this process."""
+    from grpo_vision.config import load_config
+
+    path, *rest = micro_args(world, out, *overrides)
+    return load_config(path, rest)
