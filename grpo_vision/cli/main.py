@@ -46,6 +46,22 @@ def cmd_config(args) -> None:
     print("# derived: " + format_sizes(sizes))
 
 
+def cmd_prompts(args) -> None:
+    """GenEval's evaluation prompts, or training prompts from its templates outside them, as a prompts
+    file; without --out, where the evaluation prompts are."""
+    from grpo_vision.rewards import geneval_prompts
+
+    if not args.out:
+        print(f"GenEval's 553 evaluation prompts, in GenEval's format (sample --layout geneval --prompts reads it): "
+              f"{geneval_prompts.EVALUATION}\nas a prompts file: grpo-vision prompts geneval --out F; N training "
+              "prompts from its templates, none of them an evaluation prompt: --train N [--seed S]")
+        return
+    entries = (geneval_prompts.training_entries(args.train, args.seed) if args.train
+               else geneval_prompts.evaluation_entries())
+    geneval_prompts.write(entries, args.out)
+    print(f"[prompts] {len(entries)} GenEval {'training' if args.train else 'evaluation'} prompts -> {args.out}")
+
+
 def cmd_train(args) -> None:
     from grpo_vision.run.health import run_summary, warn
     from grpo_vision.run.metrics import load_metrics
@@ -195,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     add_run_commands(sub)
+
+    p = sub.add_parser("prompts", help="benchmark prompt sets as prompts files: GenEval's evaluation prompts, or "
+                                       "training prompts from its templates")
+    p.add_argument("set", choices=["geneval"], help="the benchmark")
+    p.add_argument("--out", default="", help="the prompts file (JSONL) to write; without it, where the set is")
+    p.add_argument("--train", type=non_negative_int, default=0, metavar="N",
+                   help="N training prompts from the templates, none an evaluation prompt (0: the evaluation set)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="the training prompts' draw")
+    p.set_defaults(func=cmd_prompts)
 
     p = sub.add_parser("matrix", help="train on each reward, score every run with every reward: one table")
     p.add_argument("config", help="YAML config every run starts from, e.g. configs/shapes.yaml")

@@ -1,0 +1,63 @@
+"""GenEval's prompt sets (grpo_vision/rewards/geneval_prompts.py) and `grpo-vision prompts geneval`."""
+
+import collections
+
+import numpy as np
+
+from grpo_vision.cli import main
+from grpo_vision.prompts import load_prompts
+from grpo_vision.rewards.geneval import check_metadata
+from grpo_vision.rewards.geneval_prompts import EVALUATION, _a, _plural, draw, evaluation_entries, training_entries
+
+
+def test_the_evaluation_set_is_genevals_553_prompts_by_task():
+    entries = evaluation_entries()
+    assert len(entries) == 553
+    # GenEval's counts after its de-duplication: every class once alone, about 100 of each other task
+    tags = collections.Counter(e.metadata["tag"] for e in entries)
+    assert tags == {"single_object": 80, "two_object": 99, "counting": 80, "colors": 94, "position": 100,
+                    "color_attr": 100}
+    assert entries[0].prompt == "a photo of a bench"
+    assert entries[0].metadata == {"tag": "single_object", "include": [{"class": "bench", "count": 1}]}
+    for e in entries:
+        check_metadata(e.metadata, e.prompt)
+
+
+def test_training_prompts_never_repeat_and_never_are_evaluation_prompts():
+    train = training_entries(400, seed=0)
+    prompts = [e.prompt for e in train]
+    assert len(set(prompts)) == 400 and not set(prompts) & {e.prompt for e in evaluation_entries()}
+    assert [e.prompt for e in training_entries(400, seed=0)] == prompts  # (n, seed) fixes the list
+    assert [e.prompt for e in training_entries(400, seed=1)] != prompts
+    # five tasks in turn (every single-object prompt is an evaluation one): 80 each
+    assert collections.Counter(e.metadata["tag"] for e in train) == {
+        "two_object": 80, "counting": 80, "colors": 80, "position": 80, "color_attr": 80}
+    for e in train:
+        check_metadata(e.metadata, e.prompt)
+
+
+def test_the_templates_write_genevals_grammar_and_clauses():
+    assert (_a("apple"), _a("umbrella"), _a("bench")) == ("an apple", "an umbrella", "a bench")
+    assert (_plural("bus"), _plural("sheep"), _plural("clock")) == ("buses", "sheeps", "clocks")  # GenEval's rule
+    names = ["cat", "dog", "person"]
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        row = draw("counting", rng, names)
+        k = row["include"][0]["count"]
+        assert 2 <= k <= 4 and row["exclude"] == [{"class": row["include"][0]["class"], "count": k + 1}]
+        assert draw("colors", rng, names)["include"][0]["class"] != "person"  # GenEval never colours a person
+        pos = draw("position", rng, names)
+        first, second = pos["include"]
+        relation = second["position"][0]
+        assert second["position"][1] == 0  # the clause points at the first object, the one named last
+        assert pos["prompt"] == f"a photo of {_a(second['class'])} {relation} {_a(first['class'])}"
+
+
+def test_the_command_writes_a_prompts_file_and_says_where_the_set_is(tmp_path, capsys):
+    main(["prompts", "geneval"])
+    assert str(EVALUATION) in capsys.readouterr().out
+    main(["prompts", "geneval", "--out", str(tmp_path / "train.jsonl"), "--train", "10", "--seed", "3"])
+    back = load_prompts(tmp_path / "train.jsonl")
+    assert [(e.prompt, e.metadata) for e in back] == [(e.prompt, e.metadata) for e in training_entries(10, seed=3)]
+    main(["prompts", "geneval", "--out", str(tmp_path / "eval.jsonl")])
+    assert len(load_prompts(tmp_path / "eval.jsonl")) == 553
