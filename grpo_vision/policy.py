@@ -163,7 +163,9 @@ REGISTRY: dict[str, PolicyKind] = {}
 
 def register_policy_kind(name: str, prompts: PromptSplits | None = None):
     """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
-    kind's default PromptSets."""
+    kind's default PromptSets. The built-in kinds register first, so a user's kind of the same name wins."""
+    load_built_in()
+
     def wrap(load):
         REGISTRY[name] = PolicyKind(name, load, prompts)
         return load

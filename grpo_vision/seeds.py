@@ -2,8 +2,12 @@
 
 A step's randomness depends on nothing but the run's seed and the step, so a resumed run continues
 exactly and the processes of a run agree without talking (each computes what it needs). Each draw
-has its own salt, listed here once; numpy's SeedSequence hashes the whole key, so two keys that
-differ anywhere give unrelated streams.
+has its own salt, listed here once; numpy's SeedSequence hashes the key, so keys of different salts
+give unrelated streams. One overlap is known and kept: SeedSequence pads a key with zeros, so
+(seed, step) and (seed, step, IMAGE + 0) are the same key, and image 0's seed is the first draw of
+the stream that also picks the step's prompts. It ties which prompts a step trains on to one image's
+sampling seed, no more; a salt of their own for the prompts would change every run's prompts and every
+published number, so it waits for a change that measures them again (tests/test_seeds.py pins it).
 
 | key                            | draws                                            | where        |
 |--------------------------------|--------------------------------------------------|--------------|

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, save_config
+from grpo_vision.config import Config, ConfigError, brief, derived_sizes, format_sizes, save_config
 from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
 from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
 from grpo_vision.models.adapters import add_adapter
@@ -43,7 +43,7 @@ from grpo_vision.run.distributed import (
     trainable_weights,
 )
 from grpo_vision.run.folder import read_run_config, resume_command, save_origin
-from grpo_vision.run.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth
+from grpo_vision.run.health import COUNTERS, DRIFT_WARN, NonFiniteWeightsError, RunHealth
 from grpo_vision.run.lock import RunLock, check_run_dir
 from grpo_vision.run.machine import check_load, resolve_device, set_threads
 from grpo_vision.run.memory import report_memory
@@ -68,9 +68,10 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                                  disable=not (progress and main))):
             timer = PhaseTimer()
             iteration = new_iteration(st, cfg, step, timer)  # ---- ITERATION: at a boundary (iterative RL)
-            samples = sample_step(st, cfg, step, timer)  # ---- SAMPLING: B prompts x G images, decoded
-            with timer("reward"):  # ---- REWARD: every process's scores, in group order
+            samples = sample_step(st, cfg, step, timer)  # ---- SAMPLING: B / P prompts x G images here, decoded
+            with timer("reward"):  # ---- REWARD: every process's scores, in group order; the health checks count them
                 scored = score(st, cfg, samples)
+                watched = st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, scored.spread)
             # ---- ADVANTAGE: each image against its group, from every process's rewards; this process's rows
             advantages = group_advantages(scored.total, s.group_size, t.adv_scale)[samples.rows]  # [n]
             with timer("logprobs"):  # ---- the ratio's old log-probs, the reference's for the KL
@@ -78,9 +79,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             with timer("update"):  # ---- UPDATE: the clipped GRPO loss, num_iterations passes
                 st.policy.train()
                 losses = update(st.learner, batch, st.params, t, cfg.run.seed, step)
-            after_update(st, cfg, step, samples)
+            after_update(st, cfg, step, samples)  # ---- the moving reference's sync, the replay buffer
             # ---- LOG / CHECKPOINT
-            metrics = step_metrics(st, cfg, step, samples, scored, losses, timer) | iteration
+            metrics = step_metrics(st, cfg, samples, scored, losses | watched, timer) | iteration
             if main:
                 logger.log(step + 1, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
@@ -139,6 +140,7 @@ class Scored:  # REWARD's hand-off: every process's images, [B*G] each, in group
     total: torch.Tensor  # [B*G] the weighted total (NaN where no reward applies)
     raw: dict[str, torch.Tensor]  # reward name -> [B*G] its unweighted values (NaN: does not apply)
     weights: dict[str, torch.Tensor]  # reward name -> [B*G] its weight for each image
+    spread: float  # the fraction of groups whose total has no spread (they teach nothing)
 
 
 # ---------------------------------------------------------------------------- the phases
@@ -169,7 +171,7 @@ def sample_step(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> Samp
     """Every process draws the step's B prompts (the same list) and samples its own whole groups, each
     image from its own seed (seeds.IMAGE + its row among the step's B*G)."""
     s, acc, policy = cfg.sample, st.acc, st.policy
-    with timer("sample"):
+    with timer("sample"), full_weights(st.learner.model):  # gathered: Janus's VQ decoder is in the sharded policy
         chosen = step_rng(cfg.run.seed, step).choice(len(st.prompts.train), s.prompts_per_step,
                                                      replace=len(st.prompts.train) < s.prompts_per_step)
         entries = [st.prompts.train[i] for i in chosen[process_slice(s.prompts_per_step, acc)]
@@ -178,10 +180,8 @@ def sample_step(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> Samp
         seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
         policy.eval()
         cond = policy.encode_prompts([e.prompt for e in entries])  # [n, L]
-    with full_weights(st.learner.model):  # decoding too: Janus's VQ decoder is part of the sharded policy
-        with timer("sample"):
-            rollout = sample_batched(policy, cond, seeds, st.params, s.batch_size)
-        with timer("decode"), torch.no_grad():
+        rollout = sample_batched(policy, cond, seeds, st.params, s.batch_size)
+        with timer("decode"), torch.no_grad():  # its own phase: the sample clock stops meanwhile
             images = torch.cat([st.bundle.tokenizer.decode(rollout.tokens[i:i + s.batch_size])
                                 for i in range(0, len(entries), s.batch_size)])  # [n, 3, H, W]
     return Samples(chosen, entries, rows, cond, rollout, images)
@@ -198,7 +198,7 @@ def score(st: RunState, cfg: Config, samples: Samples) -> Scored:
     if cfg.reward.combine == "normalize_then_sum":
         total = normalize_then_sum(torch.stack([raw[k] for k in st.rewards.names], 1),
                                    torch.stack([weights[k] for k in st.rewards.names], 1), cfg.sample.group_size)
-    return Scored(total, raw, weights)
+    return Scored(total, raw, weights, frac_zero_std(total, cfg.sample.group_size))
 
 
 def update_batch(st: RunState, cfg: Config, samples: Samples, advantages: torch.Tensor) -> UpdateBatch:
@@ -224,18 +224,16 @@ def after_update(st: RunState, cfg: Config, step: int, samples: Samples) -> None
         st.buffer.add(gather(st.acc, samples.rollout.tokens), step_entries)
 
 
-def step_metrics(st: RunState, cfg: Config, step: int, samples: Samples, scored: Scored, losses: dict,
+def step_metrics(st: RunState, cfg: Config, samples: Samples, scored: Scored, losses: dict,
                  timer: PhaseTimer) -> dict:
-    """The step's namespaced scalars (README, Metrics); the health checks read the rewards here."""
+    """The step's namespaced scalars (README, Metrics); `losses` holds the update's and the health counters."""
     G, acc = cfg.sample.group_size, st.acc
-    spread = frac_zero_std(scored.total, G)
-    health = st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, spread)
     metrics = {f"reward/{k}/mean": nanmean(v) for k, v in scored.raw.items()}
     metrics |= {f"reward/{k}/std": nanstd(v) for k, v in scored.raw.items()}
     metrics |= {f"reward/{k}/frac_zero_std": frac_zero_std(v, G) for k, v in scored.raw.items()}
     return metrics | {
         "reward/total/mean": nanmean(scored.total), "reward/total/std": nanstd(scored.total),
-        "adv/frac_zero_std": spread, **losses, **health,
+        "adv/frac_zero_std": scored.spread, **losses,
         "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),
         **timer.metrics(),
         "perf/sample_tokens_per_s": samples.rollout.tokens.numel() / timer.seconds["sample"],
@@ -263,8 +261,9 @@ def checkpoint(st: RunState, step: int) -> None:
         weights, opt_state = trainable_weights(model), optimizer_state(model, optimizer)
     if main:
         learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": st.rewards.state_dict()}
-        save_checkpoint(st.run_dir, step, st.policy, optimizer, st.learner.scheduler, st.reference.state_dict(st.policy),
-                        {"counters": st.learner.health.counters}, learned, weights=weights, optimizer_state=opt_state)
+        save_checkpoint(st.run_dir, step, st.policy, optimizer, st.learner.scheduler,
+                        st.reference.state_dict(st.policy), {"counters": st.learner.health.counters}, learned,
+                        weights=weights, optimizer_state=opt_state)
     st.acc.wait_for_everyone()
 
 
@@ -361,6 +360,9 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
         if ref_state is not None:
             reference.load_state_dict(policy, ref_state)
         start, counters = state["step"], state["counters"]
+        if not isinstance(counters, dict) or set(counters) != set(COUNTERS):
+            raise CheckpointError(f"{ckpt / 'trainer_state.json'} holds the counters {brief(counters)}, not "
+                                  f"{', '.join(COUNTERS)}: delete {ckpt} and resume from an earlier step")
         learned = load_iterative_state(ckpt)
         if buffer is not None and learned is None and start:
             raise CheckpointError(f"{ckpt} has no iterative.safetensors, which this run's learning rewards "

@@ -153,12 +153,14 @@ class UpdateStats:
         zero = torch.zeros((), device=device)
         self.kl_sum, self.kl_tokens, self.drift_sum, self.drift_tokens = zero.clone(), zero.clone(), zero.clone(), zero
         self.grad_norm = 0.0  # the last optimizer update's
+        self.kl_measured = False  # the batch had reference log-probs
 
     def add_tokens(self, logp: torch.Tensor, ref: torch.Tensor | None, sampled: torch.Tensor | None,
                    mask: torch.Tensor) -> None:
         """A micro-batch's detached log-probs `[m, N]`: the KL where the reference was measured, and
         the drift from the sampler's log-probs `sampled` when given."""
         if ref is not None:
+            self.kl_measured = True
             seen = mask & ~ref.isnan()  # [m, N]
             self.kl_sum += (k3_kl(logp, ref.nan_to_num()) * seen).sum()
             self.kl_tokens += seen.sum()
@@ -176,8 +178,9 @@ class UpdateStats:
         means = {k: acc.reduce(torch.tensor(v / self.count, device=acc.device), "mean").item()
                  for k, v in self.sums.items()}
         kl = 0.0
-        if t.reference != "none":
-            kl = (acc.reduce(self.kl_sum.to(acc.device), "sum") / acc.reduce(self.kl_tokens.to(acc.device), "sum")).item()
+        if self.kl_measured:
+            kl = (acc.reduce(self.kl_sum.to(acc.device), "sum")
+                  / acc.reduce(self.kl_tokens.to(acc.device), "sum")).item()
         drift = (acc.reduce(self.drift_sum.to(acc.device), "sum")
                  / acc.reduce(self.drift_tokens.to(acc.device), "sum")).item()
         learner.health.after_drift(step, drift)

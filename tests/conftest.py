@@ -16,12 +16,14 @@ WORDS = "a red blue circle square left of".split()
 
 
 @pytest.fixture(autouse=True)
-def fresh_accelerator_state():
-    """accelerate keeps one state per process (its device, its mixed precision): a run trained in this
-    process with run.device=cpu after one on a GPU was refused ("AcceleratorState has already been
-    initialized"). Each in-process train() gets a fresh one, as each CLI process does; accelerate's own
-    AccelerateTestCase.tearDown resets it the same way."""
+def fresh_process_state():
+    """What an in-process train() leaves behind, undone as a CLI process's exit would: torch's thread
+    count (run.threads sets it), and accelerate's one state per process (its device, its mixed
+    precision: a run with run.device=cpu after one on a GPU was refused, "AcceleratorState has already
+    been initialized"; accelerate's own AccelerateTestCase.tearDown resets it the same way)."""
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(True)

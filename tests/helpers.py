@@ -20,7 +20,7 @@ def cli_cmd(*args) -> list[str]:
 def run_cli(*args, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
     """`grpo-vision ARGS` in a subprocess from the repository root, its output captured as text. Only for
     what needs a process of its own: exit codes and stderr as a shell sees them, signals, start-up
-    imports; anything else calls `grpo_vision.cli.main` or the library in-process."""
+    imports; anything else calls `grpo_vision.cli.main([...])` or the library in-process."""
     return subprocess.run(cli_cmd(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 

@@ -70,9 +70,7 @@ def test_bench_counts_must_be_positive(capsys):
 
 
 def test_overrides_are_taken_anywhere_on_the_line(monkeypatch, capsys):
-    import importlib
-
-    cli = importlib.import_module("grpo_vision.cli.main")  # the module: `grpo_vision.cli.main` is also the function
+    import grpo_vision.cli.app as cli
 
     seen = {}
     for name in ("cmd_matrix", "cmd_train", "cmd_bench_step", "cmd_bench_trl"):  # each records what it was given

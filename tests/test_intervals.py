@@ -1,4 +1,4 @@
-"""The bootstrap over captions (grpo_vision/intervals.py): values worked out by hand, and what it must
+"""The bootstrap over captions (grpo_vision/evaluation/intervals.py): values worked out by hand, and what it must
 include that the per-image interval leaves out."""
 
 import pytest

@@ -140,3 +140,20 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_policy, checkpoint
     plain, remat = checkpointing_gradients(tiny_policy, ["a red circle", "a blue square"])
     assert plain.keys() == remat.keys() and any(g.abs().sum() > 0 for g in remat.values())
     assert all(torch.allclose(plain[n], remat[n], rtol=1e-5, atol=1e-7) for n in plain)
+
+def test_a_users_policy_kind_wins_over_the_built_in_of_the_same_name():
+    # the built-in kinds register on the first lookup; a user's kind registered before it must not be
+    # replaced by them (a fresh interpreter: in this one the built-ins have registered already)
+    import subprocess
+    import sys
+
+    code = """
+import grpo_vision
+@grpo_vision.register_policy_kind("llama")
+def mine(pcfg, device):
+    return None
+from grpo_vision.policy import policy_kind
+print(policy_kind("llama").load is mine)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]

@@ -143,6 +143,20 @@ def test_resume_is_exact(micro_world, tmp_path):
     assert [m["loss/total"] for m in la] == [m["loss/total"] for m in lb]
 
 
+def test_a_checkpoint_without_the_health_counters_is_refused_at_resume(micro_world, tmp_path):
+    from grpo_vision.run.checkpoint import CheckpointError
+
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=counted", "train.steps=1", "log.report=false"),
+                progress=False)
+    state = run / "checkpoints" / "step_000001" / "trainer_state.json"
+    saved = json.loads(state.read_text())
+    assert sorted(saved["counters"]) == ["skipped_in_a_row", "skipped_updates", "steps_no_spread",
+                                         "steps_without_signal"]
+    state.write_text(json.dumps({**saved, "counters": {}}))  # before: a KeyError after the resumed step's work
+    with pytest.raises(CheckpointError, match=f"{state} holds the counters {{}}, not skipped_updates, .*: delete "):
+        train(load_config(run / "config.yaml", ["train.steps=2"]), resume=run, progress=False)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("options", [[], ["train.loss_type=dapo", "train.top_entropy_quantile=0.3"]])
 def test_two_processes_match_one(micro_world, tmp_path, options):

@@ -1,3 +1,3 @@
-from grpo_vision.cli.main import main
+from grpo_vision.cli.app import main
 
 main()

@@ -1,6 +1,6 @@
 """Reading configuration: YAML, dotted command-line overrides, strict type coercion.
 
-Generic over dataclasses: config.py defines the sections and calls these. Loading is strict: an
+Generic over dataclasses: config/schema.py defines the sections and calls these. Loading is strict: an
 unknown key, a value of the wrong type or a malformed YAML file raises `ConfigError` that names the
 key and what was expected, so a typo never silently falls back to a default.
 """

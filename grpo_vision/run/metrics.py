@@ -56,20 +56,33 @@ def finite_or_none(v: float):
 
 class PhaseTimer:
     """Seconds per phase of one step: `perf/<phase>_s`, and `perf/step_s` from its creation to `metrics()`.
-    Wall-clock on the host: on a GPU a phase's time includes kernels launched by an earlier phase that
-    were still running (no synchronisation, which would slow every step)."""
+    A phase entered inside another is its own: the outer one's clock stops meanwhile (decoding inside
+    sampling's gathered weights counts as decode, the gather as sample). Wall-clock on the host: on a
+    GPU a phase's time includes kernels launched by an earlier phase that were still running (no
+    synchronisation, which would slow every step)."""
 
     def __init__(self):
         self.start = time.perf_counter()
         self.seconds: dict[str, float] = {}
+        self._open: list[str] = []  # the phases entered and not left, innermost last
+        self._since = self.start  # when the innermost open phase's clock last started
+
+    def _charge(self, now: float) -> None:
+        if self._open:
+            phase = self._open[-1]
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._since
+        self._since = now
 
     @contextmanager
     def __call__(self, phase: str):
-        t0 = time.perf_counter()
+        self._charge(time.perf_counter())
+        self._open.append(phase)
+        self.seconds.setdefault(phase, 0.0)
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            self._charge(time.perf_counter())
+            self._open.pop()
 
     def metrics(self) -> dict[str, float]:
         return {"perf/step_s": time.perf_counter() - self.start, **{f"perf/{k}_s": v for k, v in self.seconds.items()}}
