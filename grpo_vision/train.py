@@ -71,7 +71,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             samples = sample_step(st, cfg, step, timer)  # ---- SAMPLING: B / P prompts x G images here, decoded
             with timer("reward"):  # ---- REWARD: every process's scores, in group order; the health checks count them
                 scored = score(st, cfg, samples)
-                watched = st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, scored.spread)
+                st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, scored.spread)
             # ---- ADVANTAGE: each image against its group, from every process's rewards; this process's rows
             advantages = group_advantages(scored.total, s.group_size, t.adv_scale)[samples.rows]  # [n]
             with timer("logprobs"):  # ---- the ratio's old log-probs, the reference's for the KL
@@ -81,7 +81,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                 losses = update(st.learner, batch, st.params, t, cfg.run.seed, step)
             after_update(st, cfg, step, samples)  # ---- the moving reference's sync, the replay buffer
             # ---- LOG / CHECKPOINT
-            metrics = step_metrics(st, cfg, samples, scored, losses | watched, timer) | iteration
+            metrics = step_metrics(st, cfg, samples, scored, losses, timer) | iteration
             if main:
                 logger.log(step + 1, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
@@ -226,14 +226,15 @@ def after_update(st: RunState, cfg: Config, step: int, samples: Samples) -> None
 
 def step_metrics(st: RunState, cfg: Config, samples: Samples, scored: Scored, losses: dict,
                  timer: PhaseTimer) -> dict:
-    """The step's namespaced scalars (README, Metrics); `losses` holds the update's and the health counters."""
+    """The step's namespaced scalars (README, Metrics): the rewards, the update's losses, the health
+    counters as the update left them (its skipped updates included), timings."""
     G, acc = cfg.sample.group_size, st.acc
     metrics = {f"reward/{k}/mean": nanmean(v) for k, v in scored.raw.items()}
     metrics |= {f"reward/{k}/std": nanstd(v) for k, v in scored.raw.items()}
     metrics |= {f"reward/{k}/frac_zero_std": frac_zero_std(v, G) for k, v in scored.raw.items()}
     return metrics | {
         "reward/total/mean": nanmean(scored.total), "reward/total/std": nanstd(scored.total),
-        "adv/frac_zero_std": scored.spread, **losses,
+        "adv/frac_zero_std": scored.spread, **losses, **st.learner.health.metrics(),
         "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),
         **timer.metrics(),
         "perf/sample_tokens_per_s": samples.rollout.tokens.numel() / timer.seconds["sample"],
