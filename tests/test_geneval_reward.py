@@ -463,8 +463,10 @@ def test_a_detector_directory_without_weights_fails_at_load_naming_it(tmp_path):
 # ---------------------------------------------------------------- training with it
 
 
-def test_two_steps_train_on_the_micro_world_with_the_geneval_reward(micro_world, models, tmp_path):
-    """ShapesWorld captions the micro policy reads, GenEval clauses over shapes the tiny OWLv2 is asked for."""
+def test_two_steps_train_on_the_micro_world_with_the_geneval_reward_and_eval_benchmarks_it(micro_world, models,
+                                                                                            tmp_path, capsys):
+    """ShapesWorld captions the micro policy reads, GenEval clauses over shapes the tiny OWLv2 is asked for;
+    then `eval --benchmark geneval` on that run."""
     from grpo_vision.run.metrics import load_metrics
     from grpo_vision.train import train
     from tests.helpers import micro_cfg
@@ -485,3 +487,22 @@ def test_two_steps_train_on_the_micro_world_with_the_geneval_reward(micro_world,
     rows = load_metrics(run)
     assert [m["step"] for m in rows] == [1, 2]
     assert all(math.isfinite(m["reward/geneval/mean"]) and 0 <= m["reward/geneval/mean"] <= 1 for m in rows)
+    # GenEval's protocol on the run: the same prompts, 2 images each, for policy and reference
+    from grpo_vision.cli import main
+    from grpo_vision.evaluation.geneval_bench import paired_change, summary
+
+    verdicts = tmp_path / "verdicts.jsonl"
+    capsys.readouterr()  # the training's lines
+    main(["eval", str(run), "--benchmark", "geneval", "--prompts", str(prompts), "--n", "2", "--verdicts",
+          str(verdicts)])
+    out = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in verdicts.read_text().splitlines()]
+    assert [(r["model"], r["prompt"], r["seed"]) for r in rows] == [
+        (m, p, s) for m in ("policy", "reference")
+        for p, s in (("a red circle", 0), ("a red circle", 1), ("a blue square left of a green circle", 1000),
+                     ("a blue square left of a green circle", 1001))]
+    assert all(r["correct"] == (r["clauses_met"] == r["clauses"]) and (r["correct"] or r["reasons"]) for r in rows)
+    policy, reference = rows[:4], rows[4:]
+    assert (out["prompts"], out["images_per_prompt"], out["benchmark"]) == (2, 2, "geneval")
+    assert out["policy"] == summary(policy) and out["reference"] == summary(reference)
+    assert out["change"] == paired_change(policy, reference)

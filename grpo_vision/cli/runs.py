@@ -46,6 +46,11 @@ def add_run_commands(sub) -> None:
                             "else sample.temperature)")
         add_reader_options(p, rewards=name == "eval")
         if name == "eval":
+            p.add_argument("--benchmark", default="", choices=["", "geneval"],
+                           help="geneval: GenEval's protocol, its 553 prompts (or --prompts with GenEval metadata) "
+                                "scored by the run's reward.options.geneval; its summary for policy and reference")
+            p.add_argument("--verdicts", default="", help="with --benchmark: write each image's verdict and "
+                                                          "reasons to this JSONL file")
             p.add_argument("--draw", type=positive_int, default=1,
                            help="2, 3, ...: other test and held-out prompts drawn from the policy kind's pools "
                                 "(data.eval_draw; a check that a result is not the draw's); default 1, the run's own")
@@ -98,6 +103,8 @@ def cmd_sample(args) -> None:
 
 
 def cmd_eval(args) -> None:
+    if args.benchmark:
+        return cmd_benchmark(args)
     from grpo_vision.evaluation.evaluate import eval_params, evaluate, load_run, run_eval_sets
     from grpo_vision.policy import check_prompts
     from grpo_vision.prompts import load_prompts
@@ -126,6 +133,38 @@ def cmd_eval(args) -> None:
     head = {"run": str(args.run), "step": run.step, "device": str(device), "temperature": params.temperature,
             **({"draw": args.draw} if args.draw != 1 else {})}
     print(json.dumps({**head, **results["prompts"]} if args.prompts else {**head, "sets": results}, indent=2))
+
+
+def cmd_benchmark(args) -> None:
+    """`eval RUN --benchmark geneval`: GenEval's prompts x --n images for policy and reference, the same
+    seeds, GenEval's verdicts from the run's `geneval` reward options, its summary and the paired change."""
+    import dataclasses
+
+    from grpo_vision.evaluation.evaluate import eval_params, load_run
+    from grpo_vision.evaluation.geneval_bench import benchmark
+    from grpo_vision.files import write_file
+    from grpo_vision.policy import check_prompts
+    from grpo_vision.prompts import load_prompts
+    from grpo_vision.rewards import CompositeReward
+    from grpo_vision.rewards.geneval_prompts import evaluation_entries
+
+    if args.draw != 1:
+        raise ConfigError("--draw draws the run's own eval sets again; --benchmark geneval scores GenEval's prompts")
+    entries = load_prompts(args.prompts) if args.prompts else evaluation_entries()
+    check_seeds(args.seed, 1000 * (len(entries) - 1) + args.n - 1)
+    run = load_run(args.run, args.step, args.device)
+    source = args.prompts or "GenEval's evaluation prompts"
+    check_prompts(run.policy, ((f"{source}, line {e.line or i + 1}", e.prompt) for i, e in enumerate(entries)))
+    device = next(run.policy.parameters()).device
+    only = dataclasses.replace(run.cfg.reward, weights={"geneval": 1.0}, monitor=[])  # its options, no other reward
+    reward = CompositeReward.from_config(only, device, run.bundle.reward_defaults).load().fns["geneval"]
+    params = eval_params(run.cfg, args.temperature)
+    result, rows = benchmark(run.policy, run.reference, run.bundle.tokenizer, entries, reward, args.n, params,
+                             args.seed)
+    if args.verdicts:
+        write_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows))
+    print(json.dumps({"run": str(args.run), "step": run.step, "device": str(device), "benchmark": "geneval",
+                      "temperature": params.temperature, **result}, indent=2))
 
 
 def _source(args, name: str) -> str:

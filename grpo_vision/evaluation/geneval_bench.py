@@ -65,3 +65,30 @@ def paired_change(policy: Sequence[dict], reference: Sequence[dict], replicates:
 def _ends(draws: torch.Tensor) -> list[float]:
     lo, hi = torch.quantile(draws, torch.tensor([0.025, 0.975], dtype=draws.dtype)).tolist()
     return [round(lo, 5), round(hi, 5)]
+
+
+def benchmark(policy, reference, tokenizer, entries: Sequence, reward, n: int, params, seed: int = 0
+              ) -> tuple[dict, list[dict]]:
+    """GenEval's protocol on a policy and its reference: `n` images of each entry (its metadata in
+    GenEval's format) from the same seeds for both (image j of entry i: seed + 1000 i + j, as `eval`),
+    GenEval's verdicts from `reward` (the `geneval` reward: its `verdicts(images, prompts, metadata)`),
+    each model's summary and the paired change. Returns (that result, one row per image with its
+    clauses met and the reasons of the failing ones)."""
+    from contextlib import nullcontext
+
+    from grpo_vision.evaluation.evaluate import generate
+
+    prompts = [e.prompt for e in entries for _ in range(n)]
+    metadata = [e.metadata for e in entries for _ in range(n)]
+    seeds = [seed + 1000 * i + j for i in range(len(entries)) for j in range(n)]
+    ref_model, ref_ctx = reference.sampler(policy)
+    rows: dict[str, list[dict]] = {}
+    for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):
+        with ctx:
+            images = generate(model, tokenizer, prompts, seeds, params)
+        rows[name] = [{"model": name, "prompt": p, "tag": m["tag"], "seed": s, "correct": v.correct,
+                       "clauses_met": v.met, "clauses": v.clauses, "reasons": v.reasons}
+                      for p, m, s, v in zip(prompts, metadata, seeds, reward.verdicts(images, prompts, metadata))]
+    result = {"prompts": len(entries), "images_per_prompt": n, "policy": summary(rows["policy"]),
+              "reference": summary(rows["reference"]), "change": paired_change(rows["policy"], rows["reference"])}
+    return result, rows["policy"] + rows["reference"]
