@@ -100,10 +100,16 @@ def generate(model, tokenizer, prompts: list[str], seeds: list[int], params: Sam
     return torch.cat([tokenizer.decode(rollout.tokens[i:i + batch_size]) for i in range(0, len(prompts), batch_size)])
 
 
+def eval_seeds(prompts: int, n: int, seed: int = 0) -> list[int]:
+    """The seeds of `n` images of each of `prompts` prompts: image j of prompt i uses seed + 1000 i + j, the
+    same for every model scored, so a repeated prompt gets fresh images and each pair is comparable."""
+    return [seed + 1000 * i + j for i in range(prompts) for j in range(n)]
+
+
 def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[PromptEntry], n: int,
              params: SamplingParams, judge: Judge | None = None, seed: int = 0) -> dict:
     prompts = [e.prompt for e in entries for _ in range(n)]
-    seeds = [seed + 1000 * i + j for i in range(len(entries)) for j in range(n)]
+    seeds = eval_seeds(len(entries), n, seed)
     meta = [e.metadata for e in entries for _ in range(n)]
     strata = [judge.form(p) for p in prompts] if judge is not None else None  # the sets are balanced by form
     result = {"prompts": len(entries), "captions": len({e.prompt for e in entries}), "images_per_prompt": n,

@@ -50,7 +50,8 @@ def paired_change(policy: Sequence[dict], reference: Sequence[dict], replicates:
     for tag in tags:
         rows = [i for i, row in enumerate(policy) if row["tag"] == tag]
         names = list(dict.fromkeys(policy[i]["prompt"] for i in rows))
-        which = torch.tensor([names.index(policy[i]["prompt"]) for i in rows])
+        index = {name: k for k, name in enumerate(names)}
+        which = torch.tensor([index[policy[i]["prompt"]] for i in rows])  # [images] each image's prompt
         sums = torch.zeros(len(names), dtype=torch.float64).index_add_(0, which, diff[rows])  # [P] per prompt
         counts = torch.bincount(which, minlength=len(names)).double()  # [P] images per prompt
         picks = torch.randint(len(names), (replicates, len(names)), generator=g)  # [R, P] prompts drawn
@@ -76,11 +77,11 @@ def benchmark(policy, reference, tokenizer, entries: Sequence, reward, n: int, p
     clauses met and the reasons of the failing ones)."""
     from contextlib import nullcontext
 
-    from grpo_vision.evaluation.evaluate import generate
+    from grpo_vision.evaluation.evaluate import eval_seeds, generate
 
     prompts = [e.prompt for e in entries for _ in range(n)]
     metadata = [e.metadata for e in entries for _ in range(n)]
-    seeds = [seed + 1000 * i + j for i in range(len(entries)) for j in range(n)]
+    seeds = eval_seeds(len(entries), n, seed)
     ref_model, ref_ctx = reference.sampler(policy)
     rows: dict[str, list[dict]] = {}
     for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.evaluation.evaluate import eval_params, load_run
+from grpo_vision.evaluation.evaluate import eval_params, eval_seeds, load_run
 from grpo_vision.images import to_uint8
 from grpo_vision.evaluation.intervals import caption_interval
 from grpo_vision.run.metrics import interval
@@ -74,7 +74,7 @@ class Scorer:
         out, strip = {}, []
         for set_name, entries in self.sets.items():
             prompts = [e.prompt for e in entries for _ in range(self.n)]
-            seeds = [EVAL_SEED + 1000 * i + j for i in range(len(entries)) for j in range(self.n)]
+            seeds = eval_seeds(len(entries), self.n, EVAL_SEED)
             meta = [e.metadata for e in entries for _ in range(self.n)]
             cond = model.encode_prompts(prompts)
             rollout = sample_batched(model, cond, seeds, self.params, self.batch_size)
