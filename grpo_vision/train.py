@@ -338,6 +338,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None)
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
     rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
+    rewards.check({"training": prompts.train, **prompts.named()})  # ... and so does a set a reward cannot score
     buffer = None
     if t.iterations > 1 and rewards.learners:
         needs = [n for n in rewards.learners if getattr(rewards.fns[n], "needs_judge", False)]

@@ -77,6 +77,32 @@ def test_summary_means_skip_nan_and_subtract():
                     ["judge: count", "66.7%", "33.3%", "+33.3 pts"], ["judge: correct", "66.7%", "33.3%", "+33.3 pts"]]
 
 
+def test_captions_and_json_carry_each_failing_clause_and_why_a_reward_said_n_a():
+    from grpo_vision.tools.demo import caption, side_json
+
+    s = side({"geneval": [0.0, 1.0]}, [None, None])
+    s.reasons = {"geneval": [[("position", "expected dog right of target, found left of")], []]}
+    assert caption(s, 0) == "geneval 0\ngeneval ✗ position: expected dog right of target, found left of"
+    assert caption(s, 1) == "geneval 1"
+    s.notes = {"vlm": "no question"}
+    assert side_json(s, [0, 1])["reasons"] == {"geneval": [[["position", "expected dog right of target, found left "
+                                                             "of"]], []]}
+    assert side_json(s, [0, 1])["not_scored"] == {"vlm": "no question"}
+
+
+def test_score_each_gives_n_a_and_the_reason_for_a_reward_that_cannot_score_the_prompt():
+    from grpo_vision.rewards import CompositeReward, RewardContext
+    from grpo_vision.tools.demo import score_each
+
+    rewards = CompositeReward({"python:tests.test_rewards:EXPLAINS": 1.0, "python:tests.test_rewards:broken": 1.0},
+                              [], RewardContext())
+    raw, reasons, notes = score_each(rewards, torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
+    assert raw["python:tests.test_rewards:EXPLAINS"].tolist() == [1.0, 0.0]
+    assert raw["python:tests.test_rewards:broken"].isnan().all()
+    assert notes == {"python:tests.test_rewards:broken": "RuntimeError: model exploded"}
+    assert reasons == {"python:tests.test_rewards:EXPLAINS": [[], [("count", "too few in b")]]}
+
+
 def test_grid_png_places_each_image_upscaled_under_its_side(tmp_path):
     left = side({"clip": [0.1] * 6}, [None] * 6, "step 2")
     right = side({"clip": [0.2] * 6}, [None] * 6, "reference")

@@ -38,6 +38,23 @@ def test_judge_tables_count_renders_right_per_form():
     assert judge_tables(judge, images[:1], ["A Red  circle"])[1]["plain"]["mean"] == 1.0  # read as the policy reads it
 
 
+def test_failure_summary_by_hand():
+    from grpo_vision.evaluation.evaluate import failure_summary
+
+    # two captions x 2 images; the policy fixed both position failures of "a" and failed one object in "b"
+    reference = [[("position", "p1")], [("position", "p1"), ("object", "o1")], [], []]
+    policy = [[], [], [("object", "o2")], []]
+    s = failure_summary(policy, reference, ["a", "a", "b", "b"])
+    assert s["kinds"] == ["position", "object"] and s["images"] == 4
+    # reference: position on 2 of 4 images, object on 1; policy: position on none, object on 1
+    assert s["reference"]["failing"] == {"position": 0.5, "object": 0.25}
+    assert s["policy"]["failing"] == {"position": 0.0, "object": 0.25}
+    assert s["reference"]["common"] == [("p1", 2), ("o1", 1)] and s["policy"]["common"] == [("o2", 1)]
+    # paired per image: position -1, -1, 0, 0 -> mean -0.5; object 0, -1, +1, 0 -> 0
+    assert s["change"]["position"]["mean"] == -0.5 and s["change"]["object"]["mean"] == 0.0
+    assert s["change"]["position"]["captions"] == 2
+
+
 def test_eval_params_take_the_given_then_the_headline_then_the_training_temperature():
     cfg = load_config(None, ["sample.temperature=0.9", "sample.top_k=32", "log.eval_temperatures=[0.7,1.0]"])
     assert (eval_params(cfg).temperature, eval_params(cfg, 0.5).temperature) == (0.7, 0.5)

@@ -26,7 +26,7 @@ def test_the_confidence_threshold_is_strict():
     # 0.31 > 0.3 counts; 0.3 itself does not
     assert verdict({"bench": [det(0, 0, 9, 9, 0.31)]}, ONE_BENCH).correct
     v = verdict({"bench": [det(0, 0, 9, 9, 0.3)]}, ONE_BENCH)
-    assert not v.correct and v.reasons == ["expected bench>=1, found 0"]
+    assert not v.correct and v.reasons == ["expected bench>=1, found 0"] and v.failures == ["object"]
 
 
 def test_counting_prompts_use_the_higher_threshold_and_the_exclude_clause():
@@ -34,10 +34,12 @@ def test_counting_prompts_use_the_higher_threshold_and_the_exclude_clause():
     assert verdict({"clock": [det(0, 0, 9, 9, 0.95), det(20, 0, 29, 9, 0.92)]}, TWO_CLOCKS).met == 2
     # a clock at 0.85 clears 0.3 but not the counting threshold 0.9: one clock, include fails
     v = verdict({"clock": [det(0, 0, 9, 9, 0.95), det(20, 0, 29, 9, 0.85)]}, TWO_CLOCKS)
-    assert (v.correct, v.met, v.reasons) == (False, 1, ["expected clock>=2, found 1"])
+    assert (v.correct, v.met, v.reasons, v.failures) == (False, 1, ["expected clock>=2, found 1"], ["count"])
+    # none above 0.9: the object itself is missing, not miscounted
+    assert verdict({"clock": [det(0, 0, 9, 9, 0.85)]}, TWO_CLOCKS).failures == ["object"]
     # three clocks above 0.9: include met, exclude fails -> wrong, 1 of 2 clauses, partial 0.5
     v = verdict({"clock": [det(i * 20, 0, i * 20 + 9, 9, 0.95) for i in range(3)]}, TWO_CLOCKS)
-    assert (v.correct, v.partial, v.reasons) == (False, 0.5, ["expected clock<3, found 3"])
+    assert (v.correct, v.partial, v.reasons, v.failures) == (False, 0.5, ["expected clock<3, found 3"], ["count"])
 
 
 def test_a_class_keeps_its_16_most_confident_boxes():
@@ -72,6 +74,7 @@ def test_colour_is_read_only_for_a_found_object_and_on_its_most_confident_boxes(
     # cars at 0.95 (blue) and 0.5 (red): the clause reads only the most confident car, which is blue
     v = verdict({"car": [det(0, 0, 9, 9, 0.5), det(20, 0, 29, 9, 0.95)]}, RED_CAR, colours)
     assert not v.correct and asked == [("car", 1)] and v.reasons == ["expected red car>=1, found 0 (1 blue)"]
+    assert v.failures == ["colour"]
     assert verdict({"car": [det(0, 0, 9, 9, 0.5)]}, RED_CAR, colours).correct
 
 
@@ -94,9 +97,11 @@ def test_position_needs_its_target_and_every_pair_in_relation():
     assert verdict({"teddy bear": [teddy], "dog": [dog_right]}, DOG_RIGHT_OF_TEDDY).correct
     v = verdict({"teddy bear": [teddy], "dog": [dog_left]}, DOG_RIGHT_OF_TEDDY)
     assert (v.correct, v.met, v.reasons) == (False, 1, ["expected dog right of target, found left of"])
+    assert v.failures == ["position"]
     # the target clause failed (no teddy bear): the dog's clause fails too, whatever its box
     v = verdict({"dog": [dog_right]}, DOG_RIGHT_OF_TEDDY)
     assert v.met == 0 and v.reasons == ["expected teddy bear>=1, found 0", "no target for dog to be right of"]
+    assert v.failures == ["object", "position"]
 
 
 def test_a_prompt_without_clauses_is_met():

@@ -24,6 +24,14 @@ def test_summary_is_genevals_mean_over_tasks():
     # 4 of 12 images; prompts with at least one correct image: cat and clocks, 2 of 3
     assert s["images_correct"] == pytest.approx(1 / 3) and s["prompts_correct"] == pytest.approx(2 / 3)
     assert (s["images"], s["prompts"]) == (12, 3)
+    assert s["failing"] == {}  # these rows say nothing of why
+
+
+def test_summary_counts_each_image_once_per_kind_of_failure():
+    r = rows(SPEC[:1])  # four images of one prompt
+    r[0]["failures"], r[1]["failures"] = ["object", "position"], ["position", "position"]
+    # position: images 0 and 1 = 2 of 4 (image 1's two position clauses count once); object: 1 of 4
+    assert summary(r)["failing"] == {"object": 0.25, "position": 0.5}  # in FAILURES' order
 
 
 def test_paired_change_by_hand_and_its_interval_over_prompts():

@@ -61,3 +61,17 @@ def test_the_command_writes_a_prompts_file_and_says_where_the_set_is(tmp_path, c
     assert [(e.prompt, e.metadata) for e in back] == [(e.prompt, e.metadata) for e in training_entries(10, seed=3)]
     main(["prompts", "geneval", "--out", str(tmp_path / "eval.jsonl")])
     assert len(load_prompts(tmp_path / "eval.jsonl")) == 553
+
+
+def test_parse_reads_back_every_evaluation_and_training_prompts_metadata():
+    from grpo_vision.rewards.geneval_prompts import parse
+
+    for e in [*evaluation_entries(), *training_entries(500)]:
+        assert parse(e.prompt) == e.metadata, e.prompt
+    # "orange" is a class and a colour: alone it is the fruit, before a class it is the colour
+    assert parse("a photo of an orange") == {"tag": "single_object", "include": [{"class": "orange", "count": 1}]}
+    assert parse("A photo of  an orange dog")["include"] == [{"class": "dog", "count": 1, "color": "orange"}]
+    assert parse("a red circle") is None and parse("a photo of a unicorn") is None
+    # other class names (a ShapesWorld's shapes under the geneval reward with an open-vocabulary detector)
+    assert parse("a photo of three circles", ["circle", "square"]) == {
+        "tag": "counting", "include": [{"class": "circle", "count": 3}], "exclude": [{"class": "circle", "count": 4}]}

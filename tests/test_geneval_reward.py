@@ -366,6 +366,72 @@ def test_genevals_thresholds_are_options(stubbed):
         make(max_overlap=0)
 
 
+def write_layout(folder, cases_per_prompt, n=2, size=8):
+    """GenEval's layout: prompt k's metadata is CASES[k]'s, its images' first pixel the number of the case
+    whose detections the stub returns for them (0-255 in a PNG)."""
+    from PIL import Image
+
+    for k, case in enumerate(cases_per_prompt):
+        samples = folder / f"{k:05d}" / "samples"
+        samples.mkdir(parents=True)
+        (samples.parent / "metadata.jsonl").write_text(json.dumps({**CASES[k][0], "prompt": f"prompt {k}"}))
+        for j in range(n):
+            pixels = torch.zeros(size, size, 3, dtype=torch.uint8)
+            pixels[0, 0] = case
+            Image.fromarray(pixels.numpy()).save(samples / f"{j:05d}.png")
+    return folder
+
+
+def test_a_folder_in_genevals_layout_is_scored_with_the_same_rules_and_against_another(stubbed, tmp_path):
+    from grpo_vision.evaluation.geneval_bench import LayoutError, compare_folders, summary
+
+    make, stub, _, _, _ = stubbed
+    stub.detect = lambda images, classes: [CASES[int(round(float(x[0, 0, 0]) * 255))][1] for x in images]
+    ours = write_layout(tmp_path / "ours", [0, 1, 2, 3, 4])
+    # the baseline's prompt 0 images show case 3's detections (a dog at 0.2): its dog prompt fails
+    theirs = write_layout(tmp_path / "theirs", [3, 1, 2, 3, 4])
+    result, rows = compare_folders(make(), ours, theirs)
+    # ours: prompts 0 and 2 right (both images), 1, 3 and 4 wrong; theirs: only prompt 2 right
+    assert [r["correct"] for r in rows] == [True] * 2 + [False] * 2 + [True] * 2 + [False] * 4 + \
+        [False] * 4 + [True] * 2 + [False] * 4
+    assert rows[2]["reasons"] == ["expected clock>=2, found 1"] and rows[2]["failures"] == ["count"]
+    assert rows[0]["file"].endswith("ours/00000/samples/00000.png") and rows[10]["model"] == "against"
+    # five tasks, one prompt each: ours 2 of 5 tasks right = 0.4, theirs 0.2; the change +0.2
+    assert result["summary"] == summary(rows[:10]) and result["summary"]["overall"] == pytest.approx(0.4)
+    assert result["against_summary"]["overall"] == pytest.approx(0.2)
+    assert result["change"]["overall"]["change"] == pytest.approx(0.2)
+    assert result["summary"]["failing"] == {"object": 0.2, "count": 0.2, "colour": 0.2}
+    assert (result["prompts"], result["images"]) == (5, 10)
+    # a baseline of other prompts, or other counts, is refused naming both folders
+    fewer = write_layout(tmp_path / "fewer", [0, 1, 2, 3, 4], n=1)
+    with pytest.raises(LayoutError, match=r"differ at image 2 .* same prompts, in the same order"):
+        compare_folders(make(), ours, fewer)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", r"missing is not a folder; give one written by `grpo-vision sample --layout geneval`"),
+    ("empty", r"empty holds no prompt folders \(00000, 00001, ...\)"),
+    ("no_metadata", r"00000/metadata.jsonl: not one JSON line of GenEval metadata"),
+    ("no_images", r"00000/samples holds no PNG images"),
+    ("not_png", r"00000/samples/00000.png: not a readable image"),
+])
+def test_a_folder_not_in_genevals_layout_is_named(tmp_path, case, needle):
+    from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder, score_folder
+
+    folder = tmp_path / case
+    if case == "empty":
+        folder.mkdir()
+    elif case != "missing":
+        (folder / "00000" / "samples").mkdir(parents=True)
+    if case in ("no_images", "not_png"):
+        (folder / "00000" / "metadata.jsonl").write_text(json.dumps({"prompt": "a photo of a dog", **CASES[0][0]}))
+    if case == "not_png":
+        (folder / "00000" / "samples" / "00000.png").write_text("not an image")
+    with pytest.raises(LayoutError, match=needle):
+        read_folder(folder)
+        score_folder(None, folder)  # an image is read when scored: the reward is never reached
+
+
 @pytest.mark.parametrize("kind", ["mask2former", "owlv2"])
 def test_the_reward_on_a_real_detector_is_judge_on_its_detections(models, kind):
     metadata = [{"tag": "two_object", "include": [{"class": "dog", "count": 1}, {"class": "person", "count": 1}]},
@@ -463,34 +529,71 @@ def test_a_detector_directory_without_weights_fails_at_load_naming_it(tmp_path):
 # ---------------------------------------------------------------- training with it
 
 
-def test_two_steps_train_on_the_micro_world_with_the_geneval_reward_and_eval_benchmarks_it(micro_world, models,
-                                                                                            tmp_path, capsys):
-    """ShapesWorld captions the micro policy reads, GenEval clauses over shapes the tiny OWLv2 is asked for;
-    then `eval --benchmark geneval` on that run."""
+def line(prompt, tag, include):
+    return json.dumps({"prompt": prompt, "metadata": {"tag": tag, "include": include}}) + "\n"
+
+
+def geneval_prompts(folder):
+    """(training, test) prompts files of micro-world captions with GenEval clauses over its shapes."""
+    prompts, evals = folder / "geneval_train.jsonl", folder / "geneval_eval.jsonl"
+    prompts.write_text(line("a red circle", "colors", [{"class": "circle", "count": 1, "color": "red"}]) +
+                       line("a blue square left of a green circle", "position",
+                            [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["left of", 0]}]))
+    evals.write_text(line("a green triangle", "single_object", [{"class": "triangle", "count": 1}]) +
+                     line("a small green square", "single_object", [{"class": "square", "count": 1}]))
+    return prompts, evals
+
+
+def geneval_options(models):
+    g = "reward.options.geneval."
+    return [f"{g}detector=owlv2", f"{g}detector_path={models['owlv2']}", f"{g}clip_model={models['clip_model']}",
+            f"{g}clip_checkpoint={models['clip_checkpoint']}"]
+
+
+def test_a_set_the_reward_cannot_score_stops_the_run_before_it_trains(micro_world, models, tmp_path):
+    """Held-out captions without GenEval clauses: refused at the start, not at the report after training."""
+    from grpo_vision.train import train
+    from tests.helpers import micro_cfg
+
+    prompts, evals = geneval_prompts(tmp_path)
+    (tmp_path / "heldout.txt").write_text("a blue triangle\n")
+    cfg = micro_cfg(micro_world, tmp_path, f"data.train_prompts={prompts}", f"data.eval_prompts={evals}",
+                    f"data.heldout_prompts={tmp_path / 'heldout.txt'}",
+                    "reward.weights={geneval: 1.0}", *geneval_options(models))
+    with pytest.raises(ConfigError, match=r"^reward 'geneval' cannot score the heldout prompts: prompt 'a blue triangle': GenEval "
+                                          r"metadata needs a 'tag'"):
+        train(cfg, progress=False)
+    assert not (tmp_path / cfg.run.name).exists()
+
+
+@pytest.mark.e2e
+def test_two_steps_train_on_the_geneval_reward_report_its_reasons_benchmark_score_folders_and_demo(
+        micro_world, models, tmp_path, capsys):
+    """ShapesWorld captions the micro policy reads, GenEval clauses over shapes the tiny OWLv2 is asked for:
+    train two steps with a report, then `eval --benchmark geneval`, `sample --layout geneval` of both models
+    scored by `score geneval --against`, and the demo's per-image reasons."""
+    from grpo_vision.cli import main
+    from grpo_vision.evaluation.geneval_bench import paired_change, summary
     from grpo_vision.run.metrics import load_metrics
     from grpo_vision.train import train
     from tests.helpers import micro_cfg
 
-    def line(prompt, tag, include):
-        return json.dumps({"prompt": prompt, "metadata": {"tag": tag, "include": include}}) + "\n"
-
-    prompts, evals = tmp_path / "geneval_train.jsonl", tmp_path / "geneval_eval.jsonl"
-    prompts.write_text(line("a red circle", "colors", [{"class": "circle", "count": 1, "color": "red"}]) +
-                       line("a blue square left of a green circle", "position",
-                            [{"class": "circle", "count": 1}, {"class": "square", "count": 1, "position": ["left of", 0]}]))
-    evals.write_text(line("a green triangle", "single_object", [{"class": "triangle", "count": 1}]))
-    g = "reward.options.geneval."
-    run = train(micro_cfg(micro_world, tmp_path, "log.report=false", f"data.train_prompts={prompts}",
-                          f"data.eval_prompts={evals}", "reward.weights={geneval: 1.0}", f"{g}detector=owlv2",
-                          f"{g}detector_path={models['owlv2']}", f"{g}clip_model={models['clip_model']}",
-                          f"{g}clip_checkpoint={models['clip_checkpoint']}", f"{g}partial=true"), progress=False)
+    prompts, evals = geneval_prompts(tmp_path)
+    run = train(micro_cfg(micro_world, tmp_path, "log.eval_images=2", f"data.train_prompts={prompts}",
+                          f"data.eval_prompts={evals}", f"data.heldout_prompts={evals}", "reward.weights={geneval: 1.0}",
+                          "reward.monitor=[clip]", *geneval_options(models), "reward.options.geneval.partial=true"),
+                progress=False)
     rows = load_metrics(run)
     assert [m["step"] for m in rows] == [1, 2]
     assert all(math.isfinite(m["reward/geneval/mean"]) and 0 <= m["reward/geneval/mean"] <= 1 for m in rows)
-    # GenEval's protocol on the run: the same prompts, 2 images each, for policy and reference
-    from grpo_vision.cli import main
-    from grpo_vision.evaluation.geneval_bench import paired_change, summary
+    # the report says why images failed, by kind of clause, from eval.json's counts
+    result = json.loads((run / "eval.json").read_text())
+    failing = result["reasons"]["geneval"]
+    assert failing["images"] == 4 and set(failing["kinds"]) <= {"object", "count", "colour", "position"}
+    report = (run / "report.md").read_text()
+    assert ("Images failing a clause of geneval's" if failing["kinds"] else "No image failed a clause") in report
 
+    # GenEval's protocol on the run: the same prompts, 2 images each, for policy and reference
     verdicts = tmp_path / "verdicts.jsonl"
     capsys.readouterr()  # the training's lines
     main(["eval", str(run), "--benchmark", "geneval", "--prompts", str(prompts), "--n", "2", "--verdicts",
@@ -502,7 +605,69 @@ def test_two_steps_train_on_the_micro_world_with_the_geneval_reward_and_eval_ben
         for p, s in (("a red circle", 0), ("a red circle", 1), ("a blue square left of a green circle", 1000),
                      ("a blue square left of a green circle", 1001))]
     assert all(r["correct"] == (r["clauses_met"] == r["clauses"]) and (r["correct"] or r["reasons"]) for r in rows)
+    assert all(len(r["failures"]) == len(r["reasons"]) for r in rows)
     policy, reference = rows[:4], rows[4:]
     assert (out["prompts"], out["images_per_prompt"], out["benchmark"]) == (2, 2, "geneval")
     assert out["policy"] == summary(policy) and out["reference"] == summary(reference)
     assert out["change"] == paired_change(policy, reference)
+
+    # any model's images in GenEval's layout, scored the same way: here the run's two models
+    flat = tmp_path / "geneval_metadata.jsonl"  # GenEval's own format: the clauses beside the prompt
+    flat.write_text("".join(json.dumps({**json.loads(x)["metadata"], "prompt": json.loads(x)["prompt"]}) + "\n"
+                            for x in prompts.read_text().splitlines()))
+    for name, extra in (("pol", []), ("ref", ["--reference"])):
+        main(["sample", str(run), "--prompts", str(flat), "--layout", "geneval", "--n", "2", "--out",
+              str(tmp_path / name), *extra])
+    capsys.readouterr()
+    scored = tmp_path / "scored.jsonl"
+    main(["score", "geneval", str(tmp_path / "pol"), "--against", str(tmp_path / "ref"), "--config",
+          str(run / "config.yaml"), "--device", "cpu", "--verdicts", str(scored)])
+    out = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in scored.read_text().splitlines()]
+    assert [r["file"].split("/")[-3:] for r in rows[:2]] == [["00000", "samples", "00000.png"],
+                                                             ["00000", "samples", "00001.png"]]
+    assert [r["model"] for r in rows] == ["folder"] * 4 + ["against"] * 4
+    assert out["summary"] == summary(rows[:4]) and out["against_summary"] == summary(rows[4:])
+    assert out["change"] == paired_change(rows[:4], rows[4:]) and (out["prompts"], out["images"]) == (2, 4)
+    with pytest.raises(SystemExit) as err:  # a folder of other prompts is refused in one line
+        main(["score", "geneval", str(tmp_path / "pol"), "--against", str(tmp_path), "--config",
+              str(run / "config.yaml")])
+    assert err.value.code == 2 and "holds no prompt folders" in capsys.readouterr().err
+
+    # the demo: the reasons under each image for a prompt the run knows; n/a and why for one it does not
+    from grpo_vision.sampling import SamplingParams
+    from grpo_vision.tools.demo import DemoRun, caption
+
+    demo = DemoRun(run, "cpu")
+    side = demo.side("step 2", "a blue square left of a green circle", [0, 1, 2], SamplingParams())
+    assert list(side.reasons) == ["geneval"] and not side.notes
+    for i, image in enumerate(side.reasons["geneval"]):
+        assert all(f"geneval ✗ {kind}: {text}" in caption(side, i) for kind, text in image)
+        assert (side.rewards["geneval"][i] == 1) == (not image)  # partial credit: 1 only with no failing clause
+    other = demo.side("step 2", "a blue square", [0], SamplingParams())
+    assert other.rewards["geneval"].isnan().all() and "GenEval metadata needs a 'tag'" in other.notes["geneval"]
+    assert math.isfinite(other.rewards["clip"][0])
+
+
+@pytest.mark.e2e
+def test_the_matrix_trains_on_geneval_and_watches_clip_the_vlm_judge_and_the_judge(micro_world, models, tmp_path):
+    """The reward-swap use: train on GenEval's rules, score with CLIP, a VLM judge and the world's exact judge."""
+    from grpo_vision.tools.matrix import run_matrix
+    from tests.test_vlm_judge import build_tiny_qwen2_vl
+
+    prompts, evals = geneval_prompts(tmp_path)
+    judge = build_tiny_qwen2_vl(tmp_path / "tiny-qwen2-vl")
+    overrides = [f"policy.path={micro_world}", "log.eval_images=2", f"data.train_prompts={prompts}",
+                 f"data.eval_prompts={evals}", "reward.monitor=[clip, vlm_judge]",
+                 f"reward.options.vlm_judge.path={judge}", *geneval_options(models)]
+    result = run_matrix("configs/shapes_micro.yaml", overrides, ["geneval"], [0.0], [0], tmp_path / "matrix")
+    (run,) = result["runs"]
+    assert run["status"] == "trained" and run["summary"]["step"] == 2
+    for set_name in ("test", "train_sample"):
+        table = run["summary"]["sets"][set_name]
+        assert {"geneval", "clip", "vlm_judge", "judge/correct"} <= set(table)
+        for name in ("geneval", "clip", "vlm_judge", "judge/correct"):
+            assert math.isfinite(table[name]["mean"]), (set_name, name)
+            ref = result["reference"][set_name][name]["mean"]
+            assert table[name]["change"]["mean"] == pytest.approx(table[name]["mean"] - ref, abs=2e-5)
+    assert "| geneval" in (tmp_path / "matrix" / "matrix.md").read_text()

@@ -1,7 +1,7 @@
 """report.md's words from eval.json's numbers: units, the judge's duplicate row, "What changed"."""
 
-from grpo_vision.evaluation.report_text import (change_table, duplicate_of_judge, rate_change, reward_change, rollout_trend,
-                                     what_changed)
+from grpo_vision.evaluation.report_text import (change_table, duplicate_of_judge, failure_sentences, rate_change,
+                                                reward_change, rollout_trend, what_changed)
 
 
 def entry(mean, lo, hi):
@@ -99,3 +99,22 @@ def test_a_flat_judge_on_the_rollouts_is_named_when_the_rewards_rose():
     rising = [{"reward/j/mean": v} for v in (0.20, 0.21, 0.25, 0.27, 0.30, 0.33, 0.40, 0.41)]
     text = what_changed(result(), ["clip", "aesthetic"], [], [], rollout_trend(rising, "j"))[2]
     assert "did not move" not in text and "On the training rollouts the judge's rate was 20.5%" in text
+
+
+def test_the_reasons_of_failing_clauses_are_said_by_kind_with_the_most_frequent():
+    r = result()
+    r["reasons"] = {"geneval": {
+        "kinds": ["object", "position"], "images": 256,
+        "reference": {"failing": {"object": 0.3, "position": 0.5}, "common": []},
+        "policy": {"failing": {"object": 0.25, "position": 0.2},
+                   "common": [["expected dog right of target, found left of", 31], ["expected cat>=1, found 0", 9]]},
+        "change": {"object": entry(-0.05, -0.12, 0.02), "position": entry(-0.3, -0.41, -0.19)}}}
+    said = " ".join(failure_sentences(r))
+    assert ("Images failing a clause of geneval's, by what failed (reference -> policy): object 30.0% -> 25.0% "
+            "(-5.0 pts [-12.0, +2.0]); position 50.0% -> 20.0% (-30.0 pts [-41.0, -19.0]).") in said
+    assert "Beyond their intervals: fewer position failures." in said  # object's interval holds 0
+    assert 'The policy\'s most frequent: "expected dog right of target, found left of" (31 of 256 images).' in said
+    assert said in " ".join(what_changed(r, ["geneval"], [], []))
+    r["reasons"]["geneval"]["kinds"] = []
+    assert failure_sentences(r) == ["No image failed a clause of geneval's, on either side."]
+    assert failure_sentences(result()) == []  # no reward gave reasons

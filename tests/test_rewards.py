@@ -30,6 +30,15 @@ def broken(images, prompts, metadata):
     raise RuntimeError("model exploded")
 
 
+class Explains:  # a reward that says why an image lost points (rewards/base.py: last_reasons)
+    def __call__(self, images, prompts, metadata):
+        self.last_reasons = [[("count", f"too few in {p}")] if p == "b" else [] for p in prompts]
+        return torch.tensor([0.0 if p == "b" else 1.0 for p in prompts])
+
+
+EXPLAINS = Explains()  # used as python:tests.test_rewards:EXPLAINS
+
+
 def test_unknown_name_lists_the_registered_rewards():
     with pytest.raises(ConfigError) as err:
         make_reward("clipp", CTX)
@@ -94,6 +103,13 @@ def test_the_output_carries_each_samples_weights():
     assert out.weights["python:tests.test_rewards:constant"].tolist() == [0.5, 0.0]
     assert out.weights["python:tests.test_rewards:not_applicable_to_odd"].tolist() == [0.0, 0.0]  # monitored
     assert out.total[0].item() == 1.0 and math.isnan(out.total[1])  # row 1 weighs nothing: no signal
+
+
+def test_the_output_carries_the_reasons_of_the_rewards_that_give_them():
+    reward = CompositeReward({"python:tests.test_rewards:EXPLAINS": 1.0, "python:tests.test_rewards:constant": 1.0},
+                             [], CTX)
+    out = reward(torch.zeros(3, 3, 8, 8), ["a", "b", "c"], [{}] * 3)
+    assert out.reasons == {"python:tests.test_rewards:EXPLAINS": [[], [("count", "too few in b")], []]}
 
 
 def test_jpeg_rewards_prefer_flat_images():

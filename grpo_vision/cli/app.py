@@ -62,6 +62,32 @@ def cmd_prompts(args) -> None:
     print(f"[prompts] {len(entries)} GenEval {'training' if args.train else 'evaluation'} prompts -> {args.out}")
 
 
+def cmd_score(args) -> None:
+    """GenEval's verdicts on a folder in its layout written by any model, from the config's geneval reward
+    options; its summary, and with --against another folder's and the change."""
+    import dataclasses
+    from pathlib import Path
+
+    from grpo_vision.evaluation.geneval_bench import compare_folders, read_folder
+    from grpo_vision.files import write_file
+    from grpo_vision.rewards import CompositeReward
+    from grpo_vision.run.machine import resolve_device
+
+    for folder in filter(None, (args.folder, args.against)):
+        read_folder(folder)  # a folder not in GenEval's layout is named before any model loads
+    cfg = load_config(args.config or None, args.overrides)
+    device = resolve_device(args.device, "--device")
+    only = dataclasses.replace(cfg.reward, weights={"geneval": 1.0}, monitor=[])  # its options, no other reward
+    reward = CompositeReward.from_config(only, device).load().fns["geneval"]
+    try:
+        result, rows = compare_folders(reward, args.folder, args.against or None)
+    except ValueError as e:  # metadata the rules cannot read (GenEval's own folders carry it)
+        raise ConfigError(f"{args.folder}: {e}") from None
+    if args.verdicts:
+        write_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows))
+    print(json.dumps({"device": str(device), **result}, indent=2))
+
+
 def cmd_train(args) -> None:
     from grpo_vision.run.health import run_summary, warn
     from grpo_vision.run.metrics import load_metrics
@@ -221,6 +247,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=non_negative_int, default=0, help="the training prompts' draw")
     p.set_defaults(func=cmd_prompts)
 
+    p = sub.add_parser("score", help="score a folder of any model's images by a benchmark's rules: GenEval's "
+                                     "layout (sample --layout geneval) with the config's reward.options.geneval")
+    p.add_argument("benchmark", choices=["geneval"], help="the benchmark")
+    p.add_argument("folder", help="the images, in GenEval's layout: <i:05d>/metadata.jsonl, <i:05d>/samples/*.png")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward.options.geneval.detector_path=DIR")
+    p.add_argument("--config", default="", help="YAML config whose reward.options.geneval names the detector "
+                                                "(and the colour CLIP); a run's config.yaml works")
+    p.add_argument("--against", default="", help="a second folder of the same prompts and image counts (a baseline): "
+                                                 "its summary too, and the change with intervals over prompts")
+    p.add_argument("--verdicts", default="", help="write each image's verdict and reasons to this JSONL file")
+    p.add_argument("--device", default="auto", help="where the detector runs: auto (the best one here), cpu, cuda, cuda:N")
+    p.set_defaults(func=cmd_score)
+
     p = sub.add_parser("matrix", help="train on each reward, score every run with every reward: one table")
     p.add_argument("config", help="YAML config every run starts from, e.g. configs/shapes.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. train.steps=36")
@@ -311,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     from grpo_vision.prompts import PromptsError
     from grpo_vision.rewards import RewardError
     from grpo_vision.files import FolderError
+    from grpo_vision.evaluation.geneval_bench import LayoutError
     from grpo_vision.run.lock import RunLockedError
 
     try:
@@ -319,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # Python's recipe: nothing more to say, and nothing more written to the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(128 + signal.SIGPIPE)  # 141: what a shell reports for a command a closed pipe stopped
-    except (ConfigError, CheckpointError, FileNotFoundError, FolderError, PromptsError, RunLockedError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError, FolderError, LayoutError, PromptsError,
+            RunLockedError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (RewardError, TrainingHealthError) as e:

@@ -115,11 +115,12 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
     result = {"prompts": len(entries), "captions": len({e.prompt for e in entries}), "images_per_prompt": n,
               "models": {}}
     ref_model, ref_ctx = reference.sampler(policy)
-    raw, verdicts = {}, {}
+    raw, verdicts, reasons = {}, {}, {}
     for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):
         with ctx:
             images = generate(model, tokenizer, prompts, seeds, params)
-        raw[name] = rewards(images, prompts, meta).raw
+        scored = rewards(images, prompts, meta)
+        raw[name], reasons[name] = scored.raw, scored.reasons
         verdicts[name] = judge.verdicts(images, prompts) if judge is not None else None
         table, by_form = judge_tables(judge, images, prompts, verdicts[name])
         result["models"][name] = {"rewards": {k: interval(v) for k, v in raw[name].items()}, "checker": table,
@@ -130,6 +131,9 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
     diffs = {k: raw["policy"][k].double() - raw["reference"][k].double() for k in raw["policy"]}
     result["difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
     result["difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}  # these captions held fixed
+    if reasons["policy"]:
+        result["reasons"] = {k: failure_summary(reasons["policy"][k], reasons["reference"][k], prompts, strata)
+                             for k in reasons["policy"]}
     if result["models"]["policy"]["checker"]:
         keys = list(result["models"]["policy"]["checker"])
         result["checker_difference"] = {k: _diff(result, "checker", k) for k in keys}
@@ -137,6 +141,26 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
         result["checker_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
         result["checker_difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}
     return result
+
+
+def failure_summary(policy: list[list[tuple[str, str]]], reference: list[list[tuple[str, str]]],
+                    prompts: list[str], strata: list | None = None, common: int = 3) -> dict:
+    """What a reward that gives reasons (rewards/base.py) held against each model's images, on the same
+    prompts and seeds: per kind of failure, the fraction of images with one (each model's, and the paired
+    change with its interval over captions), and each model's most frequent reason texts."""
+    kinds = list(dict.fromkeys(kind for side in (reference, policy) for image in side for kind, _ in image))
+    rate = lambda side, kind: torch.tensor([float(any(k == kind for k, _ in image)) for image in side],  # noqa: E731
+                                           dtype=torch.float64)  # [B] 1 where the image failed that way
+    out = {"kinds": kinds, "images": len(prompts)}
+    for name, side in (("policy", policy), ("reference", reference)):
+        texts: dict[str, int] = {}
+        for image in side:
+            for text in dict.fromkeys(text for _, text in image):  # an image counts once per text
+                texts[text] = texts.get(text, 0) + 1
+        out[name] = {"failing": {k: round(float(rate(side, k).mean()), 5) for k in kinds},
+                     "common": sorted(texts.items(), key=lambda kv: (-kv[1], kv[0]))[:common]}
+    out["change"] = {k: caption_interval(rate(policy, k) - rate(reference, k), prompts, strata) for k in kinds}
+    return out
 
 
 def _diff(result: dict, table: str, key: str):

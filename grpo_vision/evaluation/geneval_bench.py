@@ -3,37 +3,50 @@
 `summary` computes what GenEval's `evaluation/summary_scores.py` prints: each task's accuracy (the
 fraction of its images judged correct), the overall score as the mean of the task accuracies (each
 task weighs the same, whatever its number of prompts), the fraction of images correct, and the
-fraction of prompts with at least one correct image.
+fraction of prompts with at least one correct image; and, not GenEval's, the fraction of images that
+failed a clause of each kind (a missing object, a count, a colour, a position: rewards/geneval.py).
 
 `paired_change` compares two models scored on the same prompts and seeds: each task's change and the
 overall score's, with a 95% interval that resamples prompts within each task (every image of a drawn
 prompt with it: a reader re-draws prompts, not only images; evaluation/intervals.py says why) and
 recomputes the task means and their mean in each replicate.
+
+`compare_folders` scores folders in GenEval's layout written by any model (`sample --layout geneval`,
+GenEval's own generation scripts) with the same rules and detector, so a baseline is scored the same way.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from grpo_vision.rewards.geneval import FAILURES
 
 REPLICATES = 4000
 SEED = 0
 
 
 def summary(rows: Sequence[dict]) -> dict:
-    """GenEval's scores of per-image rows `{"prompt", "tag", "correct"}` (tasks in order of appearance)."""
+    """GenEval's scores of per-image rows `{"prompt", "tag", "correct", "failures"?}` (tasks in order of
+    appearance)."""
     if not rows:
         raise ValueError("no verdicts to summarise")
     tasks: dict[str, list[bool]] = {}
     prompts: dict[str, bool] = {}
+    failing: dict[str, int] = {}
     for row in rows:
+        for kind in set(row.get("failures", ())):
+            failing[kind] = failing.get(kind, 0) + 1
         tasks.setdefault(row["tag"], []).append(bool(row["correct"]))
         prompts[row["prompt"]] = prompts.get(row["prompt"], False) or bool(row["correct"])
     by_task = {tag: {"accuracy": sum(v) / len(v), "correct": sum(v), "images": len(v)} for tag, v in tasks.items()}
     return {"overall": sum(t["accuracy"] for t in by_task.values()) / len(by_task), "tasks": by_task,
             "images": len(rows), "images_correct": sum(sum(v) for v in tasks.values()) / len(rows),
-            "prompts": len(prompts), "prompts_correct": sum(prompts.values()) / len(prompts)}
+            "prompts": len(prompts), "prompts_correct": sum(prompts.values()) / len(prompts),
+            "failing": {kind: failing[kind] / len(rows) for kind in FAILURES if kind in failing}}
 
 
 def paired_change(policy: Sequence[dict], reference: Sequence[dict], replicates: int = REPLICATES,
@@ -88,8 +101,95 @@ def benchmark(policy, reference, tokenizer, entries: Sequence, reward, n: int, p
         with ctx:
             images = generate(model, tokenizer, prompts, seeds, params)
         rows[name] = [{"model": name, "prompt": p, "tag": m["tag"], "seed": s, "correct": v.correct,
-                       "clauses_met": v.met, "clauses": v.clauses, "reasons": v.reasons}
+                       "clauses_met": v.met, "clauses": v.clauses, "reasons": v.reasons, "failures": v.failures}
                       for p, m, s, v in zip(prompts, metadata, seeds, reward.verdicts(images, prompts, metadata))]
     result = {"prompts": len(entries), "images_per_prompt": n, "policy": summary(rows["policy"]),
               "reference": summary(rows["reference"]), "change": paired_change(rows["policy"], rows["reference"])}
     return result, rows["policy"] + rows["reference"]
+
+
+# ---------------------------------------------------------------- a folder written by any model
+
+
+class LayoutError(ValueError):
+    """A folder that is not in GenEval's layout; the message names the file and the fix."""
+
+
+def read_folder(folder: str | Path) -> list[tuple[dict, list[Path]]]:
+    """GenEval's layout (`sample --layout geneval`, or GenEval's own generation scripts): per prompt, its
+    metadata (`<folder>/<i:05d>/metadata.jsonl`, one JSON line) and its images (`samples/*.png`, sorted),
+    in the folders' order; LayoutError naming the first thing that is not so."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise LayoutError(f"{folder} is not a folder; give one written by `grpo-vision sample --layout geneval` "
+                          "(or GenEval's generation scripts): <i:05d>/metadata.jsonl and <i:05d>/samples/*.png")
+    prompts = sorted(p for p in folder.iterdir() if p.is_dir() and p.name.isdigit())
+    if not prompts:
+        raise LayoutError(f"{folder} holds no prompt folders (00000, 00001, ...); it is not in GenEval's layout")
+    out = []
+    for p in prompts:
+        try:
+            meta = json.loads((p / "metadata.jsonl").read_text().strip().splitlines()[0])
+        except (OSError, IndexError, ValueError) as e:
+            raise LayoutError(f"{p / 'metadata.jsonl'}: not one JSON line of GenEval metadata ({e or 'empty'})"
+                              ) from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
+            raise LayoutError(f"{p / 'metadata.jsonl'}: a JSON object with a 'prompt' and its GenEval clauses")
+        images = sorted((p / "samples").glob("*.png"))
+        if not images:
+            raise LayoutError(f"{p / 'samples'} holds no PNG images")
+        out.append((meta, images))
+    return out
+
+
+def _load(paths: Sequence[Path]) -> list[torch.Tensor]:
+    """Each PNG as `[3, H, W]` in [0, 1] (RGB, whatever its mode)."""
+    from PIL import Image, UnidentifiedImageError
+
+    out = []
+    for path in paths:
+        try:
+            with Image.open(path) as img:
+                pixels = torch.frombuffer(bytearray(img.convert("RGB").tobytes()), dtype=torch.uint8)
+                out.append(pixels.view(img.height, img.width, 3).permute(2, 0, 1).float() / 255)
+        except (OSError, UnidentifiedImageError) as e:
+            raise LayoutError(f"{path}: not a readable image ({e})") from None
+    return out
+
+
+def score_folder(reward, folder: str | Path, name: str = "folder") -> list[dict]:
+    """GenEval's verdict on every image of a folder in its layout, from `reward` (the `geneval` reward:
+    its `verdicts`), one row per image as `benchmark` writes them (with the image's file, no seed)."""
+    rows = []
+    for meta, paths in read_folder(folder):
+        clauses = {k: v for k, v in meta.items() if k != "prompt"}
+        images = _load(paths)
+        same = len({tuple(i.shape) for i in images}) == 1  # one call per prompt, or per image where sizes differ
+        verdicts = (reward.verdicts(torch.stack(images), [meta["prompt"]] * len(images), [clauses] * len(images))
+                    if same else [reward.verdicts(i[None], [meta["prompt"]], [clauses])[0] for i in images])
+        rows += [{"model": name, "prompt": meta["prompt"], "tag": meta.get("tag"), "file": str(path),
+                  "correct": v.correct, "clauses_met": v.met, "clauses": v.clauses, "reasons": v.reasons,
+                  "failures": v.failures} for path, v in zip(paths, verdicts)]
+    return rows
+
+
+def compare_folders(reward, folder: str | Path, against: str | Path | None = None) -> tuple[dict, list[dict]]:
+    """GenEval's summary of `folder`, and with `against` (another model's folder of the same prompts and
+    image counts: a baseline scored the same way) its summary and the change, its interval resampling
+    prompts within each task. Image j of a prompt is compared with image j of the same prompt; where the
+    two models drew their images from other seeds the pairing is by prompt only, which the interval,
+    over prompts, already assumes."""
+    rows = score_folder(reward, folder, "folder")
+    result = {"benchmark": "geneval", "folder": str(folder), "prompts": len({r["prompt"] for r in rows}),
+              "images": len(rows), "summary": summary(rows)}
+    if against is None:
+        return result, rows
+    other = score_folder(reward, against, "against")
+    mismatch = next((i for i, (a, b) in enumerate(zip(rows, other)) if a["prompt"] != b["prompt"]), None)
+    if len(rows) != len(other) or mismatch is not None:
+        i = mismatch if mismatch is not None else min(len(rows), len(other))
+        raise LayoutError(f"{folder} and {against} differ at image {i + 1} (its prompt or the number of images "
+                          "per prompt): --against takes a folder of the same prompts, in the same order, with "
+                          "as many images each (write both with the same --prompts and --n)")
+    result |= {"against": str(against), "against_summary": summary(other), "change": paired_change(rows, other)}
+    return result, rows + other

@@ -121,11 +121,33 @@ def _rollouts_sentence(trend: dict | None, trained_up: list[str]) -> list[str]:
     return [f"On the training rollouts the judge's rate was {rates}."]
 
 
+def failure_sentences(result: dict) -> list[str]:
+    """For each reward that gives reasons (the `geneval` reward's failing clauses): the share of images
+    failing each way, reference -> policy with the paired change, and the policy's most frequent reason."""
+    said = []
+    for name, summary in result.get("reasons", {}).items():
+        if not summary["kinds"]:
+            said.append(f"No image failed a clause of {name}'s, on either side.")
+            continue
+        ref, pol, change = summary["reference"]["failing"], summary["policy"]["failing"], summary["change"]
+        parts = [f"{kind} {100 * ref[kind]:.1f}% -> {100 * pol[kind]:.1f}% ({rate_change(change[kind])})"
+                 for kind in summary["kinds"]]
+        said.append(f"Images failing a clause of {name}'s, by what failed (reference -> policy): {'; '.join(parts)}.")
+        moved = [(kind, "fewer" if _sign(change[kind]) < 0 else "more") for kind in summary["kinds"]
+                 if _sign(change[kind])]
+        if moved:
+            said.append(f"Beyond their intervals: {_names([f'{how} {kind} failures' for kind, how in moved])}.")
+        if summary["policy"]["common"]:
+            text, count = summary["policy"]["common"][0]
+            said.append(f"The policy's most frequent: \"{text}\" ({count} of {summary['images']} images).")
+    return said
+
+
 def what_changed(result: dict, trained: list[str], monitored: list[str], kl: list[float],
                  rollouts: dict | None = None) -> list[str]:
     """The paragraph at the top of the report: what rose and fell beyond its interval, a plain line
-    when that looks like reward hacking, the judge on the training rollouts (`rollouts`, a
-    `rollout_trend`), and the KL it cost."""
+    when that looks like reward hacking, why a reward that gives reasons failed images (GenEval's
+    clauses), the judge on the training rollouts (`rollouts`, a `rollout_trend`), and the KL it cost."""
     changes = result.get("difference_ci", {})
     judged = result.get("checker_difference_ci", {})
     up = lambda names: [n for n in names if _sign(changes.get(n)) > 0]  # noqa: E731
@@ -170,6 +192,7 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
         said.append(f"**Possible reward hacking:** {_names(up(trained))} rose while {_names(fell)} fell: the "
                     "policy may be learning what the reward model scores rather than what the prompts ask. "
                     "Look at the samples below before trusting the trained reward's gain.")
+    said += failure_sentences(result)
     said += _rollouts_sentence(rollouts, up(trained))
     if kl:
         said.append(f"It cost a KL to the reference of {kl[-1]:.3f} per token at the last step "

@@ -4,7 +4,10 @@ Every reward has one signature (ddpo-pytorch's contract):
 
     reward(images: Tensor[B, 3, H, W] in [0, 1], prompts: list[str], metadata: list[dict]) -> Tensor[B]
 
-and NaN means "does not apply to this sample". A factory takes a `RewardContext` (device, batch
+and NaN means "does not apply to this sample". A reward that can say why an image lost points (the
+`geneval` reward: which clause failed) leaves, after each call, `last_reasons`: per image, a list of
+`(kind, text)` pairs, e.g. `("position", "expected dog right of target, found left of")`; the
+report counts the kinds, the demo shows the texts. A factory takes a `RewardContext` (device, batch
 size) and, when it registers an options dataclass, its typed options (`reward.options.<name>` in
 config, over the defaults the policy kind supplies); it checks them at once and loads its model
 from local paths at the first call, or when `CompositeReward.load` asks.

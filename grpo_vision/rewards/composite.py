@@ -18,6 +18,8 @@ class RewardOutput:
     total: torch.Tensor  # [B] weighted sum over the rewards that apply (NaN when none applies)
     raw: dict[str, torch.Tensor]  # name -> [B] unweighted values (NaN = does not apply)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] its weight for each sample
+    # name -> per image, the (kind, text) of each point it lost, for the rewards that say (`last_reasons`)
+    reasons: dict[str, list[list[tuple[str, str]]]] = field(default_factory=dict)
 
 
 class CompositeReward:
@@ -119,25 +121,22 @@ class CompositeReward:
                 raise RewardError(name, f"its model did not load: {_why(e)}") from e
         return self
 
+    def check(self, sets: dict[str, Sequence]) -> None:
+        """Every reward that can check prompts (`check(prompts, metadata)`: the geneval reward, that each
+        carries GenEval clauses) checks every set a run scores, so a set it cannot score stops the run at its
+        start rather than at the report; ConfigError naming the reward and the set."""
+        for name, fn in self.fns.items():
+            if not hasattr(fn, "check"):
+                continue
+            for what, entries in sets.items():
+                try:
+                    fn.check([e.prompt for e in entries], [e.metadata for e in entries])
+                except ValueError as e:
+                    raise ConfigError(f"reward {name!r} cannot score the {what} prompts: {e}") from None
+
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
                  entry_weights: Sequence[dict[str, float] | None] | None = None) -> RewardOutput:
-        raw = {}
-        for name, fn in self.fns.items():
-            try:
-                value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).flatten().cpu()
-            except KeyboardInterrupt:  # Ctrl-C, or a signal (signals.Interrupted): the run's own stop
-                raise
-            except BaseException as e:  # any failure inside a reward stops the run, naming the reward
-                raise RewardError(name, _why(e)) from e
-            if value.shape[0] != len(prompts):
-                raise RewardError(name, f"returned {value.shape[0]} values for {len(prompts)} images")
-            infinite = value.isinf()  # [B]; one inf makes its group's advantages NaN, which skips the update
-            if infinite.any():
-                i = int(infinite.nonzero()[0])
-                raise RewardError(name, f"returned {value[i].item()} for {int(infinite.sum())} of {len(prompts)} "
-                                        f"images (the first for prompt {brief(prompts[i])}); a reward must be finite, "
-                                        "or NaN where it does not apply")
-            raw[name] = value
+        raw = {name: self.score(name, images, prompts, metadata) for name in self.fns}
         B = len(prompts)
         w = torch.zeros(B, len(self.names))  # [B, R]
         for i in range(B):
@@ -148,7 +147,35 @@ class CompositeReward:
         applies = ~values.isnan() & (w != 0)  # [B, R]
         total = torch.where(applies, values * w, torch.zeros_like(values)).sum(1)  # [B]
         total = torch.where(applies.any(1), total, torch.full_like(total, math.nan))
-        return RewardOutput(total, raw, {n: w[:, j] for j, n in enumerate(self.names)})
+        return RewardOutput(total, raw, {n: w[:, j] for j, n in enumerate(self.names)}, self.reasons(len(prompts)))
+
+    def score(self, name: str, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
+        """Reward `name`'s raw values `[B]` (NaN = does not apply); RewardError naming it when it fails or
+        returns what a reward may not (the wrong count, an infinity)."""
+        try:
+            value = torch.as_tensor(self.fns[name](images, prompts, metadata), dtype=torch.float32).flatten().cpu()
+        except KeyboardInterrupt:  # Ctrl-C, or a signal (signals.Interrupted): the run's own stop
+            raise
+        except BaseException as e:  # any failure inside a reward stops the run, naming the reward
+            raise RewardError(name, _why(e)) from e
+        if value.shape[0] != len(prompts):
+            raise RewardError(name, f"returned {value.shape[0]} values for {len(prompts)} images")
+        infinite = value.isinf()  # [B]; one inf makes its group's advantages NaN, which skips the update
+        if infinite.any():
+            i = int(infinite.nonzero()[0])
+            raise RewardError(name, f"returned {value[i].item()} for {int(infinite.sum())} of {len(prompts)} "
+                                    f"images (the first for prompt {brief(prompts[i])}); a reward must be finite, "
+                                    "or NaN where it does not apply")
+        return value
+
+    def reasons(self, count: int) -> dict[str, list[list[tuple[str, str]]]]:
+        """The last call's reasons of the rewards that give them (`last_reasons`, one list per image)."""
+        out = {}
+        for name, fn in self.fns.items():
+            given = getattr(fn, "last_reasons", None)
+            if given is not None and len(given) == count:
+                out[name] = [[(str(kind), str(text)) for kind, text in image] for image in given]
+        return out
 
 
 def _why(e: BaseException) -> str:

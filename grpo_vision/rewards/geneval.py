@@ -38,6 +38,10 @@ from typing import Callable, Sequence
 COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
 RELATIONS = ("left of", "right of", "above", "below")
 TAGS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+# what a failing clause got wrong, for the report's and the demo's summaries (not GenEval's: its reasons
+# are the free-text lines below, kept as it writes them): a missing object, a wrong count (too few in a
+# counting prompt, or too many: its exclude clause), a wrong colour, a wrong or untestable relation
+FAILURES = ("object", "count", "colour", "position")
 
 Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in pixels
 
@@ -64,7 +68,8 @@ class Verdict:
     correct: bool  # every clause met: GenEval's 1 / 0
     met: int  # clauses met (include and exclude)
     clauses: int  # clauses in the prompt's metadata
-    reasons: list[str] = field(default_factory=list)  # why each failing clause failed
+    reasons: list[str] = field(default_factory=list)  # why each failing clause failed, as GenEval words it
+    failures: list[str] = field(default_factory=list)  # the kind of each failing clause (FAILURES), reasons' order
 
     @property
     def partial(self) -> float:
@@ -118,13 +123,14 @@ def judge(found: dict[str, list[Detection]], metadata: dict,
     names each detection's colour (one of COLORS); it is called only for a colour clause whose class
     was found often enough."""
     includes, excludes = metadata.get("include", []), metadata.get("exclude", [])
-    reasons, met, groups = [], 0, []  # groups[i]: the boxes include clause i matched, None if it failed
+    reasons, failures, met, groups = [], [], 0, []  # groups[i]: the boxes include clause i matched, None if failed
     for req in includes:
         name, count = req["class"], req["count"]
         boxes = found.get(name, [])[:count]
-        problem = None
+        problem, kind = None, None  # kind: FAILURES' name for what this clause got wrong
         if len(boxes) < count:
             problem = f"expected {name}>={count}, found {len(boxes)}"
+            kind = "count" if metadata.get("tag") == "counting" and boxes else "object"  # some, not enough
         elif "color" in req:
             if colours is None:
                 raise ValueError(f"the prompt asks for a {req['color']} {name}: judge needs a colour classifier")
@@ -132,8 +138,10 @@ def judge(found: dict[str, list[Detection]], metadata: dict,
             if named.count(req["color"]) < count:
                 seen = ", ".join(f"{named.count(c)} {c}" for c in COLORS if c in named)
                 problem = f"expected {req['color']} {name}>={count}, found {named.count(req['color'])} ({seen})"
+                kind = "colour"
         if problem is None and "position" in req:
             relation, target = req["position"]
+            kind = "position"
             if groups[target] is None:
                 problem = f"no target for {name} to be {relation}"
             else:
@@ -149,14 +157,16 @@ def judge(found: dict[str, list[Detection]], metadata: dict,
         met += problem is None
         if problem:
             reasons.append(problem)
+            failures.append(kind)
     for req in excludes:
         name, count = req["class"], req["count"]
         if len(found.get(name, [])) >= count:
             reasons.append(f"expected {name}<{count}, found {len(found[name])}")
+            failures.append("count")
         else:
             met += 1
     total = len(includes) + len(excludes)
-    return Verdict(met == total, met, total, reasons)
+    return Verdict(met == total, met, total, reasons, failures)
 
 
 def check_metadata(metadata: dict, where: str) -> None:

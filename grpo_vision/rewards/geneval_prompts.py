@@ -16,6 +16,8 @@ format, which the `geneval` reward reads.
 from __future__ import annotations
 
 import json
+import re
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +100,49 @@ def training_entries(n: int, seed: int = 0) -> list[PromptEntry]:
         taken.add(row["prompt"])
         out.append(PromptEntry(row.pop("prompt"), metadata=row))
     return out
+
+
+@lru_cache(maxsize=4)
+def _grammar(names: tuple[str, ...]) -> list[tuple[str, re.Pattern]]:
+    """The six templates as anchored patterns over `names`, the most specific first (a colour word may be
+    a class too: "an orange" is one object, "an orange dog" a coloured one)."""
+    alt = lambda words: "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))  # noqa: E731
+    obj, colour, rel = f"(?:an?) ({alt(names)})", f"(?:an?) ({alt(COLORS)}) ({alt(names)})", alt(RELATIONS)
+    plural = f"({'|'.join(NUMBERS[2:])}) ({alt(_plural(n) for n in names)})"
+    return [("color_attr", re.compile(f"a photo of {colour} and {colour}")),
+            ("position", re.compile(f"a photo of {obj} ({rel}) {obj}")),
+            ("colors", re.compile(f"a photo of {colour}")),
+            ("counting", re.compile(f"a photo of {plural}")),
+            ("two_object", re.compile(f"a photo of {obj} and {obj}")),
+            ("single_object", re.compile(f"a photo of {obj}"))]
+
+
+def parse(prompt: str, names: list[str] | None = None) -> dict | None:
+    """The metadata of a prompt in GenEval's grammar (the templates `draw` writes, over `names`, COCO's by
+    default), as GenEval's evaluation_metadata.jsonl has it; None for any other prompt. The demo reads
+    a typed prompt's clauses with it."""
+    names = tuple(names or classes())
+    text = " ".join(prompt.strip().lower().split())
+    for tag, pattern in _grammar(names):
+        m = pattern.fullmatch(text)
+        if not m:
+            continue
+        g = m.groups()
+        if tag == "color_attr":
+            return {"tag": tag, "include": [{"class": g[1], "count": 1, "color": g[0]},
+                                            {"class": g[3], "count": 1, "color": g[2]}]}
+        if tag == "position":
+            return {"tag": tag, "include": [{"class": g[2], "count": 1},
+                                            {"class": g[0], "count": 1, "position": [g[1], 0]}]}
+        if tag == "colors":
+            return {"tag": tag, "include": [{"class": g[1], "count": 1, "color": g[0]}]}
+        if tag == "counting":
+            k, name = NUMBERS.index(g[0]), next(n for n in names if _plural(n) == g[1])
+            return {"tag": tag, "include": [{"class": name, "count": k}], "exclude": [{"class": name, "count": k + 1}]}
+        if tag == "two_object":
+            return {"tag": tag, "include": [{"class": g[0], "count": 1}, {"class": g[1], "count": 1}]}
+        return {"tag": tag, "include": [{"class": g[0], "count": 1}]}
+    return None
 
 
 def write(entries: list[PromptEntry], path: str | Path) -> None:

@@ -12,8 +12,9 @@ reward's device: the detector finds the classes the metadata names (rewards/dete
 applies GenEval's thresholds, `judge` its clauses, asking the colour classifier only for a colour
 clause whose objects were found. The value is GenEval's 1 / 0, or with `partial: true` the fraction
 of clauses met (so that a group whose images all fail still has a spread). Each call's verdicts,
-with the reasons of every failing clause, stay on the reward as `last_verdicts`; `verdicts(images,
-prompts, metadata)` returns them without the scores.
+with the reasons of every failing clause, stay on the reward as `last_verdicts` (and as `last_reasons`,
+the (kind, reason) pairs the report and the demo read); `verdicts(images, prompts, metadata)` returns
+them without the scores.
 
 Models load at the first call (or CompositeReward.load), cached per (path, device); the colour CLIP
 is the aesthetic and clip rewards' open_clip cache (rewards/models.py), so one ViT-L/14 is loaded once.
@@ -106,6 +107,7 @@ class GenEvalReward:
         self.partial, self.trust = opts.partial, opts.trust_torchscript
         self.device, self.batch_size = str(ctx.device), ctx.batch_size
         self.last_verdicts: list[Verdict] = []  # the last call's verdict per image, reasons included
+        self.last_reasons: list[list[tuple[str, str]]] = []  # per image, (kind, reason) of each failing clause
 
     def detector(self) -> Detector:
         return load_detector(self.kind, self.path, self.device)
@@ -152,6 +154,7 @@ class GenEvalReward:
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
         self.last_verdicts = self.verdicts(images, prompts, metadata)
+        self.last_reasons = [list(zip(v.failures, v.reasons)) for v in self.last_verdicts]  # rewards/base.py
         return torch.tensor([v.partial if self.partial else float(v.correct) for v in self.last_verdicts],
                             dtype=torch.float32)  # [B]
 

@@ -6,7 +6,10 @@ Each side picks a checkpoint step or the run's reference; image i of both sides 
 `seed + i` (sampling draws per-image streams, so it depends on (prompt, seed) only, see
 sampling.py), so differences between the galleries come from the weights. Every image is captioned
 with each configured reward's score and, where the policy kind has a judge (ShapesWorld's exact
-checker), its verdict per attribute. A second tab plots the run's metrics.jsonl.
+checker), its verdict per attribute, and, for a reward that gives reasons (the `geneval` reward), why
+the image lost points. A prompt's metadata (GenEval's clauses) is its entry's in the run's prompt sets,
+else read from GenEval's grammar ("a photo of a red dog"); a reward that cannot score a typed prompt
+shows n/a and says why instead of failing the page. A second tab plots the run's metrics.jsonl.
 
 The logic is plain functions (validation, scoring, summary, grid PNG) and `DemoRun`, which caches
 loaded checkpoints per step; demo_app.py only wires them to Gradio components.
@@ -17,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +33,7 @@ from grpo_vision.run.metrics import nanmean
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.policy import unknown_words
 from grpo_vision.prompts import PromptsError
-from grpo_vision.rewards import CompositeReward
+from grpo_vision.rewards import CompositeReward, RewardError
 from grpo_vision.run.folder import read_run_config, refuse_code
 from grpo_vision.sampling import SamplingParams
 
@@ -54,6 +57,8 @@ class Side:
     images: torch.Tensor  # [n, 3, H, W] in [0, 1]
     rewards: dict[str, torch.Tensor]  # reward name -> [n] raw values, NaN = does not apply
     checks: list[dict | None]  # per image: the judge's verdict per attribute; None = no judge, or not its prompt
+    reasons: dict[str, list[list[tuple[str, str]]]] = field(default_factory=dict)  # reward -> per image, (kind, why)
+    notes: dict[str, str] = field(default_factory=dict)  # reward -> why it could not score this prompt (n/a)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -89,6 +94,7 @@ class DemoRun:
         self.rewards = CompositeReward.from_config(self.cfg.reward, resolve_device(self.device, "--device"),
                                                    self.bundle.reward_defaults).load()
         self.examples = run_examples(self.cfg, self.bundle)
+        self.metadata = run_metadata(self.run_dir)
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)
 
     def load(self, step: int) -> LoadedRun:
@@ -123,14 +129,51 @@ class DemoRun:
             model, ctx, label = self.sampler(choice)
             with ctx:
                 images = generate(model, self.bundle.tokenizer, prompts, seeds, params)
-            raw = self.rewards(images, prompts, [{} for _ in prompts]).raw
-        return Side(label, images, raw, verdicts(self.bundle.judge, images, prompt))
+            raw, reasons, notes = score_each(self.rewards, images, prompts, [self.metadata_for(prompt)] * len(seeds))
+        return Side(label, images, raw, verdicts(self.bundle.judge, images, prompt), reasons, notes)
+
+    def metadata_for(self, prompt: str) -> dict:
+        """The prompt's metadata: its entry's in the run's prompt sets, else GenEval's clauses where it is
+        in GenEval's grammar over COCO's classes or the ones the run's prompts name, else none."""
+        if prompt in self.metadata:
+            return self.metadata[prompt]
+        from grpo_vision.rewards.geneval_prompts import classes, parse
+
+        named = {c["class"] for m in self.metadata.values() for c in m.get("include", ()) if "class" in c}
+        return parse(prompt, [*classes(), *sorted(named - set(classes()))]) or {}
 
 
 def reference_label(mode: str, synced: bool) -> str:
     what = {"frozen": "a frozen copy of the base policy", "adapter": "the policy with its adapter disabled",
             "none": "this run has none, train.reference: none; showing the base policy"}[mode]
     return f"reference ({what}{', synced from the policy during training' if synced else ''})"
+
+
+def run_metadata(run_dir: Path) -> dict[str, dict]:
+    """Prompt -> its metadata, from the prompt sets the run wrote (prompts/*.jsonl), where not empty."""
+    from grpo_vision.prompts import load_prompts
+
+    out = {}
+    for path in sorted((run_dir / "prompts").glob("*.jsonl")):
+        try:
+            out |= {e.prompt: e.metadata for e in load_prompts(path) if e.metadata}
+        except PromptsError:  # a convenience: a file the run can no longer read gives no metadata
+            continue
+    return out
+
+
+def score_each(rewards: CompositeReward, images: torch.Tensor, prompts: list[str], metadata: list[dict]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, list], dict[str, str]]:
+    """Each reward's values `[n]`, the reasons of those that give them, and, for a reward that could not
+    score these prompts (the geneval reward on a prompt without GenEval clauses), NaN and why."""
+    raw, notes = {}, {}
+    for name in rewards.fns:
+        try:
+            raw[name] = rewards.score(name, images, prompts, metadata)
+        except RewardError as e:
+            raw[name], notes[name] = torch.full((len(prompts),), math.nan), e.message
+    reasons = {k: v for k, v in rewards.reasons(len(prompts)).items() if k not in notes}
+    return raw, reasons, notes
 
 
 def run_examples(cfg, bundle) -> dict[str, list[str]]:
@@ -206,20 +249,24 @@ def verdicts(judge, images: torch.Tensor, prompt: str) -> list[dict | None]:
 
 
 def caption(side: Side, i: int) -> str:
-    """'clip 0.312 · aesthetic 5.41 · shapes_exact 1' and, with a judge, '✓ count ✓ color ✗ shape'."""
+    """'clip 0.312 · aesthetic 5.41 · geneval 0', a line per failing clause of a reward that gives reasons
+    ('geneval ✗ position: expected dog right of target, found left of') and, with a judge, '✓ count ✗ shape'."""
     scores = " · ".join(f"{name} {'n/a' if math.isnan(v[i]) else f'{float(v[i]):.3g}'}"
                         for name, v in side.rewards.items())
+    lines = [scores, *(f"{name} ✗ {kind}: {text}" for name, per_image in side.reasons.items()
+                       for kind, text in per_image[i])]
     check = side.checks[i]
-    if check is None:
-        return scores
-    marks = " ".join(f"{'✓' if ok else '✗'} {a}" for a, ok in check.items() if ok is not None and a != "correct")
-    return f"{scores}\n{marks}"
+    if check is not None:
+        lines.append(" ".join(f"{'✓' if ok else '✗'} {a}" for a, ok in check.items() if ok is not None and a != "correct"))
+    return "\n".join(lines)
 
 
 def side_json(side: Side, seeds: list[int]) -> dict:
-    """Per-image scores and verdicts, JSON-ready (NaN -> None)."""
+    """Per-image scores, reasons and verdicts, JSON-ready (NaN -> None), and why a reward said n/a."""
     rewards = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in side.rewards.items()}
-    return {"label": side.label, "seeds": seeds, "rewards": rewards, "checker": side.checks}
+    reasons = {k: [[list(r) for r in image] for image in v] for k, v in side.reasons.items()}
+    return {"label": side.label, "seeds": seeds, "rewards": rewards, "reasons": reasons, "not_scored": side.notes,
+            "checker": side.checks}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -259,6 +306,8 @@ def grid_png(left: Side, right: Side, prompt: str, seeds: list[int], path: Path)
         out = []
         for i, img in enumerate(to_uint8(side.images)):
             text = [f"seed {seeds[i]}"] + [f"{name[:14]} {float(v[i]):.3g}" for name, v in side.rewards.items()]
+            text += [f"{name[:8]} ✗ {', '.join(dict.fromkeys(k for k, _ in v[i]))}"[:22]
+                     for name, v in side.reasons.items() if v[i]]
             if side.checks[i] is not None:
                 text.append("judge: " + ("correct" if side.checks[i]["correct"] else "wrong"))
             out.append(Cell(img, text))

@@ -64,7 +64,8 @@ def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
         table = pd.DataFrame(summary_rows(left, right), columns=COLUMNS)
         details = {"left": side_json(left, seeds), "right": side_json(right, seeds)}
         status = (f"**left:** {left.label} · **right:** {right.label} · prompt {text!r} · {len(seeds)} images each, "
-                  f"seeds {seeds[0]}..{seeds[-1]} · {time.perf_counter() - start:.2f} s")
+                  f"seeds {seeds[0]}..{seeds[-1]} · {time.perf_counter() - start:.2f} s" +
+                  "".join(f" · **{name} n/a:** {html.escape(why, quote=False)}" for name, why in {**left.notes, **right.notes}.items()))
         galleries = ([(img, caption(side, i)) for i, img in enumerate(to_uint8(side.images))] for side in (left, right))
         return *galleries, table, str(path), status, details
 
