@@ -488,15 +488,27 @@ def _composite(models, kind="owlv2", **options):
     return CompositeReward({"geneval": 1.0}, [], RewardContext(), {"geneval": opts})
 
 
-def test_a_prompt_without_geneval_metadata_is_named_with_the_fix(models):
+def test_a_prompt_without_geneval_metadata_is_named_with_the_fix_where_the_reward_counts(models):
+    from grpo_vision.prompts import PromptEntry
+
     reward = _composite(models)
     good = {"tag": "single_object", "include": [{"class": "dog", "count": 1}]}
-    with pytest.raises(RewardError, match=r"^reward 'geneval' failed: ValueError: prompt 'a red circle': GenEval "
-                                          r"metadata needs a 'tag' .* and an 'include' list, as in GenEval's "
+    entries = [PromptEntry("a dog", metadata=good), PromptEntry("a red circle")]
+    with pytest.raises(ConfigError, match=r"^reward 'geneval' cannot score the training prompts: prompt 'a red circle': "
+                                          r"GenEval metadata needs a 'tag' .* and an 'include' list, as in GenEval's "
                                           r"evaluation_metadata.jsonl: the geneval reward reads each prompt's clauses "
                                           r"from its metadata; train on a JSONL prompts file") as err:
-        reward(_images(2), ["a dog", "a red circle"], [good, {}])
+        reward.check({"training": entries})
     assert "\n" not in str(err.value)
+    # routed to another reward by its own weights (prompts.py): not this reward's to score, and NaN
+    # ("does not apply") where a batch holds it
+    reward.check({"training": [entries[0], PromptEntry("a red circle", rewards={"clip": 1.0})]})
+    values = reward(_images(2), ["a dog", "a red circle"], [good, {}]).raw["geneval"]
+    assert not values[0].isnan() and values[1].isnan()
+    # GenEval fields the rules cannot read are an error at the call, naming the prompt
+    with pytest.raises(RewardError, match=r"^reward 'geneval' failed: ValueError: prompt 'a dog': GenEval metadata "
+                                          r"needs a 'tag'"):
+        reward(_images(1), ["a dog"], [{"include": [{"class": "dog", "count": 1}]}])
     red = {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "red"}]}
     with pytest.raises(RewardError, match=r"prompt 'a red dog' asks for a red dog, and the geneval reward has no colour "
                                           r"classifier: set reward.options.geneval.clip_checkpoint"):
@@ -645,7 +657,7 @@ def test_two_steps_train_on_the_geneval_reward_report_its_reasons_benchmark_scor
         assert all(f"geneval ✗ {kind}: {text}" in caption(side, i) for kind, text in image)
         assert (side.rewards["geneval"][i] == 1) == (not image)  # partial credit: 1 only with no failing clause
     other = demo.side("step 2", "a blue square", [0], SamplingParams())
-    assert other.rewards["geneval"].isnan().all() and "GenEval metadata needs a 'tag'" in other.notes["geneval"]
+    assert other.rewards["geneval"].isnan().all() and "does not apply to this prompt" in other.notes["geneval"]
     assert math.isfinite(other.rewards["clip"][0])
 
 

@@ -37,7 +37,7 @@ class CompositeReward:
 
     def __init__(self, weights: dict[str, float], monitor: Sequence[str], ctx: RewardContext,
                  options: dict[str, dict] | None = None):
-        self.weights = dict(weights)
+        self.weights, self.monitor = dict(weights), list(monitor)
         self.ctx, self.options = ctx, dict(options or {})
         self.names: list[str] = []
         self.fns: dict[str, RewardFn] = {}
@@ -123,16 +123,25 @@ class CompositeReward:
 
     def check(self, sets: dict[str, Sequence]) -> None:
         """Every reward that can check prompts (`check(prompts, metadata)`: the geneval reward, that each
-        carries GenEval clauses) checks every set a run scores, so a set it cannot score stops the run at its
-        start rather than at the report; ConfigError naming the reward and the set."""
+        carries GenEval clauses) checks the entries of every set a run scores that it applies to (the
+        config's weights and monitors, or the entry's own `rewards`), so a set it cannot score stops the
+        run at its start rather than at the report; ConfigError naming the reward and the set."""
         for name, fn in self.fns.items():
             if not hasattr(fn, "check"):
                 continue
             for what, entries in sets.items():
+                mine = [e for e in entries if self.applies(name, e)]
                 try:
-                    fn.check([e.prompt for e in entries], [e.metadata for e in entries])
+                    fn.check([e.prompt for e in mine], [e.metadata for e in mine])
                 except ValueError as e:
                     raise ConfigError(f"reward {name!r} cannot score the {what} prompts: {e}") from None
+
+    def applies(self, name: str, entry) -> bool:
+        """Whether reward `name` counts for a prompt entry: a weight in its own `rewards` mapping, else in
+        the config's weights or monitors (per-entry routing: prompts.py)."""
+        if entry.rewards is not None:
+            return bool(entry.rewards.get(name))
+        return bool(self.weights.get(name)) or name in self.monitor
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
                  entry_weights: Sequence[dict[str, float] | None] | None = None) -> RewardOutput:

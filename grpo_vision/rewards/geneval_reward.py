@@ -11,7 +11,9 @@ as in evaluation_metadata.jsonl; rewards/geneval.py). Per chunk of reward.batch_
 reward's device: the detector finds the classes the metadata names (rewards/detectors.py), `kept`
 applies GenEval's thresholds, `judge` its clauses, asking the colour classifier only for a colour
 clause whose objects were found. The value is GenEval's 1 / 0, or with `partial: true` the fraction
-of clauses met (so that a group whose images all fail still has a spread). Each call's verdicts,
+of clauses met (so that a group whose images all fail still has a spread); NaN ("does not apply") for
+a prompt whose metadata has no GenEval fields, an entry routed to other rewards: the run's set-up
+refuses such a prompt where this reward counts for it (CompositeReward.check). Each call's verdicts,
 with the reasons of every failing clause, stay on the reward as `last_verdicts` (and as `last_reasons`,
 the (kind, reason) pairs the report and the demo read); `verdicts(images, prompts, metadata)` returns
 them without the scores.
@@ -22,6 +24,7 @@ is the aesthetic and clip rewards' open_clip cache (rewards/models.py), so one V
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from pathlib import Path
@@ -106,7 +109,7 @@ class GenEvalReward:
                 raise ConfigError(f"{KEY}{message}")
         self.partial, self.trust = opts.partial, opts.trust_torchscript
         self.device, self.batch_size = str(ctx.device), ctx.batch_size
-        self.last_verdicts: list[Verdict] = []  # the last call's verdict per image, reasons included
+        self.last_verdicts: list[Verdict | None] = []  # the last call's verdict per image (None: n/a)
         self.last_reasons: list[list[tuple[str, str]]] = []  # per image, (kind, reason) of each failing clause
 
     def detector(self) -> Detector:
@@ -153,10 +156,17 @@ class GenEvalReward:
         return out
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
-        self.last_verdicts = self.verdicts(images, prompts, metadata)
-        self.last_reasons = [list(zip(v.failures, v.reasons)) for v in self.last_verdicts]  # rewards/base.py
-        return torch.tensor([v.partial if self.partial else float(v.correct) for v in self.last_verdicts],
-                            dtype=torch.float32)  # [B]
+        """GenEval's score per image; NaN ("does not apply") for a prompt whose metadata has no GenEval
+        fields at all, an entry routed to other rewards (CompositeReward.check refuses such a prompt
+        where this reward counts); metadata with GenEval fields that the rules cannot read is an error."""
+        rows = [i for i, m in enumerate(metadata) if isinstance(m, dict) and ("tag" in m or "include" in m)]
+        found = self.verdicts(images[rows], [prompts[i] for i in rows], [metadata[i] for i in rows]) if rows else []
+        self.last_verdicts = [None] * len(prompts)  # Verdict per image; None where the reward does not apply
+        for i, v in zip(rows, found):
+            self.last_verdicts[i] = v
+        self.last_reasons = [list(zip(v.failures, v.reasons)) if v else [] for v in self.last_verdicts]  # base.py
+        return torch.tensor([math.nan if v is None else v.partial if self.partial else float(v.correct)
+                             for v in self.last_verdicts], dtype=torch.float32)  # [B]
 
 
 @register_reward("geneval", options=GenEvalOptions)

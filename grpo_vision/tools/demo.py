@@ -164,14 +164,18 @@ def run_metadata(run_dir: Path) -> dict[str, dict]:
 
 def score_each(rewards: CompositeReward, images: torch.Tensor, prompts: list[str], metadata: list[dict]
                ) -> tuple[dict[str, torch.Tensor], dict[str, list], dict[str, str]]:
-    """Each reward's values `[n]`, the reasons of those that give them, and, for a reward that could not
-    score these prompts (the geneval reward on a prompt without GenEval clauses), NaN and why."""
+    """Each reward's values `[n]`, the reasons of those that give them, and why a reward has no score: it
+    failed on these prompts, or does not apply to them (the geneval reward on a prompt without clauses)."""
     raw, notes = {}, {}
     for name in rewards.fns:
         try:
             raw[name] = rewards.score(name, images, prompts, metadata)
         except RewardError as e:
             raw[name], notes[name] = torch.full((len(prompts),), math.nan), e.message
+            continue
+        if raw[name].isnan().all():
+            notes[name] = ("does not apply to this prompt (no score: a reward that reads a prompt's metadata, "
+                           "such as GenEval's clauses, found none for it)")
     reasons = {k: v for k, v in rewards.reasons(len(prompts)).items() if k not in notes}
     return raw, reasons, notes
 
