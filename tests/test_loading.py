@@ -112,7 +112,7 @@ def test_a_kind_without_prompts_needs_a_train_file():
 
 
 def test_unknown_kind_lists_the_registered_ones():
-    with pytest.raises(ConfigError, match=r"unknown policy.kind 'gpt5'; registered kinds: .*janus, llama, shapes"):
+    with pytest.raises(ConfigError, match=r"unknown policy.kind 'gpt5'; registered kinds: .*janus, llama, llamagen, shapes"):
         policy_kind("gpt5")
 
 

@@ -43,10 +43,13 @@ class RunConfig:
 
 @dataclass
 class PolicyConfig:
-    kind: str = "shapes"  # a registered policy kind: llama, janus, or one a plugin adds (ShapesWorld: shapes)
-    path: str = "worlds/shapes"  # what the kind loads: a LlamaImagePolicy or Janus-Pro directory, a world
-    tokenizer: str = ""  # VQ tokenizer directory (diffusers VQModel) when kind is "llama"; Janus ships its own
+    kind: str = "shapes"  # a registered policy kind: llama, janus, llamagen, or a plugin's (ShapesWorld: shapes)
+    path: str = "worlds/shapes"  # what the kind loads: a LlamaImagePolicy or Janus-Pro directory, a LlamaGen .pt, ...
+    tokenizer: str = ""  # VQ: a diffusers VQModel directory (llama), a LlamaGen vq_ds16_*.pt; Janus ships its own
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
+    # settings of the kind itself, checked by its loader; llamagen: gpt, heads, image_size, text_encoder
+    # (models/llamagen_load.py, LlamaGenOptions)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -12,7 +12,8 @@ ADAPTERS = ("lora", "loha", "lokr")
 # The factor of each adapter that peft initialises to zero (LoRA's B, LoHa's second Hadamard factor,
 # LoKr's first Kronecker factor): zero, it makes the adapter's update zero whatever the others hold
 ZERO_FACTORS = ("lora_B", "hada_w2_b", "lokr_w1", "lokr_w1_a")
-TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "wqkv", "wo", "w1", "w2", "w3"}  # the last five: LlamaGen's names (models/llamagen.py)
 
 
 def add_adapter(policy, kind: str, rank: int, alpha: float, targets: list[str]):

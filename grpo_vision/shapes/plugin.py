@@ -98,9 +98,13 @@ def load_shapes(pcfg, device) -> Bundle:
     the llama kind casts), its tokenizer, judge and reward models."""
     import torch
 
+    from grpo_vision.config import ConfigError
     from grpo_vision.shapes.judge import ShapesJudge
     from grpo_vision.shapes.world import load_world
 
+    if pcfg.options:  # an unused key would be silently ignored otherwise
+        raise ConfigError(f"policy.options ({', '.join(map(str, pcfg.options))}) is not used with policy.kind "
+                          "'shapes'; remove it")
     world = load_world(pcfg.path, device)
     return Bundle(world.policy.to(getattr(torch, pcfg.dtype)), world.tokenizer, judge=ShapesJudge(),
                   reward_defaults=world_reward_defaults(world.path), source=world.path)

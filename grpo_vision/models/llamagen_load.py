@@ -1,0 +1,212 @@
+"""Loading LlamaGen's released files as they are: its `.pt` checkpoints (a state dict under "model",
+"module" or "state_dict", or bare) read with `torch.load(weights_only=True)` only, and their safetensors
+conversions, in LlamaGen's key names or transformers-Llama ones; the llamagen policy kind's loader.
+
+    policy:
+      kind: llamagen
+      path: /models/llamagen/t2i_XL_stage1_256.pt      # or c2i_L_256.pt, or a .safetensors conversion
+      tokenizer: /models/llamagen/vq_ds16_t2i.pt        # vq_ds16_c2i.pt for the class-conditional models
+      options: {image_size: 256, text_encoder: /models/flan-t5-xl}   # LlamaGenOptions
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from grpo_vision.config.load import ConfigError, brief
+from grpo_vision.models.llamagen import LlamaGenConfig, LlamaGenPolicy
+from grpo_vision.run.checkpoint import CheckpointError
+from grpo_vision.run.load_checks import non_finite
+from grpo_vision.run.safe_state import UnsafeFileError, refusal
+
+# gpt.py's GPT_models: name -> (n_layer, n_head, dim). B..XXXL are the class-conditional sizes, XL the T2I one.
+SIZES = {"GPT-B": (12, 12, 768), "GPT-L": (24, 16, 1024), "GPT-XL": (36, 20, 1280), "GPT-XXL": (48, 24, 1536),
+         "GPT-XXXL": (48, 40, 2560), "GPT-1B": (22, 32, 2048), "GPT-3B": (24, 32, 3200), "GPT-7B": (32, 32, 4096)}
+# LlamaGen's samplers load with load_state_dict(strict=False); what that lets through are its runtime tensors,
+# never weights: the RoPE table `freqs_cis` and `causal_mask` (attributes in gpt.py, buffers in some copies) and
+# the KV-cache buffers that `setup_caches` registers (a model saved after sampling holds them). Any other key
+# that is missing or extra is an error.
+RUNTIME_KEYS = re.compile(r"(.*\.)?(freqs_cis|causal_mask)|layers\.\d+\.attention\.kv_cache\.[kv]_cache")
+
+
+@dataclass
+class LlamaGenOptions:
+    """`policy.options` of the llamagen kind."""
+    gpt: str = ""  # GPT-B, GPT-L, GPT-XL, GPT-XXL, ... (gpt.py's names); "" = the size of the weights' width and depth
+    heads: int = 0  # attention heads; 0 = the size's (needed only for a model of no released size)
+    image_size: int = 0  # pixels per side the checkpoint was trained at (256, 384, 512); 0 = from the released name
+    text_encoder: str = ""  # t2i: local flan-t5-xl directory (relative: from here, else beside policy.path)
+
+
+def read_state_dict(path: str | Path, what: str) -> dict[str, torch.Tensor]:
+    """The state dict in a LlamaGen checkpoint: a `.pt` holding it under "model" (DDP), "module" (DeepSpeed),
+    "state_dict", or bare (FSDP), as sample_t2i.py accepts; or a safetensors file. Never runs pickled code."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} is not a file; expected a LlamaGen checkpoint (.pt or .safetensors)")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path)
+        except Exception as e:  # a header safetensors cannot parse
+            raise CheckpointError(f"{what} {path} is not a readable safetensors file ({type(e).__name__}); "
+                                  "copy it again") from None
+    try:
+        # Tensors, plain containers and argparse.Namespace only: LlamaGen's training scripts save
+        # {"model", "optimizer", "steps", "args": args}, and a Namespace is rebuilt by setting attributes.
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = refusal(path, e)  # a pickle naming Python objects, or bytes that are no pickle at all
+        if isinstance(why, UnsafeFileError):
+            raise CheckpointError(f"{what}: {why}. Where you trust the file, convert its weights to safetensors "
+                                  "once and point to that (docs/real_models.md, LlamaGen)") from None
+        raise CheckpointError(f"{what} {path} is not a readable torch checkpoint ({why}); copy it again") from None
+    except Exception as e:  # not a torch archive at all, or a truncated one
+        raise CheckpointError(f"{what} {path} is not a readable torch checkpoint ({type(e).__name__}); copy it "
+                              "again") from None
+    for key in ("model", "module", "state_dict"):
+        if isinstance(raw, dict) and isinstance(raw.get(key), dict):
+            raw = raw[key]
+            break
+    if not isinstance(raw, dict) or not raw or not all(isinstance(v, torch.Tensor) for v in raw.values()):
+        raise CheckpointError(f"{what} {path} holds no state dict (under 'model', 'module', 'state_dict' or bare)")
+    return raw
+
+
+def check_keys(model: nn.Module, state: dict, path: Path, what: str, ignored: re.Pattern = RUNTIME_KEYS) -> dict:
+    """`state` without the keys LlamaGen's own loading ignores (`ignored`); a CheckpointError naming any
+    other key that is missing or extra, a tensor of the wrong shape, or one that is not finite."""
+    state = {k: v for k, v in state.items() if not ignored.fullmatch(k)}
+    expected = model.state_dict()
+    problems = [f"lacks {k}" for k in expected if k not in state]
+    problems += [f"has {k}, which this model does not" for k in state if k not in expected]
+    problems += [f"has {k} of shape {list(state[k].shape)}, not {list(v.shape)}" for k, v in expected.items()
+                 if k in state and state[k].shape != v.shape]
+    if problems:
+        more = f" (and {len(problems) - 1} more differences)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{what} {path} {problems[0]}{more}: it is not the LlamaGen model this setting "
+                              "loads; check the file and policy.options")
+    if bad := non_finite(state):
+        raise CheckpointError(f"{what} {path} holds {bad}: the file is damaged; copy it again")
+    return state
+
+
+def released_image_size(path: Path) -> int:
+    """256 / 384 / 512 from a released file name (c2i_XL_384.pt, t2i_XL_stage1_256.pt); 0 when it has none."""
+    m = re.search(r"_(256|384|512)L?$", path.stem)
+    return int(m.group(1)) if m else 0
+
+
+def head_count(state: dict, gpt: str, heads: int, path: Path) -> int:
+    """Attention heads: `heads` if given, else the named size's, else the size whose width and depth the
+    weights have. A ConfigError when a named size does not fit the weights."""
+    dim = state["tok_embeddings.weight"].shape[1]
+    depth = len({k.split(".")[1] for k in state if k.startswith("layers.")})
+    if gpt:
+        if gpt not in SIZES:
+            raise ConfigError(f"policy.options.gpt {brief(gpt)} is not a LlamaGen size: {', '.join(SIZES)}")
+        if SIZES[gpt][::2] != (depth, dim):
+            raise ConfigError(f"policy.options.gpt {gpt} has {SIZES[gpt][0]} layers of width {SIZES[gpt][2]}, but "
+                              f"{path} has {depth} of width {dim}: name its size, or leave gpt empty")
+    named = [n for n, (layers, _, width) in SIZES.items() if (layers, width) == (depth, dim)]
+    if heads:
+        return heads
+    if gpt or named:
+        return SIZES[gpt or named[0]][1]
+    raise ConfigError(f"{path} ({depth} layers of width {dim}) is none of LlamaGen's sizes ({', '.join(SIZES)}): "
+                      "set policy.options.heads to its number of attention heads")
+
+
+def load_llamagen(pcfg, device):
+    """The llamagen kind's Bundle: the GPT in `policy.path`, the VQ in `policy.tokenizer`, `policy.options`."""
+    from grpo_vision.config import from_dict
+    from grpo_vision.models.llamagen_vq import LlamaGenVQ
+    from grpo_vision.policy import Bundle
+
+    options = from_dict(LlamaGenOptions, dict(pcfg.options), where="config", prefix="policy.options.")
+    if not pcfg.tokenizer:
+        raise ConfigError("policy.kind 'llamagen' needs policy.tokenizer: LlamaGen's VQ checkpoint (vq_ds16_t2i.pt "
+                          "for text-to-image, vq_ds16_c2i.pt for class-conditional)")
+    vq = LlamaGenVQ.from_checkpoint(pcfg.tokenizer, device)
+    policy = load_policy(pcfg.path, options, device, pcfg.dtype, vq.downsample)
+    if vq.codebook_size != policy.codebook_size:
+        raise ConfigError(f"policy.tokenizer {pcfg.tokenizer} has {vq.codebook_size} codes, policy.path "
+                          f"{pcfg.path} predicts {policy.codebook_size}: use the VQ the GPT was trained with")
+    vq.grid = policy.image_grid
+    return Bundle(policy, vq, source=Path(pcfg.path).parent)
+
+
+def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, vq_downsample: int) -> LlamaGenPolicy:
+    """A LlamaGenPolicy from a released checkpoint (or its safetensors conversion) and `options`."""
+    path = Path(path)
+    state = read_state_dict(path, "policy.path")
+    if "tok_embeddings.weight" not in state or "layers.0.attention.wqkv.weight" not in state:
+        state = from_hf_layout(state)
+    for key in ("tok_embeddings.weight", "layers.0.attention.wqkv.weight", "layers.0.feed_forward.w1.weight"):
+        if key not in state:
+            raise CheckpointError(f"policy.path {path} has no {key}: it is not a LlamaGen GPT checkpoint")
+    if "cls_embedding.embedding_table.weight" not in state and "cls_embedding.uncond_embedding" not in state:
+        raise CheckpointError(f"policy.path {path} has neither a class embedding (c2i) nor a caption embedder's "
+                              "uncond_embedding (t2i): it is not a LlamaGen GPT checkpoint")
+    size = options.image_size or released_image_size(path)
+    if not size:
+        raise ConfigError(f"policy.options.image_size is not set and {path.name} does not say it: set it to the "
+                          "size the checkpoint was trained at (256, 384 or 512)")
+    if size % vq_downsample:
+        raise ConfigError(f"policy.options.image_size {size} is not a multiple of the VQ's downsampling "
+                          f"{vq_downsample}")
+    heads = head_count(state, options.gpt, options.heads, path)
+    cfg = LlamaGenConfig.from_weights(state, heads, size // vq_downsample)
+    captions = None
+    if cfg.mode == "t2i":
+        from grpo_vision.models.llamagen_text import caption_encoder
+
+        captions = caption_encoder(options.text_encoder, path, cfg, device, dtype)
+    elif options.text_encoder:
+        raise ConfigError(f"policy.options.text_encoder is set, but {path} is a class-conditional model: it reads "
+                          "class indices, not captions; leave text_encoder empty")
+    try:
+        policy = LlamaGenPolicy(cfg, captions)
+    except ValueError as e:  # a head count that does not divide the weights' widths
+        raise ConfigError(f"policy.options.heads {heads} does not fit {path}: {e}") from None
+    policy.load_state_dict(check_keys(policy, state, path, "policy.path"))
+    return policy.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+# transformers-Llama module names -> LlamaGen's, for the HF-style conversions (jadohu/LlamaGen-T2I, which GCPO
+# and LANTERN load): GCPO's `llama_model.py` keeps LlamaGen's interleaved 2D RoPE, so the weights map one to one,
+# q/k/v concatenated into wqkv. Derived from that file's module names; no converted file was at hand to check.
+HF_NAMES = {"model.embed_tokens": "tok_embeddings", "model.cls_embedding": "cls_embedding", "model.norm": "norm",
+            "lm_head": "output", "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1",
+            "mlp.up_proj": "feed_forward.w3", "mlp.down_proj": "feed_forward.w2",
+            "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight)")
+
+
+def from_hf_layout(state: dict) -> dict:
+    """LlamaGen's key names for a state dict in transformers-Llama names (keys of neither pass through)."""
+    out, qkv = {}, {}
+    for key, value in state.items():
+        if m := HF_LAYER.fullmatch(key):
+            i, module = m.group(1), m.group(2)
+            if module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                qkv.setdefault(i, {})[module[-6]] = value  # "q", "k" or "v"
+                continue
+            key = f"layers.{i}.{HF_NAMES.get(module, module)}.weight"
+        else:
+            top = next((t for t in HF_NAMES if key.startswith(t + ".")), None)
+            key = HF_NAMES[top] + key[len(top):] if top else key
+        out[key] = value
+    for i, parts in qkv.items():
+        if parts.keys() == {"q", "k", "v"}:
+            out[f"layers.{i}.attention.wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    return out

@@ -1,0 +1,390 @@
+"""The llamagen kind against LlamaGen's own code: golden files made by LlamaGen's gpt.py, generate.py and
+vq_model.py (tests/data/llamagen/SOURCE.md) with tiny random weights, loaded here through the real path.
+
+Tiny models: GPT width 32, 2 layers, 4 heads, 64 codes, a 4x4 token grid; c2i with 10 classes, t2i with
+24-wide caption features and LlamaGen's 120 caption positions; VQ with 32 channels and 2x downsampling
+(8 px images). A tiny random T5 encoder (width 24) with a word-level tokenizer stands in for flan-t5-xl.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from grpo_vision.config import ConfigError, PolicyConfig
+from grpo_vision.models.adapters import add_adapter
+from grpo_vision.models.llamagen import LlamaGenPolicy, class_index, left_pad
+from grpo_vision.models.llamagen_vq import LlamaGenVQ
+from grpo_vision.policy import load_bundle, prompt_problem
+from grpo_vision.run.checkpoint import CheckpointError
+from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
+from tests.helpers import ROOT, run_cli
+
+DATA = Path(__file__).parent / "data" / "llamagen"
+GOLDEN = load_file(DATA / "golden.safetensors")
+OPTIONS = {"heads": 4, "image_size": 8}  # tiny models: no released size to take the heads from; 8 px images
+WORDS = "a an the red blue green circle square dog cat on of left right grass photo two".split()
+PROMPTS = ["a red circle", "a blue square on the grass", "two green dogs left of a cat"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def build_tiny_t5(path: Path) -> Path:
+    """A random T5 encoder of width 24 and its tokenizer (pad 0, EOS 1 appended, as T5's), saved with
+    save_pretrained: what `policy.options.text_encoder` names in place of flan-t5-xl."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast, T5Config, T5EncoderModel
+
+    vocab = {t: i for i, t in enumerate(["<pad>", "</s>", "<unk>", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(str(path))
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=len(vocab), d_model=24, d_kv=8, d_ff=32, num_layers=1, num_heads=3,
+                      relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0,
+                      eos_token_id=1, decoder_start_token_id=0)
+    T5EncoderModel(config).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    return build_tiny_t5(tmp_path_factory.mktemp("t5") / "tiny-flan-t5")
+
+
+def pcfg(mode: str, t5_dir=None, **changes) -> PolicyConfig:
+    options = {**OPTIONS, **({"text_encoder": str(t5_dir)} if mode == "t2i" else {})}
+    return PolicyConfig(**{"kind": "llamagen", "path": str(DATA / f"{mode}_tiny.pt"),
+                           "tokenizer": str(DATA / "vq_tiny.pt"), "options": options, **changes})
+
+
+@pytest.fixture(scope="module")
+def c2i():
+    return load_bundle(pcfg("c2i"), "cpu").policy
+
+
+@pytest.fixture(scope="module")
+def t2i(t5_dir):
+    return load_bundle(pcfg("t2i", t5_dir), "cpu").policy
+
+
+def golden_cond(policy: LlamaGenPolicy, mode: str) -> torch.Tensor:
+    if mode == "c2i":
+        return GOLDEN["c2i.labels"][:, None]  # [B, 1]
+    c, n = GOLDEN["t2i.c_indices"], GOLDEN["t2i.lengths"]  # sample_t2i.py's left-padded captions
+    cond = left_pad([c[i, 120 - int(n[i]):] for i in range(len(n))], 120)  # our left padding of the same tokens
+    assert torch.equal(cond, c)
+    return cond
+
+
+# ---------------------------------------------------------------------------- numerical identity
+
+
+@pytest.mark.parametrize("mode", ["c2i", "t2i"])
+@torch.no_grad()
+def test_teacher_forced_logits_equal_llamagens_conditional_and_null(mode, c2i, t2i):
+    policy = c2i if mode == "c2i" else t2i
+    cond, tokens = golden_cond(policy, mode), GOLDEN[f"{mode}.tokens"]
+    for name, rows in (("cond", cond), ("null", policy.null_condition(cond))):
+        diff = (policy.image_logits(rows, tokens) - GOLDEN[f"{mode}.logits_{name}"]).abs().max().item()
+        print(f"{mode} logits {name}: max |ours - LlamaGen's| = {diff:.2e}")
+        assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["c2i", "t2i"])
+@pytest.mark.parametrize("cfg_scale", [1.0, 4.0])
+def test_greedy_tokens_equal_llamagens_generate(mode, cfg_scale, c2i, t2i):
+    policy = c2i if mode == "c2i" else t2i
+    cond = golden_cond(policy, mode)
+    ours = sample(policy, cond, list(range(len(cond))), SamplingParams(cfg_scale=cfg_scale, top_k=1)).tokens
+    theirs = GOLDEN[f"{mode}.greedy_cfg{cfg_scale:g}"]
+    print(f"{mode} greedy cfg {cfg_scale:g}: {int((ours != theirs).sum())} of {theirs.numel()} tokens differ")
+    assert torch.equal(ours, theirs)
+
+
+@torch.no_grad()
+def test_vq_decodes_and_encodes_as_llamagens():
+    vq = load_bundle(pcfg("c2i"), "cpu").tokenizer
+    assert isinstance(vq, LlamaGenVQ) and vq.grid == (4, 4) and vq.codebook_size == 64 and vq.downsample == 2
+    diff = (vq.decode_raw(GOLDEN["vq.codes"]) - GOLDEN["vq.decoded"]).abs().max().item()
+    codes = vq.encode(GOLDEN["vq.images01"])
+    print(f"VQ decode: max |ours - LlamaGen's| = {diff:.2e}; encode: {int((codes != GOLDEN['vq.encoded']).sum())} "
+          "codes differ")
+    assert diff <= 1e-5 and torch.equal(codes, GOLDEN["vq.encoded"])
+    images = vq.decode(GOLDEN["vq.codes"])
+    assert images.shape == (2, 3, 8, 8) and images.min() >= 0 and images.max() <= 1
+
+
+# ---------------------------------------------------------------------------- sampler invariants
+
+
+MODES = [SamplingParams(cfg_scale=3.0), SamplingParams(cfg_scale=2.0, temperature=0.8, top_k=8, top_p=0.9),
+         SamplingParams(cfg_scale=3.0, logprob_mode="conditional"), SamplingParams(temperature=1.2)]
+
+
+@pytest.mark.parametrize("mode", ["c2i", "t2i"])
+@pytest.mark.parametrize("params", MODES, ids=str)
+def test_rollout_logprobs_equal_teacher_forced_logprobs(mode, params, c2i, t2i):
+    policy = c2i if mode == "c2i" else t2i
+    cond = policy.encode_prompts(["3", "7 dogs", "class 9"] if mode == "c2i" else PROMPTS)  # captions of 4, 7, 8 tokens
+    rollout = sample(policy, cond, [0, 1, 2], params)
+    logp = sequence_logprobs(policy, cond, rollout.tokens, params)
+    diff = (logp - rollout.logprobs).abs().max().item()
+    print(f"{mode} max |rollout - teacher-forced logprob| = {diff:.2e}")
+    # the ratio is 1 before the first update, to float32 rounding of guided logits that reach ~50 here
+    # (s = 3 multiplies a difference of the two passes by 2s - 1 = 5)
+    assert diff < 5e-5
+    assert logp.requires_grad and rollout.logprobs.mean() < -0.1
+
+
+@pytest.mark.parametrize("mode", ["c2i", "t2i"])
+@torch.no_grad()
+def test_kv_cache_logits_equal_the_teacher_forced_forward(mode, c2i, t2i):
+    policy = c2i if mode == "c2i" else t2i
+    cond = policy.encode_prompts(["3", "7", "9"] if mode == "c2i" else PROMPTS)
+    rows = torch.cat([cond, policy.null_condition(cond)])  # [2B, ...]
+    tokens = torch.randint(0, 64, (6, 16), generator=torch.Generator().manual_seed(0))
+    cache = policy.new_cache(6)
+    steps = [policy.prefill(rows, cache)] + [policy.decode(tokens[:, i], cache) for i in range(15)]
+    cached, full = torch.stack(steps, 1), policy.image_logits(rows, tokens)  # [2B, N, K] each
+    diff, scale = (cached - full).abs().max().item(), full.abs().max().item()
+    print(f"{mode} max |KV-cache - teacher-forced logits| = {diff:.2e} (largest logit {scale:.1f})")
+    assert diff <= 3e-6 * scale  # float32 rounding: one pass per token vs one pass for all, other SDPA kernels
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(t2i, checkpointing_gradients):
+    plain, remat = checkpointing_gradients(t2i, PROMPTS)
+    assert plain.keys() == remat.keys() and "cls_embedding.cap_proj.fc1.weight" in plain
+    assert all(torch.allclose(plain[n], remat[n], rtol=1e-4, atol=1e-6) for n in plain)
+
+
+def test_lora_targets_llamagens_fused_projections(c2i):
+    import copy
+
+    wrapped = add_adapter(copy.deepcopy(c2i), "lora", 4, 8.0, ["wqkv", "wo"])
+    assert len([n for n, p in wrapped.named_parameters() if p.requires_grad]) == 2 * 2 * 2  # A, B x 2 x 2 layers
+
+
+# ---------------------------------------------------------------------------- conditions
+
+
+def test_captions_are_t5_features_left_padded_and_encoded_once(t2i, t5_dir):
+    from transformers import AutoTokenizer, T5EncoderModel
+
+    encoder = t2i.captions
+    encoder.cache.clear()
+    calls = []
+    hook = encoder.model.register_forward_hook(lambda *a: calls.append(1))
+    cond = t2i.encode_prompts(["A red  circle", "a red circle", "two green dogs left of a cat"] * 4)  # [12, 120, 24]
+    t2i.encode_prompts(["a red circle"])
+    hook.remove()
+    assert len(calls) == 1 and len(encoder.cache) == 2  # one pass, two distinct captions, never again
+    tok, model = AutoTokenizer.from_pretrained(str(t5_dir)), T5EncoderModel.from_pretrained(str(t5_dir))
+    enc = tok(["a red circle"], max_length=120, padding="max_length", truncation=True, return_tensors="pt")
+    direct = model(**enc).last_hidden_state[0, :4]  # 3 words + </s>
+    assert cond.shape == (12, 120, 24) and torch.allclose(cond[0, -4:], direct, atol=1e-6)
+    assert (cond[0, :-4] == 0).all() and torch.equal(cond[0], cond[1])
+    null = t2i.null_condition(cond)
+    assert torch.equal((null != 0).any(-1), (cond != 0).any(-1))  # the caption's own padding mask
+    assert torch.equal(null[0, -4:], t2i.cls_embedding.uncond_embedding[-4:])
+
+
+def test_class_prompts_name_their_index():
+    assert [class_index(p, 1000) for p in ["207", " class 207: golden retriever", "207 golden retriever"]] == [207] * 3
+    for bad in ["golden retriever", "1000", "20.5 dogs", "207abc"]:
+        with pytest.raises(ValueError, match="does not start with a class index in 0..999"):
+            class_index(bad, 1000)
+
+
+def test_prompt_problem_names_what_the_policy_cannot_read(c2i):
+    assert prompt_problem(c2i, "7 cats") is None
+    assert "class index in 0..9" in prompt_problem(c2i, "12 cats")
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def save_as(tmp_path: Path, name: str, tree) -> Path:
+    path = tmp_path / name
+    torch.save(tree, path)
+    return path
+
+
+LAYER_NAMES = {"attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+               "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+               "ffn_norm": "post_attention_layernorm"}
+
+
+def hf_layout(state: dict) -> dict:
+    """A LlamaGen state dict in transformers-Llama names, as GCPO's llama_model.py names its modules."""
+    out = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if parts[0] == "layers" and parts[2:4] == ["attention", "wqkv"]:
+            out |= {f"model.layers.{parts[1]}.self_attn.{p}_proj.weight": t for p, t in zip("qkv", value.chunk(3))}
+        elif parts[0] == "layers":
+            out[f"model.layers.{parts[1]}.{LAYER_NAMES['.'.join(parts[2:-1])]}.weight"] = value
+        else:
+            top = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+            out[".".join([top.get(parts[0], "model." + parts[0]), *parts[1:]])] = value
+    return out
+
+
+@torch.no_grad()
+def test_every_checkpoint_layout_loads_the_same_weights(tmp_path, c2i):
+    state = torch.load(DATA / "c2i_tiny.pt", weights_only=True)["model"]
+    hf = hf_layout(state)
+    assert "model.layers.1.self_attn.k_proj.weight" in hf and "lm_head.weight" in hf
+    files = [save_as(tmp_path, "module.pt", {"module": state}), save_as(tmp_path, "sd.pt", {"state_dict": state}),
+             save_as(tmp_path, "bare.pt", dict(state)),
+             # as LlamaGen's training scripts save: optimizer, steps and the argparse Namespace of its arguments
+             save_as(tmp_path, "trained.pt", {"model": state, "optimizer": {"state": {}, "param_groups": []},
+                                              "steps": 5, "args": argparse.Namespace(gpt_model="GPT-B")}),
+             # runtime tensors LlamaGen's strict=False loading passes over
+             save_as(tmp_path, "runtime.pt", {"model": {**state, "freqs_cis": torch.zeros(17, 4, 2),
+                                                        "layers.0.attention.kv_cache.k_cache": torch.zeros(1)}})]
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "c2i.safetensors")
+    save_file({k: v.contiguous() for k, v in hf.items()}, tmp_path / "c2i_hf.safetensors")
+    files += [tmp_path / "c2i.safetensors", tmp_path / "c2i_hf.safetensors"]
+    cond, tokens = GOLDEN["c2i.labels"][:, None], GOLDEN["c2i.tokens"]
+    for path in files:
+        policy = load_bundle(pcfg("c2i", path=str(path)), "cpu").policy
+        assert torch.equal(policy.image_logits(cond, tokens), c2i.image_logits(cond, tokens)), path.name
+
+
+def test_unexpected_missing_or_misshapen_keys_are_named(tmp_path):
+    state = torch.load(DATA / "c2i_tiny.pt", weights_only=True)["model"]
+    cases = {"extra": ({**state, "layers.0.attention.bias": torch.zeros(3)}, "has layers.0.attention.bias, which"),
+             "missing": ({k: v for k, v in state.items() if k != "norm.weight"}, "lacks norm.weight"),
+             "shape": ({**state, "norm.weight": torch.ones(7)}, r"norm.weight of shape \[7\], not \[32\]"),
+             "nan": ({**state, "norm.weight": torch.full((32,), float("nan"))}, "32 NaN or infinite values")}
+    for name, (bad, message) in cases.items():
+        path = save_as(tmp_path, f"{name}.pt", {"model": bad})
+        with pytest.raises(CheckpointError, match=f"policy.path {path}.*{message}"):
+            load_bundle(pcfg("c2i", path=str(path)), "cpu")
+
+
+def test_bad_settings_are_one_line_errors_naming_the_key(tmp_path, t5_dir):
+    cases = [(pcfg("c2i", tokenizer=""), ConfigError, "needs policy.tokenizer"),
+             (pcfg("t2i", options=OPTIONS), ConfigError, "needs policy.options.text_encoder"),
+             (pcfg("c2i", options={**OPTIONS, "text_encoder": str(t5_dir)}), ConfigError, "class-conditional model"),
+             (pcfg("c2i", options={**OPTIONS, "typo": 1}), ConfigError, "policy.options.typo"),
+             (pcfg("c2i", options={"heads": 4}), ConfigError, "image_size is not set and c2i_tiny.pt does not say"),
+             (pcfg("c2i", options={**OPTIONS, "gpt": "GPT-Z"}), ConfigError, "'GPT-Z' is not a LlamaGen size"),
+             (pcfg("c2i", options={**OPTIONS, "gpt": "GPT-B"}), ConfigError, "GPT-B has 12 layers of width 768"),
+             (pcfg("c2i", options={"image_size": 8}), ConfigError, "set policy.options.heads"),
+             (pcfg("t2i", t5_dir, options={**OPTIONS, "text_encoder": str(tmp_path)}), FileNotFoundError,
+              "text_encoder .* has no config.json"),
+             (pcfg("c2i", path=str(tmp_path / "c2i_XL_384.pt")), FileNotFoundError, "is not a file"),
+             (pcfg("c2i", tokenizer=str(DATA / "c2i_tiny.pt")), CheckpointError, "not a LlamaGen VQ checkpoint"),
+             (pcfg("c2i", path=str(DATA / "vq_tiny.pt")), CheckpointError, "not a LlamaGen GPT checkpoint")]
+    cases += [(PolicyConfig(kind=kind, path=str(tmp_path), options={"image_size": 256}), ConfigError,
+               f"policy.options \\(image_size\\) is not used with policy.kind '{kind}'")
+              for kind in ("llama", "janus", "shapes")]
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    cases.append((pcfg("c2i", path=str(tmp_path / "junk.pt")), CheckpointError, "not a readable torch checkpoint"))
+    for config, error, message in cases:
+        with pytest.raises(error, match=message) as e:
+            load_bundle(config, "cpu")
+        assert "\n" not in str(e.value)
+
+
+def test_a_crafted_pickle_named_like_a_llamagen_checkpoint_runs_no_code(tmp_path):
+    from tests.test_security import Payload, armed
+
+    def crafted(path, marker):
+        torch.save({"model": Payload(marker), "steps": 1}, path)
+
+    assert armed(crafted, tmp_path)  # the control: unpickled the unsafe way, it creates its marker
+    marker = tmp_path / "RAN"
+    for name, field in (("t2i_XL_stage1_256.pt", "path"), ("vq_ds16_t2i.pt", "tokenizer")):
+        crafted(tmp_path / name, marker)
+        with pytest.raises(CheckpointError, match=f"{name} holds pickled Python objects .*it names "
+                                                  r"io.open\).*refused for safety"):
+            load_bundle(pcfg("c2i", **{field: str(tmp_path / name)}), "cpu")
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------- train, sample, demo
+
+
+@pytest.fixture(scope="module")
+def clip_options(tmp_path_factory):
+    """reward.options.clip for a random open_clip model of ShapesWorld's tiny CLIP architecture."""
+    import open_clip
+
+    from grpo_vision.rewards.clip import resolve_model_name
+    from grpo_vision.shapes.plugin import CLIP_CONFIG
+
+    torch.manual_seed(0)
+    model = open_clip.create_model(resolve_model_name(str(CLIP_CONFIG)), pretrained=None)
+    path = tmp_path_factory.mktemp("clip") / "clip.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    return {"model": str(CLIP_CONFIG), "checkpoint": str(path)}
+
+
+def write_config(tmp_path: Path, mode: str, t5_dir: Path, clip: dict) -> Path:
+    prompts = PROMPTS if mode == "t2i" else ["1 a red circle", "4 a dog", "7 a cat"]
+    (tmp_path / "train.txt").write_text("\n".join(prompts) + "\n")
+    (tmp_path / "eval.txt").write_text("a green cat\n" if mode == "t2i" else "2 a cat\n")
+    policy = pcfg(mode, t5_dir)
+    config = {
+        "run": {"name": f"llamagen_{mode}", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "policy": {"kind": "llamagen", "path": policy.path, "tokenizer": policy.tokenizer, "options": policy.options},
+        "sample": {"prompts_per_step": 2, "group_size": 4, "cfg_scale": 3.0, "batch_size": 8},
+        "train": {"steps": 2, "micro_batch_size": 4, "lr": 1e-3, "beta": 0.04, "gradient_checkpointing": True},
+        "reward": {"weights": {"clip": 1.0}, "monitor": [], "options": {"clip": clip}},
+        "data": {"train_prompts": str(tmp_path / "train.txt"), "eval_prompts": str(tmp_path / "eval.txt")},
+        "log": {"sample_every": 1, "checkpoint_every": 0, "eval_images": 1, "tensorboard": False},
+    }
+    path = tmp_path / f"llamagen_{mode}.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["t2i", "c2i"])
+def test_two_train_steps_through_the_cli_then_sample_and_the_demo(mode, tmp_path, t5_dir, clip_options):
+    from grpo_vision.run.metrics import load_metrics
+    from grpo_vision.tools.demo import DemoRun, clean_prompt, summary_rows
+
+    done = run_cli("train", write_config(tmp_path, mode, t5_dir, clip_options))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / f"llamagen_{mode}"
+    metrics = load_metrics(run)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(torch.isfinite(torch.tensor([m["loss/policy"], m["reward/clip/mean"]])).all() for m in metrics)
+    after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
+    before = torch.load(DATA / f"{mode}_tiny.pt", weights_only=True)["model"]
+    moved = [k for k in after if not torch.equal(after[k], before[k].float())]
+    assert any("layers.1.attention.wqkv" in k for k in moved) and "cls_embedding.uncond_embedding" not in after
+    assert (run / "samples" / "step_000001.png").is_file() and (run / "report.md").is_file()
+
+    prompt = "a red dog" if mode == "t2i" else "5 a dog"
+    (tmp_path / "ask.txt").write_text(prompt + "\n")
+    done = run_cli("sample", run, "--prompts", tmp_path / "ask.txt", "--n", "2", "--out", tmp_path / "png",
+                   "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "png").glob("*.png"))) == 2
+
+    demo = DemoRun(run, "cpu")  # what the app's Compare button runs, without a browser
+    text = clean_prompt(prompt, demo.bundle.policy)
+    params = SamplingParams(cfg_scale=2.0)
+    left, right = demo.side("step 2", text, [0, 1], params), demo.side("reference", text, [0, 1], params)
+    assert left.images.shape == (2, 3, 8, 8) and not torch.equal(left.images, right.images)
+    assert summary_rows(left, right)[0][0] == "clip"
+
+
+@pytest.mark.parametrize("name", ["llamagen_t2i.yaml", "llamagen_c2i.yaml"])
+def test_shipped_configs_name_valid_options(name):
+    from grpo_vision.config import from_dict, load_config
+    from grpo_vision.models.llamagen_load import LlamaGenOptions
+
+    cfg = load_config(ROOT / "configs" / name)
+    options = from_dict(LlamaGenOptions, cfg.policy.options, prefix="policy.options.")
+    assert cfg.policy.kind == "llamagen" and options.gpt and (options.text_encoder != "") == ("t2i" in name)
