@@ -8,6 +8,7 @@ Tiny models: GPT width 32, 2 layers, 4 heads, 64 codes, a 4x4 token grid; c2i wi
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -378,6 +379,14 @@ def test_two_train_steps_through_the_cli_then_sample_and_the_demo(mode, tmp_path
     left, right = demo.side("step 2", text, [0, 1], params), demo.side("reference", text, [0, 1], params)
     assert left.images.shape == (2, 3, 8, 8) and not torch.equal(left.images, right.images)
     assert summary_rows(left, right)[0][0] == "clip"
+
+    if mode == "t2i":  # the reward-swap matrix on this kind, as on any: one run trained, scored against the base
+        done = run_cli("matrix", write_config(tmp_path, mode, t5_dir, clip_options), "--out", tmp_path / "matrix",
+                       "--rewards", "placebo", "--images", "2")
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads((tmp_path / "matrix" / "matrix.json").read_text())
+        (row,) = result["runs"]
+        assert row["summary"]["step"] == 2 and math.isfinite(row["summary"]["sets"]["test"]["clip"]["change"]["mean"])
 
 
 @pytest.mark.parametrize("name", ["llamagen_t2i.yaml", "llamagen_c2i.yaml"])
