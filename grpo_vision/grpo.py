@@ -164,6 +164,15 @@ def frac_zero_std(rewards: Tensor, group_size: int) -> float:
     return _constant_groups(_group_view(rewards, group_size)).float().mean().item()
 
 
+def group_std(rewards: Tensor, group_size: int) -> float:
+    """Mean within-group std (unbiased, NaN-aware) over the groups with two or more values; NaN when none
+    has: metric `reward/<name>/group_std`, the spread advantages are made of (variance collapse watches it).
+    Unlike `reward/<name>/std` it leaves out the spread between prompts."""
+    r = _group_view(rewards, group_size)  # [B, G]
+    enough = (~r.isnan()).sum(1) >= 2  # [B]
+    return _nanstd(r, dim=1)[enough].mean().item() if bool(enough.any()) else float("nan")
+
+
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Per-token k3 estimate of KL(policy || ref): exp(d) - d - 1 with d = ref - logp.
 

@@ -28,13 +28,14 @@ import torch
 from tqdm import tqdm
 
 from grpo_vision.config import Config, ConfigError, brief, derived_sizes, format_sizes, save_config
-from grpo_vision.grpo import frac_zero_std, group_advantages, normalize_then_sum
+from grpo_vision.grpo import frac_zero_std, group_advantages, group_std, normalize_then_sum
 from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
 from grpo_vision.models.adapters import add_adapter
 from grpo_vision.policy import Bundle, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.reference import Reference
 from grpo_vision.rewards import CompositeReward, RewardError
+from grpo_vision.run.alerts import RunAlerts, watcher_for
 from grpo_vision.run.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, load_training_state, save_checkpoint,
 )
@@ -43,12 +44,13 @@ from grpo_vision.run.distributed import (
     trainable_weights,
 )
 from grpo_vision.run.folder import read_run_config, resume_command, save_origin
-from grpo_vision.run.health import COUNTERS, DRIFT_WARN, NonFiniteWeightsError, RunHealth
+from grpo_vision.run.health import COUNTERS, DRIFT_WARN, NonFiniteWeightsError, RunHealth, warn
 from grpo_vision.run.lock import RunLock, check_run_dir
 from grpo_vision.run.machine import check_load, resolve_device, set_threads
 from grpo_vision.run.memory import report_memory
-from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, nanmean, nanstd
+from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics, nanmean, nanstd
 from grpo_vision.run.signals import GracefulStop, Interrupted
+from grpo_vision.run.trackers import Trackers, accelerator_options, grid_text
 from grpo_vision.sampling import Rollout, SamplingParams, sample_batched
 from grpo_vision.seeds import IMAGE, REPLAY, step_rng, step_seed
 from grpo_vision.splits import PromptSets, checked_prompt_sets
@@ -61,7 +63,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
     lock = RunLock(st.run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
     if main:  # only once everything has loaded, so a bad override never reaches the run's config
         save_run_files(st, cfg)
-    logger = MetricsLogger(st.run_dir, st.start, cfg.log.tensorboard) if main else None
+    logger = MetricsLogger(st.run_dir, st.start, Trackers(st.acc, st.run_dir, cfg, st.start)) if main else None
+    alerts = RunAlerts(st.run_dir, st.start, watcher_for(cfg), load_metrics(st.run_dir), cfg.log.stop_on) \
+        if main else None  # after the logger, which drops the rows past the resumed step
     stop, step = GracefulStop(), st.start
     try:
         for step in (bar := tqdm(range(st.start, t.steps), initial=st.start, total=t.steps, desc="grpo",
@@ -82,11 +86,22 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
             after_update(st, cfg, step, samples)  # ---- the moving reference's sync, the replay buffer
             # ---- LOG / CHECKPOINT
             metrics = step_metrics(st, cfg, samples, scored, losses, timer) | iteration
+            alert = None
             if main:
-                logger.log(step + 1, metrics)
+                alert = alerts.observe(logger.log(step + 1, metrics), warn)  # ALERTS: one line each as it fires
                 bar.set_postfix(reward=f"{metrics['reward/total/mean']:.3f}", kl=f"{metrics['loss/kl']:.4f}")
             if cfg.log.sample_every and ((step + 1) % cfg.log.sample_every == 0 or step == st.start):
-                sample_grid(st, step)
+                sample_grid(st, step, logger and logger.trackers)
+                if main:
+                    logger.trackers.log_rollouts(step + 1, [e.prompt for e in samples.entries], samples.images,
+                                                 {k: v[samples.rows] for k, v in scored.raw.items()}, advantages,
+                                                 scored.verdicts)
+            if cfg.log.stop_on and (alert := agreed_alert(st.acc, alert)):  # log.stop_on named it
+                checkpoint(st, step + 1)
+                print(f"\n[train] stopped by the {alert.name} alert at step {step + 1} (log.stop_on): saved a "
+                      f"checkpoint; alerts.jsonl holds the evidence. To go on anyway: "
+                      f"{resume_command(st.run_dir, cfg, st.prompts.all())} log.stop_on=[]", file=sys.stderr, flush=True)
+                break
             if signum := stop.agreed(st.acc):
                 checkpoint(st, step + 1)
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
@@ -97,8 +112,9 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
                 raise st.learner.health.stuck(step + 1, st.run_dir)
             if cfg.log.checkpoint_every and (step + 1) % cfg.log.checkpoint_every == 0:
                 checkpoint(st, step + 1)
-        step = t.steps
-        checkpoint(st, step)
+        else:
+            step = t.steps
+            checkpoint(st, step)
     except RewardError as e:
         saved = "no step had finished, nothing was saved: the same command starts again"
         if step:  # at step 0 a checkpoint would hold the starting weights and make the folder refuse a fresh start
@@ -117,6 +133,8 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) 
         stop.restore()
         if logger:
             logger.close()
+        if alerts:
+            alerts.close()
         if lock:
             lock.release()
     return st.run_dir
@@ -141,6 +159,8 @@ class Scored:  # REWARD's hand-off: every process's images, [B*G] each, in group
     raw: dict[str, torch.Tensor]  # reward name -> [B*G] its unweighted values (NaN: does not apply)
     weights: dict[str, torch.Tensor]  # reward name -> [B*G] its weight for each image
     spread: float  # the fraction of groups whose total has no spread (they teach nothing)
+    judged: dict[str, torch.Tensor]  # judge key ("correct", each attribute) -> [B*G] 1 / 0 (NaN: n/a); {}: no judge
+    verdicts: list  # [n] this process's images' verdicts (None each without a judge)
 
 
 # ---------------------------------------------------------------------------- the phases
@@ -188,7 +208,8 @@ def sample_step(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> Samp
 
 
 def score(st: RunState, cfg: Config, samples: Samples) -> Scored:
-    """Every reward on this process's images, gathered from every process (in group order)."""
+    """Every reward on this process's images, gathered from every process (in group order), and the
+    policy kind's judge on them (log.judge_rollouts)."""
     entries = samples.entries
     out = st.rewards(samples.images, [e.prompt for e in entries], [e.metadata for e in entries],
                      [e.rewards for e in entries])
@@ -198,7 +219,13 @@ def score(st: RunState, cfg: Config, samples: Samples) -> Scored:
     if cfg.reward.combine == "normalize_then_sum":
         total = normalize_then_sum(torch.stack([raw[k] for k in st.rewards.names], 1),
                                    torch.stack([weights[k] for k in st.rewards.names], 1), cfg.sample.group_size)
-    return Scored(total, raw, weights, frac_zero_std(total, cfg.sample.group_size))
+    judge, verdicts, judged = st.bundle.judge, [None] * len(entries), {}
+    if judge is not None and cfg.log.judge_rollouts:
+        from grpo_vision.evaluation.judge import verdict_rates
+
+        verdicts = judge.verdicts(samples.images, [e.prompt for e in entries])
+        judged = {k: gather(st.acc, v) for k, v in verdict_rates(verdicts, ["correct", *judge.attributes]).items()}
+    return Scored(total, raw, weights, frac_zero_std(total, cfg.sample.group_size), judged, verdicts)
 
 
 def update_batch(st: RunState, cfg: Config, samples: Samples, advantages: torch.Tensor) -> UpdateBatch:
@@ -232,8 +259,12 @@ def step_metrics(st: RunState, cfg: Config, samples: Samples, scored: Scored, lo
     metrics = {f"reward/{k}/mean": nanmean(v) for k, v in scored.raw.items()}
     metrics |= {f"reward/{k}/std": nanstd(v) for k, v in scored.raw.items()}
     metrics |= {f"reward/{k}/frac_zero_std": frac_zero_std(v, G) for k, v in scored.raw.items()}
+    metrics |= {f"reward/{k}/group_std": group_std(v, G) for k, v in scored.raw.items()}
+    # the judge's rates on the rollouts, for the attributes this step's prompts name (none: no key, as no value)
+    metrics |= {f"judge/{k}": nanmean(v) for k, v in scored.judged.items() if not v.isnan().all()}
     return metrics | {
         "reward/total/mean": nanmean(scored.total), "reward/total/std": nanstd(scored.total),
+        "reward/total/group_std": group_std(scored.total, G),
         "adv/frac_zero_std": scored.spread, **losses, **st.learner.health.metrics(),
         "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),
         **timer.metrics(),
@@ -273,15 +304,31 @@ def sync_reference(st: RunState) -> None:
     st.reference.sync(st.policy, full_state_dict(st.learner.model) if st.reference.mode == "frozen" else None)
 
 
-def sample_grid(st: RunState, step: int) -> None:
-    """Policy and reference on the same seeds, four test and four training prompts: samples/step_N.png."""
+def sample_grid(st: RunState, step: int, trackers: Trackers | None) -> None:
+    """Policy and reference on the same seeds, four test and four training prompts: samples/step_N.png,
+    and to the trackers (the main process's) as an image with each image's rewards and verdict."""
     from grpo_vision.evaluation.evaluate import save_sample_grid
 
     with full_weights(st.learner.model):  # every process: FSDP gathers the shards together
         if st.acc.is_main_process:
-            save_sample_grid(st.policy, st.reference, st.bundle.tokenizer, st.prompts.test[:4] + st.prompts.train[:4],
-                             st.params, st.run_dir / "samples" / f"step_{step + 1:06d}.png", judge=st.bundle.judge,
-                             root=st.run_dir)
+            entries = st.prompts.test[:4] + st.prompts.train[:4]
+            png = st.run_dir / "samples" / f"step_{step + 1:06d}.png"
+            grid = save_sample_grid(st.policy, st.reference, st.bundle.tokenizer, entries, st.params, png,
+                                    judge=st.bundle.judge, root=st.run_dir)
+            if trackers is not None and trackers.wants_grid():
+                k = len(grid["prompts"]) // len(entries)  # images per prompt, in prompt order
+                meta = [e for e in entries for _ in range(k)]
+                rewards = {side: st.rewards(images, grid["prompts"], [e.metadata for e in meta],
+                                            [e.rewards for e in meta]).raw for side, images in grid["images"].items()}
+                trackers.log_grid(step + 1, grid["sheet"], grid_text(step + 1, grid["prompts"], grid["seeds"], rewards,
+                                                                     grid["verdicts"]), png)
+
+
+def agreed_alert(acc, alert):
+    """The main process's stopping alert (or None), on every process: they stop at the same step."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([alert])[0] if acc.num_processes > 1 else alert
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -307,9 +354,10 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     from accelerate import Accelerator
 
     device = resolve_device(cfg.run.device)
-    acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision)
-    sizes = derived_sizes(cfg, acc.num_processes)
     run_dir = Path(resume) if resume else Path(cfg.run.out_dir) / cfg.run.name
+    acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision,
+                      **accelerator_options(cfg, run_dir))  # log.trackers: started by train() once the folder is ours
+    sizes = derived_sizes(cfg, acc.num_processes)
     check_run_dir(run_dir, fresh=not resume)  # in use, or (fresh start) already a run: refused before loading
     acc.wait_for_everyone()  # every process has looked before the main one writes anything there
     main = acc.is_main_process

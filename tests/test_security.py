@@ -427,7 +427,7 @@ def test_files_written_whole_replace_a_link_and_leave_its_target_alone(tmp_path)
         targets[name] = outside(tmp_path, name.replace("/", "_"))
         (run / name).symlink_to(targets[name])
     save_config(Config(), run / "config.yaml")
-    logger = MetricsLogger(run, 0, tensorboard=False)
+    logger = MetricsLogger(run, 0)
     logger.log(1, {"lr": 0.1})
     logger.close()
     save_prompts([PromptEntry("a red circle")], run / "prompts" / "train.jsonl", root=run)
@@ -444,7 +444,6 @@ def test_files_written_whole_replace_a_link_and_leave_its_target_alone(tmp_path)
 
 @pytest.mark.parametrize("sub", ["prompts", "checkpoints", "samples", "tensorboard"])
 def test_a_sub_folder_that_is_a_link_is_refused_naming_it(tmp_path, sub):
-    from grpo_vision.run.metrics import MetricsLogger
     from grpo_vision.prompts import PromptEntry, save_prompts
     from grpo_vision.files import FolderError, write_file
 
@@ -456,10 +455,20 @@ def test_a_sub_folder_that_is_a_link_is_refused_naming_it(tmp_path, sub):
     write = {"prompts": lambda: save_prompts([PromptEntry("a red circle")], run / "prompts" / "train.jsonl", root=run),
              "checkpoints": lambda: save_checkpoint(run, 1, model, opt, sched, None, {"counters": {}}),
              "samples": lambda: write_file(run / "samples" / "step_000001.png", b"png", root=run),  # save_sample_grid's
-             "tensorboard": lambda: MetricsLogger(run, 0, tensorboard=True)}[sub]
+             "tensorboard": lambda: start_trackers(run)}[sub]
     with pytest.raises(FolderError, match=f"{run / sub} is a symbolic link \\(to {elsewhere}\\)"):
         write()
     assert list(elsewhere.iterdir()) == []
+
+
+def start_trackers(run):
+    """The run's trackers as train starts them (TensorBoard: tensorboard/)."""
+    from accelerate import Accelerator
+
+    from grpo_vision.config import Config
+    from grpo_vision.run.trackers import Trackers, accelerator_options
+
+    return Trackers(Accelerator(cpu=True, **accelerator_options(Config(), run)), run, Config(), 0)
 
 
 def test_resuming_a_run_with_planted_links_overwrites_nothing_outside_it(micro_world, tmp_path):

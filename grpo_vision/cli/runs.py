@@ -1,4 +1,4 @@
-"""The commands that read a run folder: `sample` and `eval` here, and the options they share with `demo`
+"""The commands that read a run folder: `sample`, `eval` and `alerts` here, and the options they share with `demo`
 and `bench demo` (cli/app.py). A run folder may come from someone else, so these commands load no code it
 names without --trust-run (run/folder.py), sample where the run trained when this machine has that device
 (else on the best one here), and refuse prompts the policy cannot read, as `train` does.
@@ -61,6 +61,20 @@ def add_run_commands(sub) -> None:
                            help="index: numbered PNGs + index.jsonl; geneval: GenEval's folders (--prompts is its "
                                 "evaluation_metadata.jsonl); flat: <prompt>_<k>.png (T2I-CompBench style)")
         p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
+    p = sub.add_parser("alerts", help="replay the training alerts over a run's metrics.jsonl: one JSON line per "
+                                      "alert (step, name, evidence, advice); works on runs from before the alerts")
+    p.add_argument("run", help="run directory")
+    p.add_argument("overrides", nargs="*", help="other thresholds, e.g. log.alerts.window=20 log.alerts.sigmas=2.5")
+    p.set_defaults(func=cmd_alerts)
+
+
+def cmd_alerts(args) -> None:
+    from dataclasses import asdict
+
+    from grpo_vision.run.alerts import replay_run
+
+    for alert in replay_run(args.run, args.overrides):
+        print(json.dumps(asdict(alert)), flush=True)
 
 
 def check_seeds(first: int, span: int) -> None:

@@ -151,6 +151,25 @@ class DataConfig:
     eval_draw: int = 1
 
 
+# The alerts a run watches for while it trains (run/alerts.py; docs/usage.md, "Alerts")
+ALERT_NAMES = ("flat_reward", "hacking_onset", "variance_collapse", "ratio_drift")
+TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")  # log.trackers: through accelerate's tracker API (run/trackers.py)
+
+
+@dataclass
+class AlertConfig:
+    enabled: bool = True  # watch the metrics for the alerts below while training
+    # steps per window; trends compare the last window with the one before it. 12 lets the main job's 72
+    # steps be watched from step 24; on runs of hundreds of steps a longer window is less noisy
+    window: int = 12
+    sigmas: float = 3.0  # a change counts when it exceeds this many standard errors (Welch, each step one draw)
+    flat_zero_std: float = 0.5  # flat_reward: the window's mean fraction of groups without reward spread at or above
+    flat_change: float = 0.1  # flat_reward: a trend under this fraction of the within-group std is flat
+    collapse_fraction: float = 0.2  # variance_collapse: within-group std below this fraction of the first window's
+    ratio_tolerance: float = 0.01  # ratio_drift: loss/ratio_mean's window mean further than this from 1 (and noise)
+    clip_rise: float = 0.02  # ratio_drift: a clip fraction rising by more than this between windows (and noise)
+
+
 @dataclass
 class LogConfig:
     sample_every: int = 25  # save a policy-vs-reference sample grid every N steps; 0 = never
@@ -160,8 +179,15 @@ class LogConfig:
     # both); the first gives the headline tables, each one a row of the by-temperature table. Empty =
     # sample.temperature only. Training still samples at sample.temperature
     eval_temperatures: list[float] = field(default_factory=list)
-    tensorboard: bool = True  # also write TensorBoard events
+    tensorboard: bool = True  # false leaves tensorboard out of log.trackers (the switch from before log.trackers)
     report: bool = True  # evaluate and write report.md at the end (`matrix` scores its runs itself)
+    # where the metrics, the sample grids (log.sample_every) and, on W&B, the rollouts table go besides
+    # metrics.jsonl: tensorboard, wandb, mlflow (pip install grpo_vision[wandb] / [mlflow]); [] = none
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "grpo_vision"  # the W&B project and MLflow experiment; TensorBoard writes tensorboard/<project>/
+    alerts: AlertConfig = field(default_factory=AlertConfig)  # what to watch for while training
+    judge_rollouts: bool = True  # judge every step's rollouts where the policy kind has a judge: judge/<attribute>
+    stop_on: list[str] = field(default_factory=list)  # alerts that stop the run (checkpoint saved), e.g. [hacking_onset]
 
 
 @dataclass
@@ -248,6 +274,11 @@ def validate(cfg: Config) -> None:
         (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
         (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
         (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per eval prompt in the report)"),
+        (all(n in TRACKER_NAMES for n in cfg.log.trackers),
+         f"log.trackers {brief(cfg.log.trackers)} may name only {', '.join(TRACKER_NAMES)}"),
+        (all(n in ALERT_NAMES for n in cfg.log.stop_on),
+         f"log.stop_on {brief(cfg.log.stop_on)} may name only the alerts {', '.join(ALERT_NAMES)}"),
+        (cfg.log.alerts.window >= 2, "log.alerts.window must be >= 2 (steps per window; a window needs a spread)"),
         (cfg.data.test_prompts >= 1, "data.test_prompts must be >= 1 (prompts held back as the test set)"),
         (cfg.data.eval_size >= 1, "data.eval_size must be >= 1 (captions per eval set)"),
         (cfg.data.eval_draw >= 1, "data.eval_draw must be >= 1 (1: the eval sets every run is scored on)"),
@@ -286,6 +317,13 @@ def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
         ("reward.replay_fraction", cfg.reward.replay_fraction, "in [0, 1) (0 = no replay)", lambda v: 0 <= v < 1),
     ]
     ranges += [(f"train.adam_betas[{i}]", b, "in [0, 1)", lambda v: 0 <= v < 1) for i, b in enumerate(t.adam_betas)]
+    a = cfg.log.alerts
+    ranges += [("log.alerts.sigmas", a.sigmas, "> 0", lambda v: v > 0),
+               ("log.alerts.flat_zero_std", a.flat_zero_std, "in (0, 1]", lambda v: 0 < v <= 1),
+               ("log.alerts.flat_change", a.flat_change, ">= 0", lambda v: v >= 0),
+               ("log.alerts.collapse_fraction", a.collapse_fraction, "in [0, 1)", lambda v: 0 <= v < 1),
+               ("log.alerts.ratio_tolerance", a.ratio_tolerance, ">= 0", lambda v: v >= 0),
+               ("log.alerts.clip_rise", a.clip_rise, ">= 0", lambda v: v >= 0)]
     ranges += [(f"log.eval_temperatures[{i}]", x, "> 0", lambda v: v > 0)
                for i, x in enumerate(cfg.log.eval_temperatures)]
     return ranges

@@ -171,19 +171,22 @@ def _diff(result: dict, table: str, key: str):
 @torch.no_grad()
 def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[PromptEntry], params: SamplingParams,
                      path: Path, seeds_per_prompt: int = 2, judge: Judge | None = None, scale: int = 2,
-                     root: Path | None = None) -> None:
+                     root: Path | None = None) -> dict:
     """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right,
     each image `scale` times its size; under each, the judge's verdict per attribute (✓ / ✗) where
     the policy kind has a judge, and the judge's own rendering of the prompt (ground truth) last,
     where the judge can draw one (ShapesWorld). `root`: the run folder when `path` lies in a sub-folder
-    of it (written as files.write_file writes)."""
+    of it (written as files.write_file writes). Returns what it drew, for the trackers: the sheet (PIL),
+    each image's prompt and seed, the images and the verdicts per side (policy, reference)."""
     prompts = [e.prompt for e in entries for _ in range(seeds_per_prompt)]
     seeds = [j for _ in entries for j in range(seeds_per_prompt)]
     images = {"policy": generate(policy, tokenizer, prompts, seeds, params)}
     model, context = reference.sampler(policy)
     with context:
         images["reference"] = generate(model, tokenizer, prompts, seeds, params)
-    marks = {side: verdict_lines(judge, batch, prompts) for side, batch in images.items()}
+    verdicts = {side: judge.verdicts(batch, prompts) if judge else [None] * len(prompts)
+                for side, batch in images.items()}
+    marks = {side: verdict_lines(judge, batch, prompts, verdicts[side]) for side, batch in images.items()}
     cells = {side: [Cell(img, marks[side][i]) for i, img in enumerate(to_uint8(batch))] for side, batch in images.items()}
     draw = getattr(judge, "render", None)
     truth = [draw(e.prompt, 0) if draw else None for e in entries]
@@ -195,15 +198,17 @@ def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[Prom
     sheet = paint_grid(rows, headings=headings, row_labels=[textwrap.fill(e.prompt, 26) for e in entries],
                        label_width=180, split=k, scale=scale, line=13)
     write_file(path, lambda f: sheet.save(f, format="PNG"), root)
+    return {"sheet": sheet, "prompts": prompts, "seeds": seeds, "images": images, "verdicts": verdicts}
 
 
-def verdict_lines(judge: Judge | None, images: torch.Tensor, prompts: list[str]) -> list[list[str]]:
+def verdict_lines(judge: Judge | None, images: torch.Tensor, prompts: list[str],
+                  verdicts: list | None = None) -> list[list[str]]:
     """Per image, its verdicts as caption lines that fit under a 128 px tile ('✓ count  ✗ color'); none
-    without a judge."""
+    without a judge. `verdicts`: the judge's, where already computed."""
     if judge is None:
         return [[] for _ in prompts]
     out = []
-    for verdict in judge.verdicts(images, prompts):
+    for verdict in judge.verdicts(images, prompts) if verdicts is None else verdicts:
         lines = []
         for a, ok in (verdict or {}).items():
             if a == "correct" or ok is None:

@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from grpo_vision.evaluation.evaluate import eval_temperatures, evaluate, save_sample_grid
+from grpo_vision.run.alerts import load_alerts, report_lines as alert_lines
 from grpo_vision.run.health import run_summary
 from grpo_vision.run.metrics import load_metrics
 from grpo_vision.evaluation.plots import curves_figure, judge_figure, save_figure
@@ -147,7 +148,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
              f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
-             *_warning_paragraph(warnings),
+             *_warning_paragraph(warnings), *alert_lines(load_alerts(run_dir)),
              *what_changed(result, trained, list(cfg.reward.monitor), kl if cfg.train.reference != "none" else [],
                            rollout_trend(metrics, twin) if twin else None),
              f"Evaluation: {result['prompts']} test prompts ({result['captions']} distinct captions of the training "

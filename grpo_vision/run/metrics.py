@@ -1,4 +1,4 @@
-"""Metrics: the per-step log (metrics.jsonl and TensorBoard) and the NaN-aware statistics every
+"""Metrics: the per-step log (metrics.jsonl, and the trackers) and the NaN-aware statistics every
 table uses. NaN means "does not apply" throughout (a reward that does not score a sample)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.files import folder, open_kept, write_file
+from grpo_vision.files import open_kept, write_file
 
 
 def nanmean(x: torch.Tensor) -> float:
@@ -89,26 +89,26 @@ class PhaseTimer:
 
 
 class MetricsLogger:
-    """metrics.jsonl (one line per step; on resume, lines past the checkpoint are dropped) and TensorBoard."""
+    """metrics.jsonl (one line per step; on resume, lines past the checkpoint are dropped), and the same
+    scalars to the run's trackers (run/trackers.py: TensorBoard, W&B, MLflow), when given."""
 
-    def __init__(self, run_dir: Path, start: int, tensorboard: bool):
+    def __init__(self, run_dir: Path, start: int, trackers=None):
         self.path = run_dir / "metrics.jsonl"
         keep = [row for row in load_metrics(run_dir) if row["step"] <= start]
         write_file(self.path, "".join(json.dumps(row) + "\n" for row in keep))  # replaces a link, never follows it
         self.file = open_kept(self.path)
-        self.tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(folder(run_dir, run_dir / "tensorboard")), purge_step=start + 1)
+        self.trackers = trackers
 
-    def log(self, step: int, metrics: dict) -> None:
-        self.file.write(json.dumps({"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}) + "\n")
+    def log(self, step: int, metrics: dict) -> dict:
+        """Write one step's row; returns it as metrics.jsonl holds it (what the alerts watch)."""
+        row = {"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tb:
-            for k, v in metrics.items():
-                self.tb.add_scalar(k, v, step)
+        if self.trackers:
+            self.trackers.log(step, metrics)
+        return row
 
     def close(self) -> None:
         self.file.close()
-        if self.tb:
-            self.tb.close()
+        if self.trackers:
+            self.trackers.close()
