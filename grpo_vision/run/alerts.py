@@ -30,6 +30,7 @@ from statistics import fmean, variance
 
 from grpo_vision.config.schema import AlertConfig
 from grpo_vision.files import open_kept, write_file
+from grpo_vision.run.metrics import step_rows
 
 ADVICE = {
     "flat_reward:zero_spread": "most groups give all their images the same reward, so they teach nothing: raise "
@@ -285,16 +286,7 @@ class RunAlerts:
 
 def load_alerts(run_dir: Path) -> list[dict]:
     """alerts.jsonl's alerts (a line cut short by a crash mid-write is skipped)."""
-    path = Path(run_dir) / "alerts.jsonl"
-    out = []
-    for ln in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(ln)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            out.append(row)
-    return out
+    return step_rows(Path(run_dir) / "alerts.jsonl")
 
 
 def report_lines(alerts: list[dict]) -> list[str]:

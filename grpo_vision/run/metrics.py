@@ -37,7 +37,12 @@ def interval(values: torch.Tensor) -> dict:
 
 def load_metrics(run_dir: Path) -> list[dict]:
     """metrics.jsonl's rows; a line cut short by a crash mid-write, or one that is not a step's row, is skipped."""
-    path = Path(run_dir) / "metrics.jsonl"
+    return step_rows(Path(run_dir) / "metrics.jsonl")
+
+
+def step_rows(path: Path) -> list[dict]:
+    """The JSON lines of a per-step log (metrics.jsonl, alerts.jsonl) that hold a step: a line cut short by a
+    crash mid-write, or one that is not a step's row, is skipped; no file, no rows."""
     rows = []
     for ln in path.read_text().splitlines() if path.is_file() else []:
         try:
