@@ -174,3 +174,13 @@ def test_alerts_command_replays_a_run_folder(tmp_path, capsys):
     out = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
     assert [(a["step"], a["name"], a["evidence"]["watched"]) for a in out] == [(8, "hacking_onset", "shapes_exact")]
     assert out[0]["evidence"]["trained_change"] == pytest.approx(0.1) and out[0]["advice"]
+
+
+def test_a_reward_that_rose_and_levelled_off_is_a_plateau_not_a_flat_reward():
+    # windows of 4: 0.30 (steps 1-4), 0.50 (5-8), 0.51 (9-12). At step 12 the last two windows differ by
+    # +0.01 (flat), but the last is +0.21 over the first, 18 se (se sqrt(2 * 0.000267 / 4) = 0.0116): the
+    # reward rose and levelled off, which is what a run that learnt looks like. Before step 12 every pair of
+    # windows still differs by far more than the flat limit 0.1 x 0.2 = 0.02.
+    means = [0.30, 0.32, 0.28, 0.30, 0.50, 0.52, 0.48, 0.50, 0.51, 0.49, 0.53, 0.51]
+    rows = stream(reward__clip__mean=means, reward__clip__group_std=[0.2] * 12, adv__frac_zero_std=[0.0] * 12)
+    assert fired(rows) == []
