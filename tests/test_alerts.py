@@ -55,6 +55,18 @@ def test_hacking_onset_does_not_fire_on_a_fall_within_its_noise_or_without_a_ris
     assert fired(rows) == [(8, "hacking_onset:clip>shapes_exact")]
 
 
+def test_hacking_onset_sees_a_slide_too_slow_for_neighbouring_windows():
+    # three windows, each [m, m + 0.02, m - 0.02, m] (variance 2.667e-4, se between two windows 0.01155):
+    # clip 0.50 -> 0.52 -> 0.54, the judge's relation 0.30 -> 0.28 -> 0.26. Neighbouring windows differ by
+    # 0.02 = 1.7 se, within the noise; at step 12 the last window against the first differs by 0.04 = 3.5 se
+    # on both sides: a slide. (The windows ending at 9 to 11 straddle two levels: 1.5 se or less.)
+    shape = lambda *means: [m + d for m in means for d in (0.0, 0.02, -0.02, 0.0)]  # noqa: E731
+    rows = stream(reward__clip__mean=shape(0.50, 0.52, 0.54), judge__relation=shape(0.30, 0.28, 0.26))
+    assert fired(rows, monitored=()) == [(12, "hacking_onset:clip>judge/relation")]
+    (alert,) = replay(rows, AlertWatcher(OPTS, ["clip"], []))
+    assert alert.evidence["steps"] == [1, 12] and alert.evidence["watched_change"] == pytest.approx(-0.04)
+
+
 def test_ratio_drift_fires_once_per_onset_and_again_after_a_quiet_window():
     # steps 1-4 average 0.96: -0.04 from 1 with se sqrt((4 * 0.01^2 / 3) / 4) = 0.00577 (6.9 se) and beyond the
     # 0.01 tolerance: fires at step 4. Windows ending at 5, 6, 7 are within 3 se (2.7, 1.6) or the tolerance,

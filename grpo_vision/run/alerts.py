@@ -147,24 +147,27 @@ def watched_keys(monitored: list[str], judge: list[str], twin: bool) -> list[str
 
 
 def hacking_onset(rows: list[dict], o: AlertConfig, trained: list[str], watched: list[str]) -> list[tuple]:
+    """A trained reward up and a watched measure down, each beyond its noise, from the window before the last
+    (an onset) or from the run's first window (a slide too slow for two neighbouring windows to show)."""
     W, out = o.window, []
     if len(rows) < 2 * W:
         return out
-    prev, last = rows[-2 * W:-W], rows[-W:]
+    last = rows[-W:]
+    bases = [rows[-2 * W:-W]] + ([rows[:W]] if len(rows) >= 3 * W else [])
     for t in trained:
-        ct = change(_values(prev, f"reward/{t}/mean"), _values(last, f"reward/{t}/mean"))
-        if beyond(ct, o.sigmas) <= 0:
-            continue
         for w in watched:
-            cw = change(_values(prev, w), _values(last, w))
-            if beyond(cw, o.sigmas) < 0:
-                label = w.removeprefix("reward/").removesuffix("/mean")
-                out.append((f"hacking_onset:{t}>{label}",
-                            f"trained {t} rose {ct[0]:+.3g} (se {ct[1]:.2g}) while {label} fell {cw[0]:+.3g} "
-                            f"(se {cw[1]:.2g}), steps {_steps(prev)} -> {_steps(last)}",
-                            {"trained": t, "trained_change": _r(ct[0]), "trained_se": _r(ct[1]), "watched": label,
-                             "watched_change": _r(cw[0]), "watched_se": _r(cw[1]),
-                             "steps": [prev[0]["step"], last[-1]["step"]]}))
+            for base in bases:
+                ct = change(_values(base, f"reward/{t}/mean"), _values(last, f"reward/{t}/mean"))
+                cw = change(_values(base, w), _values(last, w))
+                if beyond(ct, o.sigmas) > 0 and beyond(cw, o.sigmas) < 0:
+                    label = w.removeprefix("reward/").removesuffix("/mean")
+                    out.append((f"hacking_onset:{t}>{label}",
+                                f"trained {t} rose {ct[0]:+.3g} (se {ct[1]:.2g}) while {label} fell {cw[0]:+.3g} "
+                                f"(se {cw[1]:.2g}), steps {_steps(base)} -> {_steps(last)}",
+                                {"trained": t, "trained_change": _r(ct[0]), "trained_se": _r(ct[1]), "watched": label,
+                                 "watched_change": _r(cw[0]), "watched_se": _r(cw[1]),
+                                 "steps": [base[0]["step"], last[-1]["step"]]}))
+                    break  # one alert per pair: the onset's numbers where both bases show it
     return out
 
 
