@@ -196,3 +196,12 @@ def test_a_reward_that_rose_and_levelled_off_is_a_plateau_not_a_flat_reward():
     means = [0.30, 0.32, 0.28, 0.30, 0.50, 0.52, 0.48, 0.50, 0.51, 0.49, 0.53, 0.51]
     rows = stream(reward__clip__mean=means, reward__clip__group_std=[0.2] * 12, adv__frac_zero_std=[0.0] * 12)
     assert fired(rows) == []
+
+
+def test_a_reward_that_rose_by_the_flat_limit_and_paused_is_not_flat():
+    # a noisy first window (0.40 / 0.60, mean 0.50, variance 0.0133), then 0.53 and 0.535: the last two
+    # windows differ by +0.005, flat; against the first, +0.035 is within its noise (se 0.058, 0.6 se) but
+    # above flat_change x group_std = 0.1 x 0.2 = 0.02: the reward has moved since the start, it paused
+    means = [0.40, 0.60, 0.40, 0.60, 0.53, 0.55, 0.51, 0.53, 0.54, 0.56, 0.52, 0.52]
+    rows = stream(reward__clip__mean=means, reward__clip__group_std=[0.2] * 12, adv__frac_zero_std=[0.0] * 12)
+    assert fired(rows) == []

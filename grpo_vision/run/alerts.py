@@ -128,8 +128,9 @@ def flat_reward(rows: list[dict], o: AlertConfig, trained: list[str]) -> list[tu
                 return out  # a reward without numbers or without spread: not this check's case
             if beyond(c, o.sigmas) or abs(c[0]) >= o.flat_change * fmean(spread):
                 return out  # it moves
-            if beyond(change(_values(rows[:W], key), _values(last, key)), o.sigmas) > 0:
-                return out  # it rose since the first window and levelled off: a plateau, not a reward that never moved
+            since = change(_values(rows[:W], key), _values(last, key))
+            if since and (beyond(since, o.sigmas) > 0 or since[0] >= o.flat_change * fmean(spread)):
+                return out  # it rose since the first window (as `moves` above) and stalled: a plateau or a pause
             flat[name] = {"change": _r(c[0]), "se": _r(c[1]), "spread": _r(fmean(spread))}
         out.append(("flat_reward:trend",
                     "the trained reward" + ("s" if len(flat) > 1 else "") + " did not move between steps "
