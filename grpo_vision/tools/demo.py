@@ -21,6 +21,7 @@ import math
 import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -137,10 +138,18 @@ class DemoRun:
         in GenEval's grammar over COCO's classes or the ones the run's prompts name, else none."""
         if prompt in self.metadata:
             return self.metadata[prompt]
-        from grpo_vision.rewards.geneval_prompts import classes, parse
+        from grpo_vision.rewards.geneval_prompts import parse
 
+        return parse(prompt, self.class_names) or {}
+
+    @cached_property
+    def class_names(self) -> list[str]:
+        """GenEval's 80 COCO classes, then the other classes the run's prompts name (fixed for a run)."""
+        from grpo_vision.rewards.geneval_prompts import classes
+
+        coco = classes()
         named = {c["class"] for m in self.metadata.values() for c in m.get("include", ()) if "class" in c}
-        return parse(prompt, [*classes(), *sorted(named - set(classes()))]) or {}
+        return [*coco, *sorted(named - set(coco))]
 
 
 def reference_label(mode: str, synced: bool) -> str:
