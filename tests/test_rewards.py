@@ -137,6 +137,23 @@ def test_shapes_exact_scores_renders_and_skips_foreign_captions():
               [{}] * 3).tolist() == [1.0, 1.0, 1.0]
 
 
+def test_shapes_partial_is_the_share_of_the_captions_attributes_that_hold():
+    rng = np.random.default_rng(0)
+    captions = ["a red circle", "a large blue square", "a green triangle on a black background",
+                "a red circle left of a blue square"]
+    images = to_tensor(np.stack([render(scene_for_caption(c, rng)) for c in captions]))
+    fn = make_reward("shapes_partial", CTX)
+    assert fn(images, captions, [{}] * 4).tolist() == [1.0, 1.0, 1.0, 1.0]
+    wrong = ["a blue circle",  # count, shape right; colour wrong: 2 of 3
+             "a small blue square",  # count, colour, shape right; size wrong: 3 of 4
+             "a green circle on a white background",  # count, colour right; shape, background wrong: 2 of 4
+             "a red circle right of a blue square"]  # all but the relation: 3 of 4
+    assert fn(images, wrong, [{}] * 4).tolist() == pytest.approx([2 / 3, 3 / 4, 2 / 4, 3 / 4])
+    # a missing second object: count, colour, shape (over both objects) and relation all fail: 0
+    assert fn(images[:1], ["a red circle above a green square"], [{}]).tolist() == [0.0]
+    assert math.isnan(fn(images[:1], ["a photo of a cat"], [{}]).item())
+
+
 def test_placebo_is_deterministic_uniform_and_blind_to_the_image():
     fn = make_reward("placebo", CTX)
     images = torch.rand(256, 3, 16, 16, generator=torch.Generator().manual_seed(0))

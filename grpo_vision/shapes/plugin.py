@@ -4,7 +4,7 @@ user's world or model would use (grpo_vision/plugins.py).
 * the policy kind `shapes`: a world directory's base policy and VQ tokenizer, with its judge (the
   exact checker), the default model files of the `clip` and `aesthetic` rewards (its tiny CLIP and
   aesthetic head), and its caption sets as the default prompts (train, test, held-out);
-* the reward `shapes_exact` (grpo_vision/shapes/rewards.py).
+* the rewards `shapes_exact` and `shapes_partial` (grpo_vision/shapes/rewards.py).
 
 The world builder (`grpo_vision.shapes.build`) is not imported here: training never needs it.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-import grpo_vision.shapes.rewards  # noqa: F401  (registers shapes_exact)
+import grpo_vision.shapes.rewards  # noqa: F401  (registers shapes_exact, shapes_partial)
 from grpo_vision.policy import Bundle, register_policy_kind
 from grpo_vision.splits import PromptSets
 from grpo_vision.prompts import PromptEntry
