@@ -45,6 +45,8 @@ def test_plan_is_every_reward_kl_and_seed_with_distinct_names():
     assert "train.beta=0.04" in specs[-1].overrides(Path("out")) and "reward.monitor=[]" in specs[-1].overrides(Path("o"))
     with pytest.raises(ConfigError, match="needs a reference"):
         plan(load_config(None, ["train.reference=none"]), ["clip"], [0.1], [0])
+    # no --kl: the config's own train.beta, so the default matrix row is the config's run
+    assert [s.name for s in plan(load_config(None, ["train.beta=0.04"]), ["clip"], None, [0])] == ["clip-kl0.04-s0"]
 
 
 def test_a_run_given_twice_is_refused_naming_it():
@@ -165,8 +167,12 @@ def test_matrix_through_the_cli_goes_on_past_a_failed_run_and_reuses_the_rest(mi
     md = (out / "matrix.md").read_text()
     assert "| reference (means) |" in md and "Held-out compositions" in md
 
+    (out / "scores" / "placebo-kl0-s0.png").unlink()  # a score cache copied without its picture
+    (out / "strips" / "placebo-kl0-s0.png").unlink()
     third = _matrix(micro_world, out)
     assert third.returncode == 0 and third.stdout.count(": reused") == 2 and "scoring" not in third.stdout
+    assert not (out / "strips" / "placebo-kl0-s0.png").exists()  # its rows are written, without a strip
+    assert "strips/placebo-kl0-s0.png" not in (out / "matrix.md").read_text()
     assert json.loads((out / "matrix.json").read_text())["reference"] == result["reference"]
 
     other = _matrix(micro_world, out, "train.lr=1e-4")  # the same --out with another config is refused

@@ -127,9 +127,9 @@ def cmd_matrix(args) -> None:
 
     command = "grpo-vision " + shlex.join(sys.argv[1:])
     try:
-        result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"),
-                            _items(args.kl, float, "--kl"), _items(args.seeds, int, "--seeds"), Path(args.out),
-                            args.jobs, args.images, command)
+        betas = None if args.kl is None else _items(args.kl, float, "--kl")  # None: the config's train.beta
+        result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"), betas,
+                            _items(args.seeds, int, "--seeds"), Path(args.out), args.jobs, args.images, command)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the runs in training saved a checkpoint first
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"[matrix] stopped by {signal.Signals(signum).name}; continue with: {command} (finished runs and "
@@ -266,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (runs/, scores/, matrix.md, matrix.json, matrix.png)")
     p.add_argument("--rewards", required=True,
                    help="train rewards, comma-separated: a name or a + mix (clip+aesthetic, 4*clip+aesthetic)")
-    p.add_argument("--kl", default="0", help="KL coefficients (train.beta), comma-separated, e.g. 0,0.04")
+    p.add_argument("--kl", default=None, help="KL coefficients (train.beta), comma-separated, e.g. 0,0.04 "
+                                              "(default: the config's train.beta)")
     p.add_argument("--seeds", default="0", help="run seeds, comma-separated")
     p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once (CPU cores are split among them)")
     p.add_argument("--images", type=positive_int, default=None, help="images per eval prompt (default log.eval_images)")

@@ -79,9 +79,10 @@ def parse_reward_spec(spec: str, base_weights: dict[str, float]) -> tuple[tuple[
     return tuple(out)
 
 
-def plan(cfg: Config, rewards: list[str], betas: list[float], seeds: list[int]) -> list[RunSpec]:
-    """Every (train reward, KL, seed), in table order; a value given twice is refused (its runs would
-    share one folder, or train the same thing twice)."""
+def plan(cfg: Config, rewards: list[str], betas: list[float] | None, seeds: list[int]) -> list[RunSpec]:
+    """Every (train reward, KL, seed), in table order (no KL given: the config's train.beta); a value
+    given twice is refused (its runs would share one folder, or train the same thing twice)."""
+    betas = [cfg.train.beta] if betas is None else betas
     if not rewards or not betas or not seeds:
         raise ConfigError("matrix needs at least one train reward, KL coefficient and seed")
     for beta in betas:
@@ -210,7 +211,7 @@ def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path
     return results
 
 
-def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float], seeds: list[int],
+def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float] | None, seeds: list[int],
                out: Path, jobs: int = 1, images: int | None = None, command: str = "") -> dict:
     """Train every run (reusing and resuming), score them and the reference, write the outputs.
     Interrupted (a KeyboardInterrupt) after SIGINT or SIGTERM, once the runs in training have stopped."""
