@@ -120,7 +120,7 @@ def _overrides(world, folder):
 
 def _matrix_args(world, out, rewards, *extra):
     return ["matrix", "configs/shapes_micro.yaml", *_overrides(world, out.parent), *extra, "--out", out,
-            "--rewards", rewards]  # the config as a user names it: the resume line quotes it
+            "--rewards", rewards, "--kl", "0"]  # the config as a user names it: the resume line quotes it
 
 
 def _matrix(world, out, *extra):
