@@ -147,10 +147,12 @@ def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], pr
                                                  "pooled": list(pooled)}, indent=2))
     heatmap(reference, runs, out / "matrix.png")
     (out / "strips").mkdir(exist_ok=True)
-    for run in runs:  # a score cache copied without its picture still gives its rows, only no strip
+    stripped = []  # a score cache copied without its picture still gives its rows, only no strip
+    for run in runs:
         pictures = [out / "scores" / f"{m}.png" for m in ("reference", run["name"])]
         if run["summary"] is not None and all(p.is_file() for p in pictures):
             strip(out / "scores", run["name"], prompts, out / "strips" / f"{run['name']}.png")
+            stripped.append(run["name"])
     lines = ["# Reward matrix", "", f"`{header['command']}`", "",
              f"Each run trains on the reward of its row ({header['steps']} steps each, everything else as the "
              f"config says) and is scored, like the base policy (the reference row), on the same prompts and "
@@ -165,6 +167,5 @@ def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], pr
         lines += [*set_table(set_name, reference, runs, pooled, header.get("captions", {}).get(set_name)),
                   *judge_attributes(set_name, reference, runs), ""]
     lines += ["Sample strips (image 0 of the first test prompts, reference above policy): "
-              + ", ".join(f"[{r['name']}](strips/{r['name']}.png)" for r in runs
-                          if r["summary"] is not None and (out / "strips" / f"{r['name']}.png").is_file()), ""]
+              + ", ".join(f"[{name}](strips/{name}.png)" for name in stripped), ""]
     (out / "matrix.md").write_text("\n".join(lines))
