@@ -107,6 +107,42 @@ def test_seeds_pool_into_one_mean_whose_interval_resamples_them():
     assert pooled["clip"]["change"]["seeds"] == 2 and "kl" not in pooled
 
 
+def test_a_reward_a_score_cache_lacks_is_added_from_its_tokens_not_by_sampling_again(micro_world, tmp_path):
+    from grpo_vision.tools.matrix_score import Scorer, cached_scores
+
+    path = tmp_path / "scores" / "reference.json"
+    first = Scorer(load_config("configs/shapes_micro.yaml", _overrides(micro_world, tmp_path)), 2)
+    first.use_rewards(["placebo"])  # the config's clip, aesthetic and shapes_exact, and a row's placebo
+    full = cached_scores(first, path, 0, lambda: first.base)
+    assert path.with_suffix(".tokens.pt").is_file()
+
+    # a later call without the placebo row: the cache serves it, with this call's rewards only
+    second = Scorer(load_config("configs/shapes_micro.yaml", _overrides(micro_world, tmp_path)), 2)
+    second.use_rewards([])
+    second.score = lambda model: pytest.fail("sampled again")
+    fewer = cached_scores(second, path, 0, lambda: second.base)
+    assert all(set(s["rewards"]) == {"clip", "aesthetic", "shapes_exact"} for s in fewer["sets"].values())
+    assert fewer["sets"]["test"]["rewards"]["clip"] == full["sets"]["test"]["rewards"]["clip"]
+
+    # a call that watches a reward the cache lacks: scored on the cached tokens, the values sampling gives
+    path.write_text(json.dumps({**full, "sets": {k: {**s, "rewards": {n: v for n, v in s["rewards"].items()
+                                                                      if n != "placebo"}}
+                                                 for k, s in full["sets"].items()}}))
+    first.score = lambda model: pytest.fail("sampled again")
+    added = cached_scores(first, path, 0, lambda: first.base)
+    del first.score
+    for set_name, s in added["sets"].items():
+        assert s["rewards"]["placebo"] == full["sets"][set_name]["rewards"]["placebo"], set_name
+    assert "placebo" in json.loads(path.read_text())["sets"]["heldout"]["rewards"]  # kept in the cache
+
+    path.with_suffix(".tokens.pt").write_bytes(b"torn")  # unreadable tokens: the model is sampled again
+    path.write_text(json.dumps({**full, "sets": {k: {**s, "rewards": {}} for k, s in full["sets"].items()}}))
+    calls = []
+    first.score = lambda model, score=first.score: calls.append(1) or score(model)  # the class's method
+    again = cached_scores(first, path, 0, lambda: first.base)
+    assert calls == [1] and again["sets"]["test"]["rewards"] == full["sets"]["test"]["rewards"]
+
+
 def _overrides(world, folder):
     prompts = folder / "prompts"  # small eval sets keep the test quick: 4 test and 3 held-out captions
     if not prompts.is_dir():

@@ -9,7 +9,9 @@ when no CLIP is configured). Changes against the reference are paired (image i o
 same seed in both); their 95% intervals resample the captions within each prompt form
 (intervals.py), and runs that differ only in their seed pool into a mean whose interval resamples the
 seeds too. Per-model scores are cached in `OUT/scores/`, keyed by the checkpoint step and the eval
-settings, so a second invocation scores only what changed.
+settings, so a second invocation scores only what changed. Each model's sampled tokens are kept beside
+its scores, so a later call that watches another reward decodes and scores them with it instead of
+sampling every model again (the sampling and the reference's log-probs are most of a model's scoring).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from grpo_vision.evaluation.evaluate import eval_params, eval_seeds, load_run
+from grpo_vision.files import write_file
 from grpo_vision.images import to_uint8
 from grpo_vision.evaluation.intervals import caption_interval
 from grpo_vision.run.metrics import interval
@@ -57,21 +60,27 @@ class Scorer:
     def use_rewards(self, names: list[str]) -> None:
         """Score with `names` (the rows' train rewards) besides the config's rewards and monitors."""
         self.names = list(dict.fromkeys([*self.names, *names]))
-        reward_cfg = replace(self.cfg.reward, weights={n: 1.0 for n in self.names}, monitor=[])
-        self.rewards = CompositeReward.from_config(reward_cfg, self.device, self.bundle.reward_defaults).load()
+        self.rewards = self.composite(self.names)
         self.embed, self.embedding = image_embedder({**self.bundle.reward_defaults.get("clip", {}),
                                                      **self.cfg.reward.options.get("clip", {})}, self.device)
 
+    def composite(self, names: list[str]) -> CompositeReward:
+        """The rewards `names`, loaded, each reporting its raw score (weights play no part in scoring)."""
+        reward_cfg = replace(self.cfg.reward, weights={n: 1.0 for n in names}, monitor=[])
+        return CompositeReward.from_config(reward_cfg, self.device, self.bundle.reward_defaults).load()
+
     def key(self, step: int) -> str:
-        """What a cached score depends on besides the weights: settings, prompts, rewards."""
-        what = {"step": step, "n": self.n, "seed": EVAL_SEED, "params": repr(self.params), "rewards": self.names,
+        """What a cached model's samples depend on besides the weights: settings and prompts (not the
+        rewards: a reward missing from a cache is added from its tokens, `add_rewards`)."""
+        what = {"step": step, "n": self.n, "seed": EVAL_SEED, "params": repr(self.params),
                 "sets": {k: [e.prompt for e in v] for k, v in self.sets.items()}}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
     @torch.no_grad()
-    def score(self, model) -> tuple[dict, list]:
-        """Per-image and per-prompt scores of `model` on every eval set, and its strip images."""
-        out, strip = {}, []
+    def score(self, model) -> tuple[dict, list, dict]:
+        """Per-image and per-prompt scores of `model` on every eval set, its strip images and, per set,
+        its sampled tokens `[prompts x n, sequence]`."""
+        out, strip, sampled = {}, [], {}
         for set_name, entries in self.sets.items():
             prompts = [e.prompt for e in entries for _ in range(self.n)]
             seeds = eval_seeds(len(entries), self.n, EVAL_SEED)
@@ -86,6 +95,7 @@ class Scorer:
                 log_ratio = ref - rollout.logprobs[i:i + self.batch_size]
                 kl.append((log_ratio.exp() - log_ratio - 1).mean(1))  # k3 per token, averaged per image
             images = torch.cat(images)
+            sampled[set_name] = rollout.tokens.cpu()
             raw = self.rewards(images, prompts, meta).raw
             emb = self.embed(images).reshape(len(entries), self.n, -1)
             verdicts = self.bundle.judge.verdicts(images, prompts) if self.bundle.judge else []
@@ -97,7 +107,21 @@ class Scorer:
                              "diversity": _floats(pairwise_distance(emb))}
             if set_name == "test":
                 strip = [images[p * self.n] for p in range(min(STRIP_PROMPTS, len(entries)))]
-        return out, strip
+        return out, strip, sampled
+
+    @torch.no_grad()
+    def add_rewards(self, scores: dict, tokens: dict, names: list[str]) -> None:
+        """Score the images of a model's cached `tokens` with the rewards `names`, into `scores`; the same
+        images as sampling gives, so the same values as scoring them with the rest."""
+        rewards = self.composite(names)
+        for set_name, entries in self.sets.items():
+            prompts = [e.prompt for e in entries for _ in range(self.n)]
+            meta = [e.metadata for e in entries for _ in range(self.n)]
+            toks = tokens[set_name].to(self.device)
+            images = torch.cat([self.bundle.tokenizer.decode(toks[i:i + self.batch_size])
+                                for i in range(0, len(prompts), self.batch_size)])  # as score() decodes them
+            raw = rewards(images, prompts, meta).raw
+            scores["sets"][set_name]["rewards"].update({n: _floats(v) for n, v in raw.items()})
 
 
 def pairwise_distance(emb: torch.Tensor) -> torch.Tensor:
@@ -132,24 +156,51 @@ def _tensor(values: list) -> torch.Tensor:
 
 
 def cached_scores(scorer: Scorer, path: Path, step: int, load_model) -> dict:
-    """A model's scores from `path` when they were made with the same settings, else scored now."""
-    key = scorer.key(step)
-    if path.is_file():
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return cached
+    """A model's scores from `path` when they were made with the same settings (a reward they lack added
+    from the cached tokens), else scored now; with the rewards of this call only."""
+    key, tokens_path = scorer.key(step), path.with_suffix(".tokens.pt")
+    cached = json.loads(path.read_text()) if path.is_file() else {}
+    if cached.get("key") == key:
+        have = set.intersection(*(set(s["rewards"]) for s in cached["sets"].values()))
+        missing = [n for n in scorer.names if n not in have]
+        tokens = _load_tokens(tokens_path, key, scorer) if missing else None
+        if not missing:
+            return _with_rewards(cached, scorer.names)
+        if tokens is not None:
+            print(f"[matrix] adding {', '.join(missing)} to {path.stem} (from its cached tokens)", flush=True)
+            scorer.add_rewards(cached, tokens, missing)
+            write_file(path, json.dumps(cached))
+            return _with_rewards(cached, scorer.names)
     print(f"[matrix] scoring {path.stem}", flush=True)
-    scores, strip = scorer.score(load_model())
+    scores, strip, tokens = scorer.score(load_model())
     result = {"key": key, "step": step, "sets": scores}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)  # atomic: an interrupted scoring leaves no half-written cache
+    write_file(tokens_path, lambda f: torch.save({"key": key, "tokens": tokens}, f))
+    write_file(path, json.dumps(result))  # atomic, and last: an interrupted scoring leaves no cache
     if strip:
         from PIL import Image
 
         Image.fromarray(_row(torch.stack(strip))).save(path.with_suffix(".png"))
     return result
+
+
+def _load_tokens(path: Path, key: str, scorer: Scorer) -> dict | None:
+    """A model's cached tokens when they are there, whole and sampled with this call's settings, else None
+    (the model is then sampled again)."""
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # absent, torn or foreign: torch's unpickler raises anything from OSError to IndexError
+        return None
+    tokens = saved.get("tokens") if isinstance(saved, dict) and saved.get("key") == key else None
+    whole = isinstance(tokens, dict) and all(
+        isinstance(tokens.get(k), torch.Tensor) and len(tokens[k]) == len(v) * scorer.n for k, v in scorer.sets.items())
+    return tokens if whole else None
+
+
+def _with_rewards(scores: dict, names: list[str]) -> dict:
+    """`scores` with only the rewards `names` (a cache may hold more, from an earlier call's rows)."""
+    return {**scores, "sets": {k: {**s, "rewards": {n: s["rewards"][n] for n in names}}
+                               for k, s in scores["sets"].items()}}
 
 
 def _row(images: torch.Tensor):
