@@ -56,6 +56,7 @@ class Scorer:
         self.names = list(dict.fromkeys([*cfg.reward.weights, *cfg.reward.monitor]))
         self.rewards = None
         self.embed = None
+        self._composites: dict[tuple[str, ...], CompositeReward] = {}
 
     def use_rewards(self, names: list[str]) -> None:
         """Score with `names` (the rows' train rewards) besides the config's rewards and monitors."""
@@ -65,9 +66,13 @@ class Scorer:
                                                      **self.cfg.reward.options.get("clip", {})}, self.device)
 
     def composite(self, names: list[str]) -> CompositeReward:
-        """The rewards `names`, loaded, each reporting its raw score (weights play no part in scoring)."""
-        reward_cfg = replace(self.cfg.reward, weights={n: 1.0 for n in names}, monitor=[])
-        return CompositeReward.from_config(reward_cfg, self.device, self.bundle.reward_defaults).load()
+        """The rewards `names`, loaded once a call (every model a cache lacks them for shares them), each
+        reporting its raw score (weights play no part in scoring)."""
+        if tuple(names) not in self._composites:
+            reward_cfg = replace(self.cfg.reward, weights={n: 1.0 for n in names}, monitor=[])
+            self._composites[tuple(names)] = CompositeReward.from_config(
+                reward_cfg, self.device, self.bundle.reward_defaults).load()
+        return self._composites[tuple(names)]
 
     def key(self, step: int) -> str:
         """What a cached model's samples depend on besides the weights: settings and prompts (not the
@@ -163,10 +168,9 @@ def cached_scores(scorer: Scorer, path: Path, step: int, load_model) -> dict:
     if cached.get("key") == key:
         have = set.intersection(*(set(s["rewards"]) for s in cached["sets"].values()))
         missing = [n for n in scorer.names if n not in have]
-        tokens = _load_tokens(tokens_path, key, scorer) if missing else None
         if not missing:
             return _with_rewards(cached, scorer.names)
-        if tokens is not None:
+        if (tokens := _load_tokens(tokens_path, key, scorer)) is not None:
             print(f"[matrix] adding {', '.join(missing)} to {path.stem} (from its cached tokens)", flush=True)
             scorer.add_rewards(cached, tokens, missing)
             write_file(path, json.dumps(cached))
