@@ -81,15 +81,19 @@ class Scorer:
                 "sets": {k: [e.prompt for e in v] for k, v in self.sets.items()}}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
+    def per_image(self, entries) -> tuple[list[str], list]:
+        """A set's prompts and metadata, one per image (each prompt's n images in turn): the order of its
+        tokens, scores and seeds, which score() and add_rewards() must share."""
+        return [e.prompt for e in entries for _ in range(self.n)], [e.metadata for e in entries for _ in range(self.n)]
+
     @torch.no_grad()
     def score(self, model) -> tuple[dict, list, dict]:
         """Per-image and per-prompt scores of `model` on every eval set, its strip images and, per set,
         its sampled tokens `[prompts x n, sequence]`."""
         out, strip, sampled = {}, [], {}
         for set_name, entries in self.sets.items():
-            prompts = [e.prompt for e in entries for _ in range(self.n)]
+            prompts, meta = self.per_image(entries)
             seeds = eval_seeds(len(entries), self.n, EVAL_SEED)
-            meta = [e.metadata for e in entries for _ in range(self.n)]
             cond = model.encode_prompts(prompts)
             rollout = sample_batched(model, cond, seeds, self.params, self.batch_size)
             images, kl = [], []
@@ -120,8 +124,7 @@ class Scorer:
         images as sampling gives, so the same values as scoring them with the rest."""
         rewards = self.composite(names)
         for set_name, entries in self.sets.items():
-            prompts = [e.prompt for e in entries for _ in range(self.n)]
-            meta = [e.metadata for e in entries for _ in range(self.n)]
+            prompts, meta = self.per_image(entries)
             toks = tokens[set_name].to(self.device)
             images = torch.cat([self.bundle.tokenizer.decode(toks[i:i + self.batch_size])
                                 for i in range(0, len(prompts), self.batch_size)])  # as score() decodes them
