@@ -96,14 +96,12 @@ class Scorer:
             seeds = eval_seeds(len(entries), self.n, EVAL_SEED)
             cond = model.encode_prompts(prompts)
             rollout = sample_batched(model, cond, seeds, self.params, self.batch_size)
-            images, kl = [], []
+            images, kl = self.decode(rollout.tokens), []
             for i in range(0, len(prompts), self.batch_size):
-                tokens = rollout.tokens[i:i + self.batch_size]
-                images.append(self.bundle.tokenizer.decode(tokens))
-                ref = sequence_logprobs(self.base, cond[i:i + self.batch_size], tokens, self.params)
+                ref = sequence_logprobs(self.base, cond[i:i + self.batch_size], rollout.tokens[i:i + self.batch_size],
+                                        self.params)
                 log_ratio = ref - rollout.logprobs[i:i + self.batch_size]
                 kl.append((log_ratio.exp() - log_ratio - 1).mean(1))  # k3 per token, averaged per image
-            images = torch.cat(images)
             sampled[set_name] = rollout.tokens.cpu()
             raw = self.rewards(images, prompts, meta).raw
             emb = self.embed(images).reshape(len(entries), self.n, -1)
@@ -118,6 +116,12 @@ class Scorer:
                 strip = [images[p * self.n] for p in range(min(STRIP_PROMPTS, len(entries)))]
         return out, strip, sampled
 
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Images of `tokens` `[n, sequence]`, decoded in batches of `batch_size`: score() and add_rewards()
+        share it, so an added reward sees the images the others were scored on."""
+        return torch.cat([self.bundle.tokenizer.decode(tokens[i:i + self.batch_size])
+                          for i in range(0, len(tokens), self.batch_size)])
+
     @torch.no_grad()
     def add_rewards(self, scores: dict, tokens: dict, names: list[str]) -> None:
         """Score the images of a model's cached `tokens` with the rewards `names`, into `scores`; the same
@@ -125,10 +129,7 @@ class Scorer:
         rewards = self.composite(names)
         for set_name, entries in self.sets.items():
             prompts, meta = self.per_image(entries)
-            toks = tokens[set_name].to(self.device)
-            images = torch.cat([self.bundle.tokenizer.decode(toks[i:i + self.batch_size])
-                                for i in range(0, len(prompts), self.batch_size)])  # as score() decodes them
-            raw = rewards(images, prompts, meta).raw
+            raw = rewards(self.decode(tokens[set_name].to(self.device)), prompts, meta).raw
             scores["sets"][set_name]["rewards"].update({n: _floats(v) for n, v in raw.items()})
 
 
