@@ -228,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run); the main job takes "
-                                     "7-13 min on a quiet 2-core CPU")
+                                     "10-20 min on a quiet 2-core CPU")
     p.add_argument("config", nargs="?", default="", help="YAML config, e.g. configs/shapes.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5 sample.group_size=16")
     p.add_argument("--resume", default="", metavar="RUN_DIR", help="continue a run exactly where it stopped")
