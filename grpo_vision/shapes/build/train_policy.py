@@ -42,7 +42,7 @@ class PolicyPreset:
 POLICY_PRESETS = {
     "micro": PolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20),
     # 3.0M params: 2,400 steps take about 22 minutes on 2 CPU cores; against the 1.39M preset
-    # (192, 3, 6, 2, 512) GRPO's main job gains +16.6 points on test captions instead of +11.1
+    # (192, 3, 6, 2, 512) GRPO's main job gains +14.6 points on test captions instead of +10.3 (six seeds)
     # (issue 39, docs/experiments/recipe_ablations.md)
     "default": PolicyPreset(256, 4, 8, 2, 672, 30000, 32, 1e-3, 2400),
 }
