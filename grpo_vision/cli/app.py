@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     from grpo_vision.files import FolderError
     from grpo_vision.evaluation.geneval_bench import LayoutError
     from grpo_vision.run.lock import RunLockedError
+    from grpo_vision.run.distributed import end_process_group
 
     try:
         args.func(args)
@@ -367,6 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     except (RewardError, TrainingHealthError) as e:
         print(f"grpo-vision: error: {e}", file=sys.stderr)
         sys.exit(1)
+    finally:  # under `accelerate launch`: every process ends its group itself, on success and on error
+        end_process_group()
 
 
 def _take_overrides(parser: argparse.ArgumentParser, args, extra: list[str]) -> None:

@@ -133,3 +133,13 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def as_float(norm) -> float:
     """A gradient norm as a number; FSDP's is a DTensor, whole on every process once `full_tensor`."""
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def end_process_group() -> None:
+    """Destroy the process group `accelerate launch` started, if any, while the interpreter is whole.
+    A process that exits with a gloo group alive can abort in its teardown (SIGABRT, "terminate called
+    without an active exception": pytorch/pytorch#190489), and the launcher then kills the others."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
