@@ -46,7 +46,7 @@ def load_warning(load: float, cores: int) -> str | None:
     if load <= BUSY * cores:
         return None
     return (f"the machine is shared: load {load:.1f} on {cores} cores, so steps will be slower than on a quiet "
-            "machine (docs/experiments/main_job_seeds.md has quiet timings); run.threads limits this run's threads")
+            "machine (the README gives the main job's quiet timing); run.threads limits this run's threads")
 
 
 def check_load() -> str | None:
