@@ -135,6 +135,30 @@ def test_a_closed_stdout_ends_the_command_quietly():
 
 
 @pytest.mark.e2e
+def test_every_command_ends_the_process_group_it_ran_under(tmp_path, capsys):
+    # Under `accelerate launch` a process that exits with its gloo group alive can abort in its teardown
+    # (SIGABRT: pytorch/pytorch#190489) and fail a finished run; the CLI ends the group, on success or error.
+    import torch.distributed as dist
+
+    from grpo_vision.cli import main
+
+    for n, (args, code) in enumerate([(["config", "configs/shapes_micro.yaml", "--num-processes", "1"], None),
+                                      (["train"], 2)]):  # a config error exits 2
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{n}'}", rank=0, world_size=1)
+        try:
+            if code is None:
+                main(args)
+            else:
+                with pytest.raises(SystemExit) as exit_info:
+                    main(args)
+                assert exit_info.value.code == code
+            assert not dist.is_initialized(), args
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert "grpo-vision train needs a config file" in capsys.readouterr().err
+
+
 def test_a_non_finite_learning_rate_is_one_line_on_stderr():
     # Before: accepted, and every weight of the policy was NaN in the checkpoints
     out = run_cli("config", "configs/shapes_micro.yaml", "train.lr=inf")
