@@ -134,7 +134,6 @@ def test_a_closed_stdout_ends_the_command_quietly():
     assert out.returncode == 141 and out.stderr == ""
 
 
-@pytest.mark.e2e
 def test_every_command_ends_the_process_group_it_ran_under(tmp_path, capsys):
     # Under `accelerate launch` a process that exits with its gloo group alive can abort in its teardown
     # (SIGABRT: pytorch/pytorch#190489) and fail a finished run; the CLI ends the group, on success or error.
@@ -159,6 +158,7 @@ def test_every_command_ends_the_process_group_it_ran_under(tmp_path, capsys):
     assert "grpo-vision train needs a config file" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_a_non_finite_learning_rate_is_one_line_on_stderr():
     # Before: accepted, and every weight of the policy was NaN in the checkpoints
     out = run_cli("config", "configs/shapes_micro.yaml", "train.lr=inf")
