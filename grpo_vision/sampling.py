@@ -23,6 +23,13 @@ finite when the token drifts out of the top-k, instead of -inf ratios and infini
 Randomness is per image: each row gets a seed and its own stream of uniforms, and tokens are drawn
 by inverse-CDF sampling, so an image depends on (prompt, seed) and not on what else was in the
 batch. That is what lets the demo show policy and reference for the same seed.
+
+How a rollout runs (`decode`, not part of the distribution): ``eager`` attends over the keys written so
+far, a shape that grows every step; ``static`` uses a cache preallocated at its full length, the
+position a tensor on the device and the attention masked (`models/decode.py`), so every tensor keeps
+its shape and address; ``graph`` records that step, the token draw included, once as a CUDA graph and
+replays it for every token (no per-token Python or kernel-launch cost; PyTorch's CUDA graphs docs, the
+gpt-fast / LlamaGen `reduce-overhead` decode). All three draw the same tokens from the same seeds.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from grpo_vision.policy import ImagePolicy
 
 LOGPROB_MODES = ("guided", "conditional")
+DECODE_MODES = ("auto", "eager", "static", "graph")
 
 
 @dataclass(frozen=True)
@@ -45,10 +53,13 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     logprob_mode: str = "guided"  # "guided" | "conditional", see module docstring
+    decode: str = "eager"  # how a rollout runs, not what it draws: auto | eager | static | graph (docstring)
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:
             raise ValueError(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
@@ -61,7 +72,7 @@ class SamplingParams:
         """The settings of a config's `sample` section; `temperature` replaces sample.temperature
         (evaluation at other temperatures; training always samples at the configured one)."""
         s = sample_cfg
-        return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode)
+        return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode, s.decode)
 
 
 @dataclass
@@ -141,27 +152,73 @@ def seeded_uniforms(seeds: Sequence[int] | torch.Tensor, n: int, device) -> torc
 # ---------------------------------------------------------------------------- rollouts
 
 
+def decode_mode(policy: ImagePolicy, requested: str, device: torch.device) -> str:
+    """The decode path a rollout takes: `auto` is a CUDA graph where the policy has a static decode and
+    the rows are on a GPU, else eager. A ValueError when a path is asked for that cannot run."""
+    static = getattr(policy, "static_decode", False)  # policies opt in: new_cache(rows, static=True)
+    if requested in ("auto", "eager"):
+        return "graph" if requested == "auto" and static and device.type == "cuda" else "eager"
+    if not static:
+        raise ValueError(f"sample.decode {requested!r}: {type(policy).__name__} has no static decode; use eager")
+    if requested == "graph" and device.type != "cuda":
+        raise ValueError(f"sample.decode 'graph' needs a CUDA device (the rows are on {device}); use static or auto")
+    return requested
+
+
 @torch.no_grad()  # not inference_mode: rollout tensors are reused by autograd in training
 def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch.Tensor,
            params: SamplingParams) -> Rollout:
     """Sample N image tokens for each condition row `[B, L]`, row i from seed `seeds[i]`."""
-    B, N = cond.shape[0], policy.num_image_tokens
+    B, N, device = cond.shape[0], policy.num_image_tokens, cond.device
     if len(seeds) != B:
         raise ValueError(f"got {len(seeds)} seeds for {B} condition rows; pass one seed per image")
-    u = seeded_uniforms(seeds, N, cond.device)  # [B, N]
+    mode = decode_mode(policy, params.decode, device)
+    u = seeded_uniforms(seeds, N, device)  # [B, N]
     rows = torch.cat([cond, policy.null_condition(cond)]) if params.guided else cond  # [B or 2B, L]
-    cache = policy.new_cache(rows.shape[0])
-    tokens = torch.empty(B, N, dtype=torch.long, device=cond.device)
-    logprobs = torch.empty(B, N, device=cond.device)
-    entropy = torch.empty(B, N, device=cond.device)
-    logits = policy.prefill(rows, cache)  # [B or 2B, K]
-    for i in range(N):
+    cache = policy.new_cache(rows.shape[0], static=True) if mode != "eager" else policy.new_cache(rows.shape[0])
+    out = Rollout(torch.zeros(B, N, dtype=torch.long, device=device), torch.zeros(B, N, device=device),
+                  torch.zeros(B, N, device=device))
+    col = torch.zeros(B, 1, dtype=torch.long, device=device)  # the token being drawn, a tensor a graph can read
+
+    def draw(logits: torch.Tensor) -> torch.Tensor:
+        """Token `col` of every row from `logits` `[B or 2B, K]`, written into `out`; the rows to decode next."""
         c, un = (logits[:B], logits[B:]) if params.guided else (logits, None)
-        tokens[:, i], logprobs[:, i], entropy[:, i] = sample_token(c, un, u[:, i], params)
-        if i + 1 < N:
-            step = tokens[:, i].repeat(2) if params.guided else tokens[:, i]  # [B or 2B]
-            logits = policy.decode(step, cache)
-    return Rollout(tokens, logprobs, entropy)
+        token, logp, entropy = sample_token(c, un, u.gather(1, col).squeeze(1), params)
+        for buffer, value in zip((out.tokens, out.logprobs, out.entropy), (token, logp, entropy)):
+            buffer.scatter_(1, col, value.unsqueeze(1))
+        col.add_(1)
+        return token.repeat(2) if params.guided else token  # [B or 2B]
+
+    logits = policy.prefill(rows, cache)  # [B or 2B, K]
+    if mode == "graph" and N > 1:
+        replay = record_step(lambda: logits.copy_(policy.decode(draw(logits), cache)), [logits, col, cache.position])
+        for _ in range(N - 1):
+            replay()
+    else:
+        for _ in range(N - 1):
+            logits = policy.decode(draw(logits), cache)
+    draw(logits)  # the last token: nothing decodes after it
+    return out
+
+
+def record_step(step, state: Sequence[torch.Tensor]) -> callable:
+    """`step` (a decode step that reads and writes only tensors of fixed addresses) recorded as a CUDA
+    graph; returns its replay. Recording needs warm-up runs on a side stream (PyTorch's CUDA graphs
+    docs); they advance `state` (the logits, the column, the cache's position), which is put back after.
+    The keys and values they wrote are written again by the replayed steps before any step reads them."""
+    saved = [x.clone() for x in state]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for x, value in zip(state, saved):
+        x.copy_(value)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def sample_batched(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int], params: SamplingParams,

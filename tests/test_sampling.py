@@ -1,6 +1,7 @@
 """The sampler owns the distribution: a slow reference, log-prob consistency, seeds and filters."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,21 +22,30 @@ MODES = [
 ]
 
 
+# Every decode path (sampling.py) must draw the eager path's tokens; the CUDA graph needs a GPU.
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode needs a CUDA device")
+DECODES = ["eager", "static", pytest.param("graph", marks=CUDA)]
+
+
+def device_for(decode: str) -> str:
+    return "cuda" if decode == "graph" else "cpu"
+
+
 def reference_sample(policy, cond, seeds, params, force_guidance=False):
     """Slow and obvious: full forward passes (no cache) at every step, same uniforms, same filters."""
-    B, N = cond.shape[0], policy.num_image_tokens
-    u = seeded_uniforms(seeds, N, "cpu")
-    tokens = torch.zeros(B, 0, dtype=torch.long)
+    B, N, device = cond.shape[0], policy.num_image_tokens, cond.device
+    u = seeded_uniforms(seeds, N, device)
+    tokens = torch.zeros(B, 0, dtype=torch.long, device=device)
     logps = []
     for i in range(N):
-        padded = torch.cat([tokens, torch.zeros(B, 1, dtype=torch.long)], dim=1)  # last token never read
+        padded = torch.cat([tokens, torch.zeros(B, 1, dtype=torch.long, device=device)], dim=1)  # last never read
         c = policy.image_logits(cond, padded)[:, i]
         un = policy.image_logits(policy.null_condition(cond), padded)[:, i]
         guided = params.guided or force_guidance
         logits = guided_logits(c, un if guided else None, params.cfg_scale) / params.temperature
         probs = filter_logits(logits, params.top_k, params.top_p).softmax(-1)
         cdf = probs.cumsum(-1)
-        tok = torch.tensor([int((cdf[b] < (1 - u[b, i]) * cdf[b, -1]).sum()) for b in range(B)])
+        tok = torch.tensor([int((cdf[b] < (1 - u[b, i]) * cdf[b, -1]).sum()) for b in range(B)], device=device)
         if params.logprob_mode == "conditional":
             probs = (c / params.temperature).softmax(-1)
         logps.append(probs.gather(-1, tok[:, None]).log().squeeze(-1))
@@ -43,12 +53,14 @@ def reference_sample(policy, cond, seeds, params, force_guidance=False):
     return tokens, torch.stack(logps, dim=1)
 
 
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("params", MODES[:5] + MODES[5:6], ids=str)
 @torch.no_grad()
-def test_fast_sampler_equals_slow_reference(tiny_policy, params):
-    cond = tiny_policy.encode_prompts(PROMPTS)
-    fast = sample(tiny_policy, cond, [1, 2, 3], params)
-    tokens, logps = reference_sample(tiny_policy, cond, [1, 2, 3], params)
+def test_fast_sampler_equals_slow_reference(tiny_policy, params, decode):
+    policy = tiny_policy.to(device_for(decode))
+    cond = policy.encode_prompts(PROMPTS)
+    fast = sample(policy, cond, [1, 2, 3], replace(params, decode=decode))
+    tokens, logps = reference_sample(policy, cond, [1, 2, 3], params)
     assert torch.equal(fast.tokens, tokens)
     torch.testing.assert_close(fast.logprobs, logps, atol=1e-4, rtol=0)
 
@@ -65,11 +77,13 @@ def test_cfg_scale_one_equals_the_conditional_branch(tiny_policy):
     torch.testing.assert_close(fast.logprobs, logps, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("params", MODES, ids=str)
-def test_recomputed_logprobs_equal_rollout_logprobs(tiny_policy, params):
-    cond = tiny_policy.encode_prompts(PROMPTS * 4)
-    rollout = sample(tiny_policy, cond, list(range(12)), params)
-    recomputed = sequence_logprobs(tiny_policy, cond, rollout.tokens, params)  # with grad, one pass
+def test_recomputed_logprobs_equal_rollout_logprobs(tiny_policy, params, decode):
+    policy = tiny_policy.to(device_for(decode))
+    cond = policy.encode_prompts(PROMPTS * 4)
+    rollout = sample(policy, cond, list(range(12)), replace(params, decode=decode))
+    recomputed = sequence_logprobs(policy, cond, rollout.tokens, params)  # with grad, one pass
     assert recomputed.requires_grad
     ratio = (recomputed - rollout.logprobs).exp()
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)
@@ -150,8 +164,27 @@ def test_seed_count_must_match_rows(tiny_policy):
         sample(tiny_policy, tiny_policy.encode_prompts(PROMPTS), [1, 2], SamplingParams())
 
 
-def test_bad_params_are_refused():
+def test_bad_params_are_refused(tiny_policy):
+    with pytest.raises(ValueError, match="decode must be one of"):
+        SamplingParams(decode="compiled")
+    cond = tiny_policy.encode_prompts(PROMPTS)
+    with pytest.raises(ValueError, match="'graph' needs a CUDA device"):
+        sample(tiny_policy, cond, [1, 2, 3], SamplingParams(decode="graph"))
+    with pytest.raises(ValueError, match="has no static decode"):
+        sample(_NoStatic(tiny_policy), cond, [1, 2, 3], SamplingParams(decode="static"))
     with pytest.raises(ValueError, match="logprob_mode must be one of"):
         SamplingParams(logprob_mode="cfg")
     with pytest.raises(ValueError, match="temperature must be > 0"):
         SamplingParams(temperature=0.0)
+
+
+class _NoStatic:
+    """A policy without `static_decode` (a plugin's that predates it): eager only."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __getattr__(self, name):
+        if name == "static_decode":
+            raise AttributeError(name)
+        return getattr(self.policy, name)

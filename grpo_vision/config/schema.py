@@ -62,6 +62,10 @@ class SampleConfig:
     top_p: float = 1.0  # nucleus sampling: keep the smallest set with this much mass; 1 = all
     logprob_mode: Literal["guided", "conditional"] = "guided"  # distribution used by ratio and KL
     batch_size: int = 64  # sequences per sampler call (CFG doubles the rows internally)
+    # how a rollout runs, not what it draws (sampling.py): graph = a fixed-shape decode step recorded once as a
+    # CUDA graph and replayed per token; static = that step without the graph; eager = attention over the keys
+    # so far; auto = graph on a GPU, eager on a CPU. All give the same tokens for the same seeds.
+    decode: Literal["auto", "eager", "static", "graph"] = "auto"
 
 
 @dataclass

@@ -15,9 +15,12 @@ condition tensor alone carries its attention mask. The unconditional rows for CF
 `JanusForConditionalGeneration.generate(generation_mode="image")`: every token that is not BOS or
 `<begin_of_image>` becomes the pad token, attended as a token, under the same padding mask.
 
-Sampling runs the language model with a transformers `StaticCache` sized condition + image tokens
-(as `generate` does), so the sampler's logits equal `generate`'s (a test compares them step by
-step). Only the generation path trains: the understanding-only modules (SigLIP `vision_model`,
+Sampling prefills the condition with transformers' language model, then decodes with a step of its
+own over the same modules (`decode`): the keys and values in a cache preallocated at condition + image
+tokens, attention computed directly (in float32 on a CPU, where transformers' bf16 attention kernel took a
+quarter of a Janus-Pro-1B-sized decode step, docs/benchmarks.md) and, with `new_cache(static=True)`, a
+step of fixed shapes a CUDA graph can record (models/decode.py). Its logits equal `generate`'s (a test
+compares them step by step in float32). Only the generation path trains: the understanding-only modules (SigLIP `vision_model`,
 `aligner`), the VQ model and the text embedding table (tied to the text `lm_head`) are frozen, which
 also keeps them out of checkpoints and the optimizer. `lora_scope` confines LoRA adapters to the
 language model (its projections share names with the SigLIP tower's).
@@ -33,15 +36,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from grpo_vision.models.decode import future_keys, static_position, write_step
+
 NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
 SFT_FORMAT = "<|User|>: {}\n\n<|Assistant|>:"  # Janus's "deepseek" SFT template, empty system prompt
 
 
 @dataclass
 class JanusCache:
-    kv: object = None  # transformers StaticCache, allocated by `prefill` once the condition length is known
-    mask: torch.Tensor | None = None  # [B, L + N] 1 = attended, 0 = left padding
-    pos: int = 0  # positions written (a Python int: reading the cache's own counter would sync the GPU)
+    static: bool = False  # a decode step of fixed shapes (models/decode.py)
+    k: torch.Tensor | None = None  # [layers, B, kv_heads, L + N, head_dim], allocated by `prefill` (it needs L)
+    v: torch.Tensor | None = None
+    valid: torch.Tensor | None = None  # [B, L + N] True where a key may be attended (False at left padding)
+    pos: int = 0  # positions written (a Python int: reading a device counter would sync the GPU)
+    position: torch.Tensor | None = None  # a static cache's next position, on the device
 
 
 class JanusImagePolicy(nn.Module):
@@ -49,6 +57,7 @@ class JanusImagePolicy(nn.Module):
     `policy.ImagePolicy`."""
 
     lora_scope = "model.model.language_model"  # module prefix that LoRA adapters are confined to
+    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
 
     def __init__(self, model, processor):
         super().__init__()
@@ -105,25 +114,58 @@ class JanusImagePolicy(nn.Module):
         keep = (cond == self.bos_id) | (cond == self.boi_id) | (cond == NO_TOKEN)  # [B, L]
         return cond.masked_fill(~keep, self.pad_id)  # [B, L]
 
-    def new_cache(self, batch_size: int) -> JanusCache:
-        return JanusCache()  # the StaticCache needs the condition length, so `prefill` allocates it
+    def new_cache(self, batch_size: int, static: bool = False) -> JanusCache:
+        return JanusCache(static)  # the keys need the condition length, so `prefill` allocates them
 
     def prefill(self, cond: torch.Tensor, cache: JanusCache) -> torch.Tensor:
-        from transformers import StaticCache
-
         ids, mask = self._ids_and_mask(cond)  # [B, L] each
-        B, L = cond.shape
-        cache.kv = StaticCache(config=self.model.config.text_config, max_cache_len=L + self.num_image_tokens)
-        cache.mask = torch.cat([mask, mask.new_ones(B, self.num_image_tokens)], dim=1)  # [B, L+N]
-        h = self._language_model(self._embed_text(ids), cache.mask[:, :L], cache.kv)  # [B, L, D]
+        (B, L), N = cond.shape, self.num_image_tokens
+        out = self.model.model.language_model(inputs_embeds=self._embed_text(ids), attention_mask=mask,
+                                              use_cache=True)
+        layers = _cached_layers(out.past_key_values)  # [(k, v)] each [B, Hkv, L, hd]
+        k0 = layers[0][0]
+        # float32 on a CPU: the decode step's attention runs there in float32 (module docstring)
+        dtype = torch.float32 if k0.device.type == "cpu" else k0.dtype
+        new = torch.zeros if cache.static else torch.empty  # static: unwritten keys are masked, zeros add nothing
+        cache.k = new(len(layers), B, k0.shape[1], L + N, k0.shape[3], dtype=dtype, device=k0.device)
+        cache.v = torch.zeros_like(cache.k) if cache.static else torch.empty_like(cache.k)
+        for i, (k, v) in enumerate(layers):
+            cache.k[i, :, :, :L], cache.v[i, :, :, :L] = k, v
+        cache.valid = torch.cat([mask.bool(), mask.new_ones(B, N, dtype=torch.bool)], dim=1)  # [B, L+N]
         cache.pos = L
-        return self.model.model.generation_head(h[:, -1])  # [B, K]
+        cache.position = static_position(k0.device).fill_(L) if cache.static else None
+        return self.model.model.generation_head(out.last_hidden_state[:, -1])  # [B, K]
 
     def decode(self, tokens: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        """One image token per row through transformers' Llama layers, the same math as their forward
+        (residual, RMSNorm, RoPE, attention, SwiGLU) with the keys and values in `cache`."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        lm, B = self.model.model.language_model, tokens.shape[0]
+        pos, position = cache.pos, cache.position  # position: a static cache's, else None
         x = self.model.prepare_embeddings_for_image_generation(tokens.unsqueeze(1))  # [B, 1, D]
-        h = self._language_model(x, cache.mask[:, :cache.pos + 1], cache.kv)  # [B, 1, D]
-        cache.pos += 1
-        return self.model.model.generation_head(h[:, -1])  # [B, K]
+        at = torch.full((B, 1), pos, device=x.device) if position is None else position.view(1, 1).expand(B, 1)
+        cos, sin = lm.rotary_emb(x, at)  # [B, 1, hd] each
+        if position is None:
+            mask = cache.valid[:, None, None, :pos + 1]  # [B, 1, 1, pos+1]
+        else:
+            mask = cache.valid[:, None, None, :] & ~future_keys(position, cache.k.shape[3])  # [B, 1, 1, L+N]
+        for i, layer in enumerate(lm.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)  # [B, 1, D]
+            q = a.q_proj(h).view(B, 1, -1, a.head_dim).transpose(1, 2)  # [B, H, 1, hd]
+            k = a.k_proj(h).view(B, 1, -1, a.head_dim).transpose(1, 2)  # [B, Hkv, 1, hd]
+            v = a.v_proj(h).view(B, 1, -1, a.head_dim).transpose(1, 2)  # [B, Hkv, 1, hd]
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys, values = write_step(cache.k[i], cache.v[i], k[:, :, 0], v[:, :, 0], pos, position)
+            y = attend(q, keys, values, mask, a.scaling)  # [B, H, 1, hd]
+            x = x + a.o_proj(y.transpose(1, 2).reshape(B, 1, -1))  # [B, 1, D]
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if position is None:
+            cache.pos += 1
+        else:
+            position.add_(1)
+        return self.model.model.generation_head(lm.norm(x)[:, -1])  # [B, K]
 
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.image_logits(cond, tokens)
@@ -141,7 +183,7 @@ class JanusImagePolicy(nn.Module):
         text = self._embed_text(ids)  # [B, L, D]
         x = torch.cat([text, images.to(text.dtype)], dim=1)  # [B, L+N-1, D] (autocast may differ the dtypes)
         mask = torch.cat([mask, mask.new_ones(tokens[:, :-1].shape)], dim=1)  # [B, L+N-1]
-        h = self._language_model(x, mask, None)  # [B, L+N-1, D]
+        h = self._language_model(x, mask)  # [B, L+N-1, D]
         return self.model.model.generation_head(h[:, cond.shape[1] - 1:])  # [B, N, K]
 
     # ------------------------------------------------------------------ internals
@@ -152,12 +194,10 @@ class JanusImagePolicy(nn.Module):
     def _embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)  # [B, L, D]
 
-    def _language_model(self, x: torch.Tensor, mask: torch.Tensor, kv) -> torch.Tensor:
+    def _language_model(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states `[B, T, D]`; positions are 0, 1, ... including padding, as in `generate`
         (RoPE is relative, so left padding does not change the logits)."""
-        out = self.model.model.language_model(inputs_embeds=x, attention_mask=mask, past_key_values=kv,
-                                              use_cache=kv is not None)
-        return out.last_hidden_state
+        return self.model.model.language_model(inputs_embeds=x, attention_mask=mask, use_cache=False).last_hidden_state
 
     # ------------------------------------------------------------------ tokenizer, save / load
     def image_tokenizer(self) -> "JanusVQTokenizer":
@@ -184,6 +224,27 @@ class JanusImagePolicy(nn.Module):
                                                               local_files_only=True)
         processor = JanusProcessor.from_pretrained(str(directory), local_files_only=True)
         return cls(model.to(device).eval(), processor)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row `[B, H, 1, hd]` over keys and values `[B, Hkv, T, hd]` where `mask` `[B, 1, 1, T]` is
+    True. On a CPU in float32 with the query heads grouped per key head (no repeated keys); elsewhere SDPA."""
+    B, H, _, hd = q.shape
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
+                                              enable_gqa=H != k.shape[1])
+    g = H // k.shape[1]
+    scores = q.float().view(B, -1, g, hd) @ k.float().transpose(-1, -2) * scale  # [B, Hkv, g, T]
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # mask [B, 1, 1, T] on every head
+    return (weights @ v.float()).view(B, H, 1, hd).to(q.dtype)
+
+
+def _cached_layers(kv) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) `[B, Hkv, T, hd]` per layer of a transformers cache: `.layers[i].keys` in transformers 5,
+    `.key_cache[i]` before."""
+    if hasattr(kv, "layers"):
+        return [(layer.keys, layer.values) for layer in kv.layers]
+    return list(zip(kv.key_cache, kv.value_cache))
 
 
 class JanusVQTokenizer(nn.Module):

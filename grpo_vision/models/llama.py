@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.config.load import brief
+from grpo_vision.models.decode import future_keys, static_position, write_step
 from grpo_vision.run.load_checks import non_finite, shape_mismatch
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
@@ -70,6 +71,7 @@ class KVCache:
     v: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
     fused: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: W_qkv [(H+2Hkv)*hd, dim], W_gate_up [2F, dim]
     pos: int = 0  # number of positions already written
+    position: torch.Tensor | None = None  # a static cache's next position, on the device (models/decode.py)
 
 
 def rope_tables(cfg: LlamaPolicyConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,6 +176,8 @@ class Backbone(nn.Module):  # named like transformers' LlamaModel so state-dict 
 class LlamaImagePolicy(nn.Module):
     """Caption-conditioned image-token transformer; implements `policy.ImagePolicy`."""
 
+    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
+
     def __init__(self, cfg: LlamaPolicyConfig):
         super().__init__()
         if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
@@ -228,8 +232,9 @@ class LlamaImagePolicy(nn.Module):
         null = [PAD] * (self.cfg.max_caption_words - 1) + [BOS, NULL, BOI]
         return torch.tensor(null, dtype=cond.dtype, device=cond.device).expand_as(cond)  # [B, L]
 
-    def new_cache(self, batch_size: int) -> KVCache:
-        """Preallocated keys/values, plus fused projection weights for `decode`.
+    def new_cache(self, batch_size: int, static: bool = False) -> KVCache:
+        """Preallocated keys/values, plus fused projection weights for `decode`; `static`: zeros, and the
+        position a tensor (models/decode.py).
 
         Weights do not change during a rollout, so q/k/v and gate/up are concatenated once here and
         each decode step runs 4 matmuls per layer instead of 7.
@@ -240,34 +245,44 @@ class LlamaImagePolicy(nn.Module):
             a, m = [b.self_attn for b in self.model.layers], [b.mlp for b in self.model.layers]
             fused = [(torch.cat([effective_weight(x.q_proj), effective_weight(x.k_proj), effective_weight(x.v_proj)]),
                       torch.cat([effective_weight(y.gate_proj), effective_weight(y.up_proj)])) for x, y in zip(a, m)]
-        return KVCache(torch.empty(shape, dtype=w.dtype, device=w.device),
-                       torch.empty(shape, dtype=w.dtype, device=w.device), fused)
+        new = torch.zeros if static else torch.empty
+        return KVCache(new(shape, dtype=w.dtype, device=w.device), new(shape, dtype=w.dtype, device=w.device), fused,
+                       position=static_position(w.device) if static else None)
 
     def prefill(self, cond: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.pos = 0
         h = self._forward(self.model.embed_tokens(cond), cache)  # [B, L, dim]
+        if cache.position is not None:
+            cache.position.fill_(cache.pos)
         return self._image_head(h[:, -1])  # [B, K]
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per row: the same math as `_forward`, written for T = 1 (a test checks equality)."""
-        c, pos = self.cfg, cache.pos
+        c, pos, position = self.cfg, cache.pos, cache.position  # position: a static cache's, else None
         H, Hkv, hd = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
         B, g = tokens.shape[0], H // Hkv
         x = self.model.embed_tokens(tokens + c.image_offset)  # [B, dim]
-        cos, sin = (t[pos] for t in self._rope_tables(x))  # [hd] each
+        cos, sin = (t[pos] if position is None else t.index_select(0, position.view(1))[0]  # no host sync
+                    for t in self._rope_tables(x))  # [hd] each
+        future = None if position is None else future_keys(position, cache.k.shape[3])  # [T] keys to hide
         for i, layer in enumerate(self.model.layers):
             w_qkv, w_gate_up = cache.fused[i]
             qkv = F.linear(layer.input_layernorm(x), w_qkv)  # [B, (H+2Hkv)*hd]
             qk = apply_rope(qkv[:, :(H + Hkv) * hd].view(B, H + Hkv, hd), cos, sin)  # [B, H+Hkv, hd]
-            cache.k[i, :, :, pos] = qk[:, H:]  # [B, Hkv, hd]
-            cache.v[i, :, :, pos] = qkv[:, (H + Hkv) * hd:].view(B, Hkv, hd)
+            k, v = write_step(cache.k[i], cache.v[i], qk[:, H:], qkv[:, (H + Hkv) * hd:].view(B, Hkv, hd), pos,
+                              position)  # [B, Hkv, pos+1 or T, hd]
             q = qk[:, :H].reshape(B, Hkv, g, hd) * hd ** -0.5  # [B, Hkv, g, hd]: heads grouped per kv head
-            k, v = cache.k[i, :, :, :pos + 1], cache.v[i, :, :, :pos + 1]  # [B, Hkv, pos+1, hd]
-            att = (q @ k.transpose(-1, -2)).softmax(-1) @ v  # [B, Hkv, g, hd]
+            scores = q @ k.transpose(-1, -2)  # [B, Hkv, g, pos+1 or T]
+            if future is not None:
+                scores = scores.masked_fill(future, float("-inf"))
+            att = scores.softmax(-1) @ v  # [B, Hkv, g, hd]
             x = x + layer.self_attn.o_proj(att.reshape(B, H * hd))  # [B, dim]
             gate, up = F.linear(layer.post_attention_layernorm(x), w_gate_up).chunk(2, dim=-1)  # [B, F] each
             x = x + layer.mlp.down_proj(F.silu(gate) * up)  # [B, dim]
-        cache.pos += 1
+        if position is None:
+            cache.pos += 1
+        else:
+            position.add_(1)
         return self._image_head(self.model.norm(x))  # [B, K]
 
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.config.load import ConfigError, brief
+from grpo_vision.models.decode import future_keys, static_position, write_step
 
 
 @dataclass
@@ -76,6 +77,7 @@ class LlamaGenCache:
     v: torch.Tensor  # [layers, B, kv_heads, L + N, head_dim]
     valid: torch.Tensor | None = None  # [B, L + N] False at caption padding; None: nothing padded
     pos: int = 0  # positions written
+    position: torch.Tensor | None = None  # a static cache's next position, on the device (models/decode.py)
 
 
 def rope_table(cfg: LlamaGenConfig) -> torch.Tensor:
@@ -121,7 +123,9 @@ class Attention(nn.Module):
         q = rotate(q.view(B, T, H, hd), table).transpose(1, 2)  # [B, H, T, hd]
         k = rotate(k.view(B, T, Hkv, hd), table).transpose(1, 2)  # [B, Hkv, T, hd]
         v = v.view(B, T, Hkv, hd).transpose(1, 2)  # [B, Hkv, T, hd]
-        if cache is not None:
+        if cache is not None and cache.position is not None and T == 1:  # a static decode step
+            k, v = write_step(cache.k[layer], cache.v[layer], k[:, :, 0], v[:, :, 0], 0, cache.position)
+        elif cache is not None:
             end = cache.pos + T
             cache.k[layer, :, :, cache.pos:end], cache.v[layer, :, :, cache.pos:end] = k, v
             k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, Hkv, end, hd]
@@ -178,6 +182,8 @@ class CaptionEmbedder(nn.Module):
 class LlamaGenPolicy(nn.Module):
     """LlamaGen's GPT (c2i or t2i); implements `policy.ImagePolicy`. `captions` (t2i) encodes prompts."""
 
+    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
+
     def __init__(self, cfg: LlamaGenConfig, captions=None):
         super().__init__()
         if cfg.dim % cfg.n_head or (cfg.dim // cfg.n_head) % 4 or cfg.n_kv_head < 1 or cfg.n_head % cfg.n_kv_head:
@@ -222,17 +228,21 @@ class LlamaGenPolicy(nn.Module):
         valid = caption_mask(cond)[..., None]  # [B, L, 1]
         return self.cls_embedding.uncond_embedding.to(cond.dtype) * valid  # [B, L, C]
 
-    def new_cache(self, batch_size: int) -> LlamaGenCache:
+    def new_cache(self, batch_size: int, static: bool = False) -> LlamaGenCache:
         c, w = self.cfg, self.output.weight
         shape = (c.n_layer, batch_size, c.n_kv_head, c.cls_token_num + c.num_image_tokens, c.dim // c.n_head)
-        return LlamaGenCache(torch.empty(shape, dtype=w.dtype, device=w.device),
-                             torch.empty(shape, dtype=w.dtype, device=w.device))
+        new = torch.zeros if static else torch.empty  # static: unwritten keys are masked, their zeros add nothing
+        return LlamaGenCache(new(shape, dtype=w.dtype, device=w.device), new(shape, dtype=w.dtype, device=w.device),
+                             position=static_position(w.device) if static else None)
 
     def prefill(self, cond: torch.Tensor, cache: LlamaGenCache) -> torch.Tensor:
         cache.pos, valid = 0, self._valid(cond)  # [B, L] or None
         if valid is not None:
             cache.valid = torch.cat([valid, valid.new_ones(valid.shape[0], self.num_image_tokens)], 1)  # [B, L+N]
+        position, cache.position = cache.position, None  # the prefill writes as an eager cache does
         h = self._forward(self.cls_embedding(cond), cache.valid, cache)  # [B, L, dim]
+        if position is not None:
+            cache.position = position.fill_(cache.pos)
         return self._logits(h[:, -1])  # [B, K]
 
     def decode(self, tokens: torch.Tensor, cache: LlamaGenCache) -> torch.Tensor:
@@ -262,13 +272,22 @@ class LlamaGenPolicy(nn.Module):
     def _forward(self, x: torch.Tensor, valid: torch.Tensor | None, cache: LlamaGenCache | None = None):
         """Final-norm hidden states `[B, T, dim]` of positions start .. start+T-1 (start = cache.pos or 0)."""
         start, T = (cache.pos if cache is not None else 0), x.shape[1]
-        table = self._table(x.device)[start:start + T]  # [T, hd/2, 2]
-        mask = attention_mask(valid, start, T, x.device)
+        static = cache is not None and cache.position is not None and T == 1  # a decode step of fixed shapes
+        if static:
+            table = self._table(x.device).index_select(0, cache.position.view(1))  # [1, hd/2, 2]
+            mask = ~future_keys(cache.position, cache.k.shape[3])[None, None, None]  # [1, 1, 1, L+N]
+            if valid is not None:
+                mask = mask & valid[:, None, None, :]  # [B, 1, 1, L+N]
+        else:
+            table = self._table(x.device)[start:start + T]  # [T, hd/2, 2]
+            mask = attention_mask(valid, start, T, x.device)
         remat = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):  # non-reentrant recompute: works under DDP / FSDP hooks
             x = checkpoint(layer, x, table, mask, cache, i, use_reentrant=False) if remat else \
                 layer(x, table, mask, cache, i)
-        if cache is not None:
+        if static:
+            cache.position.add_(1)
+        elif cache is not None:
             cache.pos += T
         return self.norm(x)
 
