@@ -47,7 +47,7 @@ from grpo_vision.run.folder import read_run_config, resume_command, save_origin
 from grpo_vision.run.health import COUNTERS, DRIFT_WARN, NonFiniteWeightsError, RunHealth, warn
 from grpo_vision.run.lock import RunLock, check_run_dir
 from grpo_vision.run.machine import check_load, resolve_device, set_threads
-from grpo_vision.run.memory import report_memory
+from grpo_vision.run.memory import report_memory, resident_bytes
 from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics, nanmean, nanstd
 from grpo_vision.run.signals import GracefulStop, Interrupted
 from grpo_vision.run.trackers import Trackers, accelerator_options, grid_text
@@ -200,7 +200,9 @@ def sample_step(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> Samp
         seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
         policy.eval()
         cond = policy.encode_prompts([e.prompt for e in entries])  # [n, L]
-        rollout = sample_batched(policy, cond, seeds, st.params, s.batch_size)
+        with torch.autocast(acc.device.type, torch.bfloat16, enabled=s.mixed_precision == "bf16",
+                            cache_enabled=False):  # no cast cache: a CUDA graph must record the casts
+            rollout = sample_batched(policy, cond, seeds, st.params, s.batch_size)
         with timer("decode"), torch.no_grad():  # its own phase: the sample clock stops meanwhile
             images = torch.cat([st.bundle.tokenizer.decode(rollout.tokens[i:i + s.batch_size])
                                 for i in range(0, len(entries), s.batch_size)])  # [n, 3, H, W]
@@ -232,7 +234,8 @@ def update_batch(st: RunState, cfg: Config, samples: Samples, advantages: torch.
     """The update's inputs: the log-probs its ratio divides by, the reference's for the KL, and the
     tokens that carry the policy term."""
     t, acc, cond, tokens = cfg.train, st.acc, samples.cond, samples.rollout.tokens
-    old = old_logprobs(st.policy, cond, samples.rollout, st.params, acc, t.micro_batch_size)
+    old = old_logprobs(st.policy, cond, samples.rollout, st.params, acc, t.micro_batch_size,
+                       recompute=cfg.sample.mixed_precision != "no")
     with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
         ref = reference_logprobs(st.policy, st.reference, cond, tokens, st.params, t)
     mask = torch.ones_like(tokens, dtype=torch.bool)  # image sequences have a fixed length
@@ -269,6 +272,7 @@ def step_metrics(st: RunState, cfg: Config, samples: Samples, scored: Scored, lo
         "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),
         **timer.metrics(),
         "perf/sample_tokens_per_s": samples.rollout.tokens.numel() / timer.seconds["sample"],
+        "perf/memory_estimate_gib": st.memory_estimate / 2**30,
         "lr": st.learner.scheduler.get_last_lr()[0],
     }
 
@@ -347,6 +351,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     prompts: PromptSets  # train, and the two eval sets
     start: int  # the first step to run (0, or the resumed checkpoint's step)
     buffer: ReplayBuffer | None  # iterative RL with a learning reward: the samples it updates on
+    memory_estimate: int = 0  # bytes: run/memory.py's estimated peak, logged beside the measured one
 
 
 def set_up(cfg: Config, resume: str | Path | None) -> RunState:
@@ -368,6 +373,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
             warnings.warn(busy, stacklevel=2)
     t = cfg.train
     params = SamplingParams.from_config(cfg.sample)
+    before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
     bundle = load_bundle(cfg.policy, acc.device)
     policy = bundle.policy
     if t.gradient_checkpointing:
@@ -380,8 +386,8 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     reference = Reference(policy, t.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     # before any sampling: a batch that cannot fit stops here, naming the knob to lower
-    report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"], params.guided, acc.device,
-                  main)
+    memory_estimate = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
+                                    params.guided, acc.device, main, before_load)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None)
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
@@ -429,7 +435,8 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     health = RunHealth(counters, t.max_skipped_updates, loud=main,
                        drift_limit=DRIFT_WARN["low_precision" if low_precision else "float32"])
     learner = Learner(model, trainable, optimizer, scheduler, acc, health)
-    return RunState(acc, run_dir, params, bundle, policy, learner, reference, rewards, prompts, start, buffer)
+    return RunState(acc, run_dir, params, bundle, policy, learner, reference, rewards, prompts, start, buffer,
+                    memory_estimate)
 
 
 def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:

@@ -50,10 +50,11 @@ class Learner:  # what an update changes, and what watches it
     health: RunHealth  # skipped updates, non-finite weights, log-prob drift
 
 
-def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int) -> torch.Tensor:
-    """The rollout's own log-probs, or, under mixed precision, a teacher-forced pass with the same
-    autocast as the update, so that the first pass's ratio is exactly 1 (as TRL does)."""
-    if acc.mixed_precision == "no":
+def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int, recompute: bool = False) -> torch.Tensor:
+    """The rollout's own log-probs, or, under mixed precision (or `recompute`: rollouts in another precision
+    than the update's), a teacher-forced pass with the same autocast as the update, so that the first pass's
+    ratio is exactly 1 (as TRL does)."""
+    if acc.mixed_precision == "no" and not recompute:
         return rollout.logprobs
     with acc.autocast():
         return batched_logprobs(policy, cond, rollout.tokens, params, micro)

@@ -425,6 +425,16 @@ def test_bf16_mixed_precision_starts_at_ratio_one_and_zero_kl(micro_world, tmp_p
     assert "rollout/logp_drift is" not in out.stderr
 
 
+def test_bf16_rollouts_show_their_cost_in_the_drift_and_keep_the_first_ratio_at_one(micro_world, tmp_path):
+    # sample.mixed_precision: the sampler draws under bf16 autocast while the update runs in float32: the old
+    # log-probs are recomputed in the update's precision (ratio 1), and the gauge shows the rounding gap
+    run = train(micro_cfg(micro_world, tmp_path, "sample.mixed_precision=bf16", "train.steps=1", "log.report=false",
+                          "train.num_iterations=1", "train.minibatches_per_pass=1"), progress=False)
+    m = load_metrics(run)[0]
+    assert m["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert 1e-3 < m["rollout/logp_drift"] < 5e-2  # float32 rollouts: below 1e-5 (test_algorithms.py)
+
+
 def test_a_sampler_and_a_scorer_that_disagree_are_warned_about_once(micro_world, tmp_path, monkeypatch, capfd):
     from grpo_vision.sampling import sequence_logprobs
 

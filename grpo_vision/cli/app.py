@@ -14,7 +14,7 @@ import sys
 import warnings
 
 from grpo_vision import __version__
-from grpo_vision.cli.args import at_least_two, non_negative_int, positive_int
+from grpo_vision.cli.args import at_least_two, int_list, non_negative_int, positive_int
 from grpo_vision.cli.runs import add_reader_options, add_run_commands
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
@@ -175,6 +175,14 @@ def cmd_convert_clip(args) -> None:
 def cmd_bench_sampler(args) -> None:
     from grpo_vision.tools.bench import bench_sampler
 
+    if args.preset:
+        from grpo_vision.tools.bench_gpu import bench_preset_sampler
+        from grpo_vision.tools.presets import preset, preset_home
+
+        preset(args.preset)  # an unknown name: one line, before anything is built
+        _print_result(bench_preset_sampler(args.preset, preset_home(args.preset_dir, args.preset), args.groups,
+                                           args.repeats, args.dtype), args.json)
+        return
     policy = None
     if args.policy:
         from grpo_vision.models.llama import LlamaImagePolicy
@@ -195,7 +203,25 @@ def cmd_bench_demo(args) -> None:
 def cmd_bench_step(args) -> None:
     from grpo_vision.tools.bench_train import bench_step
 
-    _print_result(bench_step(args.config, args.overrides, steps=args.steps, warmup=args.warmup), args.json)
+    overrides = args.overrides
+    if args.preset:  # the preset's weights and prompts first, so that the command line's own overrides win
+        from grpo_vision.tools.presets import preset, preset_home, preset_overrides
+
+        preset(args.preset)
+        overrides = [*preset_overrides(args.preset, preset_home(args.preset_dir, args.preset), args.dtype),
+                     *overrides]
+    _print_result(bench_step(args.config, overrides, steps=args.steps, warmup=args.warmup), args.json)
+
+
+def cmd_bench_gpu(args) -> None:
+    from grpo_vision.tools.bench_gpu import ORDER, bench_gpu, markdown
+    from grpo_vision.tools.presets import preset
+
+    names = args.presets.split(",") if args.presets else ORDER
+    for name in names:
+        preset(name)
+    report = bench_gpu(args.out, args.budget, args.preset_dir or None, args.tiny, args.groups, args.step_group, names)
+    print(json.dumps(report, indent=2) if args.json else markdown(report))
 
 
 def cmd_bench_trl(args) -> None:
@@ -302,6 +328,9 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--cfg-scale", type=float, default=3.0, help="guidance scale of the CFG-on runs")
     p.add_argument("--top-k", type=int, default=100, help="top-k of all runs (0 = off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+    add_preset_options(p, "a released model size with random weights (tools/presets.py) instead of the built-in "
+                          "policy: images/s per decode path, beside generate() for Janus and the teacher-forced pass")
+    p.add_argument("--groups", type=int_list, default=[8, 16], help="group sizes G, comma-separated (--preset)")
     p.set_defaults(func=cmd_bench_sampler)
     p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
     p.add_argument("run", help="a run directory (as for grpo-vision demo)")
@@ -323,7 +352,21 @@ def add_bench_commands(sub) -> None:
                                "for the main job on a 2-core CPU)", "a config file, as for grpo-vision train")
     p.add_argument("--steps", type=positive_int, default=4, help="timed steps (median reported)")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="steps run first and not timed")
+    add_preset_options(p, "train a released model size with random weights (tools/presets.py): its policy and "
+                          "prompts come before the overrides")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="the preset's policy.dtype")
     p.set_defaults(func=cmd_bench_step)
+    p = bench.add_parser("gpu", help="every sampler and step figure of the released sizes that fits --budget seconds "
+                                     "(the GPU session's one command: docs/benchmarks.md)")
+    p.add_argument("--out", required=True, help="folder for bench_gpu.json and bench_gpu.md (rewritten after each item)")
+    p.add_argument("--budget", type=positive_int, default=420, help="seconds; items past it are listed as not run")
+    p.add_argument("--json", action="store_true", help="print the JSON (default: the markdown tables)")
+    p.add_argument("--preset-dir", default="", help="where the presets' files are written (default: OUT/presets)")
+    p.add_argument("--presets", default="", help="comma-separated preset names (default: all four, in order)")
+    p.add_argument("--tiny", action="store_true", help="the presets' tiny twins (the fast tests run this on a CPU)")
+    p.add_argument("--groups", type=int_list, default=[8, 16], help="the sampler's group sizes G")
+    p.add_argument("--step-group", type=positive_int, default=16, help="G of the step figures (one prompt a step)")
+    p.set_defaults(func=cmd_bench_gpu)
     p = training_bench("trl", "images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench]; "
                               "about 3 min for the main job on a 2-core CPU)",
                        "a config of the built-in Llama policy (e.g. configs/shapes.yaml)")
@@ -331,6 +374,13 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--steps-per-round", type=at_least_two, default=3,
                    help="steps per trainer and round; the first is not timed")
     p.set_defaults(func=cmd_bench_trl)
+
+
+def add_preset_options(p, help_text: str) -> None:
+    p.add_argument("--preset", default="", help=help_text + "; names: janus-pro-1b, janus-pro-7b, llamagen-t2i-xl, "
+                                                            "llamagen-c2i-xl, each also with -tiny")
+    p.add_argument("--preset-dir", default="", help="where presets are written once and reused (default: "
+                                                    "~/.cache/grpo_vision/presets)")
 
 
 def _one_line(message, category, filename, lineno, line=None) -> str:

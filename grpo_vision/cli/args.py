@@ -31,6 +31,17 @@ def non_negative_int(text: str) -> int:
     return _whole(text, 0)
 
 
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers: 8,16."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers like 8,16, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected whole numbers of at least 1, got {text!r}")
+    return values
+
+
 def at_least_two(text: str) -> int:
     """argparse type: a whole number >= 2 (a round's first step is not timed)."""
     return _whole(text, 2, " (the first step is a warm-up)")

@@ -66,6 +66,9 @@ class SampleConfig:
     # CUDA graph and replayed per token; static = that step without the graph; eager = attention over the keys
     # so far; auto = graph on a GPU, eager on a CPU. All give the same tokens for the same seeds.
     decode: Literal["auto", "eager", "static", "graph"] = "auto"
+    # rollouts under bf16 autocast (float32 weights decode faster on a GPU); rollout/logp_drift shows what it
+    # costs, and the update's old log-probs are then recomputed, so that its first ratio is still exactly 1
+    mixed_precision: Literal["no", "bf16"] = "no"
 
 
 @dataclass

@@ -95,6 +95,16 @@ class JanusImagePolicy(nn.Module):
     def image_grid(self) -> tuple[int, int]:
         return tuple(self.model.model.vqmodel.quantize.quant_state_dims)
 
+    def architecture(self) -> dict:
+        """The sizes run/memory.py estimates a step's peak from. The condition length depends on the captions;
+        64 tokens covers the chat template and a caption of about 50 words. On a CPU the decode cache is float32
+        and so is the VQ model (counted in the parameters already, at its own dtype)."""
+        t = self.model.config.text_config
+        kv_bytes = 4 if self.model.device.type == "cpu" else None
+        return dict(layers=t.num_hidden_layers, dim=t.hidden_size, heads=t.num_attention_heads,
+                    kv_heads=t.num_key_value_heads, ffn_dim=t.intermediate_size, cond_len=64,
+                    codebook=self.codebook_size, kv_bytes=kv_bytes)
+
     def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
         texts = []
         for prompt in prompts:
@@ -122,7 +132,8 @@ class JanusImagePolicy(nn.Module):
         (B, L), N = cond.shape, self.num_image_tokens
         out = self.model.model.language_model(inputs_embeds=self._embed_text(ids), attention_mask=mask,
                                               use_cache=True)
-        layers = _cached_layers(out.past_key_values)  # [(k, v)] each [B, Hkv, L, hd]
+        # transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns)
+        layers = _cached_layers(out["cache"] if "cache" in out else out["past_key_values"])  # [(k, v)] [B, Hkv, L, hd]
         k0 = layers[0][0]
         # float32 on a CPU: the decode step's attention runs there in float32 (module docstring)
         dtype = torch.float32 if k0.device.type == "cpu" else k0.dtype
@@ -257,6 +268,11 @@ class JanusVQTokenizer(nn.Module):
 
     def __init__(self, vq):
         super().__init__()
+        if vq.quantize.embedding.weight.device.type == "cpu":
+            # A CPU without native bf16 convolutions decoded one 384 px image in minutes in bf16 (a Janus-Pro-1B-
+            # sized model saved in bf16, as released; docs/benchmarks.md) and in seconds in float32. The VQ model
+            # is frozen and only the tokenizer uses it, so it runs in float32 there (+0.2 GB for Janus-Pro).
+            vq.float()
         self.vq = vq  # transformers JanusVQVAE
         self.grid = tuple(vq.quantize.quant_state_dims)
 

@@ -209,6 +209,12 @@ class LlamaImagePolicy(nn.Module):
     def image_grid(self) -> tuple[int, int]:
         return tuple(self.cfg.image_grid)
 
+    def architecture(self) -> dict:
+        """The sizes run/memory.py estimates a step's peak from (`memory.Architecture`)."""
+        c = self.cfg
+        return dict(layers=c.n_layers, dim=c.dim, heads=c.n_heads, kv_heads=c.n_kv_heads, ffn_dim=c.ffn_dim,
+                    cond_len=c.cond_len, codebook=c.codebook_size, fused_copy=True)
+
     def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
         rows = []
         for prompt in prompts:

@@ -212,6 +212,15 @@ class LlamaGenPolicy(nn.Module):
     def image_grid(self) -> tuple[int, int]:
         return (self.cfg.grid, self.cfg.grid)
 
+    def architecture(self) -> dict:
+        """The sizes run/memory.py estimates a step's peak from; the T5 caption encoder (t2i) is not a
+        parameter of the policy but stays in memory beside it."""
+        c = self.cfg
+        encoder = 0 if self.captions is None else sum(p.numel() * p.element_size()
+                                                        for p in self.captions.model.parameters())
+        return dict(layers=c.n_layer, dim=c.dim, heads=c.n_head, kv_heads=c.n_kv_head, ffn_dim=c.ffn_dim,
+                    cond_len=c.cls_token_num, codebook=c.codebook_size, extra_bytes=encoder)
+
     def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
         device = self.output.weight.device
         if self.cfg.mode == "c2i":

@@ -1,10 +1,12 @@
-"""A rough estimate of a run's peak memory, printed beside the derived sizes at the start of `train`.
+"""An estimate of a run's peak memory, printed beside the derived sizes at the start of `train`.
 
 A batch that cannot fit is refused before any sampling (ConfigError naming the knob to lower), not
 minutes later by an out-of-memory traceback. The estimate counts the policy's side only (reward
-models are not counted) and is rough by design: enough to tell 2 GiB from 200 GiB. For a policy
-that does not expose its architecture (Janus) only the weights and optimizer are counted, and the
-estimate says it is a lower bound.
+models are not counted). Policies that expose their sizes (`architecture()`: the built-in, LlamaGen
+and Janus) get every part: weights, optimizer, the step's buffers, the sampler's KV cache and logits,
+and the update's saved activations and logits; a policy that does not gets weights and optimizer only,
+and the estimate says it is a lower bound. `bench step` logs it beside the measured peak
+(`perf/memory_estimate_gib`; docs/benchmarks.md compares them).
 """
 
 from __future__ import annotations
@@ -35,53 +37,104 @@ class PolicyShape:  # what the estimate needs from a policy; the architecture fi
     kv_heads: int | None = None
     ffn_dim: int | None = None
     codebook: int | None = None  # K, image-token logits per position
+    weight_bytes: int | None = None  # bytes of all parameters (dtypes may differ: a float32 VQ beside bf16 layers)
+    trainable_bytes: int | None = None  # bytes of the trainable parameters (peft keeps adapters in float32)
+    kv_bytes: int | None = None  # bytes per cached key or value (Janus decodes from float32 on a CPU)
+    fused_copy: bool = False  # decode keeps concatenated copies of q/k/v and gate/up (the built-in policy)
+    extra_bytes: int = 0  # frozen weights beside the policy's parameters (LlamaGen-T2I's T5 caption encoder)
+    runtime_bytes: int = 0  # on a CPU, the process before any step: libraries, loaders' buffers
+    adapter_bytes: int = 0  # per token, all layers: the inputs peft adapters copy to their own dtype (`adapter_copies`)
+
+
+def saved_values_per_token(dim: int, kv_dim: int, ffn: int) -> int:
+    """Values one Llama block keeps for its backward pass, per token (bf16 transformers Llama, counted op by op):
+    two RMSNorms (a float32 copy, 2 values a channel, the normalised and the scaled output: 4 x dim each),
+    RoPE's inputs and rotated halves (2 x dim + 2 x kv_dim), attention's q, k, v and output (2 x dim +
+    2 x kv_dim; fused attention keeps no weights), o_proj's input (dim) and SwiGLU's gate, up, silu and
+    product (4 x ffn). Measured within 15% on a Janus-Pro-1B-sized step (docs/benchmarks.md)."""
+    return 13 * dim + 4 * kv_dim + 4 * ffn
 
 
 def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_batch: int, guided: bool,
-                    frozen_reference: bool) -> dict[str, int]:
+                    frozen_reference: bool, activation_bytes: int | None = None,
+                    checkpointing: bool = False) -> dict[str, int]:
     """Bytes per part of a step's peak on one process: `images` per process per step, `sample_batch`
-    rows per sampler call, `micro_batch` rows per forward/backward; CFG doubles the rows."""
+    rows per sampler call, `micro_batch` rows per forward/backward; CFG doubles the rows. Activations are
+    `activation_bytes` a value (2 under bf16 autocast; default the weights' dtype); `checkpointing` keeps
+    one block's activations and every block's input."""
     s, pb, cfg_rows = shape, shape.param_bytes, 2 if guided else 1
+    trainable_bytes = s.trainable_bytes if s.trainable_bytes is not None else s.trainable * pb
     parts = {
-        "weights": s.params * pb * (2 if frozen_reference else 1),  # a frozen reference is a second copy
-        "optimizer": s.trainable * pb * 3,  # gradient + AdamW's two moments
+        # a frozen reference is a second copy; a T5 caption encoder (LlamaGen-T2I) stays beside the policy
+        "weights": (s.weight_bytes or s.params * pb) * (2 if frozen_reference else 1) + s.extra_bytes,
+        "optimizer": trainable_bytes * 3,  # gradient + AdamW's two moments, in the trainable weights' dtype
         # the decoded images three times (a reward's full-batch copies: to_uint8 clamps, then scales),
         # tokens (int64) and three float32 [n, N] tensors: rollout log-probs, entropies, reference log-probs
         "step": images * (3 * 4 * s.image_values + s.image_tokens * (8 + 3 * 4)),
     }
+    if s.runtime_bytes:
+        parts["runtime"] = s.runtime_bytes
     if s.layers is None:
         return parts
-    seq, head_dim = s.cond_len + s.image_tokens, s.dim // s.heads
+    seq, head_dim, ab = s.cond_len + s.image_tokens, s.dim // s.heads, activation_bytes or pb
+    kv_dim = s.kv_heads * head_dim
     rows = sample_batch * cfg_rows
-    kv_cache = 2 * s.layers * rows * s.kv_heads * seq * head_dim * pb  # keys and values
-    fused = s.layers * s.dim * ((s.heads + 2 * s.kv_heads) * head_dim + 2 * s.ffn_dim) * pb  # decode's fused copies
+    kv_cache = 2 * s.layers * rows * kv_dim * seq * (s.kv_bytes or pb)  # keys and values
+    fused = s.layers * s.dim * ((s.heads + 2 * s.kv_heads) * head_dim + 2 * s.ffn_dim) * pb if s.fused_copy else 0
     parts["sampling"] = kv_cache + fused + rows * s.codebook * 4 * 4  # a few float32 [rows, K] per token
     rows = micro_batch * cfg_rows
-    # kept for backward, per layer and token: about 8 x dim + 3 x ffn_dim values, plus the attention
-    # weights (heads x seq) when attention is not fused; logits, log-softmax and their gradient in float32
-    per_token = s.layers * (8 * s.dim + 3 * s.ffn_dim + s.heads * seq) * pb
+    block = saved_values_per_token(s.dim, kv_dim, s.ffn_dim) * ab
+    per_token = (s.layers * s.dim * ab + block + s.adapter_bytes // s.layers if checkpointing
+                 else s.layers * block + s.adapter_bytes)
+    # logits, log-softmax and their gradient in float32
     parts["training"] = rows * seq * per_token + 3 * rows * s.image_tokens * s.codebook * 4
     return parts
 
 
 def peak(parts: dict[str, int]) -> int:
     """Weights, optimizer and step buffers stay; sampling and training come one after the other."""
-    return parts["weights"] + parts["optimizer"] + parts["step"] + max(parts.get("sampling", 0),
-                                                                      parts.get("training", 0))
+    stays = sum(v for k, v in parts.items() if k not in ("sampling", "training"))
+    return stays + max(parts.get("sampling", 0), parts.get("training", 0))
 
 
-def policy_shape(policy, tokenizer, trainable: list[torch.Tensor]) -> PolicyShape:
-    """The shape of a loaded policy; one image is decoded to learn the image size."""
+def policy_shape(policy, tokenizer, trainable: list[torch.Tensor], runtime_bytes: int = 0) -> PolicyShape:
+    """The shape of a loaded policy; one image is decoded to learn the image size. `runtime_bytes`: what the
+    process held before loading it (on a CPU; `resident_bytes`)."""
     params = list(policy.parameters())
     device = params[0].device
     with torch.no_grad():
         image = tokenizer.decode(torch.zeros(1, policy.num_image_tokens, dtype=torch.long, device=device))
-    c = getattr(policy, "cfg", None)  # the built-in policy's LlamaPolicyConfig; Janus exposes none
-    known = all(hasattr(c, a) for a in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "cond_len"))
-    arch = dict(cond_len=c.cond_len, layers=c.n_layers, dim=c.dim, heads=c.n_heads, kv_heads=c.n_kv_heads,
-                ffn_dim=c.ffn_dim, codebook=policy.codebook_size) if known else {}
+    inner = getattr(policy, "get_base_model", lambda: policy)()  # a peft wrapper's model
+    arch = dict(inner.architecture()) if hasattr(inner, "architecture") else {}
     return PolicyShape(sum(p.numel() for p in params), sum(p.numel() for p in trainable), params[0].element_size(),
-                       policy.num_image_tokens, image[0].numel(), **arch)
+                       policy.num_image_tokens, image[0].numel(),
+                       weight_bytes=sum(p.numel() * p.element_size() for p in params), adapter_bytes=adapter_copies(policy),
+                       trainable_bytes=sum(p.numel() * p.element_size() for p in trainable), runtime_bytes=runtime_bytes,
+                       **arch)
+
+
+def adapter_copies(policy) -> int:
+    """Bytes a token costs, over all layers, in the input copies peft adapters keep for the backward pass: a
+    LoRA layer casts its input to its own float32 weights when the layer is bf16, and autograd keeps that
+    copy (a Janus-Pro-1B-sized LoRA step on a CPU: about 4 GiB of its 16, docs/benchmarks.md)."""
+    total = 0
+    for module in policy.modules():
+        base = getattr(module, "base_layer", None)
+        if base is None or not hasattr(base, "in_features"):
+            continue
+        own = [p for n, p in module.named_parameters() if not n.startswith("base_layer.") and p.requires_grad]
+        if own and own[0].dtype != base.weight.dtype:
+            total += base.in_features * own[0].element_size()
+    return total
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory in bytes (Linux), else None."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux
+        return None
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -93,10 +146,8 @@ def available_memory(device: torch.device) -> int | None:
     try:
         with open("/proc/meminfo") as f:
             info = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.split()}
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return info["MemAvailable"] + resident
-    except (OSError, KeyError, ValueError, IndexError):  # not Linux: no check
+        return info["MemAvailable"] + resident_bytes()
+    except (OSError, KeyError, ValueError, IndexError, TypeError):  # not Linux: no check
         return None
 
 
@@ -105,7 +156,8 @@ KNOBS = {"weights": "a smaller policy, policy.dtype, or train.adapter=lora with 
          "optimizer": "train.adapter=lora (trains an adapter only) or a smaller policy",
          "step": "sample.prompts_per_step (or sample.group_size): every image of a step is held at once",
          "sampling": "sample.batch_size (sequences per sampler call)",
-         "training": "train.micro_batch_size (sequences per forward/backward)"}
+         "training": "train.micro_batch_size (sequences per forward/backward) or train.gradient_checkpointing",
+         "runtime": "the other work in this process (it is what the process held before the run's first step)"}
 
 
 def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool) -> tuple[str, str | None]:
@@ -127,13 +179,18 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
 
 
 def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,
-                  device, loud: bool) -> None:
-    """Estimate a run's peak memory for its config, print it (`loud`), warn when close, refuse when over."""
-    shape = policy_shape(policy, tokenizer, trainable)
-    parts = estimate_memory(shape, images_per_process, cfg.sample.batch_size, cfg.train.micro_batch_size, guided,
-                            frozen_reference=cfg.train.reference == "frozen")
+                  device, loud: bool, runtime_bytes: int = 0) -> int:
+    """Estimate a run's peak memory for its config, print it (`loud`), warn when close, refuse when over;
+    returns the estimated peak in bytes. `runtime_bytes`: the process before the policy was loaded (a CPU's)."""
+    shape = policy_shape(policy, tokenizer, trainable, runtime_bytes)
+    t = cfg.train
+    parts = estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
+                            frozen_reference=t.reference == "frozen",
+                            activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
+                            checkpointing=t.gradient_checkpointing)
     line, too_close = check_memory(parts, available_memory(torch.device(device)), lower_bound=shape.layers is None)
     if loud:
         print(f"[train] {line}", flush=True)
         if too_close:
             warn(too_close)
+    return peak(parts)

@@ -43,6 +43,15 @@ def _our_steps(config: str, overrides: list[str], steps: int, out_dir: str) -> t
     return rows, cfg.sample.prompts_per_step * cfg.sample.group_size
 
 
+def _fresh_accelerate() -> None:
+    """Forget the accelerate state a previous run of this process fixed (its mixed precision): `bench gpu` runs
+    steps of several configs in one process (accelerate's own AccelerateTestCase.tearDown resets it alike)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 def _peak_memory_gib() -> dict:
     if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
         return {"cuda_max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
@@ -50,7 +59,12 @@ def _peak_memory_gib() -> dict:
 
 
 def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 1) -> dict:
-    """Median seconds per phase of a training step, images per second and peak memory."""
+    """Median seconds per phase of a training step, images per second, peak memory and the run's estimate."""
+    from grpo_vision.tools.bench_gpu import sig
+
+    if torch.cuda.is_available():  # the peak of this run, not of what the process ran before
+        torch.cuda.reset_peak_memory_stats()
+    _fresh_accelerate()
     with tempfile.TemporaryDirectory() as out:
         rows, images = _our_steps(config, overrides, warmup + steps, out)
     timed = rows[warmup:]
@@ -60,7 +74,8 @@ def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 
     return {"config": config, "overrides": overrides, "images_per_step": images, "steps_timed": len(timed),
             "warmup_steps": warmup, "threads": torch.get_num_threads(), "step_s": round(step_s, 3),
             "phases_s": phases, "other_s": round(other, 3),  # advantages, logging; medians need not add up
-            "images_per_s": round(images / step_s, 2), **_peak_memory_gib()}
+            "images_per_s": sig(images / step_s), **_peak_memory_gib(),
+            "memory_estimate_gib": round(timed[-1]["perf/memory_estimate_gib"], 3)}
 
 
 # The settings both trainers share in `bench trl`: what TRL can do (no CFG, no monitored rewards, no

@@ -117,10 +117,19 @@ def preset(name: str) -> Preset:
     return PRESETS[name]
 
 
+def preset_home(directory: str | Path | None, name: str) -> Path:
+    """Where preset `name` is written: `directory/name`, by default under ~/.cache/grpo_vision/presets."""
+    import os
+
+    root = Path(directory) if directory else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / \
+        "grpo_vision" / "presets"
+    return root / name
+
+
 def preset_overrides(name: str, directory: str | Path, dtype: str = "bfloat16") -> list[str]:
     """Write preset `name` into `directory` (once: a complete folder is reused) and return the config
     overrides that load it (`policy.kind`, `.path`, `.tokenizer`, `.options`, `.dtype`) with prompts it reads
-    (`data.train_prompts`, `data.eval_prompts`: a `prompts.txt` beside the weights)."""
+    (`data.train_prompts`, `data.eval_prompts`: `prompts.txt` and `eval.txt` beside the weights)."""
     p = preset(name)
     directory = Path(directory)
     done = directory / "preset.json"
@@ -129,11 +138,11 @@ def preset_overrides(name: str, directory: str | Path, dtype: str = "bfloat16") 
         start = time.perf_counter()
         files = (write_janus if p.kind == "janus" else write_llamagen)(p, directory)
         (directory / "prompts.txt").write_text("\n".join(prompts_for(name, 64)) + "\n")
+        (directory / "eval.txt").write_text("\n".join(prompts_for(name, 16, start=64)) + "\n")
         done.write_text(json.dumps({"name": name, "files": files, "seconds": round(time.perf_counter() - start, 1)}))
     files = json.loads(done.read_text())["files"]
-    prompts = directory / "prompts.txt"
     over = [f"policy.kind={p.kind}", f"policy.path={directory / files['path']}", f"policy.dtype={dtype}",
-            f"data.train_prompts={prompts}", f"data.eval_prompts={prompts}"]
+            f"data.train_prompts={directory / 'prompts.txt'}", f"data.eval_prompts={directory / 'eval.txt'}"]
     if p.kind == "llamagen":
         s = p.size
         options = {"image_size": s.image_size, **({"gpt": s.gpt} if s.gpt else {"heads": s.heads})}
@@ -143,12 +152,16 @@ def preset_overrides(name: str, directory: str | Path, dtype: str = "bfloat16") 
     return over
 
 
-def prompts_for(name: str, n: int) -> list[str]:
-    """`n` prompts the preset's policy reads: captions, or class indices for a class-conditional model."""
+def prompts_for(name: str, n: int, start: int = 0) -> list[str]:
+    """Prompts `start .. start + n - 1` of those the preset's policy reads: captions, or class indices for a
+    class-conditional model (`prompts.txt` holds 0..63 for training, `eval.txt` 64..79)."""
     p = preset(name)
     if p.kind == "llamagen" and p.size.mode == "c2i":
-        return [f"{(17 * i) % p.size.num_classes}" for i in range(n)]
-    return [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(n)]
+        return [f"{(17 * i) % p.size.num_classes}" for i in range(start, start + n)]
+    colours = "red blue green yellow black white orange purple brown pink".split()
+    things = "cat dog car bird horse apple bench clock cup chair".split()
+    return [f"{BENCH_PROMPTS[i % len(BENCH_PROMPTS)]} and a {colours[i % 10]} {things[i // 10 % 10]}"
+            for i in range(start, start + n)]
 
 
 # ---------------------------------------------------------------------------- Janus-Pro

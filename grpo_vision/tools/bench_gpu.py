@@ -1,0 +1,244 @@
+"""One command for a GPU session: sampler and GRPO-step figures for the released model sizes, within a budget.
+
+`grpo-vision bench gpu --json --budget 420 --out DIR` runs, preset by preset (tools/presets.py: random
+weights at the released sizes, written in each model's own format and loaded through its policy kind),
+the measurements users plan with, in order of how much they are asked for:
+
+* the sampler (`bench_preset_sampler`): images/s and tokens/s for one group of G images with the model's
+  CFG, decoded eager, static, and as a CUDA graph where there is one; transformers'
+  `generate(generation_mode="image")` for Janus (the baseline users have); and the teacher-forced ceiling
+  (the same logits in one batched pass);
+* one GRPO step by phase (`bench_train.bench_step`, the real loop): LoRA and full fine-tune, a frozen
+  reference and none, seconds per phase, images/s, peak memory beside the run's own memory estimate.
+
+It degrades instead of dying: a measurement that runs out of memory is reported as not fitting, one that
+fails says why, whatever was measured is written (`DIR/bench_gpu.json` after every item, and a markdown
+table `DIR/bench_gpu.md`), and items the budget does not reach are listed as not run. The reward of the
+step figures is `jpeg_compressibility` (no model files; the reward models of a real run add their own
+time, which the step's `reward` phase shows). Recipe and device call: docs/benchmarks.md, "On a GPU".
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import statistics
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from grpo_vision.tools.presets import preset, preset_overrides, prompts_for
+
+# The step settings of every preset (one prompt's group of G images; rewards without model files).
+STEP_COMMON = ["sample.prompts_per_step=1", "sample.batch_size={G}", "sample.group_size={G}",
+               "train.minibatches_per_pass=1", "reward.weights={jpeg_compressibility: 1.0}", "reward.options={}",
+               "reward.monitor=[]"]
+# (label, config, overrides) per preset: LoRA and full fine-tune, a frozen reference and none.
+STEPS = {
+    "janus-pro-1b": [("LoRA, reference = adapter off", "configs/janus_pro_7b_lora.yaml", []),
+                     ("full, frozen reference", "configs/janus_pro_1b.yaml", []),
+                     ("full, no reference", "configs/janus_pro_1b.yaml", ["train.reference=none", "train.beta=0.0"])],
+    "llamagen-t2i-xl": [("full, frozen reference", "configs/llamagen_t2i.yaml", []),
+                        ("full, no reference", "configs/llamagen_t2i.yaml", ["train.reference=none", "train.beta=0.0"]),
+                        ("LoRA, reference = adapter off", "configs/llamagen_t2i.yaml",
+                         ["train.adapter=lora", "train.reference=adapter", "train.lr=1e-4",
+                          "train.adapter_targets=[wqkv, wo, w1, w2, w3]"])],
+    "janus-pro-7b": [("LoRA, reference = adapter off, checkpointing", "configs/janus_pro_7b_lora.yaml",
+                      ["train.gradient_checkpointing=true"])],
+}
+ORDER = ["janus-pro-1b", "llamagen-t2i-xl", "llamagen-c2i-xl", "janus-pro-7b"]  # what users ask for first
+OPTIONAL = ["diffusers", "open_clip_torch", "gradio", "peft", "transformers", "accelerate"]
+
+
+def sig(x: float, digits: int = 3) -> float:
+    """`x` to `digits` significant digits: 0.00203 images/s stays readable (not 0.0)."""
+    return float(f"{x:.{digits}g}")
+
+
+def machine() -> dict:
+    """What the figures were measured on: the device, torch and CUDA, and the optional packages present."""
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "cpu_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out |= {"gpu": p.name, "gpu_memory_gib": round(p.total_memory / 2**30, 1)}
+    else:
+        out["gpu"] = None
+    packages = {}
+    for name in OPTIONAL:
+        try:
+            packages[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            packages[name] = "missing"
+    return out | {"packages": packages}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repeats: int = 1, dtype: str = "bfloat16",
+                         device: str | None = None, generate: bool = True) -> dict:
+    """Images/s of one group of G images with the preset's CFG, per decode path, beside transformers' generate
+    (Janus) and the teacher-forced ceiling."""
+    from grpo_vision.config import load_config
+    from grpo_vision.policy import load_bundle
+    from grpo_vision.sampling import SamplingParams, sample
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    p = preset(name)
+    start = time.perf_counter()
+    bundle = load_bundle(load_config(None, preset_overrides(name, directory, dtype)).policy, device)
+    policy, N = bundle.policy, bundle.policy.num_image_tokens
+    result = {"preset": name, "dtype": dtype, "device": device, "cfg_scale": p.cfg_scale, "image_tokens": N,
+              "params": sum(q.numel() for q in policy.parameters()), "load_s": round(time.perf_counter() - start, 1),
+              "groups": {}}
+    fast = "graph" if device == "cuda" else "static"
+    for G in groups:
+        prompts = prompts_for(name, 1) * G  # one prompt's group
+        cond = policy.encode_prompts(prompts)
+        params = SamplingParams(cfg_scale=p.cfg_scale)
+        runs = {d: (lambda d=d: sample(policy, cond, list(range(G)), replace(params, decode=d)))
+                for d in ("eager", fast)}
+        tokens = sample(policy, cond, list(range(G)), params).tokens
+        rows = torch.cat([cond, policy.null_condition(cond)])
+        runs["teacher_forced"] = lambda: policy.image_logits(rows, tokens.repeat(2, 1))
+        if generate and p.kind == "janus":
+            runs["generate"] = _janus_generate(policy, prompts, p.cfg_scale)
+        seconds = {k: _timed(fn, repeats) for k, fn in runs.items()}
+        row = {k: {"s": sig(s), "images_per_s": sig(G / s), "tokens_per_s": sig(G * N / s)} for k, s in seconds.items()}
+        if "generate" in seconds:
+            row["speedup_vs_generate"] = sig(seconds["generate"] / seconds[fast])
+        row["fraction_of_ceiling"] = sig(seconds["teacher_forced"] / seconds[fast])
+        result["groups"][str(G)] = row
+    if device == "cuda":
+        result["cuda_max_allocated_gib"] = sig(torch.cuda.max_memory_allocated() / 2**30)
+    return result
+
+
+def _janus_generate(policy, prompts: list[str], scale: float):
+    """transformers' own image generation with CFG, as its docs call it, on the policy's model."""
+    chat = [policy.processor.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": t}]}],
+                                                 add_generation_prompt=True) for t in prompts]
+    enc = policy.processor(text=chat, generation_mode="image", padding=True, return_tensors="pt").to(policy.model.device)
+    return lambda: policy.model.generate(**enc, generation_mode="image", do_sample=True, guidance_scale=scale)
+
+
+def bench_preset_steps(name: str, directory: str | Path, G: int = 16, dtype: str = "bfloat16", steps: int = 1,
+                       warmup: int = 1, only: list[str] | None = None):
+    """One GRPO step by phase for each of the preset's step settings (STEPS); yields a result per setting."""
+    from grpo_vision.tools.bench_train import bench_step
+
+    for label, config, extra in STEPS.get(name.removesuffix("-tiny"), []):
+        if only and label not in only:
+            continue
+        overrides = [*(o.replace("{G}", str(G)) for o in STEP_COMMON), *extra]
+        if G < 8:  # a tiny group: micro-batches of the whole group (the configs' 2, 4 and 8 divide G = 16)
+            overrides.append(f"train.micro_batch_size={G}")
+
+        def run(config=config, overrides=overrides):  # the preset is written when the first item runs
+            return bench_step(config, [*preset_overrides(name, directory, dtype), *overrides], steps, warmup)
+        yield label, run
+
+
+def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | None = None, tiny: bool = False,
+              groups=(8, 16), step_group: int = 16, presets: list[str] | None = None) -> dict:
+    """Every measurement that fits `budget_s` seconds, preset by preset; the JSON is rewritten after each."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    preset_dir = Path(preset_dir) if preset_dir else out / "presets"
+    deadline = time.monotonic() + budget_s
+    names = [n + ("-tiny" if tiny else "") for n in (presets or ORDER)]
+    # float32 for the tiny twins on a CPU (bf16 matrix products are slow there); the released dtype on a GPU
+    dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    report = {"machine": machine(), "budget_s": budget_s, "dtype": dtype, "results": [], "not_run": []}
+    items = []
+    for name in names:
+        items.append((name, "sampler", lambda name=name: bench_preset_sampler(name, preset_dir / name, groups,
+                                                                              dtype=dtype)))
+        items += [(name, f"step: {label}", fn) for label, fn in bench_preset_steps(name, preset_dir / name,
+                                                                                   step_group, dtype)]
+    for name, what, fn in items:
+        if time.monotonic() > deadline:
+            report["not_run"].append(f"{name} {what}: the budget ran out")
+            continue
+        start = time.perf_counter()
+        entry = {"preset": name, "what": what}
+        try:
+            entry["result"] = fn()
+        except torch.cuda.OutOfMemoryError as e:
+            entry["does_not_fit"] = f"out of memory: {str(e).splitlines()[0]}"
+        except ImportError as e:
+            entry["missing_package"] = str(e)
+        except Exception as e:  # a failed item is a line of the report, not the end of the session
+            entry["error"] = f"{type(e).__name__}: {e}"
+            entry["traceback"] = traceback.format_exc(limit=6)
+        entry["seconds"] = round(time.perf_counter() - start, 1)
+        report["results"].append(entry)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        _write(report, out)
+    _write(report, out)
+    return report
+
+
+def _write(report: dict, out: Path) -> None:
+    (out / "bench_gpu.json").write_text(json.dumps(report, indent=2))
+    (out / "bench_gpu.md").write_text(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    """The report as two tables: the sampler per group size, the step per setting."""
+    m = report["machine"]
+    lines = [f"Device: {m.get('gpu') or 'CPU'} ({m.get('gpu_memory_gib', '-')} GiB), torch {m['torch']}, "
+             f"CUDA {m['cuda']}; weights {report['dtype']}", "",
+             "| preset | G | path | images/s | tokens/s | vs generate | of ceiling |", "|---|---|---|---|---|---|---|"]
+    for e in report["results"]:
+        if e["what"] != "sampler" or "result" not in e:
+            continue
+        for G, row in e["result"]["groups"].items():
+            for path in ("eager", "static", "graph", "generate", "teacher_forced"):
+                if path in row:
+                    fast = path in ("static", "graph")
+                    lines.append(f"| {e['preset']} | {G} | {path} | {row[path]['images_per_s']} | "
+                                 f"{row[path]['tokens_per_s']} | {row.get('speedup_vs_generate', '') if fast else ''} | "
+                                 f"{row['fraction_of_ceiling'] if fast else ''} |")
+    lines += ["", "| preset | step setting | images/s | step s | sample | decode | reward | log-probs | update | "
+              "peak GiB | estimate GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in report["results"]:
+        if not e["what"].startswith("step"):
+            continue
+        r = e.get("result")
+        if r is None:
+            why = e.get("does_not_fit") or e.get("missing_package") or e.get("error", "")
+            lines.append(f"| {e['preset']} | {e['what'][6:]} | {why.splitlines()[0][:80]} | | | | | | | | |")
+            continue
+        ph = r["phases_s"]
+        peak = r.get("cuda_max_allocated_gib", r.get("peak_rss_gib"))
+        lines.append(f"| {e['preset']} | {e['what'][6:]} | {r['images_per_s']} | {r['step_s']} | {ph['sample']} | "
+                     f"{ph['decode']} | {ph['reward']} | {ph['logprobs']} | {ph['update']} | {peak} | "
+                     f"{r.get('memory_estimate_gib', '')} |")
+    for e in report["results"]:
+        if "result" not in e and e["what"] == "sampler":
+            lines.append(f"\n{e['preset']} sampler: {e.get('does_not_fit') or e.get('missing_package') or e.get('error')}")
+    if report["not_run"]:
+        lines += ["", "Not run: " + "; ".join(report["not_run"])]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,79 @@
+"""`bench gpu`, the GPU session's one command: its recipe in docs/benchmarks.md runs (tiny presets, on a CPU,
+without the packages the device image lacks), and it degrades instead of dying."""
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grpo_vision.tools import bench_gpu as bench
+from tests.helpers import ROOT
+
+# what the device image lacks (docs/benchmarks.md): the benchmark must run without them
+ABSENT = ("diffusers", "open_clip", "gradio")
+
+
+def recipe_command() -> list[str]:
+    """The `bench gpu` command of docs/benchmarks.md's device call, as argv after `python3 -m grpo_vision.cli`."""
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = doc.split("<!-- gpu-session", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    command = re.search(r"python3 -m grpo_vision\.cli (bench gpu [^>;&]*)", block)
+    assert command, "docs/benchmarks.md's gpu-session block has no `python3 -m grpo_vision.cli bench gpu` command"
+    return shlex.split(command.group(1))
+
+
+@pytest.mark.e2e
+def test_the_documented_gpu_command_runs_tiny_on_a_cpu_without_the_packages_the_device_lacks(tmp_path):
+    argv = [a.replace("$OUT", str(tmp_path)) for a in recipe_command()]
+    argv[argv.index("--preset-dir") + 1] = str(tmp_path / "presets")
+    argv += ["--tiny", "--budget", "600", "--groups", "2", "--step-group", "2", "--json"]
+    blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in ABSENT)  # `import diffusers` then fails
+    code = f"import sys; {blocked}; sys.argv = ['grpo-vision', *{argv!r}]; from grpo_vision.cli import main; main()"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report == json.loads((tmp_path / "bench" / "bench_gpu.json").read_text())
+    assert report["not_run"] == [] and report["machine"]["torch"] == torch.__version__
+    done = {(e["preset"], e["what"]): e for e in report["results"]}
+    failed = {k: e.get("error") or e.get("does_not_fit") for k, e in done.items() if "result" not in e}
+    assert failed == {}, failed
+    for name in bench.ORDER:
+        groups = done[(name + "-tiny", "sampler")]["result"]["groups"]["2"]
+        paths = {"eager", "static", "teacher_forced"} | ({"generate"} if name.startswith("janus") else set())
+        assert paths <= groups.keys() and all(groups[p]["images_per_s"] > 0 for p in paths)
+        steps = [e["result"] for (n, what), e in done.items() if n == name + "-tiny" and what.startswith("step")]
+        assert len(steps) == len(bench.STEPS.get(name, []))
+        for r in steps:
+            assert r["images_per_step"] == 2 and r["steps_timed"] == 1 and r["memory_estimate_gib"] > 0
+            assert set(r["phases_s"]) == {"sample", "decode", "reward", "logprobs", "update"}
+    table = (tmp_path / "bench" / "bench_gpu.md").read_text()
+    assert "| janus-pro-1b-tiny | 2 | static |" in table and "| llamagen-t2i-xl-tiny | full, frozen reference |" in table
+
+
+def test_the_budget_and_failures_are_reported_not_fatal(tmp_path, monkeypatch):
+    report = bench.bench_gpu(tmp_path / "none", budget_s=0, tiny=True)  # nothing fits in no time: all listed
+    assert report["results"] == [] and len(report["not_run"]) == 4 + sum(len(v) for v in bench.STEPS.values())
+    assert "janus-pro-1b-tiny sampler: the budget ran out" in report["not_run"]
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    def missing(*args, **kwargs):
+        raise ImportError("No module named 'flash_attn'")
+
+    monkeypatch.setattr(bench, "bench_preset_sampler", out_of_memory)
+    monkeypatch.setattr(bench, "bench_preset_steps", lambda *a, **k: iter([("LoRA", missing)]))
+    report = bench.bench_gpu(tmp_path / "some", budget_s=600, tiny=True, presets=["janus-pro-1b"])
+    sampler, step = report["results"]
+    assert sampler["does_not_fit"].startswith("out of memory: CUDA out of memory")
+    assert step["missing_package"] == "No module named 'flash_attn'"
+    table = (tmp_path / "some" / "bench_gpu.md").read_text()
+    assert "janus-pro-1b-tiny sampler: out of memory" in table and "No module named 'flash_attn'" in table
+
+
+def test_rates_keep_their_significant_digits():
+    assert bench.sig(2 / 1020) == 0.00196 and bench.sig(1234.5678) == 1230.0 and bench.sig(0.5) == 0.5
