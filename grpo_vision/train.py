@@ -51,7 +51,7 @@ from grpo_vision.run.memory import report_memory, resident_bytes
 from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics, nanmean, nanstd
 from grpo_vision.run.signals import GracefulStop, Interrupted
 from grpo_vision.run.trackers import Trackers, accelerator_options, grid_text
-from grpo_vision.sampling import Rollout, SamplingParams, sample_batched
+from grpo_vision.sampling import Rollout, SamplingParams, decode_mode, sample_batched
 from grpo_vision.seeds import IMAGE, REPLAY, step_rng, step_seed
 from grpo_vision.splits import PromptSets, checked_prompt_sets
 from grpo_vision.update import Learner, UpdateBatch, old_logprobs, policy_tokens, reference_logprobs, update
@@ -376,6 +376,10 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
     bundle = load_bundle(cfg.policy, acc.device)
     policy = bundle.policy
+    try:  # a decode path this policy or device cannot run: refused here, before the run folder is written
+        decode_mode(policy, params.decode, acc.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if t.gradient_checkpointing:
         if not hasattr(policy, "gradient_checkpointing_enable"):
             raise ConfigError(f"policy kind {cfg.policy.kind!r} cannot recompute activations: set "

@@ -1,4 +1,4 @@
-"""`bench gpu`, the GPU session's one command: its recipe in docs/benchmarks.md runs (tiny presets, on a CPU,
+"""`bench gpu`, the one command for a GPU: its recipe in docs/benchmarks.md runs (tiny presets, on a CPU,
 without the packages the device image lacks), and it degrades instead of dying."""
 
 import json
@@ -20,9 +20,9 @@ ABSENT = ("diffusers", "open_clip", "gradio")
 def recipe_command() -> list[str]:
     """The `bench gpu` command of docs/benchmarks.md's device call, as argv after `python3 -m grpo_vision.cli`."""
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = doc.split("<!-- gpu-session", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    block = doc.split("<!-- gpu-command", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     command = re.search(r"python3 -m grpo_vision\.cli (bench gpu [^>;&]*)", block)
-    assert command, "docs/benchmarks.md's gpu-session block has no `python3 -m grpo_vision.cli bench gpu` command"
+    assert command, "docs/benchmarks.md's gpu-command block has no `python3 -m grpo_vision.cli bench gpu` command"
     return shlex.split(command.group(1))
 
 

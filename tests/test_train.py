@@ -385,6 +385,14 @@ def test_the_memory_estimate_refuses_the_step_of_the_report(micro_world, tmp_pat
         train(micro_cfg(micro_world, tmp_path, "sample.prompts_per_step=100000"), progress=False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA-graph decode runs where there is a GPU")
+def test_a_decode_path_the_device_cannot_run_is_refused_before_the_run_folder(micro_world, tmp_path):
+    with pytest.raises(ConfigError, match=r"^sample.decode 'graph' needs a CUDA device \(the rows are on cpu\); use "
+                                          r"static or auto$"):
+        train(micro_cfg(micro_world, tmp_path, "sample.decode=graph"), progress=False)
+    assert not (tmp_path / "shapes_micro").exists()
+
+
 @pytest.mark.e2e
 def test_ctrl_c_finishes_the_step_saves_and_resumes(micro_world, tmp_path):
     import signal

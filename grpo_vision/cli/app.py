@@ -357,7 +357,7 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="the preset's policy.dtype")
     p.set_defaults(func=cmd_bench_step)
     p = bench.add_parser("gpu", help="every sampler and step figure of the released sizes that fits --budget seconds "
-                                     "(the GPU session's one command: docs/benchmarks.md)")
+                                     "(one command for a GPU: docs/benchmarks.md)")
     p.add_argument("--out", required=True, help="folder for bench_gpu.json and bench_gpu.md (rewritten after each item)")
     p.add_argument("--budget", type=positive_int, default=420, help="seconds; items past it are listed as not run")
     p.add_argument("--json", action="store_true", help="print the JSON (default: the markdown tables)")

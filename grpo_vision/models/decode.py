@@ -20,6 +20,14 @@ def static_position(device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.long, device=device)
 
 
+def new_kv(shape: tuple, dtype, device, static: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keys, values and position of a new cache: uninitialised and no position (eager), or zeros and a position
+    tensor (static: unwritten keys are masked, and their zero values add nothing where a NaN of `empty` would)."""
+    new = torch.zeros if static else torch.empty
+    return (new(shape, dtype=dtype, device=device), new(shape, dtype=dtype, device=device),
+            static_position(device) if static else None)
+
+
 def write_step(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
                position: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Write one step's keys and values `[B, Hkv, hd]` into one layer's cache `[B, Hkv, T, hd]`: at the int

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from grpo_vision.models.decode import future_keys, static_position, write_step
+from grpo_vision.models.decode import future_keys, new_kv, write_step
 
 NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
 SFT_FORMAT = "<|User|>: {}\n\n<|Assistant|>:"  # Janus's "deepseek" SFT template, empty system prompt
@@ -137,14 +137,14 @@ class JanusImagePolicy(nn.Module):
         k0 = layers[0][0]
         # float32 on a CPU: the decode step's attention runs there in float32 (module docstring)
         dtype = torch.float32 if k0.device.type == "cpu" else k0.dtype
-        new = torch.zeros if cache.static else torch.empty  # static: unwritten keys are masked, zeros add nothing
-        cache.k = new(len(layers), B, k0.shape[1], L + N, k0.shape[3], dtype=dtype, device=k0.device)
-        cache.v = torch.zeros_like(cache.k) if cache.static else torch.empty_like(cache.k)
+        cache.k, cache.v, cache.position = new_kv((len(layers), B, k0.shape[1], L + N, k0.shape[3]), dtype,
+                                                  k0.device, cache.static)
         for i, (k, v) in enumerate(layers):
             cache.k[i, :, :, :L], cache.v[i, :, :, :L] = k, v
         cache.valid = torch.cat([mask.bool(), mask.new_ones(B, N, dtype=torch.bool)], dim=1)  # [B, L+N]
         cache.pos = L
-        cache.position = static_position(k0.device).fill_(L) if cache.static else None
+        if cache.position is not None:
+            cache.position.fill_(L)
         return self.model.model.generation_head(out.last_hidden_state[:, -1])  # [B, K]
 
     def decode(self, tokens: torch.Tensor, cache: JanusCache) -> torch.Tensor:

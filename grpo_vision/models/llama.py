@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.config.load import brief
-from grpo_vision.models.decode import future_keys, static_position, write_step
+from grpo_vision.models.decode import future_keys, new_kv, write_step
 from grpo_vision.run.load_checks import non_finite, shape_mismatch
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
@@ -210,7 +210,7 @@ class LlamaImagePolicy(nn.Module):
         return tuple(self.cfg.image_grid)
 
     def architecture(self) -> dict:
-        """The sizes run/memory.py estimates a step's peak from (`memory.Architecture`)."""
+        """The sizes run/memory.py estimates a step's peak from (`memory.PolicyShape`'s fields)."""
         c = self.cfg
         return dict(layers=c.n_layers, dim=c.dim, heads=c.n_heads, kv_heads=c.n_kv_heads, ffn_dim=c.ffn_dim,
                     cond_len=c.cond_len, codebook=c.codebook_size, fused_copy=True)
@@ -251,9 +251,8 @@ class LlamaImagePolicy(nn.Module):
             a, m = [b.self_attn for b in self.model.layers], [b.mlp for b in self.model.layers]
             fused = [(torch.cat([effective_weight(x.q_proj), effective_weight(x.k_proj), effective_weight(x.v_proj)]),
                       torch.cat([effective_weight(y.gate_proj), effective_weight(y.up_proj)])) for x, y in zip(a, m)]
-        new = torch.zeros if static else torch.empty
-        return KVCache(new(shape, dtype=w.dtype, device=w.device), new(shape, dtype=w.dtype, device=w.device), fused,
-                       position=static_position(w.device) if static else None)
+        k, v, position = new_kv(shape, w.dtype, w.device, static)
+        return KVCache(k, v, fused, position=position)
 
     def prefill(self, cond: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.pos = 0

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.config.load import ConfigError, brief
-from grpo_vision.models.decode import future_keys, static_position, write_step
+from grpo_vision.models.decode import future_keys, new_kv, write_step
 
 
 @dataclass
@@ -240,9 +240,8 @@ class LlamaGenPolicy(nn.Module):
     def new_cache(self, batch_size: int, static: bool = False) -> LlamaGenCache:
         c, w = self.cfg, self.output.weight
         shape = (c.n_layer, batch_size, c.n_kv_head, c.cls_token_num + c.num_image_tokens, c.dim // c.n_head)
-        new = torch.zeros if static else torch.empty  # static: unwritten keys are masked, their zeros add nothing
-        return LlamaGenCache(new(shape, dtype=w.dtype, device=w.device), new(shape, dtype=w.dtype, device=w.device),
-                             position=static_position(w.device) if static else None)
+        k, v, position = new_kv(shape, w.dtype, w.device, static)
+        return LlamaGenCache(k, v, position=position)
 
     def prefill(self, cond: torch.Tensor, cache: LlamaGenCache) -> torch.Tensor:
         cache.pos, valid = 0, self._valid(cond)  # [B, L] or None

@@ -51,7 +51,8 @@ def saved_values_per_token(dim: int, kv_dim: int, ffn: int) -> int:
     two RMSNorms (a float32 copy, 2 values a channel, the normalised and the scaled output: 4 x dim each),
     RoPE's inputs and rotated halves (2 x dim + 2 x kv_dim), attention's q, k, v and output (2 x dim +
     2 x kv_dim; fused attention keeps no weights), o_proj's input (dim) and SwiGLU's gate, up, silu and
-    product (4 x ffn). Measured within 15% on a Janus-Pro-1B-sized step (docs/benchmarks.md)."""
+    product (4 x ffn). The estimate it gives was 2.4% under the peak of a Janus-Pro-1B-sized bf16 LoRA step on a CPU,
+    and 34% under that of the same step in float32 (not yet explained; docs/benchmarks.md)."""
     return 13 * dim + 4 * kv_dim + 4 * ffn
 
 

@@ -1,4 +1,4 @@
-"""One command for a GPU session: sampler and GRPO-step figures for the released model sizes, within a budget.
+"""One command for a GPU: sampler and GRPO-step figures for the released model sizes, within a budget.
 
 `grpo-vision bench gpu --json --budget 420 --out DIR` runs, preset by preset (tools/presets.py: random
 weights at the released sizes, written in each model's own format and loaded through its policy kind),
@@ -187,7 +187,7 @@ def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | N
             entry["does_not_fit"] = f"out of memory: {str(e).splitlines()[0]}"
         except ImportError as e:
             entry["missing_package"] = str(e)
-        except Exception as e:  # a failed item is a line of the report, not the end of the session
+        except Exception as e:  # a failed item is a line of the report, not the end of the run
             entry["error"] = f"{type(e).__name__}: {e}"
             entry["traceback"] = traceback.format_exc(limit=6)
         entry["seconds"] = round(time.perf_counter() - start, 1)
