@@ -183,4 +183,10 @@ def policy_kind(name: str) -> PolicyKind:
 
 
 def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
+    """The policy kind's Bundle from `policy.path`; a run folder there (or one of its checkpoint step folders)
+    gives that run's trained policy, so a new run continues from it (run/export.py)."""
+    from grpo_vision.run.export import run_folder_of, trained_bundle
+
+    if run_folder_of(pcfg.path) is not None:
+        return trained_bundle(pcfg, device)
     return policy_kind(pcfg.kind).load(pcfg, device)

@@ -24,12 +24,17 @@ def add_adapter(policy, kind: str, rank: int, alpha: float, targets: list[str]):
         raise ValueError(f"train.adapter must be one of {ADAPTERS}, got {kind!r}")
     scope = getattr(policy, "lora_scope", None)  # module prefix a policy confines adapters to (Janus: its LM)
     check_targets(policy, targets, scope)
-    if scope:  # a string target is a regex that peft full-matches against each module name
-        targets = rf"{re.escape(scope)}\..*\.({'|'.join(targets)})"
+    targets = target_pattern(scope, targets)
     config = {"lora": lambda: LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0),
               "loha": lambda: LoHaConfig(r=rank, alpha=alpha, target_modules=targets),
               "lokr": lambda: LoKrConfig(r=rank, alpha=alpha, target_modules=targets)}[kind]()
     return get_peft_model(policy, config)
+
+
+def target_pattern(scope: str | None, targets: list[str]) -> str | list[str]:
+    """peft's `target_modules` for `targets` inside module path `scope`: the names themselves without one, else
+    a regex (a string target is one that peft full-matches against each module name)."""
+    return rf"{re.escape(scope)}\..*\.({'|'.join(targets)})" if scope else list(targets)
 
 
 def check_targets(policy, targets: list[str], scope: str | None) -> None:

@@ -177,6 +177,7 @@ class LlamaImagePolicy(nn.Module):
     """Caption-conditioned image-token transformer; implements `policy.ImagePolicy`."""
 
     static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
+    adapter_root = ""  # a peft adapter export targets the policy's own module names: LlamaForCausalLM's (run/export.py)
 
     def __init__(self, cfg: LlamaPolicyConfig):
         super().__init__()
@@ -334,23 +335,38 @@ class LlamaImagePolicy(nn.Module):
         (directory / "policy_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, directory / "policy.safetensors")
 
+    def export(self, directory: str | Path) -> list[Path]:
+        """The policy as a transformers `LlamaForCausalLM` folder with its word-level tokenizer (models/llama_hf.py)
+        and policy_config.json, from which `from_pretrained` reads it back (run/export.py)."""
+        from grpo_vision.models.llama_hf import hf_tokenizer, to_hf_llama
+
+        directory = Path(directory)
+        to_hf_llama(self).save_pretrained(str(directory))
+        hf_tokenizer(self.cfg).save_pretrained(str(directory))
+        (directory / "policy_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+        return sorted(directory.iterdir())
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "LlamaImagePolicy":
         directory = Path(directory)
-        for name in ("policy_config.json", "policy.safetensors"):
-            if not (directory / name).is_file():
-                raise FileNotFoundError(f"policy checkpoint {directory} has no {name}; expected a directory "
-                                        "written by LlamaImagePolicy.save_pretrained")
+        # policy.safetensors from save_pretrained; model.safetensors from export, whose LlamaForCausalLM has the
+        # same module names (models/llama_hf.py)
+        weights = next((directory / n for n in ("policy.safetensors", "model.safetensors") if (directory / n).is_file()),
+                       directory / "policy.safetensors")
+        for file in (directory / "policy_config.json", weights):
+            if not file.is_file():
+                raise FileNotFoundError(f"policy checkpoint {directory} has no {file.name}; expected a directory "
+                                        "written by LlamaImagePolicy.save_pretrained or export")
         try:
             raw = json.loads((directory / "policy_config.json").read_text())
             raw["image_grid"] = tuple(raw["image_grid"])
             policy = cls(LlamaPolicyConfig(**raw))
             device = torch.device(device)  # safetensors reads "cpu", not the "cpu:0" of a process under accelerate
-            state = load_file(directory / "policy.safetensors", device="cpu" if device.type == "cpu" else str(device))
+            state = load_file(weights, device="cpu" if device.type == "cpu" else str(device))
         except Exception as e:  # JSON, a config field or safetensors: each raises its own kind
             raise CheckpointError(f"policy checkpoint {directory} is unreadable ({type(e).__name__}: {e}); "
                                   "rewrite it with save_pretrained (or rebuild the world)") from None
-        weights, config = directory / "policy.safetensors", directory / "policy_config.json"
+        config = directory / "policy_config.json"
         if mismatch := shape_mismatch(policy, state):  # a config edited after the weights were saved
             raise CheckpointError(f"policy checkpoint {weights} does not fit {config} ({mismatch}); use the "
                                   "policy_config.json saved with these weights")

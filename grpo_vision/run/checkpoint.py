@@ -1,7 +1,7 @@
 """Checkpoints, written atomically: a step directory is complete or absent, never half-written.
 
     run/checkpoints/step_000050/
-      policy.safetensors      trainable policy weights (the full policy, or only its adapter)
+      policy.safetensors      trainable policy weights (the full policy, or only its adapter) and its buffers
       reference.safetensors   the reference's weights when it was synced from the policy
       optimizer.safetensors   AdamW and LR-scheduler state
       trainer_state.json      step and counters (the run's config is run/config.yaml)
@@ -36,8 +36,17 @@ from grpo_vision.run.safe_state import load_state, save_state
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters that train (the adapter only, when the run trains one), detached and contiguous."""
-    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    """Parameters that train (the adapter only, when the run trains one) and the persistent buffers, detached
+    and contiguous. A buffer never trains, but a model may need it to be rebuilt from the checkpoint alone
+    (LlamaGen's null caption, `cls_embedding.uncond_embedding`, issue 50): buffers are small, so all are kept."""
+    kept = {n: p for n, p in model.named_parameters() if p.requires_grad} | persistent_buffers(model)
+    return {n: v.detach().contiguous().cpu() for n, v in kept.items()}
+
+
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers that `model.state_dict()` holds, by their state-dict names."""
+    return {f"{prefix}.{name}" if prefix else name: b for prefix, module in model.named_modules()
+            for name, b in module._buffers.items() if b is not None and name not in module._non_persistent_buffers_set}
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, reference_state: dict | None,
@@ -154,7 +163,7 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
     """Load weights (and optimizer state when given); returns (trainer_state, reference_state or None)."""
     path = Path(path)
     weights = _read(path / "policy.safetensors", load_file)
-    own = dict(policy.named_parameters())
+    own = dict(policy.named_parameters()) | persistent_buffers(policy)  # a checkpoint before issue 50 has no buffers
     missing = [n for n, p in own.items() if p.requires_grad and n not in weights]  # saved: the trainable ones
     _check_fits(path / "policy.safetensors", weights, own, missing)
     with torch.no_grad():

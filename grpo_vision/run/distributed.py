@@ -87,7 +87,7 @@ def full_weights(model: torch.nn.Module):
 
 
 def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable parameters as whole CPU tensors, by name; under FSDP a collective every process
+    """The trainable parameters and the buffers (checkpoint.trainable_state) as whole CPU tensors, by name; under FSDP a collective every process
     calls, and only the first process gets them."""
     if not is_fsdp(model):
         from grpo_vision.run.checkpoint import trainable_state
@@ -95,7 +95,9 @@ def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return trainable_state(getattr(model, "module", model))  # DDP's own names start with "module."
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    from grpo_vision.run.checkpoint import persistent_buffers
+
+    names = {n for n, p in model.named_parameters() if p.requires_grad} | set(persistent_buffers(model))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {n: v.contiguous() for n, v in full.items() if n in names}
 

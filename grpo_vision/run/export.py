@@ -1,0 +1,150 @@
+"""A run's trained policy out of the run folder, whole, in the format its model's own tools load.
+
+A checkpoint holds only what training changes (run/checkpoint.py): the trainable tensors, under the names of
+this library's wrapper, and the buffers. `export_run` rebuilds the run's policy from its base weights and a
+checkpoint, then writes it as the model's ecosystem reads it:
+
+    janus     a transformers folder: JanusForConditionalGeneration.from_pretrained(DIR), processor and chat
+              template included, so generate(generation_mode="image") runs on it. An adapter run gives a peft
+              adapter folder whose target modules are the user's own JanusForConditionalGeneration's
+              (PeftModel.from_pretrained(model, DIR)); with merge=True, the merged model instead.
+    llamagen  LlamaGen's `model.pt` ({"model": state_dict, "args": {...}}, every key its gpt.py loads with
+              strict=True) and `model.safetensors` beside it; an adapter run is merged (LlamaGen's samplers load
+              whole weights).
+    llama     a LlamaForCausalLM folder with its word-level tokenizer and policy_config.json (this library
+              loads it back as policy.path); an adapter run gives a peft adapter folder for that
+              LlamaForCausalLM (module names are one to one), or with merge=True the merged model.
+
+A policy class opts in with `export(directory) -> list[Path]` (the whole model) and, where a peft adapter maps
+onto the ecosystem's own model, `adapter_root`: the module path of that model inside the policy ("model" for
+Janus, "" for the built-in Llama). `export.json` beside the files says which run and step they came from.
+
+`trained_bundle` is the other way out: a run folder (or one of its step folders) given as `policy.path` loads
+as the run's policy with the checkpoint's weights (an adapter merged), so a new run continues from it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo_vision.config import ConfigError, PolicyConfig
+from grpo_vision.files import write_file
+
+
+@dataclass
+class Exported:
+    directory: Path
+    kind: str  # the policy kind
+    form: str  # "model" (the whole model) or "adapter" (a peft adapter folder for the kind's own model)
+    step: int
+    files: list[Path]
+
+
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, merge: bool = False) -> Exported:
+    """Write the policy of `run_dir`'s checkpoint (the latest, or `step`) into `out` (see the module docstring);
+    `merge`: an adapter run's adapter folded into the weights, the whole model written."""
+    from grpo_vision.evaluation.evaluate import load_run
+
+    run_dir, out = Path(run_dir), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty folder: name a new folder")
+    run = load_run(run_dir, step, device="cpu")  # the whole model is written from host memory anyway
+    kind, policy = run.cfg.policy.kind, run.policy
+    adapter = run.cfg.train.adapter != "none"
+    base = policy.get_base_model() if adapter else policy
+    if not hasattr(base, "export"):
+        raise ConfigError(f"policy kind {kind!r} ({type(base).__name__}) has no export(directory): its weights are "
+                          f"the run's checkpoints; load them with grpo_vision.evaluation.evaluate.load_run({str(run_dir)!r})")
+    out.mkdir(parents=True, exist_ok=True)
+    if adapter and not merge and getattr(base, "adapter_root", None) is not None:
+        files, form = write_adapter(policy, base.adapter_root, run.cfg.train.adapter_targets, out,
+                                    base_path=run.cfg.policy.path), "adapter"
+    else:
+        model = policy.merge_and_unload() if adapter else policy  # peft folds LoRA, LoHa and LoKr alike
+        files, form = model.export(out), "model"
+    record = {"run": str(run_dir), "step": run.step, "kind": kind, "form": form, "base": run.cfg.policy.path,
+              "adapter": run.cfg.train.adapter, "merged": adapter and form == "model", "dtype": run.cfg.policy.dtype}
+    write_file(out / "export.json", json.dumps(record, indent=2) + "\n")
+    return Exported(out, kind, form, run.step, [*files, out / "export.json"])
+
+
+def write_adapter(policy, root: str, targets: list[str], out: Path, base_path: str = "") -> list[Path]:
+    """`policy`'s peft adapter as a peft folder for the model at module path `root` of the policy: its
+    tensors renamed from the policy's module paths to that model's, its `target_modules` rewritten the same
+    way, so PeftModel.from_pretrained(that_model, out) finds every module the run trained."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from grpo_vision.models.adapters import target_pattern
+
+    config = copy.deepcopy(policy.peft_config[policy.active_adapter])
+    scope = getattr(policy.get_base_model(), "lora_scope", None)
+    prefix = f"{root}." if root else ""
+    if scope and not scope.startswith(prefix):
+        raise ValueError(f"adapter scope {scope!r} lies outside the exported model {root!r}")
+    # peft names a saved tensor base_model.model.<module path>.<factor>.weight (the adapter name dropped)
+    head = "base_model.model."
+    state = {head + k[len(head) + len(prefix):]: v.detach().contiguous().cpu()
+             for k, v in get_peft_model_state_dict(policy).items()}
+    if any(not k.startswith(head) for k in get_peft_model_state_dict(policy)):
+        raise ValueError("peft's adapter state has keys outside base_model.model.")
+    config.target_modules = target_pattern(scope[len(prefix):] if scope else None, targets)
+    config.base_model_name_or_path = base_path or None
+    config.inference_mode = True
+    config.save_pretrained(str(out))
+    save_file(state, out / "adapter_model.safetensors")
+    return [out / "adapter_config.json", out / "adapter_model.safetensors"]
+
+
+# ---------------------------------------------------------------------------- a run folder as policy.path
+
+STEP_DIR = re.compile(r"step_\d+")
+
+
+def run_folder_of(path: str | Path) -> tuple[Path, int | None] | None:
+    """(run folder, step or None for the latest) when `path` is a run folder or one of its checkpoint
+    step folders; None otherwise."""
+    path = Path(path)
+    if STEP_DIR.fullmatch(path.name) and path.parent.name == "checkpoints" and path.is_dir():
+        return path.parent.parent, int(path.name[5:])
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        return path, None
+    return None
+
+
+def trained_bundle(pcfg: PolicyConfig, device):
+    """The Bundle of the run folder in `pcfg.path`: its own policy kind, tokenizer and options, with the
+    checkpoint's weights (an adapter merged into them) in `pcfg.dtype`; a new run trains on from there."""
+    from grpo_vision.models.adapters import add_adapter
+    from grpo_vision.policy import load_bundle
+    from grpo_vision.run.checkpoint import find_checkpoint, load_checkpoint
+    from grpo_vision.run.folder import read_run_config
+
+    run_dir, step = run_folder_of(pcfg.path)
+    cfg = read_run_config(run_dir)
+    own = cfg.policy
+    if pcfg.kind != own.kind:
+        raise ConfigError(f"policy.path {pcfg.path} is a run folder of policy kind {own.kind!r}: set policy.kind "
+                          f"to {own.kind!r}")
+    if pcfg.tokenizer or pcfg.options:
+        raise ConfigError(f"policy.path {pcfg.path} is a run folder, which brings its own policy.tokenizer and "
+                          "policy.options: leave them empty")
+    bundle = load_bundle(own, device)  # the run's own base (itself a run folder, for a chain of runs)
+    policy, t = bundle.policy, cfg.train
+    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}  # what the kind's loader froze
+    if t.adapter != "none":
+        policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
+    load_checkpoint(find_checkpoint(run_dir, step), policy)
+    if t.adapter != "none":  # peft folds LoRA, LoHa and LoKr alike; it leaves every base weight frozen
+        policy = policy.merge_and_unload()
+        for name, p in policy.named_parameters():
+            p.requires_grad_(name not in frozen)
+    bundle.policy = policy.to(getattr(torch, pcfg.dtype))
+    return bundle
