@@ -2,8 +2,8 @@
 vq_model.py (tests/data/llamagen/SOURCE.md) with tiny random weights, loaded here through the real path.
 
 Tiny models: GPT width 32, 2 layers, 4 heads, 64 codes, a 4x4 token grid; c2i with 10 classes, t2i with
-24-wide caption features and LlamaGen's 120 caption positions; VQ with 32 channels and 2x downsampling
-(8 px images). A tiny random T5 encoder (width 24) with a word-level tokenizer stands in for flan-t5-xl.
+24-wide caption features and LlamaGen's 120 caption positions (7 where a test says so); VQ with 32 channels
+and 2x downsampling (8 px images). A tiny random T5 encoder (width 24) with a word-level tokenizer stands in for flan-t5-xl.
 """
 
 import argparse
@@ -195,6 +195,59 @@ def test_captions_are_t5_features_left_padded_and_encoded_once(t2i, t5_dir):
     assert torch.equal(null[0, -4:], t2i.cls_embedding.uncond_embedding[-4:])
 
 
+def with_args(tmp_path: Path, name: str, args) -> Path:
+    """t2i_tiny.pt's weights saved as LlamaGen's training scripts save a checkpoint, with `args` (None: none)."""
+    state = torch.load(DATA / "t2i_tiny.pt", weights_only=True)["model"]
+    return save_as(tmp_path, name, {"model": state, "steps": 5, **({} if args is None else {"args": args})})
+
+
+def test_caption_length_comes_from_options_then_the_checkpoints_args_then_120(tmp_path, t5_dir):
+    def length(path, **options):
+        config = pcfg("t2i", t5_dir, path=str(path), options={**OPTIONS, "text_encoder": str(t5_dir), **options})
+        return load_bundle(config, "cpu").policy.cfg.cls_token_num
+
+    namespace = with_args(tmp_path, "ns.pt", argparse.Namespace(gpt_model="GPT-B", cls_token_num=7, image_size=256))
+    plain = with_args(tmp_path, "dict.pt", {"cls_token_num": 7})
+    bare = with_args(tmp_path, "none.pt", None)
+    assert [length(namespace), length(plain), length(bare), length(plain, cls_token_num=9)] == [7, 7, 120, 9]
+    for args, message in (({"cls_token_num": 121}, "args.cls_token_num 121, more than its 120 null-caption rows"),
+                          ({"cls_token_num": "7"}, "args.cls_token_num '7', not a positive whole number")):
+        with pytest.raises(CheckpointError, match=message):
+            length(with_args(tmp_path, "bad.pt", args))
+
+
+@torch.no_grad()
+def test_a_shorter_caption_length_takes_llamagens_null_rows(tmp_path, t5_dir):
+    policy = load_bundle(pcfg("t2i", t5_dir, path=str(with_args(tmp_path, "seven.pt", {"cls_token_num": 7}))),
+                         "cpu").policy
+    uncond = policy.cls_embedding.uncond_embedding  # [120, 24]: LlamaGen's rows whatever cls_token_num is
+    cond = policy.encode_prompts(["a red circle", "two green dogs left of a cat"])  # 3 words + </s>; 7 + </s> cut
+    null = policy.null_condition(cond)
+    assert uncond.shape == (120, 24) and cond.shape == null.shape == (2, 7, 24)
+    # LlamaGen puts the whole uncond_embedding in place of the caption (gpt.py:107) and keeps the first
+    # cls_token_num embedded rows (gpt.py:342): rows 0..6, here under each caption's own padding
+    assert torch.equal(null[0, :3], torch.zeros(3, 24)) and torch.equal(null[0, 3:], uncond[3:7])
+    assert torch.equal(null[1], uncond[:7])
+    assert torch.equal(policy.cls_embedding(null[1:]), policy.cls_embedding.cap_proj(uncond[None])[:, :7])
+
+
+@torch.no_grad()
+def test_a_condition_of_the_wrong_length_is_a_one_line_error(tmp_path, c2i, t2i, t5_dir):
+    seven = load_bundle(pcfg("t2i", t5_dir, path=str(with_args(tmp_path, "seven.pt", {"cls_token_num": 7}))),
+                        "cpu").policy
+    tokens = GOLDEN["t2i.tokens"]
+    cases = [(t2i, GOLDEN["t2i.c_indices"][:, 1:], r"condition of 119 positions .* reads 120 .*\[B, 120, 24\]"),
+             (seven, GOLDEN["t2i.c_indices"], r"condition of 120 positions .* reads 7 .*\[B, 7, 24\]"),
+             (c2i, torch.tensor([[1, 2], [3, 4]]), "condition of 2 positions .* c2i model reads 1 ")]
+    for policy, cond, message in cases:
+        calls = [lambda: policy.image_logits(cond, tokens), lambda: policy(cond, tokens),
+                 lambda: policy.prefill(cond, policy.new_cache(len(cond))), lambda: policy.null_condition(cond)]
+        for call in calls:
+            with pytest.raises(ValueError, match=message) as e:
+                call()
+            assert "\n" not in str(e.value)
+
+
 def test_class_prompts_name_their_index():
     assert [class_index(p, 1000) for p in ["207", " class 207: golden retriever", "207 golden retriever"]] == [207] * 3
     for bad in ["golden retriever", "1000", "20.5 dogs", "207abc"]:
@@ -258,6 +311,14 @@ def test_every_checkpoint_layout_loads_the_same_weights(tmp_path, c2i):
         assert torch.equal(policy.image_logits(cond, tokens), c2i.image_logits(cond, tokens)), path.name
 
 
+def test_a_caption_model_without_its_null_caption_is_refused_by_name(tmp_path, t5_dir):
+    state = torch.load(DATA / "t2i_tiny.pt", weights_only=True)["model"]
+    del state["cls_embedding.uncond_embedding"]  # as a saver of trained parameters only leaves it out
+    path = save_as(tmp_path, "t2i_trained.pt", {"model": state})
+    with pytest.raises(CheckpointError, match="text-to-image LlamaGen without cls_embedding.uncond_embedding"):
+        load_bundle(pcfg("t2i", t5_dir, path=str(path)), "cpu")
+
+
 def test_unexpected_missing_or_misshapen_keys_are_named(tmp_path):
     state = torch.load(DATA / "c2i_tiny.pt", weights_only=True)["model"]
     cases = {"extra": ({**state, "layers.0.attention.bias": torch.zeros(3)}, "has layers.0.attention.bias, which"),
@@ -275,7 +336,12 @@ def test_bad_settings_are_one_line_errors_naming_the_key(tmp_path, t5_dir):
              (pcfg("t2i", options=OPTIONS), ConfigError, "needs policy.options.text_encoder"),
              (pcfg("c2i", options={**OPTIONS, "text_encoder": str(t5_dir)}), ConfigError, "class-conditional model"),
              (pcfg("c2i", options={**OPTIONS, "typo": 1}), ConfigError, "policy.options.typo"),
-             (pcfg("c2i", options={"heads": 4}), ConfigError, "image_size is not set and c2i_tiny.pt does not say"),
+             (pcfg("c2i", options={"heads": 4}), ConfigError,
+              "image_size is not set and neither c2i_tiny.pt nor its args say it"),
+             (pcfg("t2i", t5_dir, options={**OPTIONS, "text_encoder": str(t5_dir), "cls_token_num": 121}),
+              ConfigError, "cls_token_num 121 is not in 1..120"),
+             (pcfg("c2i", options={**OPTIONS, "cls_token_num": 120}), ConfigError,
+              "class-conditional model, which reads one condition position"),
              (pcfg("c2i", options={**OPTIONS, "gpt": "GPT-Z"}), ConfigError, "'GPT-Z' is not a LlamaGen size"),
              (pcfg("c2i", options={**OPTIONS, "gpt": "GPT-B"}), ConfigError, "GPT-B has 12 layers of width 768"),
              (pcfg("c2i", options={"image_size": 8}), ConfigError, "set policy.options.heads"),
@@ -309,6 +375,67 @@ def test_a_crafted_pickle_named_like_a_llamagen_checkpoint_runs_no_code(tmp_path
                                                   r"io.open\).*refused for safety"):
             load_bundle(pcfg("c2i", **{field: str(tmp_path / name)}), "cpu")
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("mode", ["c2i", "t2i"])
+@torch.no_grad()
+def test_export_writes_llamagens_layout_that_loads_back(mode, tmp_path, c2i, t2i, t5_dir):
+    policy = c2i if mode == "c2i" else t2i
+    out = tmp_path / "export"
+    assert policy.export(out) == [out / "model.pt", out / "model.safetensors"]
+    saved = torch.load(out / "model.pt", weights_only=True)  # torch's default since 2.6, and LlamaGen's loading
+    golden = torch.load(DATA / f"{mode}_tiny.pt", weights_only=True)["model"]  # the keys gpt.py's Transformer saves
+    assert saved.keys() == {"model", "args"}
+    assert {k: v.shape for k, v in saved["model"].items()} == {k: v.shape for k, v in golden.items()}
+    assert all(torch.equal(saved["model"][k], v.float()) for k, v in golden.items())  # float16 values, held as float32
+    # the arguments worked out by hand: 64 codes, 8 px images over a 4x4 grid (a 2x VQ), no gpt.py size name
+    extra = {"num_classes": 10} if mode == "c2i" else {"t5_feature_dim": 24, "t5_feature_max_len": 120}
+    assert saved["args"] == {"gpt_type": mode, "vocab_size": 64, "codebook_size": 64,
+                             "cls_token_num": 1 if mode == "c2i" else 120, "image_size": 8, "downsample_size": 2,
+                             **extra}
+    tensors = load_file(out / "model.safetensors")
+    assert tensors.keys() == golden.keys() and all(torch.equal(tensors[k], v) for k, v in saved["model"].items())
+    LlamaGenPolicy(policy.cfg).load_state_dict(saved["model"], strict=True)
+    cond, tokens = golden_cond(policy, mode), GOLDEN[f"{mode}.tokens"]
+    for name in ("model.pt", "model.safetensors"):  # no image_size option: the args carry it
+        options = {"heads": 4, **({"text_encoder": str(t5_dir)} if mode == "t2i" else {})}
+        again = load_bundle(pcfg(mode, path=str(out / name), options=options), "cpu").policy
+        assert (again.cfg.image_size, again.cfg.cls_token_num) == (8, policy.cfg.cls_token_num)
+        torch.testing.assert_close(again.image_logits(cond, tokens), policy.image_logits(cond, tokens), atol=1e-5,
+                                   rtol=0)
+
+
+@torch.no_grad()
+def test_export_keeps_the_dtype_and_the_caption_length(tmp_path, t5_dir):
+    import copy
+
+    seven = load_bundle(pcfg("t2i", t5_dir, path=str(with_args(tmp_path, "seven.pt", {"cls_token_num": 7}))),
+                        "cpu").policy
+    half = copy.deepcopy(seven).to(torch.bfloat16)
+    half.export(tmp_path / "out")
+    saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    assert {v.dtype for v in saved["model"].values()} == {torch.bfloat16} and saved["args"]["cls_token_num"] == 7
+    assert {v.dtype for v in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.bfloat16}
+    for name in ("model.pt", "model.safetensors"):
+        again = load_bundle(pcfg("t2i", t5_dir, path=str(tmp_path / "out" / name)), "cpu").policy
+        assert again.cfg.cls_token_num == 7 and again.cls_embedding.uncond_embedding.shape == (120, 24)
+
+
+def test_export_refuses_an_unmerged_adapter_and_non_finite_weights(tmp_path, c2i):
+    import copy
+
+    wrapped = add_adapter(copy.deepcopy(c2i), "lora", 4, 8.0, ["wqkv"])
+    with pytest.raises(ValueError, match="has layers.0.attention.wqkv.base_layer.weight, .*merge_and_unload"):
+        wrapped.get_base_model().export(tmp_path / "lora")
+    broken = copy.deepcopy(c2i)
+    with torch.no_grad():
+        broken.norm.weight[0] = float("nan")
+    with pytest.raises(CheckpointError, match="holds 1 NaN or infinite values in norm.weight: not exported"):
+        broken.export(tmp_path / "nan")
+    assert not (tmp_path / "nan" / "model.pt").exists()
 
 
 # ---------------------------------------------------------------------------- train, sample, demo
@@ -363,7 +490,8 @@ def test_two_train_steps_through_the_cli_then_sample_and_the_demo(mode, tmp_path
     after = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
     before = torch.load(DATA / f"{mode}_tiny.pt", weights_only=True)["model"]
     moved = [k for k in after if not torch.equal(after[k], before[k].float())]
-    assert any("layers.1.attention.wqkv" in k for k in moved) and "cls_embedding.uncond_embedding" not in after
+    # the null caption is a buffer, never trained: a checkpoint holding it (persistent buffers) holds it unchanged
+    assert any("layers.1.attention.wqkv" in k for k in moved) and "cls_embedding.uncond_embedding" not in moved
     assert (run / "samples" / "step_000001.png").is_file() and (run / "report.md").is_file()
 
     prompt = "a red dog" if mode == "t2i" else "5 a dog"
@@ -396,4 +524,5 @@ def test_shipped_configs_name_valid_options(name):
 
     cfg = load_config(ROOT / "configs" / name)
     options = from_dict(LlamaGenOptions, cfg.policy.options, prefix="policy.options.")
-    assert cfg.policy.kind == "llamagen" and options.gpt and (options.text_encoder != "") == ("t2i" in name)
+    # no gpt pin: the size comes from the weights, so another size's checkpoint needs no override (issue 50)
+    assert cfg.policy.kind == "llamagen" and not options.gpt and (options.text_encoder != "") == ("t2i" in name)

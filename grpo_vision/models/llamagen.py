@@ -4,10 +4,11 @@ module names, so that a released state dict loads key for key).
 
 A sequence is `cls_token_num` condition positions, then the image's N codes in raster order:
 
-    c2i: [class embedding]                    + codes    (cls_token_num 1; the extra class index is CFG's null)
-    t2i: [caption embedder(T5 features) x 120] + codes   (the null caption: LlamaGen's `uncond_embedding`)
+    c2i: [class embedding]                  + codes    (cls_token_num 1; the extra class index is CFG's null)
+    t2i: [caption embedder(T5 features) x L] + codes   (L = cls_token_num, 120 in every released model; the
+                                                        null caption: the first L rows of `uncond_embedding`)
 
-Conditions as tensors (what `encode_prompts` returns): c2i `[B, 1]` class ids; t2i `[B, 120, C]` flan-t5-xl
+Conditions as tensors (what `encode_prompts` returns): c2i `[B, 1]` class ids; t2i `[B, L, C]` flan-t5-xl
 features, left-padded with zero vectors, as `sample_t2i.py` builds its `c_indices` (the real tokens rotated to
 the end, the rest multiplied by a zero mask). Padding positions are not attended, except each by itself
 (`generate.py`'s mask: the eye keeps a padding row's softmax finite; nothing reads that row).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -33,6 +35,11 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.config.load import ConfigError, brief
 from grpo_vision.models.decode import future_keys, new_kv, write_step
+
+# gpt.py's CaptionEmbedder holds `uncond_embedding` of token_num=120 rows (gpt.py:93, 96), and Transformer never
+# passes its cls_token_num there (gpt.py:273): the buffer has 120 rows whatever caption length the model was
+# trained with. 120 is also train_t2i.py's --cls-token-num default (train_t2i.py:241).
+CAPTION_ROWS = 120
 
 
 @dataclass
@@ -45,30 +52,34 @@ class LlamaGenConfig:
     ffn_dim: int  # SwiGLU hidden width
     codebook_size: int  # K: the GPT's vocabulary is the VQ codebook
     grid: int  # image tokens per side: image size / the VQ's downsampling (16)
-    cls_token_num: int  # condition positions: 1 (c2i), 120 (t2i)
+    cls_token_num: int  # condition positions: 1 (c2i); t2i: the checkpoint's --cls-token-num, 120 when released
     num_classes: int = 0  # c2i: classes; index num_classes is CFG's null class
     caption_dim: int = 0  # t2i: width of the text features (2048 for flan-t5-xl)
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    uncond_rows: int = CAPTION_ROWS  # t2i: rows of the null caption buffer `uncond_embedding` (>= cls_token_num)
+    image_size: int = 0  # pixels per side (grid x the VQ's downsampling); 0 = not known (written into exports)
 
     @property
     def num_image_tokens(self) -> int:
         return self.grid * self.grid
 
     @classmethod
-    def from_weights(cls, state: dict, n_head: int, grid: int) -> "LlamaGenConfig":
-        """Every size but the head count and the grid is in the weights' shapes."""
+    def from_weights(cls, state: dict, n_head: int, grid: int, cls_token_num: int = CAPTION_ROWS,
+                     image_size: int = 0) -> "LlamaGenConfig":
+        """Every size but the head count, the grid and (t2i) the caption length is in the weights' shapes."""
         vocab, dim = state["tok_embeddings.weight"].shape
         n_layer = len({k.split(".")[1] for k in state if k.startswith("layers.")})
         qkv = state["layers.0.attention.wqkv.weight"].shape[0]
         head_dim = dim // n_head
         common = dict(dim=dim, n_layer=n_layer, n_head=n_head, n_kv_head=(qkv // head_dim - n_head) // 2,
-                      ffn_dim=state["layers.0.feed_forward.w1.weight"].shape[0], codebook_size=vocab, grid=grid)
+                      ffn_dim=state["layers.0.feed_forward.w1.weight"].shape[0], codebook_size=vocab, grid=grid,
+                      image_size=image_size)
         if "cls_embedding.embedding_table.weight" in state:
             return cls("c2i", cls_token_num=1, num_classes=state["cls_embedding.embedding_table.weight"].shape[0] - 1,
                        **common)
-        tokens, caption_dim = state["cls_embedding.uncond_embedding"].shape
-        return cls("t2i", cls_token_num=tokens, caption_dim=caption_dim, **common)
+        rows, caption_dim = state["cls_embedding.uncond_embedding"].shape
+        return cls("t2i", cls_token_num=cls_token_num, caption_dim=caption_dim, uncond_rows=rows, **common)
 
 
 @dataclass
@@ -172,8 +183,9 @@ class CaptionEmbedder(nn.Module):
         self.cap_proj.add_module("fc1", nn.Linear(cfg.caption_dim, cfg.dim, bias=False))
         self.cap_proj.add_module("act", nn.GELU(approximate="tanh"))
         self.cap_proj.add_module("fc2", nn.Linear(cfg.dim, cfg.dim, bias=False))
-        # a buffer in LlamaGen (register_buffer of a Parameter), so never trained there and not here
-        self.register_buffer("uncond_embedding", torch.zeros(cfg.cls_token_num, cfg.caption_dim))
+        # a persistent buffer in LlamaGen (register_buffer of a Parameter, gpt.py:96), so never trained there and
+        # not here, but saved: its 120 rows whatever cls_token_num is (CAPTION_ROWS)
+        self.register_buffer("uncond_embedding", torch.zeros(cfg.uncond_rows, cfg.caption_dim), persistent=True)
 
     def forward(self, features):  # [B, L, C] -> [B, L, dim]
         return self.cap_proj(features.to(self.cap_proj.fc1.weight.dtype))
@@ -189,6 +201,9 @@ class LlamaGenPolicy(nn.Module):
         if cfg.dim % cfg.n_head or (cfg.dim // cfg.n_head) % 4 or cfg.n_kv_head < 1 or cfg.n_head % cfg.n_kv_head:
             raise ValueError(f"LlamaGen GPT: dim {cfg.dim} must split into {cfg.n_head} heads of a width divisible by "
                              f"4 (2D RoPE), with n_head a multiple of n_kv_head ({cfg.n_kv_head})")
+        if cfg.mode == "t2i" and not 1 <= cfg.cls_token_num <= cfg.uncond_rows:
+            raise ValueError(f"LlamaGen GPT: cls_token_num {cfg.cls_token_num} must be 1..{cfg.uncond_rows}, the rows "
+                             "of its null caption uncond_embedding")
         self.cfg = cfg
         self.cls_embedding = LabelEmbedder(cfg) if cfg.mode == "c2i" else CaptionEmbedder(cfg)
         self.tok_embeddings = nn.Embedding(cfg.codebook_size, cfg.dim)
@@ -231,11 +246,15 @@ class LlamaGenPolicy(nn.Module):
         return left_pad(self.captions.features(prompts), self.cfg.cls_token_num).to(device)  # [B, L, C]
 
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
+        self._check_condition(cond)
         if self.cfg.mode == "c2i":
             return torch.full_like(cond, self.cfg.num_classes)  # [B, 1]: generate.py's cond_null
-        # generate.py: the null caption is uncond_embedding under the caption's own padding mask
+        # LlamaGen's null caption is the whole 120-row uncond_embedding in place of the 120-row caption (token_drop,
+        # gpt.py:107; generate.py:137), and the model keeps the first cls_token_num rows of what it embeds
+        # (gpt.py:342, 349): rows 0..L-1. Here under the caption's own padding mask, as generate.py's emb_masks.
         valid = caption_mask(cond)[..., None]  # [B, L, 1]
-        return self.cls_embedding.uncond_embedding.to(cond.dtype) * valid  # [B, L, C]
+        rows = self.cls_embedding.uncond_embedding[: self.cfg.cls_token_num]  # [L, C]
+        return rows.to(cond.dtype) * valid  # [B, L, C]
 
     def new_cache(self, batch_size: int, static: bool = False) -> LlamaGenCache:
         c, w = self.cfg, self.output.weight
@@ -244,6 +263,7 @@ class LlamaGenPolicy(nn.Module):
         return LlamaGenCache(k, v, position=position)
 
     def prefill(self, cond: torch.Tensor, cache: LlamaGenCache) -> torch.Tensor:
+        self._check_condition(cond)
         cache.pos, valid = 0, self._valid(cond)  # [B, L] or None
         if valid is not None:
             cache.valid = torch.cat([valid, valid.new_ones(valid.shape[0], self.num_image_tokens)], 1)  # [B, L+N]
@@ -265,6 +285,7 @@ class LlamaGenPolicy(nn.Module):
 
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 .. L+N-2 predict image tokens 0 .. N-1 (gpt.py: logits[:, cls_token_num - 1:]).
+        self._check_condition(cond)
         x = torch.cat([self.cls_embedding(cond), self.tok_embeddings(tokens[:, :-1])], dim=1)  # [B, L+N-1, dim]
         valid = self._valid(cond)
         if valid is not None:
@@ -272,7 +293,25 @@ class LlamaGenPolicy(nn.Module):
         h = self._forward(x, valid)  # [B, L+N-1, dim]
         return self._logits(h[:, self.cfg.cls_token_num - 1:])  # [B, N, K]
 
+    def export(self, directory: str | Path) -> list[Path]:
+        """The whole model in LlamaGen's layout: `directory/model.pt` ({"model": state_dict, "args": {...}}) and
+        `directory/model.safetensors`, in this policy's dtype (models/llamagen_load.py, `export`)."""
+        from grpo_vision.models.llamagen_load import export
+
+        return export(self, directory)
+
     # ------------------------------------------------------------------ internals
+    def _check_condition(self, cond: torch.Tensor) -> None:
+        """A one-line ValueError unless `cond` is `[B, 1]` (c2i) or `[B, L, C]` (t2i) with L = cls_token_num:
+        of another length, image_logits' slice from L - 1 would give other positions' logits, or none."""
+        c = self.cfg
+        want = [c.cls_token_num] if c.mode == "c2i" else [c.cls_token_num, c.caption_dim]
+        if list(cond.shape[1:]) != want:
+            got, shape = cond.shape[1] if cond.ndim > 1 else 0, ", ".join(map(str, want))
+            raise ValueError(f"a LlamaGen condition of {got} positions (shape {list(cond.shape)}), but this {c.mode} "
+                             f"model reads {c.cls_token_num} (its cls_token_num; shape [B, {shape}]): make conditions "
+                             "with its encode_prompts")
+
     def _valid(self, cond: torch.Tensor) -> torch.Tensor | None:
         """Condition positions that are attended `[B, L]`, or None when nothing is padded (c2i)."""
         return caption_mask(cond) if self.cfg.mode == "t2i" else None

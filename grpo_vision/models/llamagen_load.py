@@ -1,6 +1,7 @@
 """Loading LlamaGen's released files as they are: its `.pt` checkpoints (a state dict under "model",
-"module" or "state_dict", or bare) read with `torch.load(weights_only=True)` only, and their safetensors
-conversions, in LlamaGen's key names or transformers-Llama ones; the llamagen policy kind's loader.
+"module" or "state_dict", or bare; the training scripts' "args" beside it) read with
+`torch.load(weights_only=True)` only, and their safetensors conversions, in LlamaGen's key names or
+transformers-Llama ones; the llamagen policy kind's loader. `export` writes a policy back in that layout.
 
     policy:
       kind: llamagen
@@ -12,6 +13,7 @@ conversions, in LlamaGen's key names or transformers-Llama ones; the llamagen po
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import re
 from dataclasses import dataclass
@@ -21,7 +23,8 @@ import torch
 import torch.nn as nn
 
 from grpo_vision.config.load import ConfigError, brief
-from grpo_vision.models.llamagen import LlamaGenConfig, LlamaGenPolicy
+from grpo_vision.files import write_file
+from grpo_vision.models.llamagen import CAPTION_ROWS, LlamaGenConfig, LlamaGenPolicy
 from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.run.load_checks import non_finite
 from grpo_vision.run.safe_state import UnsafeFileError, refusal
@@ -41,24 +44,42 @@ class LlamaGenOptions:
     """`policy.options` of the llamagen kind."""
     gpt: str = ""  # GPT-B, GPT-L, GPT-XL, GPT-XXL, ... (gpt.py's names); "" = the size of the weights' width and depth
     heads: int = 0  # attention heads; 0 = the size's (needed only for a model of no released size)
-    image_size: int = 0  # pixels per side the checkpoint was trained at (256, 384, 512); 0 = from the released name
+    image_size: int = 0  # pixels per side the checkpoint was trained at (256, 384, 512); 0 = from its args or name
     text_encoder: str = ""  # t2i: local flan-t5-xl directory (relative: from here, else beside policy.path)
+    cls_token_num: int = 0  # t2i caption positions (--cls-token-num it was trained with); 0 = from its args, else 120
 
 
 def read_state_dict(path: str | Path, what: str) -> dict[str, torch.Tensor]:
-    """The state dict in a LlamaGen checkpoint: a `.pt` holding it under "model" (DDP), "module" (DeepSpeed),
-    "state_dict", or bare (FSDP), as sample_t2i.py accepts; or a safetensors file. Never runs pickled code."""
+    """The state dict in a LlamaGen checkpoint (`read_checkpoint` without the arguments)."""
+    return read_checkpoint(path, what)[0]
+
+
+def read_checkpoint(path: str | Path, what: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state dict, training arguments) of a LlamaGen checkpoint: a `.pt` holding the state dict under "model"
+    (DDP), "module" (DeepSpeed), "state_dict", or bare (FSDP), as sample_t2i.py accepts, its arguments under
+    "args" (the training scripts' argparse.Namespace, or a plain dict); or a safetensors file, its arguments
+    the JSON of its metadata's "args" (as `export` writes it). Arguments are {} where the file has none.
+    Never runs pickled code."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} is not a file; expected a LlamaGen checkpoint (.pt or .safetensors)")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         try:
-            return load_file(path)
+            with safe_open(str(path), framework="pt") as f:
+                state, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
         except Exception as e:  # a header safetensors cannot parse
             raise CheckpointError(f"{what} {path} is not a readable safetensors file ({type(e).__name__}); "
                                   "copy it again") from None
+        try:
+            args = json.loads(meta.get("args", "{}"))
+        except json.JSONDecodeError:
+            args = None
+        if not isinstance(args, dict):
+            raise CheckpointError(f"{what} {path} has metadata 'args' that is not a JSON object: it is not a file "
+                                  "this tool exported; remove that metadata or convert the .pt again")
+        return state, args
     try:
         # Tensors, plain containers and argparse.Namespace only: LlamaGen's training scripts save
         # {"model", "optimizer", "steps", "args": args}, and a Namespace is rebuilt by setting attributes.
@@ -73,13 +94,26 @@ def read_state_dict(path: str | Path, what: str) -> dict[str, torch.Tensor]:
     except Exception as e:  # not a torch archive at all, or a truncated one
         raise CheckpointError(f"{what} {path} is not a readable torch checkpoint ({type(e).__name__}); copy it "
                               "again") from None
+    args = raw.get("args") if isinstance(raw, dict) else None
+    args = vars(args) if isinstance(args, argparse.Namespace) else args if isinstance(args, dict) else {}
     for key in ("model", "module", "state_dict"):
         if isinstance(raw, dict) and isinstance(raw.get(key), dict):
             raw = raw[key]
             break
     if not isinstance(raw, dict) or not raw or not all(isinstance(v, torch.Tensor) for v in raw.values()):
         raise CheckpointError(f"{what} {path} holds no state dict (under 'model', 'module', 'state_dict' or bare)")
-    return raw
+    return raw, args
+
+
+def arg_int(args: dict, key: str, path: Path) -> int:
+    """A positive whole number among a checkpoint's arguments; 0 where it has none."""
+    value = args.get(key)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"policy.path {path} has args.{key} {brief(value)}, not a positive whole number: "
+                              f"set policy.options.{key}")
+    return value
 
 
 def check_keys(model: nn.Module, state: dict, path: Path, what: str, ignored: re.Pattern = RUNTIME_KEYS) -> dict:
@@ -98,6 +132,22 @@ def check_keys(model: nn.Module, state: dict, path: Path, what: str, ignored: re
     if bad := non_finite(state):
         raise CheckpointError(f"{what} {path} holds {bad}: the file is damaged; copy it again")
     return state
+
+
+def caption_length(options: LlamaGenOptions, args: dict, rows: int, path: Path) -> int:
+    """t2i caption positions: policy.options.cls_token_num, else the checkpoint's args.cls_token_num (LlamaGen's
+    training scripts save their arguments), else 120 (train_t2i.py's default, every released t2i model). Not
+    uncond_embedding's rows: LlamaGen makes those 120 whatever --cls-token-num was (gpt.py:93, 273)."""
+    if options.cls_token_num:
+        if not 1 <= options.cls_token_num <= rows:
+            raise ConfigError(f"policy.options.cls_token_num {options.cls_token_num} is not in 1..{rows}: {path} "
+                              f"holds {rows} null-caption rows (uncond_embedding), the most it can read")
+        return options.cls_token_num
+    n = arg_int(args, "cls_token_num", path) or CAPTION_ROWS
+    if n > rows:
+        raise CheckpointError(f"policy.path {path} has args.cls_token_num {n}, more than its {rows} null-caption "
+                              "rows (uncond_embedding): set policy.options.cls_token_num")
+    return n
 
 
 def released_image_size(path: Path) -> int:
@@ -148,24 +198,37 @@ def load_llamagen(pcfg, device):
 def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, vq_downsample: int) -> LlamaGenPolicy:
     """A LlamaGenPolicy from a released checkpoint (or its safetensors conversion) and `options`."""
     path = Path(path)
-    state = read_state_dict(path, "policy.path")
+    state, args = read_checkpoint(path, "policy.path")
     if "tok_embeddings.weight" not in state or "layers.0.attention.wqkv.weight" not in state:
         state = from_hf_layout(state)
     for key in ("tok_embeddings.weight", "layers.0.attention.wqkv.weight", "layers.0.feed_forward.w1.weight"):
         if key not in state:
             raise CheckpointError(f"policy.path {path} has no {key}: it is not a LlamaGen GPT checkpoint")
+    if "cls_embedding.cap_proj.fc1.weight" in state and "cls_embedding.uncond_embedding" not in state:
+        # a buffer, so savers of trained parameters leave it out; LlamaGen's strict=False loading would then keep
+        # a random null caption without a word
+        raise CheckpointError(f"policy.path {path} is a text-to-image LlamaGen without cls_embedding.uncond_embedding"
+                              ", the null caption CFG needs: add it from the checkpoint it was trained from, or "
+                              "write the model whole (LlamaGenPolicy.export)")
     if "cls_embedding.embedding_table.weight" not in state and "cls_embedding.uncond_embedding" not in state:
         raise CheckpointError(f"policy.path {path} has neither a class embedding (c2i) nor a caption embedder's "
                               "uncond_embedding (t2i): it is not a LlamaGen GPT checkpoint")
-    size = options.image_size or released_image_size(path)
+    size = options.image_size or arg_int(args, "image_size", path) or released_image_size(path)
     if not size:
-        raise ConfigError(f"policy.options.image_size is not set and {path.name} does not say it: set it to the "
-                          "size the checkpoint was trained at (256, 384 or 512)")
+        raise ConfigError(f"policy.options.image_size is not set and neither {path.name} nor its args say it: set "
+                          "it to the size the checkpoint was trained at (256, 384 or 512)")
     if size % vq_downsample:
-        raise ConfigError(f"policy.options.image_size {size} is not a multiple of the VQ's downsampling "
-                          f"{vq_downsample}")
+        raise ConfigError(f"the image size {size} (policy.options.image_size, else the checkpoint's) is not a "
+                          f"multiple of the VQ's downsampling {vq_downsample}")
     heads = head_count(state, options.gpt, options.heads, path)
-    cfg = LlamaGenConfig.from_weights(state, heads, size // vq_downsample)
+    if "cls_embedding.uncond_embedding" in state:
+        length = caption_length(options, args, state["cls_embedding.uncond_embedding"].shape[0], path)
+    elif options.cls_token_num not in (0, 1):
+        raise ConfigError(f"policy.options.cls_token_num is {options.cls_token_num}, but {path} is a class-"
+                          "conditional model, which reads one condition position: leave cls_token_num 0")
+    else:
+        length = 1
+    cfg = LlamaGenConfig.from_weights(state, heads, size // vq_downsample, length, size)
     captions = None
     if cfg.mode == "t2i":
         from grpo_vision.models.llamagen_text import caption_encoder
@@ -180,6 +243,48 @@ def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, 
         raise ConfigError(f"policy.options.heads {heads} does not fit {path}: {e}") from None
     policy.load_state_dict(check_keys(policy, state, path, "policy.path"))
     return policy.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+def llamagen_args(cfg: LlamaGenConfig) -> dict:
+    """An exported model.pt's "args": LlamaGen's own argument names (train_t2i.py / sample_*.py's argparse), as
+    plain values, with all load_policy reads back (image_size, cls_token_num). gpt_model only for a size
+    gpt.py names; image_size and downsample_size only where the policy knows them (loaded with its VQ)."""
+    c = cfg
+    args = {"gpt_type": c.mode, "vocab_size": c.codebook_size, "codebook_size": c.codebook_size,
+            "cls_token_num": c.cls_token_num}
+    named = [name for name, size in SIZES.items() if size == (c.n_layer, c.n_head, c.dim)]
+    if named:
+        args["gpt_model"] = named[0]
+    if c.image_size:
+        args |= {"image_size": c.image_size, "downsample_size": c.image_size // c.grid}
+    if c.mode == "c2i":
+        args["num_classes"] = c.num_classes
+    else:  # sample_t2i.py's caption settings: features of this width, cut at the GPT's caption length
+        args |= {"t5_feature_dim": c.caption_dim, "t5_feature_max_len": c.cls_token_num}
+    return args
+
+
+def export(policy: LlamaGenPolicy, directory: str | Path) -> list[Path]:
+    """`policy` whole in LlamaGen's layout: `directory/model.pt` = {"model": state_dict, "args": llamagen_args}
+    (a plain dict, so torch.load's default weights_only=True reads it; gpt.py's Transformer loads the state
+    dict with strict=True, uncond_embedding included) and `directory/model.safetensors`, the same tensors with
+    the args as JSON metadata. In the policy's dtype. Both load back as `policy.path`."""
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    state = {k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}
+    with torch.device("meta"):  # the keys of an unwrapped policy: an adapter's layers rename them
+        expected = LlamaGenPolicy(policy.cfg).state_dict()
+    if state.keys() != expected.keys():
+        odd = sorted(state.keys() ^ expected.keys())
+        raise ValueError(f"LlamaGen export: the policy's state dict has {odd[0]}, which LlamaGen's Transformer has "
+                         "not (or lacks it): merge an adapter into the weights first (merge_and_unload)")
+    if bad := non_finite(state):
+        raise CheckpointError(f"LlamaGen export: the policy holds {bad}: not exported; export an earlier step")
+    args = llamagen_args(policy.cfg)
+    pt = write_file(directory / "model.pt", lambda f: torch.save({"model": state, "args": args}, f))
+    st = write_file(directory / "model.safetensors", save(state, metadata={"format": "pt", "args": json.dumps(args)}))
+    return [pt, st]
 
 
 # transformers-Llama module names -> LlamaGen's, for the HF-style conversions (jadohu/LlamaGen-T2I, which GCPO
