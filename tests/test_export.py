@@ -9,9 +9,9 @@ import pytest
 from PIL import Image
 
 from grpo_vision.evaluation.evaluate import generate
-from grpo_vision.evaluation.export import flat_name, load_geneval_metadata, write_flat, write_geneval
+from grpo_vision.evaluation.export import flat_name, write_flat, write_geneval
 from grpo_vision.images import to_uint8
-from grpo_vision.prompts import PromptsError
+from grpo_vision.rewards.geneval_prompts import read
 from grpo_vision.sampling import SamplingParams
 
 PARAMS = SamplingParams(2.0, 1.0, 0)
@@ -31,14 +31,18 @@ def pngs(paths):
     return [np.asarray(Image.open(p).convert("RGB")) for p in paths]
 
 
-def test_geneval_layout_is_the_one_its_scorer_reads(tiny_policy, tmp_path):
+@pytest.mark.parametrize("shape", ["geneval", "nested"])
+def test_geneval_layout_is_the_one_its_scorer_reads(tiny_policy, tmp_path, shape):
+    # GenEval's own lines, or the same prompts as this tool's prompts file holds them (`prompts geneval --out`)
+    lines = ROWS if shape == "geneval" else [{"prompt": r["prompt"], "metadata": {k: v for k, v in r.items()
+                                                                                  if k != "prompt"}} for r in ROWS]
     meta = tmp_path / "evaluation_metadata.jsonl"
-    meta.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    rows = load_geneval_metadata(meta)
-    assert write_geneval(tiny_policy, CodesAsPixels(), rows, tmp_path / "out", 3, 7, PARAMS) == 6
+    meta.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert write_geneval(tiny_policy, CodesAsPixels(), read(meta), tmp_path / "out", 3, 7, PARAMS) == 6
     for index, row in enumerate(ROWS):
         folder = tmp_path / "out" / f"{index:05d}"
-        assert json.loads((folder / "metadata.jsonl").read_text()) == row  # every field kept for the scorer
+        # GenEval's flat line whichever the input's shape: its evaluate_images.py reads metadata["tag"]
+        assert (folder / "metadata.jsonl").read_text() == json.dumps(row)
         files = sorted((folder / "samples").iterdir())
         assert [f.name for f in files] == ["00000.png", "00001.png", "00002.png"]
         expected = to_uint8(generate(tiny_policy, CodesAsPixels(), [row["prompt"]] * 3, [7, 8, 9], PARAMS))
@@ -73,16 +77,6 @@ def test_flat_names_of_long_prompts_fit_a_file_name_and_stay_apart(tiny_policy, 
     assert flat_name(prompts[0], 0) != flat_name(prompts[1], 0)  # the hash of the whole prompt tells them apart
 
 
-def test_a_bad_metadata_line_is_named(tmp_path):
-    meta = tmp_path / "m.jsonl"
-    meta.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps({"tag": "x"}) + "\n")
-    with pytest.raises(PromptsError, match=r"m.jsonl, line 2: a GenEval metadata line is an object with a non-empty"):
-        load_geneval_metadata(meta)
-    meta.write_text("{not json\n")
-    with pytest.raises(PromptsError, match="line 1: not valid JSON"):
-        load_geneval_metadata(meta)
-
-
 def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_run, tmp_path, monkeypatch, capsys):
     from grpo_vision.cli import main
 
@@ -103,16 +97,3 @@ def test_sample_cli_writes_the_geneval_layout_from_a_run(micro_run, tmp_path, mo
     assert status.value.code == 2 and not (shut / "gen").exists()
     assert capsys.readouterr().err == (f"grpo-vision: error: cannot write in {shut} (no permission to write): make it "
                                        "writable, or choose another --out\n")
-
-
-def test_metadata_lines_split_at_newlines_only_and_nest_at_most_100_deep(tmp_path):
-    # like a prompts file (issue 33): U+2028 inside a JSON string, a RecursionError, bytes that are not UTF-8
-    meta = tmp_path / "m.jsonl"
-    meta.write_text(json.dumps({"prompt": "a red\u2028circle", "tag": "x"}, ensure_ascii=False) + "\n", encoding="utf-8")
-    assert load_geneval_metadata(meta) == [{"prompt": "a red\u2028circle", "tag": "x"}]
-    meta.write_text(json.dumps(ROWS[0]) + "\n" + '{"prompt": "a", "include": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    with pytest.raises(PromptsError, match=r"m.jsonl, line 2: lists and objects nested more than 100 levels deep"):
-        load_geneval_metadata(meta)
-    meta.write_bytes(b'{"prompt": "\xff"}\n')
-    with pytest.raises(PromptsError, match=r"m.jsonl is not UTF-8 text"):
-        load_geneval_metadata(meta)

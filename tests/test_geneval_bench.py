@@ -1,6 +1,11 @@
-"""GenEval's summary and the paired change (grpo_vision/evaluation/geneval_bench.py), worked out by hand."""
+"""GenEval's summary and the paired change (grpo_vision/evaluation/geneval_bench.py), worked out by hand; the
+round trip `prompts geneval --out` -> `sample --layout geneval` -> `score geneval` (and `eval --benchmark
+geneval`) from either shape of GenEval prompts, on a tiny run and a detector whose finds are set by hand."""
+
+import json
 
 import pytest
+import torch
 
 from grpo_vision.evaluation.geneval_bench import paired_change, summary
 
@@ -53,3 +58,162 @@ def test_paired_change_by_hand_and_its_interval_over_prompts():
 def test_the_models_must_be_scored_on_the_same_prompts():
     with pytest.raises(ValueError, match="same prompts"):
         paired_change(rows(SPEC), rows(SPEC[:2]))
+
+
+# ---------------------------------------------------------------- the round trip, from either shape (issue 50)
+
+
+@pytest.fixture(scope="module")
+def coco_run(tmp_path_factory, detector_options):
+    """One training step of a tiny built-in policy (a diffusers VQ, 16 x 16 images) whose vocabulary holds
+    every word of GenEval's prompts, which the micro world's policy cannot read: a run to `sample` them,
+    its config naming the geneval reward's models for `eval --benchmark geneval`."""
+    from diffusers import VQModel
+
+    from grpo_vision.config import load_config
+    from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+    from grpo_vision.models.tokenizer import VQTokenizer
+    from grpo_vision.rewards.geneval_prompts import evaluation_entries, training_entries
+    from grpo_vision.train import train
+
+    root = tmp_path_factory.mktemp("coco_run")
+    torch.manual_seed(0)
+    vq = VQModel(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                 up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                 latent_channels=4, sample_size=16, num_vq_embeddings=16, vq_embed_dim=4, norm_num_groups=4)
+    VQTokenizer(vq).save_pretrained(root / "vq")
+    words = sorted({w for e in [*evaluation_entries(), *training_entries(5)] for w in e.prompt.split()})
+    policy = LlamaPolicyConfig(words=words, max_caption_words=12, codebook_size=16, image_grid=(8, 8), dim=32,
+                               n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=48)
+    LlamaImagePolicy(policy).save_pretrained(root / "policy")
+    (root / "train.txt").write_text("a photo of a cat\na photo of two dogs\n")
+    (root / "eval.txt").write_text("a photo of a bench\n")
+    cfg = load_config(None, ["policy.kind=llama", f"policy.path={root / 'policy'}", f"policy.tokenizer={root / 'vq'}",
+                             f"data.train_prompts={root / 'train.txt'}", f"data.eval_prompts={root / 'eval.txt'}",
+                             "reward.weights={jpeg_compressibility: 1.0}", "reward.monitor=[]",
+                             "sample.prompts_per_step=2", "sample.group_size=2", "train.micro_batch_size=2",
+                             "train.steps=1", "log.sample_every=0", "log.report=false", "log.tensorboard=false",
+                             f"run.out_dir={root / 'runs'}", "run.device=cpu", *detector_options])
+    return train(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def detector_options(tmp_path_factory):
+    """`score geneval`'s overrides: a tiny OWLv2 directory and colour CLIP, real files the reward checks."""
+    from tests.test_geneval_reward import save_tiny_clip, save_tiny_owlv2
+
+    d = tmp_path_factory.mktemp("geneval_detector")
+    config, checkpoint, _ = save_tiny_clip(d)
+    g = "reward.options.geneval."
+    return [f"{g}detector=owlv2", f"{g}detector_path={save_tiny_owlv2(d / 'owlv2')}", f"{g}clip_model={config}",
+            f"{g}clip_checkpoint={checkpoint}"]
+
+
+class InARow:
+    """A detector that finds one object of each class it is asked for, at 0.95, side by side from the
+    left in the order asked (10-pixel boxes 20 pixels apart); it records what it was asked."""
+
+    def __init__(self):
+        self.asked = []
+
+    def detect(self, images, classes):
+        from grpo_vision.rewards.geneval import Detection
+
+        self.asked += classes
+        return [{name: [Detection((20.0 * k, 0.0, 20.0 * k + 9, 9.0), 0.95)] for k, name in enumerate(names)}
+                for names in classes]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_prompts_sample_score_round_trip_from_either_shape(coco_run, detector_options, tmp_path, monkeypatch, capsys):
+    """`prompts geneval --out F` -> `sample --layout geneval` -> `score geneval --against`, from the file the
+    command writes (clauses under 'metadata') and from the same prompts in GenEval's own shape (clauses
+    beside the prompt): the same folders, GenEval's flat metadata.jsonl in each, the same verdicts. Before
+    (issue 50) the first failed at `score` ("needs a 'tag'") and the second was refused by `eval`."""
+    from grpo_vision.cli import main
+    from grpo_vision.rewards import geneval_reward as gr
+
+    detector = InARow()
+    monkeypatch.setattr(gr, "load_detector", lambda kind, path, device: detector)
+    monkeypatch.setattr(gr, "load_colour_classifier", lambda *args: lambda image, name, boxes: ["red"] * len(boxes))
+    nested = tmp_path / "nested.jsonl"
+    main(["prompts", "geneval", "--out", str(nested), "--train", "5"])
+    lines = [json.loads(x) for x in nested.read_text().splitlines()]
+    genevals = [{**x["metadata"], "prompt": x["prompt"]} for x in lines]  # GenEval's shape, written by hand
+    (tmp_path / "geneval.jsonl").write_text("".join(json.dumps(x) + "\n" for x in genevals))
+    assert [x["prompt"] for x in genevals] == [
+        "a photo of a cell phone and a broccoli", "a photo of three bicycles", "a photo of a brown teddy bear",
+        "a photo of an orange below a knife", "a photo of a blue bicycle and a red sports ball"]
+    out = {}
+    for shape in ("nested", "geneval"):
+        for name, extra in (("policy", []), ("reference", ["--reference"])):
+            main(["sample", str(coco_run), "--prompts", str(tmp_path / f"{shape}.jsonl"), "--layout", "geneval",
+                  "--n", "2", "--out", str(tmp_path / shape / name), *extra])
+        for i, row in enumerate(genevals):  # GenEval's line whichever shape went in, for its evaluate_images.py
+            assert (tmp_path / shape / "policy" / f"{i:05d}" / "metadata.jsonl").read_text() == json.dumps(row)
+        capsys.readouterr()
+        main(["score", "geneval", str(tmp_path / shape / "policy"), "--against", str(tmp_path / shape / "reference"),
+              "--device", "cpu", "--verdicts", str(tmp_path / f"{shape}.verdicts.jsonl"), *detector_options])
+        out[shape] = json.loads(capsys.readouterr().out)
+    # the same prompts, seeds and model: the same images
+    pngs = {shape: sorted((tmp_path / shape).rglob("*.png")) for shape in out}
+    assert len(pngs["nested"]) == 20  # 5 prompts x 2 images x 2 models
+    assert [p.relative_to(tmp_path / "nested") for p in pngs["nested"]] == [
+        p.relative_to(tmp_path / "geneval") for p in pngs["geneval"]]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(pngs["nested"], pngs["geneval"]))
+    # the detector was asked for each prompt's classes, in the order its clauses name them, for each image
+    asked = [["cell phone", "broccoli"], ["bicycle"], ["teddy bear"], ["knife", "orange"], ["bicycle", "sports ball"]]
+    assert detector.asked == 4 * [c for c in asked for _ in range(2)]  # 2 shapes x 2 folders, 2 images a prompt
+    rows = [json.loads(x) for x in (tmp_path / "nested.verdicts.jsonl").read_text().splitlines()]
+    # worked out by hand: every class found once, every colour "red", the objects left to right as asked
+    # two_object: both found, 2 of 2; counting: 1 bicycle of 3 (exclude "< 4" met), 1 of 2; colors: the
+    # teddy bear is red, not brown, 0 of 1; position: the orange's centre is 20 px right of the knife's, 18.2
+    # past the margin (0.1 x 18 px of box widths), 0.91 of the offset > 0.5: "right of", not below, 1 of 2;
+    # color_attr: the bicycle is red, not blue, the ball red, 1 of 2
+    assert [(r["tag"], r["clauses_met"], r["clauses"], r["failures"]) for r in rows[:10:2]] == [
+        ("two_object", 2, 2, []), ("counting", 1, 2, ["count"]), ("colors", 0, 1, ["colour"]),
+        ("position", 1, 2, ["position"]), ("color_attr", 1, 2, ["colour"])]
+    assert [r["reasons"] for r in rows[:10:2]] == [
+        [], ["expected bicycle>=3, found 1"], ["expected brown teddy bear>=1, found 0 (1 red)"],
+        ["expected orange below target, found right of"], ["expected blue bicycle>=1, found 0 (1 red)"]]
+    # five tasks, one prompt each, only two_object right: overall 1/5; a paired change of 0 (the verdicts
+    # do not depend on the pixels), its interval [0, 0]
+    result = out["nested"]
+    assert result["summary"]["overall"] == pytest.approx(0.2)
+    assert result["summary"]["images_correct"] == result["summary"]["prompts_correct"] == pytest.approx(0.2)
+    assert result["summary"]["failing"] == {"count": 0.2, "colour": 0.4, "position": 0.2}
+    assert result["against_summary"] == result["summary"]
+    assert result["change"]["overall"] == {"change": 0.0, "ci95": [0.0, 0.0]}
+    assert (result["prompts"], result["images"]) == (5, 10)
+    assert {k: v for k, v in out["geneval"].items() if k not in ("folder", "against")} == {
+        k: v for k, v in result.items() if k not in ("folder", "against")}
+    # a folder that `sample` wrote before issue 50, its metadata.jsonl nested: flattened and scored the same
+    for i, x in enumerate(lines):
+        (tmp_path / "nested" / "reference" / f"{i:05d}" / "metadata.jsonl").write_text(json.dumps(x))
+    main(["score", "geneval", str(tmp_path / "nested" / "reference"), "--device", "cpu", *detector_options])
+    assert json.loads(capsys.readouterr().out)["summary"] == result["summary"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eval_benchmark_takes_either_shape(coco_run, tmp_path, monkeypatch, capsys):
+    """`eval --benchmark geneval --prompts F` on GenEval's own flat lines (before issue 50: "unknown field(s)
+    ['include', 'tag']") and on `prompts geneval --out`'s file: the same result."""
+    from grpo_vision.cli import main
+    from grpo_vision.rewards import geneval_reward as gr
+
+    monkeypatch.setattr(gr, "load_detector", lambda kind, path, device: InARow())
+    monkeypatch.setattr(gr, "load_colour_classifier", lambda *args: lambda image, name, boxes: ["red"] * len(boxes))
+    main(["prompts", "geneval", "--out", str(tmp_path / "nested.jsonl"), "--train", "5"])
+    lines = [json.loads(x) for x in (tmp_path / "nested.jsonl").read_text().splitlines()]
+    (tmp_path / "geneval.jsonl").write_text("".join(json.dumps({**x["metadata"], "prompt": x["prompt"]}) + "\n"
+                                                    for x in lines))
+    out = {}
+    for shape in ("nested", "geneval"):
+        capsys.readouterr()
+        main(["eval", str(coco_run), "--benchmark", "geneval", "--prompts", str(tmp_path / f"{shape}.jsonl"), "--n",
+              "1", "--device", "cpu"])
+        out[shape] = json.loads(capsys.readouterr().out)
+    assert out["nested"] == out["geneval"]
+    # the verdicts of the round trip above (they do not depend on the pixels): only two_object right, 1/5
+    assert out["geneval"]["policy"]["overall"] == pytest.approx(0.2) and out["geneval"]["prompts"] == 5
+    assert out["geneval"]["policy"]["failing"] == {"count": 0.2, "colour": 0.4, "position": 0.2}

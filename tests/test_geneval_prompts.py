@@ -1,13 +1,17 @@
 """GenEval's prompt sets (grpo_vision/rewards/geneval_prompts.py) and `grpo-vision prompts geneval`."""
 
 import collections
+import json
 
 import numpy as np
+import pytest
 
 from grpo_vision.cli import main
-from grpo_vision.prompts import load_prompts
+from grpo_vision.prompts import PromptsError, load_prompts
 from grpo_vision.rewards.geneval import check_metadata
-from grpo_vision.rewards.geneval_prompts import EVALUATION, _a, _plural, draw, evaluation_entries, training_entries
+from grpo_vision.rewards.geneval_prompts import (
+    EVALUATION, _a, _plural, draw, evaluation_entries, flat, read, training_entries,
+)
 
 
 def test_the_evaluation_set_is_genevals_553_prompts_by_task():
@@ -75,3 +79,70 @@ def test_parse_reads_back_every_evaluation_and_training_prompts_metadata():
     # other class names (a ShapesWorld's shapes under the geneval reward with an open-vocabulary detector)
     assert parse("a photo of three circles", ["circle", "square"]) == {
         "tag": "counting", "include": [{"class": "circle", "count": 3}], "exclude": [{"class": "circle", "count": 4}]}
+
+
+# ---------------------------------------------------------------- one reader, both shapes (issue 50)
+
+
+def test_genevals_file_and_the_commands_file_read_the_same(tmp_path):
+    """GenEval's flat lines and `prompts geneval --out`'s nested ones are the same 553 prompts, and `flat`
+    gives GenEval's own line back for either."""
+    main(["prompts", "geneval", "--out", str(tmp_path / "eval.jsonl")])
+    nested = read(tmp_path / "eval.jsonl")
+    assert json.loads((tmp_path / "eval.jsonl").read_text().splitlines()[0]) == {  # the clauses under 'metadata'
+        "prompt": "a photo of a bench",
+        "metadata": {"tag": "single_object", "include": [{"class": "bench", "count": 1}]}}
+    genevals = read(EVALUATION)
+    assert [(e.prompt, e.metadata, e.line) for e in nested] == [(e.prompt, e.metadata, e.line) for e in genevals]
+    lines = EVALUATION.read_text().splitlines()
+    assert [json.dumps(flat(e)) for e in nested] == lines  # GenEval's text, byte for byte, key order too
+    # the two shapes may even share a file; a flat line's other fields travel with it
+    (tmp_path / "mixed.jsonl").write_text(lines[0] + "\n\n# a comment\n" + json.dumps(
+        {"prompt": "a photo of two cats", "metadata": {"tag": "counting", "include": [{"class": "cat", "count": 2}]}})
+        + "\n" + json.dumps({"tag": "single_object", "include": [{"class": "cat", "count": 1}], "note": "x",
+                             "prompt": " a photo of a cat "}) + "\n")
+    mixed = read(tmp_path / "mixed.jsonl")
+    assert [(e.prompt, e.line) for e in mixed] == [("a photo of a bench", 1), ("a photo of two cats", 4),
+                                                   ("a photo of a cat", 5)]
+    assert flat(mixed[1]) == {"tag": "counting", "include": [{"class": "cat", "count": 2}],
+                              "prompt": "a photo of two cats"}
+    assert flat(mixed[2]) == {"tag": "single_object", "include": [{"class": "cat", "count": 1}], "note": "x",
+                              "prompt": "a photo of a cat"}
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("{not json", r"g.jsonl, line 2: not valid JSON"),
+    ('{"tag": "single_object", "include": [{"class": "cat", "count": 1}]}',
+     r"g.jsonl, line 2: a GenEval prompt is a JSON object with a non-empty 'prompt' and its clauses"),
+    ('{"prompt": "a photo of a cat"}', r"g.jsonl, line 2: GenEval metadata needs a 'tag' \(one of single_object"),
+    ('{"prompt": "a cat", "metadata": {"tag": "x", "include": [{"class": "cat", "count": 1}]}}',
+     r"g.jsonl, line 2: GenEval metadata needs a 'tag'"),
+    ('{"prompt": "a cat", "tag": "single_object", "metadata": {"include": [{"class": "cat", "count": 1}]}}',
+     r"g.jsonl, line 2: a 'metadata' object and \['tag'\] beside it; write the clauses in one place"),
+    ('{"prompt": "a cat", "tag": "colors", "include": [{"class": "cat", "count": 1, "color": "teal"}]}',
+     r"g.jsonl, line 2: colour 'teal' is not one of GenEval's"),
+])
+def test_a_line_that_is_not_a_geneval_prompt_is_named(tmp_path, line, needle):
+    path = tmp_path / "g.jsonl"
+    path.write_text(EVALUATION.read_text().splitlines()[0] + "\n" + line + "\n")
+    with pytest.raises(PromptsError, match=needle):
+        read(path)
+
+
+def test_lines_split_at_newlines_only_nest_at_most_100_deep_and_are_utf8(tmp_path):
+    # as in a prompts file (issue 33): U+2028 inside a JSON string, a RecursionError, bytes that are not UTF-8
+    path, cat = tmp_path / "g.jsonl", {"tag": "single_object", "include": [{"class": "cat", "count": 1}]}
+    path.write_text(json.dumps({**cat, "prompt": "a photo\u2028of a cat"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert [e.prompt for e in read(path)] == ["a photo\u2028of a cat"]
+    path.write_text(json.dumps({**cat, "prompt": "a"}) + "\n" + '{"prompt": "a", "include": ' + "[" * 100_000 +
+                    "]" * 100_000 + "}\n")
+    with pytest.raises(PromptsError, match=r"g.jsonl, line 2: lists and objects nested more than 100 levels deep"):
+        read(path)
+    path.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(PromptsError, match=r"g.jsonl is not UTF-8 text"):
+        read(path)
+    path.write_text("\n# nothing\n")
+    with pytest.raises(PromptsError, match=r"g.jsonl holds no GenEval prompts"):
+        read(path)
+    with pytest.raises(PromptsError, match=r"GenEval prompts file not found: .*absent.jsonl"):
+        read(tmp_path / "absent.jsonl")

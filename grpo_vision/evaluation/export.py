@@ -1,8 +1,9 @@
 """Images in the folder layouts that published benchmarks' own scorers read.
 
-* GenEval (djghosh13/geneval, `generation/diffusers_generate.py`): for the i-th line of its
-  `evaluation_metadata.jsonl`, a folder `<out>/<i:05d>/` holding that line as `metadata.jsonl` and
-  the images as `samples/<j:05d>.png`; `evaluation/evaluate_images.py <out>` then scores them.
+* GenEval (djghosh13/geneval, `generation/diffusers_generate.py`): for the i-th prompt (of its
+  `evaluation_metadata.jsonl` or a file of `prompts geneval --out`: both shapes, geneval_prompts.read),
+  a folder `<out>/<i:05d>/` holding its line in GenEval's own flat shape as `metadata.jsonl` and the
+  images as `samples/<j:05d>.png`; `evaluation/evaluate_images.py <out>` then scores them.
 * index (`grpo-vision sample`'s own): `<i:05d>_<j:02d>_<policy|reference>.png` and `index.jsonl`
   (prompt, file, seed, model, step).
 * flat: one folder of `<prompt>_<k:06d>.png` files, k counting images in prompt order, the naming
@@ -20,31 +21,12 @@ from pathlib import Path
 
 from grpo_vision.evaluation.evaluate import generate
 from grpo_vision.images import to_uint8
-from grpo_vision.prompts import PromptsError, parse_json_line, read_lines
+from grpo_vision.prompts import PromptEntry
+from grpo_vision.rewards.geneval_prompts import flat
 
 LAYOUTS = ("index", "geneval", "flat")
 IMAGES_PER_CALL = 64  # images generated per sampler call, whatever the number of prompts
 MAX_NAME_BYTES = 255  # the longest file name most file systems take (ext4, XFS, APFS, NTFS)
-
-
-def load_geneval_metadata(path: str | Path) -> list[dict]:
-    """The lines of a GenEval `evaluation_metadata.jsonl`: JSON objects with a non-empty 'prompt'
-    (their other fields, tag, include, exclude, ..., are kept as they are for the scorer)."""
-    path = Path(path)
-    if not path.is_file():
-        raise PromptsError(f"GenEval metadata file not found: {path}")
-    rows = []
-    for number, line in enumerate(read_lines(path), start=1):  # as a prompts file's: see prompts.py
-        if not line.strip():
-            continue
-        row = parse_json_line(line, f"{path}, line {number}")
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise PromptsError(f"{path}, line {number}: a GenEval metadata line is an object with a non-empty "
-                               "'prompt' (and its tag, include, ... fields)")
-        rows.append(row)
-    if not rows:
-        raise PromptsError(f"{path} holds no metadata lines")
-    return rows
 
 
 def _images(model, tokenizer, prompts: list[str], n: int, seed: int, params):
@@ -74,16 +56,17 @@ def write_index(model, tokenizer, prompts: list[str], out: str | Path, n: int, s
     return len(index)
 
 
-def write_geneval(model, tokenizer, rows: list[dict], out: str | Path, n: int, seed: int, params) -> int:
-    """GenEval's folder layout for `rows` (load_geneval_metadata); returns the number of images."""
+def write_geneval(model, tokenizer, entries: list[PromptEntry], out: str | Path, n: int, seed: int, params) -> int:
+    """GenEval's folder layout for `entries` (geneval_prompts.read); returns the number of images."""
     from PIL import Image
 
     out, count = Path(out), 0
-    for index, (row, images) in enumerate(zip(rows, _images(model, tokenizer, [r["prompt"] for r in rows], n,
-                                                                seed, params))):
+    for index, (entry, images) in enumerate(zip(entries, _images(model, tokenizer, [e.prompt for e in entries], n,
+                                                                     seed, params))):
         samples = out / f"{index:05d}" / "samples"
         samples.mkdir(parents=True, exist_ok=True)
-        (samples.parent / "metadata.jsonl").write_text(json.dumps(row))  # one line, as GenEval writes it
+        # one line, GenEval's flat shape, as its generation script writes it: its scorer reads metadata["tag"]
+        (samples.parent / "metadata.jsonl").write_text(json.dumps(flat(entry)))
         for j, img in enumerate(images):
             Image.fromarray(img).save(samples / f"{j:05d}.png")
         count += len(images)

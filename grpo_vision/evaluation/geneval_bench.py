@@ -23,7 +23,9 @@ from typing import Sequence
 
 import torch
 
+from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards.geneval import FAILURES
+from grpo_vision.rewards.geneval_prompts import entry, flat
 
 REPLICATES = 4000
 SEED = 0
@@ -117,8 +119,9 @@ class LayoutError(ValueError):
 
 def read_folder(folder: str | Path) -> list[tuple[dict, list[Path]]]:
     """GenEval's layout (`sample --layout geneval`, or GenEval's own generation scripts): per prompt, its
-    metadata (`<folder>/<i:05d>/metadata.jsonl`, one JSON line) and its images (`samples/*.png`, sorted),
-    in the folders' order; LayoutError naming the first thing that is not so."""
+    metadata (`<folder>/<i:05d>/metadata.jsonl`, one JSON line, as GenEval's flat line: a nested one that
+    `sample` wrote before issue 50 is flattened) and its images (`samples/*.png`, sorted), in the folders'
+    order; LayoutError naming the first thing that is not so."""
     folder = Path(folder)
     if not folder.is_dir():
         raise LayoutError(f"{folder} is not a folder; give one written by `grpo-vision sample --layout geneval` "
@@ -133,8 +136,10 @@ def read_folder(folder: str | Path) -> list[tuple[dict, list[Path]]]:
         except (OSError, IndexError, ValueError) as e:
             raise LayoutError(f"{p / 'metadata.jsonl'}: not one JSON line of GenEval metadata ({e or 'empty'})"
                               ) from None
-        if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
-            raise LayoutError(f"{p / 'metadata.jsonl'}: a JSON object with a 'prompt' and its GenEval clauses")
+        try:  # the clauses checked now, before any model loads: the file is named, not the folder
+            meta = flat(entry(meta, str(p / "metadata.jsonl")))
+        except PromptsError as e:
+            raise LayoutError(str(e)) from None
         images = sorted((p / "samples").glob("*.png"))
         if not images:
             raise LayoutError(f"{p / 'samples'} holds no PNG images")

@@ -9,21 +9,25 @@ by adding "s" ("es" after an s, so "buses" and, as GenEval writes them, "sheeps"
 "at most that many" as an exclude clause, no colour for a person, a position clause pointing at the
 first object.
 
-Each entry is `{"prompt": ..., "metadata": {"tag", "include", "exclude"?}}`, the metadata in GenEval's
-format, which the `geneval` reward reads.
+A GenEval prompt comes in two shapes, and every command that takes one reads both (`read`): GenEval's own
+line, the clauses beside the prompt (`{"tag", "include", "exclude"?, "prompt"}`, as its
+evaluation_metadata.jsonl and each folder's metadata.jsonl hold it), and this tool's prompts-file entry,
+the clauses under `metadata` (`{"prompt", "metadata": {"tag", "include", "exclude"?}}`, what `write` and
+`prompts geneval --out` write, and what training reads). What leaves the tool for GenEval's scorer is its
+own shape (`flat`), since its `evaluation/evaluate_images.py` reads `metadata["tag"]` at the top level
+(issue 50).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from grpo_vision.prompts import PromptEntry, PromptsError, save_prompts
-from grpo_vision.rewards.geneval import COLORS, RELATIONS, TAGS
+from grpo_vision.prompts import PromptEntry, PromptsError, parse_json_line, read_lines, save_prompts
+from grpo_vision.rewards.geneval import COLORS, RELATIONS, TAGS, check_metadata
 
 DATA = Path(__file__).parent / "geneval_data"
 EVALUATION = DATA / "evaluation_metadata.jsonl"  # GenEval's 553 prompts, as its scorer reads them
@@ -37,8 +41,59 @@ def classes() -> list[str]:
 
 def evaluation_entries() -> list[PromptEntry]:
     """GenEval's 553 evaluation prompts, each with its metadata."""
-    rows = [json.loads(line) for line in EVALUATION.read_text().splitlines() if line.strip()]
-    return [PromptEntry(row["prompt"], metadata={k: v for k, v in row.items() if k != "prompt"}) for row in rows]
+    return read(EVALUATION)
+
+
+def entry(value, where: str) -> PromptEntry:
+    """One GenEval prompt, in either shape (GenEval's `{"tag", "include", ..., "prompt"}` or this tool's
+    `{"prompt", "metadata": {...}}`), its clauses checked; PromptsError naming `where` otherwise. A flat
+    line's other fields stay in the metadata, so `flat` gives GenEval's line back whole."""
+    if not isinstance(value, dict) or not isinstance(value.get("prompt"), str) or not value["prompt"].strip():
+        raise PromptsError(f"{where}: a GenEval prompt is a JSON object with a non-empty 'prompt' and its clauses, "
+                           'GenEval\'s {"tag": ..., "include": [...], "prompt": ...} or {"prompt": ..., "metadata": '
+                           '{"tag": ..., "include": [...]}}')
+    if "metadata" in value:
+        beside = sorted(set(value) - {"prompt", "metadata", "rewards"})
+        if beside:  # half of the clauses beside the prompt, half under metadata: which are meant is a guess
+            raise PromptsError(f"{where}: a 'metadata' object and {beside} beside it; write the clauses in one "
+                               "place, all under 'metadata' or all beside the prompt as GenEval does")
+        metadata = value["metadata"]
+    else:
+        metadata = {k: v for k, v in value.items() if k != "prompt"}
+    try:
+        check_metadata(metadata, where)
+    except ValueError as e:  # one line naming the file and line, as the prompts readers' errors
+        raise PromptsError(str(e)) from None
+    # an entry's own reward weights are not kept: GenEval's score is the geneval reward's alone
+    return PromptEntry(value["prompt"].strip(), metadata=metadata)
+
+
+def read(path: str | Path) -> list[PromptEntry]:
+    """The GenEval prompts of a JSONL file in either shape, even mixed, each checked (`entry`): what `sample
+    --layout geneval` and `eval --benchmark geneval` take as --prompts. Blank lines and lines starting
+    with `#` are skipped, and lines split at line breaks only, as in a prompts file (prompts.py)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptsError(f"GenEval prompts file not found: {path}")
+    entries = []
+    for number, line in enumerate(read_lines(path), start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        where = f"{path}, line {number}"
+        found = entry(parse_json_line(text, where), where)
+        found.line = number
+        entries.append(found)
+    if not entries:
+        raise PromptsError(f"{path} holds no GenEval prompts: one JSON line per prompt, e.g. GenEval's "
+                           "evaluation_metadata.jsonl or what `grpo-vision prompts geneval --out` writes")
+    return entries
+
+
+def flat(e: PromptEntry) -> dict:
+    """GenEval's own line for `e`, the clauses beside the prompt and the prompt last (its
+    evaluation_metadata.jsonl's order): what its scorer reads from a folder's metadata.jsonl."""
+    return {**{k: v for k, v in e.metadata.items() if k != "prompt"}, "prompt": e.prompt}
 
 
 def _a(word: str) -> str:
