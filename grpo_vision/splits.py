@@ -43,22 +43,34 @@ class PromptSets:
         return [*self.train, *self.test, *self.heldout]
 
 
-def prompt_lists(cfg: Config) -> PromptSets:
+def prompt_lists(cfg: Config, given: dict[str, list[PromptEntry]] | None = None) -> PromptSets:
     """A run's prompts without loading a model: the files of `data.*`, else the policy kind's own sets.
     Without `data.eval_prompts`, a prompts file's test set is `data.test_prompts` of its prompts, held
-    back with a fixed seed. Both evaluation sets are removed from the training prompts."""
-    d = cfg.data
+    back with a fixed seed. Both evaluation sets are removed from the training prompts. `given` "train" and
+    "eval" entries (GRPOTrainer's, in memory) take the place of data.train_prompts and data.eval_prompts."""
+    d, given = cfg.data, given or {}
+    if given.get("train") is not None and d.train_prompts or given.get("eval") is not None and d.eval_prompts:
+        raise ConfigError("prompts given in memory and in data.train_prompts / data.eval_prompts: give one")
     splits = policy_kind(cfg.policy.kind).prompts
+    if given.get("train") is not None:
+        return _sets(cfg, given["train"], given.get("eval"), "the prompts given to GRPOTrainer", None)
     if not d.train_prompts and splits is None:
         raise ConfigError(f"data.train_prompts is required: policy.kind {cfg.policy.kind!r} brings no prompts "
                           "of its own")
     own = splits(cfg) if not d.train_prompts else None
-    train = load_prompts(d.train_prompts) if d.train_prompts else own.train
-    if d.eval_prompts:
-        test = load_prompts(d.eval_prompts)
-    else:
-        test = own.test if own else _hold_back(train, d.test_prompts, d.train_prompts)
-    heldout = load_prompts(d.heldout_prompts) if d.heldout_prompts else (own.heldout if own else [])
+    column = d.prompt_column  # the prompt column of every table or JSONL file named here
+    train = load_prompts(d.train_prompts, column=column) if d.train_prompts else own.train
+    test = load_prompts(d.eval_prompts, column=column) if d.eval_prompts else given.get("eval")
+    return _sets(cfg, train, test, d.train_prompts, own)
+
+
+def _sets(cfg: Config, train: list[PromptEntry], test: list[PromptEntry] | None, source: str, own) -> PromptSets:
+    """The sets from the training prompts, the test prompts (None: the kind's own, else held back from
+    `train`, read from `source`) and the kind's own sets `own` (None without)."""
+    d, column = cfg.data, cfg.data.prompt_column
+    if test is None:
+        test = own.test if own else _hold_back(train, d.test_prompts, source)
+    heldout = load_prompts(d.heldout_prompts, column=column) if d.heldout_prompts else (own.heldout if own else [])
     unseen = {e.prompt for e in (*test, *heldout)}
     sets = PromptSets([e for e in train if e.prompt not in unseen], test, heldout)
     if not sets.train:  # else the first step fails deep in numpy, after the run folder is written
@@ -102,27 +114,30 @@ def _draw(entries: list[PromptEntry], n: int) -> list[PromptEntry]:
     return [distinct[i] for i in sorted(order.tolist())]
 
 
-def run_prompt_sets(cfg: Config, run_dir: str | Path | None = None) -> PromptSets:
+def run_prompt_sets(cfg: Config, run_dir: str | Path | None = None, given: dict | None = None) -> PromptSets:
     """The prompts a run saved at its start (`run_dir`/prompts/*.jsonl), so that a resumed run trains on
-    what it trained on whatever a later version of a kind's draw gives; else `prompt_lists(cfg)`."""
+    what it trained on whatever a later version of a kind's draw gives; else `prompt_lists(cfg, given)`."""
     folder = Path(run_dir) / "prompts" if run_dir else None
     files = [folder / f"{name}.jsonl" for name in ("train", "test", "heldout", "train_sample")] if folder else []
     # a link is never read as the run's own (files.py): such a folder falls back to its config's prompts
     if not files or not files[0].is_file() or any(f.is_symlink() for f in (folder, *files)):
-        return prompt_lists(cfg)
-    return PromptSets(*(load_prompts(f) if f.is_file() else [] for f in files))
+        return prompt_lists(cfg, given)
+    # save_prompts wrote them with the key 'prompt', whatever data.prompt_column named in the sources
+    return PromptSets(*(load_prompts(f, column="prompt") if f.is_file() else [] for f in files))
 
 
-def checked_prompt_sets(cfg: Config, bundle: Bundle, run_dir: str | Path | None = None) -> PromptSets:
+def checked_prompt_sets(cfg: Config, bundle: Bundle, run_dir: str | Path | None = None,
+                        given: dict | None = None) -> PromptSets:
     """`run_prompt_sets`, each prompt checked against the loaded policy: an unknown word stops the run
     before it starts, naming the prompt and its line (it would be trained on as <unk>)."""
     d = cfg.data
-    sets = run_prompt_sets(cfg, run_dir)
+    sets = run_prompt_sets(cfg, run_dir, given)
     # without data.eval_prompts, a train file's test set is held back from it (and named by its lines)
     for entries, source in ((sets.train, d.train_prompts), (sets.test, d.eval_prompts or d.train_prompts),
                             (sets.heldout, d.heldout_prompts)):
         for e in entries:
             problem = prompt_problem(bundle.policy, e.prompt)
             if problem:
-                raise PromptsError(f"{source or KIND_PROMPTS}, line {e.line}: {problem}")
+                raise PromptsError(f"{source or ('the prompts given to GRPOTrainer' if given else KIND_PROMPTS)}, "
+                                   f"line {e.line}: {problem}")
     return sets

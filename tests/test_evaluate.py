@@ -190,10 +190,11 @@ def test_prompts_the_policy_cannot_read_are_refused_naming_the_line(project_run,
             cli(command, project_run, "--prompts", prompts_file(tmp_path / "p.txt", text), "--n", 1, *out)
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
     if command == "sample":
-        meta = prompts_file(tmp_path / "meta.jsonl", '{"prompt": "a purple banana", "tag": "single_object"}\n')
+        meta = prompts_file(tmp_path / "meta.jsonl", '{"prompt": "a purple banana", "tag": "single_object", '
+                                                     '"include": [{"class": "banana", "count": 1}]}\n')
         with pytest.raises(SystemExit):
             cli("sample", project_run, "--prompts", meta, "--layout", "geneval", *out)
-        assert "meta.jsonl, entry 1: words the policy does not know: 'banana'" in capsys.readouterr().err
+        assert "meta.jsonl, line 1: words the policy does not know: 'banana'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -147,6 +147,9 @@ class DataConfig:
     # The transfer row: compositions no model trained on. "" = the kind's (ShapesWorld: captions naming
     # a held-out colour-shape pair), none with train_prompts. Removed from training like eval_prompts
     heldout_prompts: str = ""
+    # The column of a table (.csv, .tsv, .parquet, a datasets folder) or the key of a JSONL file that holds
+    # the prompts; "" = 'prompt', else 'caption' or 'text' where the table has one of them and not both
+    prompt_column: str = ""
     # Without train_prompts on a ShapesWorld: "train" = captions of the base policy's training split
     # (the test captions' distribution); "all" = both splits, so RL also trains on held-out
     # compositions (other captions than the transfer row's); "heldout" = held-out compositions only
