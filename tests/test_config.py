@@ -53,6 +53,56 @@ def test_one_mapping_entry_can_be_overridden():
         load_config(None, ["reward.weights.clip=lots"])
 
 
+# ---------------------------------------------------------------- emptying a value: null is "not set" (issue 50)
+
+
+@pytest.mark.parametrize("null", ["", "null", "~"])
+def test_a_null_override_gives_a_field_its_default_and_removes_a_mapping_entry(null):
+    given = ["run.name=mine", "train.mixed_precision=bf16", "train.adapter_targets=[q_proj]",
+             "policy.options={gpt: GPT-XL, image_size: 256}", "reward.weights.jpeg_compressibility=2",
+             "reward.options.clip.checkpoint=/m/c.bin", "reward.options.clip.model=ViT-B-32"]
+    cleared = ["run.name", "train.mixed_precision", "train.adapter_targets", "policy.options.gpt",
+               "reward.weights.jpeg_compressibility", "reward.options.clip.checkpoint",
+               "policy.options.absent", "reward.options.absent.key"]  # entries not there: nothing to remove
+    cfg = load_config(None, given + [f"{key}={null}" for key in cleared])
+    assert (cfg.run.name, cfg.train.mixed_precision) == ("shapes_grpo", "no")  # the defaults, not "" or "null"
+    assert cfg.train.adapter_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert cfg.policy.options == {"image_size": 256}  # the kind's loader then uses its own default for gpt
+    assert cfg.reward.weights == {"clip": 1.0, "aesthetic": 1.0}
+    assert cfg.reward.options == {"clip": {"model": "ViT-B-32"}}
+
+
+def test_a_quoted_empty_string_is_a_value_in_a_field_and_in_a_mapping_alike():
+    # what reaches the program: the shell turns key="" into key=, so this is written 'key=""' there
+    cfg = load_config(None, ['policy.tokenizer=""', "policy.options.gpt=''", 'log.project="null"', "run.name=1e-5"])
+    assert cfg.policy.tokenizer == "" and cfg.policy.options == {"gpt": ""}  # was the two characters "" in a field
+    assert cfg.log.project == "null" and cfg.run.name == "1e-5"  # quoted "null" is text; unquoted text is as written
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ['sample.top_k=""'])
+    assert str(err.value) == "command line: 'sample.top_k' expects an integer, got '' (str)"
+
+
+def test_a_null_in_a_file_is_the_same_as_leaving_the_key_out(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run:\n  name:\ntrain:\n  lr: null\npolicy:\n  options: {gpt: , image_size: 256}\n"
+                    "reward:\n  weights: {clip: 2, aesthetic: ~}\n")
+    cfg = load_config(path)
+    assert (cfg.run.name, cfg.train.lr) == (Config().run.name, Config().train.lr)  # was "expects a string, got None"
+    assert cfg.policy.options == {"image_size": 256} and cfg.reward.weights == {"clip": 2.0}
+
+
+@pytest.mark.parametrize("empty", ["policy.options.gpt=", "policy.options.gpt=null", "policy.options.gpt=''"])
+def test_every_way_of_emptying_a_kind_option_reaches_its_default(empty):
+    # `policy.options.gpt=` stored None, which LlamaGenOptions refused ("expects a string"); only '' worked
+    from grpo_vision.config import from_dict
+    from grpo_vision.models.llamagen_load import LlamaGenOptions
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "llamagen_t2i.yaml",
+                      ["policy.options.gpt=GPT-B", empty])
+    options = from_dict(LlamaGenOptions, cfg.policy.options, prefix="policy.options.")
+    assert options.gpt == "" and options.image_size == 256  # "": the size is read from the weights
+
+
 def test_yaml_values_override_defaults(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  lr: 3.0e-6\n  steps: 7\nsample:\n  top_k: 50\n")
@@ -268,8 +318,9 @@ def test_a_long_value_or_key_is_quoted_briefly():
 
 @pytest.mark.parametrize("name", ["banana", "cuda:", "cuda:x", "gpu", "CPU", ""])
 def test_an_unknown_device_name_is_refused_at_load(name):
+    written = name or '""'  # run.device= alone is "not set": the default, auto
     with pytest.raises(ConfigError, match=rf"run.device '{name}' is not a device: use auto .*cpu, cuda, cuda:N or mps"):
-        load_config(None, [f"run.device={name}"])
+        load_config(None, [f"run.device={written}"])
 
 
 def test_a_device_this_machine_lacks_is_refused_naming_it(monkeypatch):

@@ -7,6 +7,9 @@ WordLevel tokenizer with Janus's special tokens and a chat template) are written
 
 import copy
 import json
+import logging
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,7 @@ PROMPTS = ["a red circle", "a blue square left of a red circle", "a green square
 
 def build_tiny_janus(path: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration, LlamaTokenizerFast
     from transformers.models.janus.image_processing_janus import JanusImageProcessor
     from transformers.models.janus.processing_janus import JanusProcessor
 
@@ -42,7 +45,8 @@ def build_tiny_janus(path: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(SPECIAL)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
-    text_tokenizer = PreTrainedTokenizerFast(
+    # JanusProcessor before transformers 5 accepts only a Llama tokenizer (what the converted checkpoints carry)
+    text_tokenizer = LlamaTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
                               "eoi_token": "<end_of_image>"})
@@ -180,7 +184,8 @@ def test_vq_tokenizer_decodes_to_unit_range_and_encodes_like_the_l2_quantizer(po
     vq = JanusVQTokenizer(copy.deepcopy(policy.model.model.vqmodel))
     with torch.no_grad():
         vq.vq.quantize.embedding.weight.copy_(torch.nn.functional.normalize(vq.vq.quantize.embedding.weight, dim=-1))
-        theirs = vq.vq.encode(images * 2 - 1).image_tokens.view(2, -1)
+        z = vq.vq.quant_conv(vq.vq.encoder(images * 2 - 1))  # what `encode` runs; it returns a tuple before 4.5x
+        theirs = vq.vq.quantize(z)[2].view(2, -1)  # (quantized, loss, indices) in every supported release
     assert torch.equal(vq.encode(images), theirs)
 
 
@@ -199,6 +204,53 @@ def test_load_bundle_freezes_understanding_and_lora_stays_in_the_language_model(
         load_bundle(PolicyConfig(kind="janus", path=str(janus_dir), tokenizer="vq"), "cpu")
     with pytest.raises(FileNotFoundError, match="nowhere has no config.json"):
         load_bundle(PolicyConfig(kind="janus", path=str(janus_dir.parent / "nowhere")), "cpu")
+
+
+def test_loading_sampling_and_scoring_use_no_deprecated_transformers_names(janus_dir):
+    """transformers deprecates an argument with a FutureWarning (`deprecate_kwarg`) and an output name with a
+    logged warning, the latter once per process: both are caught here, the log's memory cleared first."""
+    from transformers.utils import logging as hf_logging
+
+    logged, verbosity = [], hf_logging.get_verbosity()
+    handler = logging.Handler()
+    handler.emit = logged.append
+    hf_logging.warning_once.cache_clear()  # a warning logged once already in this process would not log again
+    hf_logging.set_verbosity_warning()
+    hf_logging.get_logger().addHandler(handler)  # transformers' root logger does not propagate to pytest's
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            policy = JanusImagePolicy.from_pretrained(janus_dir)
+            cond = policy.encode_prompts(PROMPTS)
+            params = SamplingParams(cfg_scale=3.0)
+            rollout = sample(policy, cond, list(range(3)), params)  # prefill (transformers' forward) and decode
+            sequence_logprobs(policy, cond, rollout.tokens, params)  # the teacher-forced forward
+            policy.image_tokenizer().decode(rollout.tokens)
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    deprecated = [str(w.message) for w in caught if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    deprecated += [r.getMessage() for r in logged if "deprecat" in r.getMessage().lower()]
+    assert deprecated == []
+
+
+@pytest.mark.parametrize("broken", ["no generation_kwargs", "no file"])
+def test_a_generation_config_without_the_boi_token_is_a_one_line_error(janus_dir, tmp_path, broken):
+    # transformers' generate(generation_mode="image") reads generation_kwargs["boi_token_id"]; the fix names its value
+    copy_dir = Path(shutil.copytree(janus_dir, tmp_path / "janus"))
+    gen_file = copy_dir / "generation_config.json"
+    if broken == "no file":
+        gen_file.unlink()
+    else:
+        gen = json.loads(gen_file.read_text())
+        del gen["generation_kwargs"]
+        gen_file.write_text(json.dumps(gen))
+    with pytest.raises(ConfigError) as error:
+        JanusImagePolicy.from_pretrained(copy_dir)
+    message = str(error.value)
+    assert "\n" not in message and str(gen_file) in message
+    assert ("is missing" if broken == "no file" else "has no generation_kwargs.boi_token_id") in message
+    assert f'"generation_kwargs": {{"boi_token_id": {BOI}}}' in message  # the <begin_of_image> id, 4
 
 
 @torch.no_grad()

@@ -3,6 +3,11 @@
 Generic over dataclasses: config/schema.py defines the sections and calls these. Loading is strict: an
 unknown key, a value of the wrong type or a malformed YAML file raises `ConfigError` that names the
 key and what was expected, so a typo never silently falls back to a default.
+
+One rule empties a value (docs/usage.md, "Overrides"; issue 50): null means not set. `key:` or `key: null` in a
+file and `key=`, `key=null` or `key=~` on the command line give a field its default and remove an entry of a
+mapping (so whatever reads the mapping, e.g. a kind's options dataclass, uses its own default). The empty string
+is a value like any other, written quoted: `key: ""`, or `'key=""'` past the shell.
 """
 
 from __future__ import annotations
@@ -72,7 +77,9 @@ def from_dict(cls: type, raw: dict, where: str = "config", prefix: str = "") -> 
     for key, value in raw.items():
         if key not in names:
             raise ConfigError(_unknown_key(f"{prefix}{key}", str(key), names, where))
-        if dataclasses.is_dataclass(hints[key]):  # an empty section (`train:`) is None: the defaults
+        if value is None and not _admits_none(hints[key]):  # `key:` is not set: the default (module docstring)
+            continue
+        if dataclasses.is_dataclass(hints[key]):
             kwargs[key] = from_dict(hints[key], {} if value is None else value, where, f"{prefix}{key}.")
         else:
             kwargs[key] = coerce(value, hints[key], f"{prefix}{key}", where)
@@ -84,7 +91,8 @@ def apply_override(cfg, item: str) -> None:
 
     A mapping field takes whole (``reward.weights={clip: 1.0}``) or one entry at a time
     (``reward.weights.aesthetic=0.25`` adds or replaces that entry; ``reward.options.clip.checkpoint=P``
-    sets one key of a nested mapping)."""
+    sets one key of a nested mapping). A null value (``key=``, ``key=null``) gives a field its default and
+    removes a mapping's entry (the module docstring's rule)."""
     if "=" not in item:
         raise ConfigError(f"override {brief(item)} must look like section.key=value, e.g. train.lr=1e-5")
     dotted, text = item.split("=", 1)
@@ -110,7 +118,10 @@ def apply_override(cfg, item: str) -> None:
     if leaf not in names:
         raise ConfigError(_unknown_key(prefix + leaf, leaf, names, "command line"))
     hint = typing.get_type_hints(type(node))[leaf]
-    value = text if hint is str else _parse_text(text)
+    value = _parse_text(text, hint)
+    if value is None and not _admits_none(hint):
+        setattr(node, leaf, _default(type(node), leaf, dotted))
+        return
     setattr(node, leaf, coerce(value, hint, dotted, "command line"))
 
 
@@ -120,20 +131,45 @@ def _set_entry(mapping: dict, hint: Any, path: list[str], text: str, dotted: str
     if not path[0]:
         raise ConfigError(f"command line: '{dotted}' names no entry of '{name}'; write {name}.NAME=VALUE")
     if len(path) == 1:
-        value = text if value_type is str else _parse_text(text)
-        mapping[path[0]] = coerce(value, value_type, dotted, "command line")
+        value = _parse_text(text, value_type)
+        if value is None:  # not set: the entry goes, and its reader's default applies
+            mapping.pop(path[0], None)
+        else:
+            mapping[path[0]] = coerce(value, value_type, dotted, "command line")
         return
     if typing.get_origin(value_type) is not dict:
         raise ConfigError(f"command line: '{name}.{path[0]}' is a value, not a mapping; write {name}.{path[0]}=VALUE")
+    if _parse_text(text, Any) is None and path[0] not in mapping:
+        return  # removing an entry of a mapping that is not there
     inner = mapping.setdefault(path[0], {})
     _set_entry(inner, value_type, path[1:], text, dotted, f"{name}.{path[0]}")
 
 
-def _parse_text(text: str) -> Any:
+def _parse_text(text: str, hint: Any) -> Any:
+    """An override's text as YAML reads it (None for ``key=``, ``key=null``, ``key=~``), except that a string
+    field or entry keeps unquoted text as written: ``run.name=1e-5`` is the name "1e-5", ``'run.name="x y"'`` x y."""
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if hint is str and value is not None and not (isinstance(value, str) and text.strip()[:1] in ("'", '"')):
+        return text
+    return value
+
+
+def _admits_none(hint: Any) -> bool:
+    """Whether None is a value of `hint` (`int | None`) rather than "not set"."""
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _default(cls: type, name: str, key: str) -> Any:
+    """The default of field `name` of dataclass `cls`, a fresh copy for a mutable one."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    if f.default is dataclasses.MISSING:
+        raise ConfigError(f"command line: '{key}' has no default to return to; give it a value")
+    return f.default
 
 
 def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
@@ -184,7 +220,8 @@ def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise fail(f"a mapping of {args[0].__name__} to {args[1].__name__}")
-        return {coerce(k, args[0], key, where): coerce(v, args[1], f"{key}.{k}", where) for k, v in value.items()}
+        return {coerce(k, args[0], key, where): coerce(v, args[1], f"{key}.{k}", where) for k, v in value.items()
+                if v is not None}  # a null entry is not set (module docstring)
     raise TypeError(f"unsupported config type {hint} for {key}")  # a bug in this file, not user input
 
 

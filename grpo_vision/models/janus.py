@@ -36,7 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from grpo_vision.config import ConfigError
 from grpo_vision.models.decode import future_keys, new_kv, write_step
+from grpo_vision.run.load_checks import dtype_argument
 
 NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
 SFT_FORMAT = "<|User|>: {}\n\n<|Assistant|>:"  # Janus's "deepseek" SFT template, empty system prompt
@@ -58,6 +60,7 @@ class JanusImagePolicy(nn.Module):
 
     lora_scope = "model.model.language_model"  # module prefix that LoRA adapters are confined to
     static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
+    adapter_root = "model"  # where the JanusForConditionalGeneration a peft adapter export targets sits (evaluation/weights.py)
 
     def __init__(self, model, processor):
         super().__init__()
@@ -67,7 +70,7 @@ class JanusImagePolicy(nn.Module):
         self.bos_id = gen.bos_token_id if gen.bos_token_id is not None else tok.bos_token_id
         self.pad_id = gen.pad_token_id if gen.pad_token_id is not None else tok.pad_token_id
         self.boi_id = tok.convert_tokens_to_ids(processor.image_start_token)
-        stored_boi = (gen.generation_kwargs or {}).get("boi_token_id")
+        stored_boi = (getattr(gen, "generation_kwargs", None) or {}).get("boi_token_id")  # from_pretrained requires it
         if None in (self.bos_id, self.pad_id) or self.boi_id == tok.unk_token_id:
             raise ValueError(f"Janus model needs BOS, pad and {processor.image_start_token} token ids; got bos "
                              f"{self.bos_id}, pad {self.pad_id}, boi {self.boi_id}")
@@ -132,8 +135,7 @@ class JanusImagePolicy(nn.Module):
         (B, L), N = cond.shape, self.num_image_tokens
         out = self.model.model.language_model(inputs_embeds=self._embed_text(ids), attention_mask=mask,
                                               use_cache=True)
-        # transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns)
-        layers = _cached_layers(out["cache"] if "cache" in out else out["past_key_values"])  # [(k, v)] [B, Hkv, L, hd]
+        layers = _cached_layers(out)  # [(k, v)] each [B, Hkv, L, hd]
         k0 = layers[0][0]
         # float32 on a CPU: the decode step's attention runs there in float32 (module docstring)
         dtype = torch.float32 if k0.device.type == "cpu" else k0.dtype
@@ -219,6 +221,11 @@ class JanusImagePolicy(nn.Module):
         self.model.save_pretrained(str(directory))
         self.processor.save_pretrained(str(directory))
 
+    def export(self, directory: str | Path) -> list[Path]:
+        """The whole model as transformers' own Janus folder (evaluation/weights.py): `save_pretrained`'s files."""
+        self.save_pretrained(directory)
+        return sorted(Path(directory).iterdir())
+
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu",
                         dtype: str = "float32") -> "JanusImagePolicy":
@@ -231,9 +238,10 @@ class JanusImagePolicy(nn.Module):
                 f"Janus model directory {directory} has no {', '.join(missing)}; expected a transformers-format "
                 "Janus-Pro checkpoint with its processor, e.g. deepseek-community/Janus-Pro-1B downloaded there "
                 "(the deepseek-ai/Janus-Pro-* repos use the original format and need converting first)")
-        model = JanusForConditionalGeneration.from_pretrained(str(directory), dtype=getattr(torch, dtype),
+        model = JanusForConditionalGeneration.from_pretrained(str(directory), **dtype_argument(getattr(torch, dtype)),
                                                               local_files_only=True)
         processor = JanusProcessor.from_pretrained(str(directory), local_files_only=True)
+        _check_generation_config(model.generation_config, processor, directory / "generation_config.json")
         return cls(model.to(device).eval(), processor)
 
 
@@ -250,9 +258,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return (weights @ v.float()).view(B, H, 1, hd).to(q.dtype)
 
 
-def _cached_layers(kv) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) `[B, Hkv, T, hd]` per layer of a transformers cache: `.layers[i].keys` in transformers 5,
-    `.key_cache[i]` before."""
+def _check_generation_config(gen, processor, path: Path) -> None:
+    """transformers' `generate(generation_mode="image")` reads `generation_kwargs["boi_token_id"]` (the CFG rows keep
+    that token), and its Janus conversion script (`convert_janus_weights_to_hf.py`) writes it there. Our sampler takes
+    the id from the tokenizer instead, but a checkpoint without it fails in transformers' own generate, and so would
+    what we export from it; the fix is one line of JSON, with the id the tokenizer gives."""
+    if "boi_token_id" in (getattr(gen, "generation_kwargs", None) or {}):
+        return
+    boi = processor.tokenizer.convert_tokens_to_ids(processor.image_start_token)
+    problem = "has no generation_kwargs.boi_token_id" if path.is_file() else "is missing"
+    raise ConfigError(f"Janus generation config {path} {problem}; it needs "
+                      f"\"generation_kwargs\": {{\"boi_token_id\": {boi}}} ({processor.image_start_token}'s id), "
+                      "as transformers' Janus conversion script writes it")
+
+
+# transformers versions (pyproject.toml's range): the output's cache name changed inside it; from_pretrained's dtype
+# argument did too (run/load_checks.py, dtype_argument). The newer releases still take the old names, warning
+# (`deprecate_kwarg` and `ModelOutput` in transformers/utils: `past_key_values` goes in 5.40).
+def _cached_layers(out) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) `[B, Hkv, T, hd]` per layer of the cache a forward with `use_cache=True` returned. transformers
+    5.24 returns it as `cache` (reading `past_key_values` warns), earlier ones as `past_key_values`; its layers are
+    `.layers[i].keys` since 4.55 or so, `.key_cache[i]` in 4.52."""
+    kv = out["cache"] if "cache" in out else out["past_key_values"]  # `in` does not warn; the old key alone would
     if hasattr(kv, "layers"):
         return [(layer.keys, layer.values) for layer in kv.layers]
     return list(zip(kv.key_cache, kv.value_cache))

@@ -1,10 +1,11 @@
 """Captions for text-to-image LlamaGen: flan-t5-xl's encoder through transformers (`T5EncoderModel` and the
 tokenizer of a local directory), as LlamaGen's `language/t5.py` (`T5Embedder.get_text_embeddings`) uses it:
-at most 120 tokens (EOS included, longer captions cut), padded to 120 with an attention mask.
+at most 120 tokens (EOS included, longer captions cut; at most the GPT's cls_token_num where a model was
+trained with fewer), padded with an attention mask.
 
 Each caption is encoded once and cached (its real tokens' features, on the CPU), never per image: a step's
 B*G condition rows repeat B captions, and training draws the same captions again. One encoder (and cache)
-per directory, device and dtype serves every policy of a process: the reference, a copy of the policy,
+per directory, device, dtype and caption length serves every policy of a process: the reference, a copy of the policy,
 shares it, as does a base policy loaded again for sample grids. It is frozen and not part of the policy's
 modules, so it is never trained, saved in checkpoints, sharded or copied.
 
@@ -21,8 +22,9 @@ from typing import Sequence
 import torch
 
 from grpo_vision.config.load import ConfigError
+from grpo_vision.run.load_checks import dtype_argument
 
-MAX_TOKENS = 120  # sample_t2i.py's --t5-feature-max-len; the GPT's cls_token_num
+MAX_TOKENS = 120  # sample_t2i.py's --t5-feature-max-len; a GPT's cls_token_num replaces it (caption_encoder)
 _ENCODERS: dict[tuple, "CaptionEncoder"] = {}
 
 
@@ -32,7 +34,7 @@ class CaptionEncoder:
 
         self.directory, self.max_tokens = directory, max_tokens
         self.tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        self.model = T5EncoderModel.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+        self.model = T5EncoderModel.from_pretrained(str(directory), **dtype_argument(dtype), local_files_only=True)
         self.model.to(device).eval().requires_grad_(False)
         self.cache: dict[str, torch.Tensor] = {}  # caption -> [n, C] float32 features of its real tokens
 
@@ -74,7 +76,7 @@ def caption_encoder(directory: str, checkpoint: Path, cfg, device, dtype: str) -
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"policy.options.text_encoder {path} has no config.json; expected a local "
                                 "flan-t5-xl directory (transformers format, with its tokenizer files)")
-    key = (str(path.resolve()), str(device), dtype)
+    key = (str(path.resolve()), str(device), dtype, cfg.cls_token_num)  # captions cut at the GPT's length
     if key not in _ENCODERS:
         _ENCODERS[key] = CaptionEncoder(path, device, getattr(torch, dtype), cfg.cls_token_num)
     encoder = _ENCODERS[key]

@@ -33,6 +33,7 @@ import torch
 from grpo_vision.config import ConfigError, brief
 from grpo_vision.rewards.base import RewardContext, RewardFn, register_reward
 from grpo_vision.rewards.models import _local_path
+from grpo_vision.run.load_checks import dtype_argument
 
 KEY = "reward.options.vlm_judge"
 WHAT = "a local transformers image-text-to-text model directory (e.g. a download of Qwen/Qwen2.5-VL-7B-Instruct)"
@@ -80,7 +81,7 @@ def _model(path: str, device: str, dtype: str):
 
     try:
         model = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True,
-                                                            dtype=getattr(torch, dtype))
+                                                            **dtype_argument(getattr(torch, dtype)))
     except Exception as e:  # missing or damaged weights
         raise VlmJudgeLoadError(f"cannot load {path} with AutoModelForImageTextToText ({type(e).__name__}: "
                                 f"{_line(e)}); is {KEY}.path a complete model download?") from None

@@ -37,3 +37,13 @@ def shape_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> st
              for found in (wrong, [f"{k} is missing" for k in missing], [f"{k} is not in the model" for k in extra])
              if found]
     return "; ".join(parts)
+
+
+def dtype_argument(dtype: torch.dtype) -> dict:
+    """transformers' from_pretrained dtype argument, for every release of pyproject.toml's range: `dtype` from 4.56
+    (4.52 to 4.55 refuse it), `torch_dtype` before (later releases keep it for backward compatibility only)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return {"dtype" if Version(version("transformers")) >= Version("4.56") else "torch_dtype": dtype}
