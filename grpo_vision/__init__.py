@@ -40,11 +40,13 @@ _EXPORTS = {
     "RewardContext": "grpo_vision.rewards",  # the package: importing it registers the built-in rewards
     "RewardFn": "grpo_vision.rewards",  # (images[B,3,H,W] in [0,1], prompts, metadata) -> Tensor[B]
     "register_reward": "grpo_vision.rewards",
+    "GRPOTrainer": "grpo_vision.trainer",  # train / evaluate / export from a script, with objects in memory
 }
 _SUBMODULES = ("train",)  # a submodule, not a function: see the docstring
 
 __all__ = [  # a literal, so that linters and type checkers read it; tests/test_structure.py checks it
-    "Bundle", "Config", "ImagePolicy", "ImageTokenizer", "Judge", "RewardContext", "RewardFn", "SamplingParams",
+    "Bundle", "Config", "GRPOTrainer", "ImagePolicy", "ImageTokenizer", "Judge", "RewardContext", "RewardFn",
+    "SamplingParams",
     "__version__", "load_config", "register_policy_kind", "register_reward", "train",
 ]
 
@@ -55,6 +57,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from grpo_vision.policy import Bundle, ImagePolicy, Judge, register_policy_kind
     from grpo_vision.rewards import RewardContext, RewardFn, register_reward
     from grpo_vision.sampling import SamplingParams
+    from grpo_vision.trainer import GRPOTrainer
 
 
 def __getattr__(name: str):

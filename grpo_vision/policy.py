@@ -161,6 +161,15 @@ class PolicyKind:
 REGISTRY: dict[str, PolicyKind] = {}
 
 
+# Paths that load another way than their kind's loader: (recognises(path) -> bool-like, load(pcfg, device) -> Bundle)
+PATH_LOADERS: list[tuple[Callable[[str], Any], Callable[[PolicyConfig, Any], Bundle]]] = []
+
+
+def register_path_loader(recognises: Callable[[str], Any], load: Callable[[PolicyConfig, Any], Bundle]) -> None:
+    """`load(pcfg, device)` for every `policy.path` that `recognises(path)` is truthy for, whatever policy.kind."""
+    PATH_LOADERS.append((recognises, load))
+
+
 def register_policy_kind(name: str, prompts: PromptSplits | None = None):
     """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
     kind's default PromptSets. The built-in kinds register first, so a user's kind of the same name wins."""
@@ -183,10 +192,10 @@ def policy_kind(name: str) -> PolicyKind:
 
 
 def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
-    """The policy kind's Bundle from `policy.path`; a run folder there (or one of its checkpoint step folders)
-    gives that run's trained policy, so a new run continues from it (run/export.py)."""
-    from grpo_vision.run.export import run_folder_of, trained_bundle
-
-    if run_folder_of(pcfg.path) is not None:
-        return trained_bundle(pcfg, device)
+    """The policy kind's Bundle from `policy.path`, or that of a registered path loader that recognises the path
+    (built in: a run folder, whose trained policy a new run continues from; models/kinds.py)."""
+    load_built_in()
+    for recognises, load in PATH_LOADERS:
+        if recognises(pcfg.path):
+            return load(pcfg, device)
     return policy_kind(pcfg.kind).load(pcfg, device)

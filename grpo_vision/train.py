@@ -34,7 +34,7 @@ from grpo_vision.models.adapters import add_adapter
 from grpo_vision.policy import Bundle, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.reference import Reference
-from grpo_vision.rewards import CompositeReward, RewardError
+from grpo_vision.rewards import CompositeReward, RewardError, save_reward_origins
 from grpo_vision.run.alerts import RunAlerts, watcher_for
 from grpo_vision.run.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, load_training_state, save_checkpoint,
@@ -57,8 +57,11 @@ from grpo_vision.splits import PromptSets, checked_prompt_sets
 from grpo_vision.update import Learner, UpdateBatch, old_logprobs, policy_tokens, reference_logprobs, update
 
 
-def train(cfg: Config, resume: str | Path | None = None, progress: bool = True) -> Path:
-    st = set_up(cfg, resume)  # every model, reward and prompt loaded; a bad input stops here
+def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, *, bundle: Bundle | None = None,
+          prompts: dict[str, list[PromptEntry]] | None = None) -> Path:
+    """Train `cfg` (or continue the run folder `resume`) and return the run folder. GRPOTrainer (trainer.py) may
+    hand over a loaded policy `bundle` and in-memory `prompts` ("train", "eval") in place of the config's."""
+    st = set_up(cfg, resume, bundle, prompts)  # every model, reward and prompt loaded; a bad input stops here
     s, t, main = cfg.sample, cfg.train, st.acc.is_main_process
     lock = RunLock(st.run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
     if main:  # only once everything has loaded, so a bad override never reaches the run's config
@@ -284,6 +287,7 @@ def save_run_files(st: RunState, cfg: Config) -> None:
     """The run's config, where its relative paths are relative to, and its prompts (fixed in the run)."""
     save_config(cfg, st.run_dir / "config.yaml")
     save_origin(st.run_dir)  # eval RUN works from anywhere
+    save_reward_origins(st.run_dir, cfg, st.prompts.all())  # a reward made in a script is named later, not unknown
     for name, entries in (("train", st.prompts.train), *st.prompts.scored().items()):
         save_prompts(entries, st.run_dir / "prompts" / f"{name}.jsonl", root=st.run_dir)
 
@@ -354,7 +358,8 @@ class RunState:  # everything set-up builds before the first step, on this proce
     memory_estimate: int = 0  # bytes: run/memory.py's estimated peak, logged beside the measured one
 
 
-def set_up(cfg: Config, resume: str | Path | None) -> RunState:
+def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None = None,
+           given_prompts: dict | None = None) -> RunState:
     """Load everything a run needs, or fail naming the problem before the run directory is written."""
     from accelerate import Accelerator
 
@@ -374,7 +379,11 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     t = cfg.train
     params = SamplingParams.from_config(cfg.sample)
     before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
-    bundle = load_bundle(cfg.policy, acc.device)
+    bundle = given_bundle or load_bundle(cfg.policy, acc.device)
+    if given_bundle is not None:  # a script's policy, loaded wherever it was: onto this process's device
+        for part in (bundle.policy, bundle.tokenizer):
+            if isinstance(part, torch.nn.Module):
+                part.to(acc.device)
     policy = bundle.policy
     try:  # a decode path this policy or device cannot run: refused here, before the run folder is written
         decode_mode(policy, params.decode, acc.device)
@@ -393,7 +402,7 @@ def set_up(cfg: Config, resume: str | Path | None) -> RunState:
     memory_estimate = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
                                     params.guided, acc.device, main, before_load)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
-    prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None)
+    prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
     rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
     rewards.check({"training": prompts.train, **prompts.named()})  # ... and so does a set a reward cannot score

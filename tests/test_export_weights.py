@@ -15,7 +15,7 @@ from grpo_vision.cli import main
 from grpo_vision.config import ConfigError, PolicyConfig, load_config
 from grpo_vision.evaluation.evaluate import load_run
 from grpo_vision.policy import load_bundle
-from grpo_vision.run.export import export_run
+from grpo_vision.evaluation.weights import export_run
 from grpo_vision.train import train
 from tests.test_janus import PROMPTS as JANUS_PROMPTS, build_tiny_janus, write_config as janus_config
 
@@ -210,3 +210,72 @@ def test_export_refuses_a_folder_that_holds_files(llama_runs, tmp_path):
     (tmp_path / "taken" / "x").write_text("")
     with pytest.raises(ConfigError, match="is not an empty folder"):
         export_run(llama_runs[False], tmp_path / "taken")
+
+
+# ---------------------------------------------------------------------------- llamagen
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    from tests.test_llamagen import build_tiny_t5
+
+    return build_tiny_t5(tmp_path_factory.mktemp("t5") / "tiny-flan-t5")
+
+
+def llamagen_config(mode, t5_dir, tmp_path, adapter: bool):
+    from tests.test_llamagen import pcfg
+
+    prompts = LLAMAGEN_PROMPTS[mode]
+    (tmp_path / "train.txt").write_text("\n".join(prompts) + "\n")
+    (tmp_path / "eval.txt").write_text("a green cat\n" if mode == "t2i" else "2 a cat\n")
+    policy = pcfg(mode, t5_dir)
+    config = {
+        "run": {"name": f"llamagen_{mode}", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
+        "policy": {"kind": "llamagen", "path": policy.path, "tokenizer": policy.tokenizer, "options": policy.options},
+        "sample": {"prompts_per_step": 2, "group_size": 4, "cfg_scale": 3.0, "batch_size": 8},
+        "train": {"steps": 2, "micro_batch_size": 4, "lr": 1e-3, "beta": 0.04,
+                  **({"adapter": "lora", "reference": "adapter", "adapter_rank": 4,
+                      "adapter_targets": ["wqkv", "wo"]} if adapter else {})},
+        "reward": {"weights": {"jpeg_compressibility": 1.0}, "monitor": []},
+        "data": {"train_prompts": str(tmp_path / "train.txt"), "eval_prompts": str(tmp_path / "eval.txt")},
+        "log": {"sample_every": 0, "checkpoint_every": 0, "eval_images": 1, "tensorboard": False, "report": False},
+    }
+    path = tmp_path / f"llamagen_{mode}.yaml"
+    path.write_text(json.dumps(config))
+    return load_config(path)
+
+
+LLAMAGEN_PROMPTS = {"t2i": ["a red circle", "a blue square on the grass", "two green dogs left of a cat"],
+                    "c2i": ["1 a red circle", "4 a dog", "7 a cat"]}
+
+
+@pytest.mark.parametrize("mode,adapter", [("t2i", False), ("c2i", False), ("t2i", True)])
+def test_llamagen_exports_the_pt_its_own_scripts_load(mode, adapter, t5_dir, tmp_path):
+    """LlamaGen's layout: {"model": every key of the golden file LlamaGen's own code made, uncond_embedding
+    included}, loadable strictly, torch.load(weights_only=True) as torch's default reads it; safetensors beside."""
+    from safetensors.torch import load_file
+
+    from grpo_vision.models.llamagen import LlamaGenPolicy
+    from tests.test_llamagen import DATA
+
+    run_dir = train(llamagen_config(mode, t5_dir, tmp_path, adapter), progress=False)
+    done = export_run(run_dir, tmp_path / "out")
+    assert done.form == "model"  # LlamaGen's samplers load whole weights: an adapter is merged
+    saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    golden = torch.load(DATA / f"{mode}_tiny.pt", weights_only=True)["model"]
+    assert {k: v.shape for k, v in saved["model"].items()} == {k: v.shape for k, v in golden.items()}
+    assert saved["args"]["cls_token_num"] == (120 if mode == "t2i" else 1)
+    run = load_run(run_dir, device="cpu")
+    ours = run.policy.merge_and_unload() if adapter else run.policy
+    rebuilt = LlamaGenPolicy(ours.cfg, ours.captions if mode == "t2i" else None)
+    rebuilt.load_state_dict(saved["model"], strict=True)  # every key, none left over
+    assert all(torch.equal(v, saved["model"][k]) for k, v in load_file(tmp_path / "out" / "model.safetensors").items())
+    prompts = LLAMAGEN_PROMPTS[mode]
+    assert close(image_logits(rebuilt.eval(), prompts)[0], image_logits(run.policy, prompts)[0])
+    # and as policy.path of this library's llamagen kind, from the .pt alone (its args carry the sizes)
+    from tests.test_llamagen import pcfg
+
+    again = load_bundle(pcfg(mode, t5_dir, path=str(tmp_path / "out" / "model.pt"),
+                             options={"heads": 4, **({"text_encoder": str(t5_dir)} if mode == "t2i" else {})}),
+                        "cpu").policy
+    assert close(image_logits(again, prompts)[0], image_logits(run.policy, prompts)[0])

@@ -30,7 +30,7 @@ LAYERS = [
     ("models and rewards", ["grpo_vision.models", "grpo_vision.rewards"]),  # which must not import each other
     ("the step", ["grpo_vision.reference", "grpo_vision.update"]),
     ("evaluation", ["grpo_vision.evaluation"]),
-    ("train", ["grpo_vision.train"]),
+    ("train", ["grpo_vision.train", "grpo_vision.trainer"]),
     ("tools", ["grpo_vision.tools"]),  # demo, matrix, benches
     ("cli", ["grpo_vision.cli"]),
 ]

@@ -15,7 +15,7 @@ import warnings
 
 from grpo_vision import __version__
 from grpo_vision.cli.args import at_least_two, int_list, non_negative_int, positive_int
-from grpo_vision.cli.runs import add_reader_options, add_run_commands
+from grpo_vision.cli.runs import add_reader_options, add_reward_option, add_run_commands
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
 
@@ -52,9 +52,10 @@ def cmd_prompts(args) -> None:
     from grpo_vision.rewards import geneval_prompts
 
     if not args.out:
-        print(f"GenEval's 553 evaluation prompts, in GenEval's format (sample --layout geneval --prompts reads it): "
-              f"{geneval_prompts.EVALUATION}\nas a prompts file: grpo-vision prompts geneval --out F; N training "
-              "prompts from its templates, none of them an evaluation prompt: --train N [--seed S]")
+        print(f"GenEval's 553 evaluation prompts, in GenEval's format (sample --layout geneval and eval --benchmark "
+              f"geneval read it, and --out's file too): {geneval_prompts.EVALUATION}\nas a prompts file: grpo-vision "
+              "prompts geneval --out F; N training prompts from its templates, none of them an evaluation prompt: "
+              "--train N [--seed S]")
         return
     entries = (geneval_prompts.training_entries(args.train, args.seed) if args.train
                else geneval_prompts.evaluation_entries())
@@ -81,7 +82,7 @@ def cmd_score(args) -> None:
     reward = CompositeReward.from_config(only, device).load().fns["geneval"]
     try:
         result, rows = compare_folders(reward, args.folder, args.against or None)
-    except ValueError as e:  # metadata the rules cannot read (GenEval's own folders carry it)
+    except ValueError as e:  # a colour clause and no colour classifier (read_folder checked the clauses)
         raise ConfigError(f"{args.folder}: {e}") from None
     if args.verdicts:
         write_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows))
@@ -92,6 +93,7 @@ def cmd_train(args) -> None:
     from grpo_vision.run.health import run_summary, warn
     from grpo_vision.run.metrics import load_metrics
     from grpo_vision.splits import run_prompt_sets
+    from grpo_vision.rewards import check_rewards
     from grpo_vision.run.folder import refuse_code
     from grpo_vision.train import resume_config, train
 
@@ -102,7 +104,9 @@ def cmd_train(args) -> None:
                               "config.yaml; add key=value overrides to change it)")
         cfg = resume_config(args.resume, ([args.config] if args.config else []) + overrides)
         # a run folder may be someone else's: the code its rewards name runs only when the user says so
-        refuse_code(cfg, run_prompt_sets(cfg, args.resume).all(), args.resume, args.trust_run)
+        entries = run_prompt_sets(cfg, args.resume).all()
+        refuse_code(cfg, entries, args.resume, args.trust_run)
+        check_rewards(cfg, args.resume, entries, args.reward)
     else:
         if not args.config:
             raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")
@@ -153,12 +157,23 @@ def cmd_demo(args) -> None:
     from grpo_vision.tools.demo import DemoRun
     from grpo_vision.tools.demo_app import serve
 
-    run = DemoRun(args.run, args.device, args.trust_run)  # a bad run fails now, before serving
+    run = DemoRun(args.run, args.device, args.trust_run, args.reward)  # a bad run fails now, before serving
     try:
         serve(run, host=args.host, port=args.port)
     except OSError as e:  # the port is taken or the address is not this machine's
         raise ConfigError(f"cannot listen on {args.host}:{args.port or '7860+'} ({e}); "
                           "choose another --port or --host") from None
+
+
+def cmd_export(args) -> None:
+    from grpo_vision.evaluation.weights import export_run
+
+    done = export_run(args.run, args.out, args.step, args.merge)
+    what = {"adapter": "a peft adapter folder for", "model": "the whole model, for"}[done.form]
+    loader = {"janus": "transformers' JanusForConditionalGeneration", "llamagen": "LlamaGen's own scripts",
+              "llama": "transformers' LlamaForCausalLM"}.get(done.kind, f"policy kind {done.kind!r}")
+    print(f"[export] step {done.step} of {args.run} -> {done.directory}: {what} {loader} "
+          f"({', '.join(f.name for f in done.files)})")
 
 
 def cmd_convert_clip(args) -> None:
@@ -260,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="", metavar="RUN_DIR", help="continue a run exactly where it stopped")
     p.add_argument("--trust-run", action="store_true", help="with --resume: load python: rewards that the run "
                                                             "folder names (they import and run its code)")
+    add_reward_option(p)
     p.set_defaults(func=cmd_train)
 
     add_run_commands(sub)
@@ -305,6 +321,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
     add_reader_options(p, rewards=True)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("export", help="a run's trained policy, whole, in the format its model's own tools load "
+                                      "(transformers, peft, LlamaGen's .pt); docs/usage.md, \"Weights out\"")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--out", required=True, help="a new (or empty) folder to write")
+    p.add_argument("--step", type=positive_int, default=None, help="the checkpoint's step (default: the latest)")
+    p.add_argument("--merge", action="store_true",
+                   help="an adapter run: fold the adapter into the weights and write the whole model (default: a "
+                        "peft adapter folder where the model's tools load one)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("convert-clip", help="a TorchScript CLIP archive (OpenAI's ViT-L-14.pt) to safetensors, once; "
                                             "this runs the archive's code: only on an archive you trust")

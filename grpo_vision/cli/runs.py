@@ -24,6 +24,14 @@ def add_reader_options(p, rewards: bool) -> None:
         p.add_argument("--trust-run", action="store_true",
                        help="load python: rewards that the run folder names (they import and run its code); only "
                             "for a run folder you trust")
+        add_reward_option(p)
+
+
+def add_reward_option(p) -> None:
+    """--reward NAME=python:module:function, repeatable: a reward the run names that only its script had."""
+    p.add_argument("--reward", action="append", default=[], metavar="NAME=python:MODULE:FUNCTION",
+                   help="supply a reward the run was trained or monitored with that is registered nowhere here (made "
+                        "in a script): the function (images, prompts, metadata) -> scores; repeatable")
 
 
 def add_run_commands(sub) -> None:
@@ -33,9 +41,13 @@ def add_run_commands(sub) -> None:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("run", help="run directory")
         p.add_argument("--prompts", required=name == "sample", default="",
-                       help="plain text (one prompt per line) or JSONL with 'prompt'" + (
+                       help="plain text (one prompt per line), JSONL, CSV/TSV with a header, Parquet or a datasets "
+                            "folder (docs/usage.md, \"Prompt sources\")" + (
                            "" if name == "sample" else "; default: the run's test and held-out sets and its sample "
                                                        "of training prompts (JSON 'sets')"))
+        p.add_argument("--prompt-column", default="", metavar="NAME",
+                       help="the column (JSONL: the key) of --prompts that holds the prompts (default: prompt, else "
+                            "caption or text)")
         p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
         p.add_argument("--seed", type=seed, default=0,
                        help="image j of each prompt uses seed + j" if name == "sample" else
@@ -47,8 +59,9 @@ def add_run_commands(sub) -> None:
         add_reader_options(p, rewards=name == "eval")
         if name == "eval":
             p.add_argument("--benchmark", default="", choices=["", "geneval"],
-                           help="geneval: GenEval's protocol, its 553 prompts (or --prompts with GenEval metadata) "
-                                "scored by the run's reward.options.geneval; its summary for policy and reference")
+                           help="geneval: GenEval's protocol, its 553 prompts (or --prompts: GenEval's own JSONL or "
+                                "`prompts geneval --out`'s) scored by the run's reward.options.geneval; its summary "
+                                "for policy and reference")
             p.add_argument("--verdicts", default="", help="with --benchmark: write each image's verdict and "
                                                           "reasons to this JSONL file")
             p.add_argument("--draw", type=positive_int, default=1,
@@ -58,8 +71,9 @@ def add_run_commands(sub) -> None:
             p.add_argument("--out", required=True, help="output directory")
             p.add_argument("--reference", action="store_true", help="sample the reference instead of the policy")
             p.add_argument("--layout", default="index", choices=["index", "geneval", "flat"],
-                           help="index: numbered PNGs + index.jsonl; geneval: GenEval's folders (--prompts is its "
-                                "evaluation_metadata.jsonl); flat: <prompt>_<k>.png (T2I-CompBench style)")
+                           help="index: numbered PNGs + index.jsonl; geneval: GenEval's folders, its flat "
+                                "metadata.jsonl in each (--prompts: its evaluation_metadata.jsonl or `prompts geneval "
+                                "--out`'s file); flat: <prompt>_<k>.png (T2I-CompBench style)")
         p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
     p = sub.add_parser("alerts", help="replay the training alerts over a run's metrics.jsonl: one JSON line per "
                                       "alert (step, name, evidence, advice); works on runs from before the alerts")
@@ -90,15 +104,15 @@ def cmd_sample(args) -> None:
     from grpo_vision.policy import check_prompts
     from grpo_vision.prompts import load_prompts
     from grpo_vision.files import check_writable
+    from grpo_vision.rewards import geneval_prompts
 
     # read the prompts and look at --out before loading the model: a bad file or folder is named at once
     if args.layout == "geneval":
-        rows = export.load_geneval_metadata(args.prompts)
-        prompts = [r["prompt"] for r in rows]
-        where = [f"{args.prompts}, entry {i}" for i in range(1, len(rows) + 1)]
+        no_prompt_column(args, "--layout geneval")
+        entries = geneval_prompts.read(args.prompts)  # GenEval's own lines or `prompts geneval --out`'s
     else:
-        entries = load_prompts(args.prompts)
-        prompts, where = [e.prompt for e in entries], [f"{args.prompts}, line {e.line}" for e in entries]
+        entries = load_prompts(args.prompts, column=args.prompt_column)
+    prompts, where = [e.prompt for e in entries], [f"{args.prompts}, line {e.line}" for e in entries]
     check_seeds(args.seed, args.n - 1)
     check_writable(args.out, "make it writable, or choose another --out")
     run = load_run(args.run, args.step, args.device)
@@ -107,7 +121,7 @@ def cmd_sample(args) -> None:
     params, tokenizer = eval_params(run.cfg, args.temperature), run.bundle.tokenizer
     with ctx:
         if args.layout == "geneval":
-            count = export.write_geneval(model, tokenizer, rows, args.out, args.n, args.seed, params)
+            count = export.write_geneval(model, tokenizer, entries, args.out, args.n, args.seed, params)
         elif args.layout == "flat":
             count = export.write_flat(model, tokenizer, prompts, args.out, args.n, args.seed, params)
         else:
@@ -119,34 +133,16 @@ def cmd_sample(args) -> None:
 def cmd_eval(args) -> None:
     if args.benchmark:
         return cmd_benchmark(args)
-    from grpo_vision.evaluation.evaluate import eval_params, evaluate, load_run, run_eval_sets
-    from grpo_vision.policy import check_prompts
+    from grpo_vision.evaluation.evaluate import evaluate_run
     from grpo_vision.prompts import load_prompts
-    from grpo_vision.rewards import CompositeReward
-    from grpo_vision.run.folder import read_run_config, refuse_code
 
-    cfg = read_run_config(args.run, device=args.device)
     if args.draw != 1 and args.prompts:
         raise ConfigError("--draw and --prompts: give one (--draw draws the policy kind's eval sets again)")
-    cfg.data.eval_draw = args.draw
-    sets = {"prompts": load_prompts(args.prompts)} if args.prompts else run_eval_sets(args.run, cfg)
-    # the run's own prompts are the run folder's, and may name rewards too; a --prompts file is the user's own
-    refuse_code(cfg, [] if args.prompts else [e for v in sets.values() for e in v], args.run, args.trust_run)
-    check_seeds(args.seed, 1000 * (max(map(len, sets.values()), default=1) - 1) + args.n - 1)
-    run = load_run(args.run, args.step, args.device)
-    check_prompts(run.policy, ((f"{_source(args, name)}, line {e.line}", e.prompt)
-                               for name, entries in sets.items() for e in entries))
-    device = next(run.policy.parameters()).device
-    rewards = CompositeReward.from_config(run.cfg.reward, device, run.bundle.reward_defaults,
-                                          [e for entries in sets.values() for e in entries]).load()
-    if run.learned_rewards:  # a reward that learned (clip_refit) scores as it had learned by this step
-        rewards.load_state_dict(run.learned_rewards)
-    params = eval_params(run.cfg, args.temperature)
-    results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, rewards, entries, args.n, params,
-                              run.bundle.judge, seed=args.seed) for name, entries in sets.items()}
-    head = {"run": str(args.run), "step": run.step, "device": str(device), "temperature": params.temperature,
-            **({"draw": args.draw} if args.draw != 1 else {})}
-    print(json.dumps({**head, **results["prompts"]} if args.prompts else {**head, "sets": results}, indent=2))
+    sets = {"prompts": load_prompts(args.prompts, column=args.prompt_column)} if args.prompts else None
+    result = evaluate_run(args.run, args.step, args.n, args.seed, args.device, sets, args.temperature, args.draw,
+                          args.trust_run, args.reward, source=lambda name: _source(args, name))
+    print(json.dumps({k: v for k, v in result.items() if k != "sets"} | result["sets"]["prompts"] if args.prompts
+                     else result, indent=2))
 
 
 def cmd_benchmark(args) -> None:
@@ -158,13 +154,13 @@ def cmd_benchmark(args) -> None:
     from grpo_vision.evaluation.geneval_bench import benchmark
     from grpo_vision.files import write_file
     from grpo_vision.policy import check_prompts
-    from grpo_vision.prompts import load_prompts
     from grpo_vision.rewards import CompositeReward
-    from grpo_vision.rewards.geneval_prompts import evaluation_entries
+    from grpo_vision.rewards.geneval_prompts import evaluation_entries, read
 
     if args.draw != 1:
         raise ConfigError("--draw draws the run's own eval sets again; --benchmark geneval scores GenEval's prompts")
-    entries = load_prompts(args.prompts) if args.prompts else evaluation_entries()
+    no_prompt_column(args, "--benchmark geneval")
+    entries = read(args.prompts) if args.prompts else evaluation_entries()  # either of GenEval's shapes
     check_seeds(args.seed, 1000 * (len(entries) - 1) + args.n - 1)
     run = load_run(args.run, args.step, args.device)
     source = args.prompts or "GenEval's evaluation prompts"
@@ -179,6 +175,13 @@ def cmd_benchmark(args) -> None:
         write_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows))
     print(json.dumps({"run": str(args.run), "step": run.step, "device": str(device), "benchmark": "geneval",
                       "temperature": params.temperature, **result}, indent=2))
+
+
+def no_prompt_column(args, what: str) -> None:
+    """ConfigError for --prompt-column with GenEval's prompts, whose prompt is always their 'prompt' field."""
+    if args.prompt_column:
+        raise ConfigError(f"--prompt-column {args.prompt_column}: {what} reads GenEval's prompts, whose prompt is "
+                          "their 'prompt' field; leave --prompt-column out")
 
 
 def _source(args, name: str) -> str:

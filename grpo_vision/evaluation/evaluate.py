@@ -12,6 +12,7 @@ import textwrap
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -61,6 +62,44 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "run") 
         reference.load_state_dict(policy, ref_state)
     learned = load_iterative_state(ckpt)
     return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"], learned["rewards"] if learned else None)
+
+
+def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed: int = 0, device: str = "run",
+                 sets: dict[str, list[PromptEntry]] | None = None, temperature: float | None = None, draw: int = 1,
+                 trust: bool = False, rewards: Sequence[str] = (), source: Callable[[str], str] | None = None) -> dict:
+    """`grpo-vision eval RUN`'s result: each reward's mean and interval for policy and reference on `sets` (the
+    run's own eval sets by default, `draw` 2, 3, ... drawn again), `n` images per prompt. `trust`: load python:
+    rewards the run folder names; `rewards`: NAME=python:module:function for rewards only the run's script had;
+    `source(name)`: where set `name` was read, for error messages."""
+    from grpo_vision.config import MAX_SEED
+    from grpo_vision.policy import check_prompts
+    from grpo_vision.rewards import CompositeReward, check_rewards
+    from grpo_vision.run.folder import refuse_code
+
+    cfg = read_run_config(run_dir, device=device)
+    cfg.data.eval_draw = draw
+    own = sets is None
+    sets = run_eval_sets(run_dir, cfg) if own else sets
+    entries = [e for v in sets.values() for e in v]
+    # the run's own prompts are the run folder's, and may name rewards too; prompts given here are the user's own
+    refuse_code(cfg, entries if own else [], run_dir, trust)
+    check_rewards(cfg, run_dir, entries, rewards)
+    span = 1000 * (max(map(len, sets.values()), default=1) - 1) + n - 1  # eval_seeds: prompt i, image j
+    if seed + span > MAX_SEED:
+        raise ConfigError(f"--seed {seed}: the last image would get seed {seed + span}, past the largest seed, "
+                          f"{MAX_SEED}; use --seed {max(0, MAX_SEED - span)} or less")
+    run = load_run(run_dir, step, device)
+    where = source or (lambda name: name)
+    check_prompts(run.policy, ((f"{where(name)}, line {e.line}", e.prompt) for name, v in sets.items() for e in v))
+    used = next(run.policy.parameters()).device
+    scorer = CompositeReward.from_config(run.cfg.reward, used, run.bundle.reward_defaults, entries).load()
+    if run.learned_rewards:  # a reward that learned (clip_refit) scores as it had learned by this step
+        scorer.load_state_dict(run.learned_rewards)
+    params = eval_params(run.cfg, temperature)
+    results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, scorer, v, n, params, run.bundle.judge,
+                              seed=seed) for name, v in sets.items()}
+    return {"run": str(run_dir), "step": run.step, "device": str(used), "temperature": params.temperature,
+            **({"draw": draw} if draw != 1 else {}), "sets": results}
 
 
 def run_eval_sets(run_dir: str | Path, cfg: Config) -> dict[str, list[PromptEntry]]:

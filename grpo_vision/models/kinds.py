@@ -4,12 +4,13 @@ register like any plugin's kinds (plugins.py, policy.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from grpo_vision.config import ConfigError, PolicyConfig
-from grpo_vision.policy import Bundle, register_policy_kind
+from grpo_vision.policy import Bundle, register_path_loader, register_policy_kind
 
 
 @register_policy_kind("llama")
@@ -51,3 +52,52 @@ def load_llamagen(pcfg: PolicyConfig, device) -> Bundle:
     from grpo_vision.models.llamagen_load import load_llamagen as load
 
     return load(pcfg, device)
+
+
+# A run folder as policy.path: a new run continues from a trained one (issue 50)
+STEP_DIR = re.compile(r"step_\d+")
+
+
+def run_folder_of(path: str | Path) -> tuple[Path, int | None] | None:
+    """(run folder, step or None for the latest) when `path` is a run folder or one of its checkpoint
+    step folders; None otherwise."""
+    path = Path(path)
+    if STEP_DIR.fullmatch(path.name) and path.parent.name == "checkpoints" and path.is_dir():
+        return path.parent.parent, int(path.name[5:])
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+        return path, None
+    return None
+
+
+def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
+    """The Bundle of the run folder in `pcfg.path`: its own policy kind, tokenizer and options, with the
+    checkpoint's weights (an adapter merged into them) in `pcfg.dtype`; a new run trains on from there."""
+    from grpo_vision.models.adapters import add_adapter
+    from grpo_vision.policy import load_bundle
+    from grpo_vision.run.checkpoint import find_checkpoint, load_checkpoint
+    from grpo_vision.run.folder import read_run_config
+
+    run_dir, step = run_folder_of(pcfg.path)
+    cfg = read_run_config(run_dir)
+    own = cfg.policy
+    if pcfg.kind != own.kind:
+        raise ConfigError(f"policy.path {pcfg.path} is a run folder of policy kind {own.kind!r}: set policy.kind "
+                          f"to {own.kind!r}")
+    if pcfg.tokenizer or pcfg.options:
+        raise ConfigError(f"policy.path {pcfg.path} is a run folder, which brings its own policy.tokenizer and "
+                          "policy.options: leave them empty")
+    bundle = load_bundle(own, device)  # the run's own base (itself a run folder, for a chain of runs)
+    policy, t = bundle.policy, cfg.train
+    frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}  # what the kind's loader froze
+    if t.adapter != "none":
+        policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
+    load_checkpoint(find_checkpoint(run_dir, step), policy)
+    if t.adapter != "none":  # peft folds LoRA, LoHa and LoKr alike; it leaves every base weight frozen
+        policy = policy.merge_and_unload()
+        for name, p in policy.named_parameters():
+            p.requires_grad_(name not in frozen)
+    bundle.policy = policy.to(getattr(torch, pcfg.dtype))
+    return bundle
+
+
+register_path_loader(run_folder_of, trained_bundle)

@@ -16,11 +16,17 @@ from grpo_vision.rewards.base import (
     RewardFn,
     available_rewards,
     batched,
+    check_rewards,
     is_registered,
     make_reward,
+    register_callable,
     register_reward,
+    reward_origin,
+    save_reward_origins,
+    supply_rewards,
 )
 from grpo_vision.rewards.composite import CompositeReward, RewardOutput
 
 __all__ = ["REGISTRY", "CompositeReward", "RewardContext", "RewardError", "RewardFn", "RewardOutput",
-           "available_rewards", "batched", "is_registered", "make_reward", "register_reward"]
+           "available_rewards", "batched", "check_rewards", "is_registered", "make_reward",
+           "register_callable", "register_reward", "reward_origin", "save_reward_origins", "supply_rewards"]

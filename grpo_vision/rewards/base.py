@@ -22,12 +22,16 @@ their own callable with `python:package.module:function` (the function is the re
 from __future__ import annotations
 
 import importlib
+import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from grpo_vision.config import ConfigError, brief, from_dict
+from grpo_vision.files import write_file
 from grpo_vision.plugins import load_plugins, not_found_hint
 
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
@@ -100,6 +104,56 @@ def make_reward(name: str, ctx: RewardContext, options: dict[str, Any] | None = 
                                         prefix=f"reward.options.{name}."))
 
 
+def register_callable(name: str, fn: RewardFn) -> None:
+    """Register the reward function `fn` itself (a script's, GRPOTrainer's `rewards=`) as reward `name`; the
+    run folder records where it came from (`reward_origin`), so a later command can say how to supply it."""
+    if not callable(fn):
+        raise ConfigError(f"reward {brief(name)}: {brief(fn)} is not callable; give a function "
+                          "(images, prompts, metadata) -> scores")
+
+    def factory(ctx):
+        return fn
+    factory.reward = fn
+    REGISTRY[name] = Registered(factory)
+
+
+def supply_rewards(given: Sequence[str]) -> None:
+    """Register each `name=python:module:function` of `given` (a command's --reward): a reward a run folder
+    names that exists only in the script that trained it."""
+    for item in given:
+        name, _, spec = item.partition("=")
+        if not name or not spec.startswith("python:"):
+            raise ConfigError(f"--reward {brief(item)} must look like NAME=python:package.module:function")
+        if name in REGISTRY and getattr(REGISTRY[name].factory, "spec", None) != spec:
+            raise ConfigError(f"--reward {name}=...: {name!r} is a registered reward already; give it only for a "
+                              "reward this machine does not have")
+        fn = _import_callable(spec)
+
+        def factory(ctx, fn=fn):
+            return fn
+        factory.spec = spec
+        REGISTRY[name] = Registered(factory)
+
+
+def reward_origin(name: str) -> dict[str, str]:
+    """Where reward `name` comes from, for a run folder's rewards.json: a python: spec, or the module (and
+    script) a registered reward was made in; what a command that misses the reward later tells its user."""
+    if name.startswith("python:"):
+        return {"spec": name}
+    entry = REGISTRY.get(name)
+    if entry is None:
+        return {}
+    if spec := getattr(entry.factory, "spec", None):  # supplied on a command line
+        return {"spec": spec}
+    fn = getattr(entry.factory, "reward", entry.factory)  # the function itself, or the factory that makes it
+    origin = {"module": getattr(fn, "__module__", None) or "?", "function": getattr(fn, "__qualname__", "?")}
+    if origin["module"] == "__main__":
+        origin["script"] = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "?"
+    elif hasattr(entry.factory, "reward") and "<" not in origin["function"]:  # importable by that name
+        origin["spec"] = f"python:{origin['module']}:{origin['function']}"
+    return origin
+
+
 def _import_callable(spec: str) -> RewardFn:
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts[1:]):
@@ -125,3 +179,42 @@ def batched(fn: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], batch_siz
     if load is not None:
         reward.load = load
     return reward
+
+
+# ---------------------------------------------------------------------------- a run folder's rewards
+REWARDS = "rewards.json"  # in a run folder: where each reward came from, {name: reward_origin(name)}
+
+
+def reward_names(cfg, entries=()) -> list[str]:
+    """Every reward the config `cfg` and the prompt `entries` name, each once, in order."""
+    named = [*cfg.reward.weights, *cfg.reward.monitor, *(n for e in entries for n in (e.rewards or {}))]
+    return list(dict.fromkeys(named))
+
+
+def save_reward_origins(run_dir: str | Path, cfg, entries=()) -> None:
+    """Record where each reward of the run came from (rewards.json), so that a command on the folder that
+    misses one (a reward made in a script) can say which, and how to supply it (`check_rewards`)."""
+    origins = {name: reward_origin(name) for name in reward_names(cfg, entries)}
+    write_file(Path(run_dir) / REWARDS, json.dumps(origins, indent=2) + "\n")
+
+
+def check_rewards(cfg, run_dir: str | Path, entries=(), given=()) -> None:
+    """Register the `given` --reward NAME=python:module:function, then ConfigError naming the first reward of
+    the run that this process does not have, where it was made and how to supply it, instead of "unknown reward"."""
+    supply_rewards(given)
+    missing = [n for n in reward_names(cfg, entries) if not is_registered(n)]
+    if not missing:
+        return
+    name, file = missing[0], Path(run_dir) / REWARDS
+    try:
+        origin = json.loads(file.read_text(encoding="utf-8")).get(name) or {} if file.is_file() else {}
+    except (ValueError, AttributeError):  # not what train writes: the message goes without it
+        origin = {}
+    made = ""
+    if origin.get("module"):
+        made = f" (made by {origin.get('function', '?')} in {origin['module']}" + (
+            f", script {origin['script']})" if origin.get("script") else ")")
+    spec = origin.get("spec") or "python:MODULE:FUNCTION"
+    raise ConfigError(f"run folder {run_dir} names reward {name!r}{made}, which is not registered here: give it with "
+                      f"--reward {name}={spec} (a function (images, prompts, metadata) -> scores), or register it in "
+                      "a plugin (docs/usage.md, \"Bring your own\")")

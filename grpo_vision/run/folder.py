@@ -131,3 +131,4 @@ def refuse_code(cfg: Config, entries, run_dir: str | Path, trust: bool) -> None:
     if code is not None:
         raise ConfigError(f"run folder {run_dir} names {code}; pass --trust-run if you trust whoever made that "
                           "folder")
+

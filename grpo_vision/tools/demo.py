@@ -23,6 +23,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -34,7 +35,7 @@ from grpo_vision.run.metrics import nanmean
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.policy import unknown_words
 from grpo_vision.prompts import PromptsError
-from grpo_vision.rewards import CompositeReward, RewardError
+from grpo_vision.rewards import CompositeReward, RewardError, check_rewards
 from grpo_vision.run.folder import read_run_config, refuse_code
 from grpo_vision.sampling import SamplingParams
 
@@ -81,11 +82,13 @@ def check_run_dir(run_dir: str | Path) -> Path:
 class DemoRun:
     """A run's models, loaded on first use and cached per step; the reward models loaded once."""
 
-    def __init__(self, run_dir: str | Path, device: str = "run", trust: bool = False):
-        """`device`: where to sample (a --device value); `trust`: allow python: rewards the run names."""
+    def __init__(self, run_dir: str | Path, device: str = "run", trust: bool = False, rewards: Sequence[str] = ()):
+        """`device`: where to sample (a --device value); `trust`: allow python: rewards the run names; `rewards`:
+        --reward NAME=python:module:function for a reward that only the run's script had."""
         self.run_dir = check_run_dir(run_dir)
         cfg = read_run_config(self.run_dir, device=device)
         refuse_code(cfg, (), self.run_dir, trust)  # before anything loads
+        check_rewards(cfg, self.run_dir, (), rewards)
         self.device = cfg.run.device
         self._runs: dict[int, LoadedRun] = {}
         self.lock = threading.Lock()  # one generation at a time: an adapter reference toggles shared weights

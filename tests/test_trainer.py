@@ -1,0 +1,162 @@
+"""GRPOTrainer: the run from a script with objects in memory, TRL's option names, and a run folder whose reward
+existed only in the script, named (not "unknown") by the commands that read the folder later."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from grpo_vision import GRPOTrainer
+from grpo_vision.config import ConfigError
+from grpo_vision.config.trl_names import accumulation, trl_overrides
+from grpo_vision.prompts import PromptEntry
+from grpo_vision.rewards import REGISTRY, check_rewards, reward_origin
+from grpo_vision.splits import prompt_lists
+from tests.helpers import MICRO, ROOT, cli_cmd
+
+
+def brightness(images, prompts, metadata):
+    return images.mean(dim=(1, 2, 3))
+
+
+@pytest.fixture
+def clean_registry():
+    """The reward a test registers is gone afterwards (the registry is the process's; plugins stay loaded)."""
+    yield
+    REGISTRY.pop("brightness", None)
+
+
+def test_trl_names_map_to_this_configs_fields():
+    overrides, lines = trl_overrides({"learning_rate": 3e-6, "num_generations": 16, "epsilon": 0.2, "bf16": True,
+                                      "scale_rewards": False, "output_dir": "runs/x", "gradient_checkpointing": True})
+    assert overrides == ["train.lr=3e-06", "sample.group_size=16", "train.epsilon_low=0.2",
+                         "train.mixed_precision=bf16", "train.adv_scale=none", "run.out_dir=runs", "run.name=x", "train.gradient_checkpointing=true"]
+    assert lines[0] == "learning_rate=3e-06 -> train.lr=3e-06"
+    # 8 prompts x 8 images = 64 per process; micro-batches of 4, 4 of them per update: 64 / 16 = 4 updates a pass
+    assert accumulation(4, 4, 64)[0] == "train.minibatches_per_pass=4"
+    with pytest.raises(ConfigError, match="12 sequences per update does not divide the 64 images"):
+        accumulation(3, 4, 64)
+    with pytest.raises(ConfigError, match="max_completion_length .* has no counterpart here: an image is always"):
+        trl_overrides({"max_completion_length": 256})
+    with pytest.raises(ConfigError, match="unknown option 'lr': neither a TRL GRPOConfig name"):
+        trl_overrides({"lr": 1e-5})
+
+
+def test_the_trainer_builds_the_same_typed_config(clean_registry, tmp_path, capsys):
+    trainer = GRPOTrainer(MICRO, rewards=[brightness, "jpeg_compressibility"], reward_weights=[2.0, 0.5],
+                          train_prompts=["a red circle", {"prompt": "a blue square", "metadata": {"k": 1}}],
+                          overrides=["sample.prompts_per_step=2"], num_generations=4, per_device_train_batch_size=2,
+                          gradient_accumulation_steps=2, output_dir=str(tmp_path / "run"))
+    cfg = trainer.cfg
+    assert cfg.reward.weights == {"brightness": 2.0, "jpeg_compressibility": 0.5}
+    assert (cfg.sample.group_size, cfg.train.micro_batch_size) == (4, 2)
+    assert cfg.train.minibatches_per_pass == 2  # 2 x 4 = 8 images / (2 per micro-batch x 2)
+    assert (cfg.run.out_dir, cfg.run.name) == (str(tmp_path), "run")
+    assert "gradient_accumulation_steps=2 -> train.minibatches_per_pass=2" in capsys.readouterr().out
+    assert [e.prompt for e in trainer.prompts["train"]] == ["a red circle", "a blue square"]
+    assert trainer.prompts["train"][1].metadata == {"k": 1}
+    assert REGISTRY["brightness"].factory(None) is brightness
+    with pytest.raises(ConfigError, match="name each function"):
+        GRPOTrainer(MICRO, rewards=[lambda images, prompts, metadata: images.mean(dim=(1, 2, 3))])
+    with pytest.raises(ConfigError, match="'nope' is not a registered reward"):
+        GRPOTrainer(MICRO, rewards={"nope": "nope"})
+    with pytest.raises(ConfigError, match="call train\\(\\) first"):
+        trainer.export(tmp_path / "out")
+
+
+def test_prompts_in_memory_replace_the_files():
+    from grpo_vision.config import load_config
+
+    cfg = load_config(MICRO, ["data.test_prompts=1", "data.eval_size=2"])
+    train = [PromptEntry(p, line=i + 1) for i, p in enumerate(["a red circle", "a blue circle", "a red square"])]
+    sets = prompt_lists(cfg, {"train": train, "eval": None})
+    assert len(sets.test) == 1 and len(sets.train) == 2 and not sets.heldout  # one held back, as from a file
+    assert {e.prompt for e in sets.test} | {e.prompt for e in sets.train} == {e.prompt for e in train}
+    given_eval = [PromptEntry("a blue square", line=1)]
+    assert prompt_lists(cfg, {"train": train, "eval": given_eval}).test == given_eval
+    cfg.data.train_prompts = "prompts.txt"
+    with pytest.raises(ConfigError, match="prompts given in memory and in data.train_prompts"):
+        prompt_lists(cfg, {"train": train})
+
+
+def test_a_missing_script_reward_is_named_with_its_fix(clean_registry, tmp_path):
+    from grpo_vision.config import load_config
+    from grpo_vision.rewards import register_callable
+
+    register_callable("brightness", brightness)
+    here = brightness.__module__  # test_trainer or tests.test_trainer, as pytest imported this file
+    assert reward_origin("brightness") == {"module": here, "function": "brightness",
+                                           "spec": f"python:{here}:brightness"}
+    cfg = load_config(MICRO, ["reward.weights={brightness: 1.0}"])
+    check_rewards(cfg, tmp_path)  # registered: nothing to say
+    (tmp_path / "rewards.json").write_text(json.dumps({"brightness": {"module": "__main__", "function": "brightness",
+                                                                      "script": "train_bright.py"}}))
+    del REGISTRY["brightness"]
+    with pytest.raises(ConfigError) as e:
+        check_rewards(cfg, tmp_path)
+    assert str(e.value) == (f"run folder {tmp_path} names reward 'brightness' (made by brightness in __main__, script "
+                            "train_bright.py), which is not registered here: give it with --reward "
+                            "brightness=python:MODULE:FUNCTION (a function (images, prompts, metadata) -> scores), or "
+                            "register it in a plugin (docs/usage.md, \"Bring your own\")")
+    check_rewards(cfg, tmp_path, given=[f"brightness=python:{here}:brightness"])  # supplied: it loads
+    assert REGISTRY["brightness"].factory(None) is brightness
+    with pytest.raises(ConfigError, match="must look like NAME=python:package.module:function"):
+        check_rewards(cfg, tmp_path, given=["brightness"])
+    with pytest.raises(ConfigError, match="'clip' is a registered reward already"):
+        check_rewards(cfg, tmp_path, given=[f"clip=python:{here}:brightness"])
+
+
+SCRIPT = '''\
+import sys
+import datasets
+from grpo_vision import GRPOTrainer
+
+def bright(images, prompts, metadata):  # a reward that exists only in this script
+    return images.mean(dim=(1, 2, 3))
+
+world, out = sys.argv[1], sys.argv[2]
+prompts = datasets.Dataset.from_dict({"prompt": ["a red circle", "a blue square", "a red square", "a blue circle"]})
+trainer = GRPOTrainer("configs/shapes_micro.yaml", policy=world, rewards={"bright": bright}, train_prompts=prompts,
+                      eval_prompts=["a red circle left of a blue square"], max_steps=2, num_generations=4,
+                      output_dir=out + "/run",
+                      overrides=["sample.prompts_per_step=2", "log.sample_every=0", "log.report=false"])
+trainer.train()
+trainer.export(out + "/exported")
+'''
+
+
+@pytest.mark.e2e
+def test_a_fifteen_line_script_trains_exports_and_its_folder_opens_in_eval(micro_world, tmp_path):
+    """The README's script: an in-memory reward and a datasets.Dataset, two steps, export; then `eval` on the run
+    folder names the missing reward, and runs with it supplied by --reward."""
+    (tmp_path / "train_bright.py").write_text(SCRIPT)
+    assert len(SCRIPT.strip().splitlines()) <= 17
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    done = subprocess.run([sys.executable, str(tmp_path / "train_bright.py"), str(micro_world), str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "num_generations=4 -> sample.group_size=4" in done.stdout
+    run = tmp_path / "run"
+    assert json.loads((run / "rewards.json").read_text())["bright"] == {
+        "module": "__main__", "function": "bright", "script": "train_bright.py"}
+    assert [e["prompt"] for e in map(json.loads, (run / "prompts" / "train.jsonl").read_text().splitlines())]
+    assert (tmp_path / "exported" / "model.safetensors").is_file()
+
+    args = [*cli_cmd("eval", run, "--n", "1", "--device", "cpu")]
+    missing = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr[-2000:]
+    assert "names reward 'bright' (made by bright in __main__, script train_bright.py)" in missing.stderr
+    (tmp_path / "bright_reward.py").write_text(textwrap.dedent('''
+        def bright(images, prompts, metadata):
+            return images.mean(dim=(1, 2, 3))
+    '''))
+    done = subprocess.run([*args, "--reward", "bright=python:bright_reward:bright"], cwd=ROOT, capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    bright = result["sets"]["test"]["models"]["policy"]["rewards"]["bright"]["mean"]
+    assert result["step"] == 2 and 0 < bright < 1  # a mean brightness
