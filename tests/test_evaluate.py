@@ -229,3 +229,14 @@ def test_eval_scores_three_sets_with_intervals_over_captions_and_draws_again(pro
     with pytest.raises((ConfigError, SystemExit)) as refused:  # raised, or printed in one line and exit 2
         cli("eval", project_run, "--draw", 2, "--prompts", prompts_file(tmp_path / "p.txt"))
     assert "--draw and --prompts: give one" in str(refused.value) + capsys.readouterr().err
+
+
+def test_a_graph_decode_run_read_without_cuda_samples_with_the_static_step():
+    """sample.decode=graph names a CUDA graph; eval and sample of that run on a CPU take the same fixed-shape step
+    unrecorded (the same tokens), not a ValueError at the first image."""
+    from grpo_vision.config import load_config
+    from grpo_vision.evaluation.evaluate import eval_params
+    from tests.helpers import MICRO
+
+    assert eval_params(load_config(MICRO, ["sample.decode=graph", "run.device=cpu"])).decode == "static"
+    assert eval_params(load_config(MICRO, ["sample.decode=eager", "run.device=cpu"])).decode == "eager"

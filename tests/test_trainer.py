@@ -160,3 +160,31 @@ def test_a_fifteen_line_script_trains_exports_and_its_folder_opens_in_eval(micro
     result = json.loads(done.stdout)
     bright = result["sets"]["test"]["models"]["policy"]["rewards"]["bright"]["mean"]
     assert result["step"] == 2 and 0 < bright < 1  # a mean brightness
+
+
+def test_resume_and_demo_name_a_reward_only_the_script_had(micro_run, tmp_path, capsys):
+    """The same one line from `train --resume` and the demo, before any model loads; --reward supplies it."""
+    import shutil
+
+    from grpo_vision.cli import main
+    from grpo_vision.config import load_config, save_config
+    from grpo_vision.tools.demo import DemoRun
+
+    run = tmp_path / "run"
+    shutil.copytree(micro_run, run)
+    cfg = load_config(run / "config.yaml", ["reward.monitor=[shapes_exact, bright]"])
+    save_config(cfg, run / "config.yaml")
+    (run / "rewards.json").write_text(json.dumps({"bright": {"module": "__main__", "function": "bright",
+                                                             "script": "train_bright.py"}}))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--resume", str(run)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert "names reward 'bright' (made by bright in __main__, script train_bright.py)" in err
+    with pytest.raises(ConfigError, match="--reward bright=python:MODULE:FUNCTION"):
+        DemoRun(run, "cpu")
+    try:  # supplied, the demo loads the run and scores with it
+        demo = DemoRun(run, "cpu", rewards=[f"bright=python:{brightness.__module__}:brightness"])
+        assert "bright" in demo.rewards.fns
+    finally:
+        REGISTRY.pop("bright", None)

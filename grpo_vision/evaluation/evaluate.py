@@ -8,6 +8,7 @@ seed, so differences come from the weights, not from the sampling noise.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -127,8 +128,13 @@ def eval_temperatures(cfg: Config) -> list[float]:
 
 
 def eval_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
-    """Sampling settings of `eval` and `sample`: at `temperature`, else at the report's headline one."""
-    return SamplingParams.from_config(cfg.sample, temperature or eval_temperatures(cfg)[0])
+    """Sampling settings of `eval` and `sample`: at `temperature`, else at the report's headline one. A run that
+    trained with sample.decode=graph, read where run.device has no CUDA, decodes with the same fixed-shape step
+    unrecorded (`static`): the same tokens for the same seeds (sampling.py)."""
+    params = SamplingParams.from_config(cfg.sample, temperature or eval_temperatures(cfg)[0])
+    if params.decode == "graph" and not resolve_device(cfg.run.device).startswith("cuda"):
+        params = dataclasses.replace(params, decode="static")
+    return params
 
 
 @torch.no_grad()
