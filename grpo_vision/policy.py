@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, r
 
 import torch
 
-from grpo_vision.config import Config, ConfigError, PolicyConfig, brief
+from grpo_vision.config import Config, ConfigError, PolicyConfig, brief, from_dict
 from grpo_vision.plugins import load_built_in, load_plugins, not_found_hint
 from grpo_vision.prompts import PromptsError
 
@@ -131,13 +131,16 @@ class Judge(Protocol):
 #
 # A kind's loader reads `policy.path` (and `policy.tokenizer`) and returns a `Bundle`: the policy, its
 # image tokenizer, and what the kind brings besides: a judge (exact verdicts for the report and the
-# demo), default options for rewards whose model files it ships, and its own prompt splits. Built in:
-# `llama` (LlamaImagePolicy with a diffusers VQ tokenizer) and `janus` (Janus-Pro through
-# transformers); plugins add more (ShapesWorld adds `shapes`, see plugins.py).
+# demo), default options for rewards whose model files it ships, and its own prompt splits. A kind
+# that takes settings registers their dataclass (`options=`): `policy.options` is checked against it
+# when a command loads the config, and the loader reads them with `kind_options(pcfg)`. Built in:
+# `llama` (LlamaImagePolicy with a diffusers VQ tokenizer), `janus` (Janus-Pro through transformers)
+# and `llamagen`; plugins add more (ShapesWorld adds `shapes`, see plugins.py).
 #
-#     @register_policy_kind("my_gpt")
+#     @register_policy_kind("my_gpt", options=MyGptOptions)
 #     def load_my_gpt(pcfg, device) -> Bundle:
-#         return Bundle(MyPolicy.from_pretrained(pcfg.path, device), MyTokenizer(pcfg.tokenizer, device))
+#         opts = kind_options(pcfg)  # a MyGptOptions
+#         return Bundle(MyPolicy.from_pretrained(pcfg.path, opts, device), MyTokenizer(pcfg.tokenizer, device))
 
 PromptSplits = Callable[[Config], "PromptSets"]
 
@@ -156,6 +159,7 @@ class PolicyKind:
     name: str
     load: Callable[[PolicyConfig, torch.device | str], Bundle]
     prompts: PromptSplits | None = None  # its PromptSets when data.* names no files
+    options: type | None = None  # the dataclass of `policy.options`; None: the kind takes none
 
 
 REGISTRY: dict[str, PolicyKind] = {}
@@ -170,13 +174,14 @@ def register_path_loader(recognises: Callable[[str], Any], load: Callable[[Polic
     PATH_LOADERS.append((recognises, load))
 
 
-def register_policy_kind(name: str, prompts: PromptSplits | None = None):
+def register_policy_kind(name: str, prompts: PromptSplits | None = None, options: type | None = None):
     """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
-    kind's default PromptSets. The built-in kinds register first, so a user's kind of the same name wins."""
+    kind's default PromptSets, `options` is the dataclass of its `policy.options` (None: it takes none).
+    The built-in kinds register first, so a user's kind of the same name wins."""
     load_built_in()
 
     def wrap(load):
-        REGISTRY[name] = PolicyKind(name, load, prompts)
+        REGISTRY[name] = PolicyKind(name, load, prompts, options)
         return load
     return wrap
 
@@ -185,16 +190,34 @@ def policy_kind(name: str) -> PolicyKind:
     load_built_in()
     if name not in REGISTRY:
         load_plugins()
+    if not name:  # the core names no model: a config says which (issue 51)
+        raise ConfigError(f"policy.kind is required: set it to one of {', '.join(sorted(REGISTRY))}")
     if name not in REGISTRY:
         raise ConfigError(f"unknown policy.kind {brief(name)}; registered kinds: {', '.join(sorted(REGISTRY))} "
                           f"({not_found_hint()})")
     return REGISTRY[name]
 
 
+def kind_options(pcfg: PolicyConfig) -> Any:
+    """`policy.options` as the kind's options dataclass, strictly (an unknown key or a wrong type is a ConfigError
+    naming it); None for a kind that takes none, which refuses any."""
+    kind = policy_kind(pcfg.kind)
+    if kind.options is None:
+        if pcfg.options:  # an unused key would be silently ignored otherwise
+            raise ConfigError(f"policy.options ({', '.join(map(str, pcfg.options))}) is not used with policy.kind "
+                              f"{pcfg.kind!r}; remove it")
+        return None
+    return from_dict(kind.options, dict(pcfg.options), where="config", prefix="policy.options.")
+
+
 def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
     """The policy kind's Bundle from `policy.path`, or that of a registered path loader that recognises the path
     (built in: a run folder, whose trained policy a new run continues from; models/kinds.py)."""
     load_built_in()
+    kind_options(pcfg)  # a wrong kind or option is named before any file is read
+    if not pcfg.path:
+        raise ConfigError(f"policy.path is required: what policy.kind {pcfg.kind!r} loads (a model's directory or "
+                          "checkpoint file, or a run folder to continue from)")
     for recognises, load in PATH_LOADERS:
         if recognises(pcfg.path):
             return load(pcfg, device)

@@ -51,9 +51,9 @@ def prompt_lists(cfg: Config, given: dict[str, list[PromptEntry]] | None = None)
     d, given = cfg.data, given or {}
     if given.get("train") is not None and d.train_prompts or given.get("eval") is not None and d.eval_prompts:
         raise ConfigError("prompts given in memory and in data.train_prompts / data.eval_prompts: give one")
-    splits = policy_kind(cfg.policy.kind).prompts
     if given.get("train") is not None:
         return _sets(cfg, given["train"], given.get("eval"), "the prompts given to GRPOTrainer", None)
+    splits = policy_kind(cfg.policy.kind).prompts if not d.train_prompts else None  # a policy in memory may have none
     if not d.train_prompts and splits is None:
         raise ConfigError(f"data.train_prompts is required: policy.kind {cfg.policy.kind!r} brings no prompts "
                           "of its own")

@@ -2,7 +2,8 @@
 with train.iterations > 1 an ITERATION boundary before some steps (iterative.py).
 
 Each phase is a function below `train()`, and each hands the next one a typed container: `Samples`
-(this process's images of the step) -> `Scored` (every reward, gathered) -> `UpdateBatch` (update.py).
+(this process's images of the step) -> `Scored` (every reward, gathered; both from rollouts.py, which every
+measurement shares) -> `UpdateBatch` (update.py).
 docs/architecture.md draws the data flow and lists the invariants.
 
 All randomness of a step is derived from (run.seed, step) and a salt (seeds.py): which prompts, each
@@ -23,7 +24,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -34,6 +34,7 @@ from grpo_vision.models.adapters import add_adapter
 from grpo_vision.policy import Bundle, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.reference import Reference
+from grpo_vision.rollouts import Samples, Scored, decode_images, repeat, sample_rows, score
 from grpo_vision.rewards import CompositeReward, RewardError, save_reward_origins
 from grpo_vision.run.alerts import RunAlerts, watcher_for
 from grpo_vision.run.checkpoint import (
@@ -51,7 +52,7 @@ from grpo_vision.run.memory import report_memory, resident_bytes
 from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics, nanmean, nanstd
 from grpo_vision.run.signals import GracefulStop, Interrupted
 from grpo_vision.run.trackers import Trackers, accelerator_options, grid_text
-from grpo_vision.sampling import Rollout, SamplingParams, decode_mode, sample_batched
+from grpo_vision.sampling import SamplingParams, decode_mode
 from grpo_vision.seeds import IMAGE, REPLAY, step_rng, step_seed
 from grpo_vision.splits import PromptSets, checked_prompt_sets
 from grpo_vision.update import Learner, UpdateBatch, old_logprobs, policy_tokens, reference_logprobs, update
@@ -77,7 +78,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
             iteration = new_iteration(st, cfg, step, timer)  # ---- ITERATION: at a boundary (iterative RL)
             samples = sample_step(st, cfg, step, timer)  # ---- SAMPLING: B / P prompts x G images here, decoded
             with timer("reward"):  # ---- REWARD: every process's scores, in group order; the health checks count them
-                scored = score(st, cfg, samples)
+                scored = score_step(st, cfg, samples)
                 st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, scored.spread)
             # ---- ADVANTAGE: each image against its group, from every process's rewards; this process's rows
             advantages = group_advantages(scored.total, s.group_size, t.adv_scale)[samples.rows]  # [n]
@@ -143,29 +144,6 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
     return st.run_dir
 
 
-# ---------------------------------------------------------------------------- the phases' hand-offs
-
-
-@dataclass
-class Samples:  # SAMPLING's hand-off: this process's n = B / processes * G images of the step
-    chosen: np.ndarray  # [B] the step's prompt indices into the training prompts (every process: the same)
-    entries: list[PromptEntry]  # [n] each image's prompt entry, groups contiguous
-    rows: slice  # these images' rows among the step's B*G, in group order
-    cond: torch.Tensor  # [n, L] condition ids
-    rollout: Rollout  # tokens, log-probs and entropy [n, N] each
-    images: torch.Tensor  # [n, 3, H, W] decoded, in [0, 1]
-
-
-@dataclass
-class Scored:  # REWARD's hand-off: every process's images, [B*G] each, in group order
-    total: torch.Tensor  # [B*G] the weighted total (NaN where no reward applies)
-    raw: dict[str, torch.Tensor]  # reward name -> [B*G] its unweighted values (NaN: does not apply)
-    weights: dict[str, torch.Tensor]  # reward name -> [B*G] its weight for each image
-    spread: float  # the fraction of groups whose total has no spread (they teach nothing)
-    judged: dict[str, torch.Tensor]  # judge key ("correct", each attribute) -> [B*G] 1 / 0 (NaN: n/a); {}: no judge
-    verdicts: list  # [n] this process's images' verdicts (None each without a judge)
-
-
 # ---------------------------------------------------------------------------- the phases
 
 
@@ -197,40 +175,35 @@ def sample_step(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> Samp
     with timer("sample"), full_weights(st.learner.model):  # gathered: Janus's VQ decoder is in the sharded policy
         chosen = step_rng(cfg.run.seed, step).choice(len(st.prompts.train), s.prompts_per_step,
                                                      replace=len(st.prompts.train) < s.prompts_per_step)
-        entries = [st.prompts.train[i] for i in chosen[process_slice(s.prompts_per_step, acc)]
-                   for _ in range(s.group_size)]
+        entries = repeat([st.prompts.train[i] for i in chosen[process_slice(s.prompts_per_step, acc)]], s.group_size)
         rows = process_slice(s.prompts_per_step * s.group_size, acc)
         seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
         policy.eval()
-        cond = policy.encode_prompts([e.prompt for e in entries])  # [n, L]
-        with torch.autocast(acc.device.type, torch.bfloat16, enabled=s.mixed_precision == "bf16",
-                            cache_enabled=False):  # no cast cache: a CUDA graph must record the casts
-            rollout = sample_batched(policy, cond, seeds, st.params, s.batch_size)
-        with timer("decode"), torch.no_grad():  # its own phase: the sample clock stops meanwhile
-            images = torch.cat([st.bundle.tokenizer.decode(rollout.tokens[i:i + s.batch_size])
-                                for i in range(0, len(entries), s.batch_size)])  # [n, 3, H, W]
-    return Samples(chosen, entries, rows, cond, rollout, images)
+        cond, rollout = sample_rows(policy, entries, seeds, st.params, s.batch_size, s.mixed_precision == "bf16")
+        with timer("decode"):  # its own phase: the sample clock stops meanwhile
+            images = decode_images(st.bundle.tokenizer, rollout.tokens, s.batch_size)  # [n, 3, H, W]
+    return Samples(entries, seeds, cond, rollout, images, chosen, rows)
 
 
-def score(st: RunState, cfg: Config, samples: Samples) -> Scored:
+def score_step(st: RunState, cfg: Config, samples: Samples) -> Scored:
     """Every reward on this process's images, gathered from every process (in group order), and the
     policy kind's judge on them (log.judge_rollouts)."""
-    entries = samples.entries
-    out = st.rewards(samples.images, [e.prompt for e in entries], [e.metadata for e in entries],
-                     [e.rewards for e in entries])
-    total = gather(st.acc, out.total)  # [B*G]
-    raw = {k: gather(st.acc, v) for k, v in out.raw.items()}
-    weights = {k: gather(st.acc, v) for k, v in out.weights.items()}
+    judge = st.bundle.judge if cfg.log.judge_rollouts else None
+    local = score(st.rewards, samples.images, samples.entries, judge)
+    total = gather(st.acc, local.total)  # [B*G]
+    raw = {k: gather(st.acc, v) for k, v in local.raw.items()}
+    weights = {k: gather(st.acc, v) for k, v in local.weights.items()}
     if cfg.reward.combine == "normalize_then_sum":
         total = normalize_then_sum(torch.stack([raw[k] for k in st.rewards.names], 1),
                                    torch.stack([weights[k] for k in st.rewards.names], 1), cfg.sample.group_size)
-    judge, verdicts, judged = st.bundle.judge, [None] * len(entries), {}
-    if judge is not None and cfg.log.judge_rollouts:
+    judged = {}
+    if judge is not None:
         from grpo_vision.evaluation.judge import verdict_rates
 
-        verdicts = judge.verdicts(samples.images, [e.prompt for e in entries])
-        judged = {k: gather(st.acc, v) for k, v in verdict_rates(verdicts, ["correct", *judge.attributes]).items()}
-    return Scored(total, raw, weights, frac_zero_std(total, cfg.sample.group_size), judged, verdicts)
+        judged = {k: gather(st.acc, v) for k, v in verdict_rates(local.verdicts,
+                                                                 ["correct", *judge.attributes]).items()}
+    return Scored(total, raw, weights, local.reasons, local.verdicts, judged,
+                  frac_zero_std(total, cfg.sample.group_size))
 
 
 def update_batch(st: RunState, cfg: Config, samples: Samples, advantages: torch.Tensor) -> UpdateBatch:
@@ -253,7 +226,7 @@ def after_update(st: RunState, cfg: Config, step: int, samples: Samples) -> None
     if st.reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
         sync_reference(st)
     if st.buffer is not None and iteration_of(step, t.steps, t.iterations) < t.iterations - 1:
-        step_entries = [st.prompts.train[i] for i in samples.chosen for _ in range(cfg.sample.group_size)]
+        step_entries = repeat([st.prompts.train[i] for i in samples.chosen], cfg.sample.group_size)
         st.buffer.add(gather(st.acc, samples.rollout.tokens), step_entries)
 
 

@@ -54,6 +54,7 @@ class GRPOTrainer:
         `train_prompts` / `eval_prompts`: a prompts file's path, or prompts in memory (a list of strings or
         dicts, a `datasets.Dataset`); `prompt_column`: the column holding the prompts."""
         from grpo_vision.policy import Bundle
+        from grpo_vision.rewards import check_options
 
         self.cfg = _config(config)
         for item in overrides:
@@ -62,9 +63,11 @@ class GRPOTrainer:
         if self.bundle is None and policy is not None:
             self.cfg.policy = _policy_config(policy, self.cfg.policy)
         elif self.bundle is not None:
+            p = self.cfg.policy
+            named = f"({p.kind}: {p.path}), which must name the same model" if p.kind else \
+                "(it names none yet: set policy.kind and policy.path to the model given here)"
             warnings.warn(f"a policy given in memory trains now; eval, demo and --resume on the run folder load "
-                          f"config.policy ({self.cfg.policy.kind}: {self.cfg.policy.path}), which must name the same "
-                          "model", stacklevel=2)
+                          f"config.policy {named}", stacklevel=2)
         if prompt_column:
             self.cfg.data.prompt_column = prompt_column
         self.prompts = {"train": self._prompts(train_prompts, "train"), "eval": self._prompts(eval_prompts, "eval")}
@@ -74,6 +77,7 @@ class GRPOTrainer:
             raise ConfigError("reward_weights without rewards: give the rewards they weigh")
         self._options(options)
         validate(self.cfg)
+        check_options(self.cfg)  # reward.options and policy.options against their registered dataclasses
         self.run_dir: Path | None = None
 
     # ------------------------------------------------------------------ what the trainer does

@@ -40,7 +40,7 @@ def test_bench_sampler_prints_json(tmp_path, capsys):
     from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
 
     # A tiny saved policy, not the default-size one: what is checked is the JSON, not the speed, and
-    # the default size took minutes on a shared CPU
+    # the default size takes minutes on a shared CPU
     LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(2, 2), dim=32,
                                        n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
     main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--batch", "2", "--repeats", "1",
@@ -94,6 +94,25 @@ def test_overrides_are_taken_anywhere_on_the_line(monkeypatch, capsys):
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_config_and_train_refuse_a_misspelt_option_naming_the_key(tmp_path, capsys):
+    # options are mappings the config cannot type; their registered dataclasses check them as the command loads
+    # the config (issue 51), so train refuses before its run folder is written or a model loads
+    from grpo_vision.cli import main
+
+    for args, needle in [
+        (["config", "configs/shapes.yaml", "reward.options.clip.chekpoint=x"],
+         "grpo-vision: error: config: unknown key 'reward.options.clip.chekpoint' (did you mean "
+         "'reward.options.clip.checkpoint'?); valid keys in reward.options.clip: model, checkpoint, trust_torchscript\n"),
+        (["train", "configs/shapes_micro.yaml", f"run.out_dir={tmp_path}", "policy.options.world_split=all"],
+         "grpo-vision: error: config: unknown key 'policy.options.world_split' (did you mean "
+         "'policy.options.world_train_split'?); valid keys in policy.options: world_train_split\n"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        assert exit_info.value.code == 2 and capsys.readouterr().err == needle
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
     from grpo_vision.cli import main
 
@@ -115,7 +134,7 @@ def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
 
 @pytest.mark.e2e
 def test_a_warning_is_one_line_like_an_error():
-    # before: Python's "config.py:199: UserWarning: ..." and the library's source line under it
+    # not Python's format, "<file>:<line>: UserWarning: ..." with the library's source line under it
     out = run_cli("config", "configs/shapes_micro.yaml", "train.adapter=lora", "train.reference=frozen", timeout=120)
     assert out.returncode == 0 and out.stderr == (
         "grpo-vision: warning: train.adapter with train.reference: frozen keeps a second full copy of the policy as "

@@ -8,6 +8,8 @@ import typing
 import pytest
 
 from grpo_vision.config import Config, ConfigError, derived_sizes, load_config, save_config
+from grpo_vision.policy import kind_options
+from grpo_vision.rewards import check_options
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
 
@@ -17,6 +19,7 @@ def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
     derived_sizes(cfg)  # divisibility holds for one process
+    check_options(cfg)  # its reward and policy options are keys of their registered dataclasses
 
 
 def test_configs_folder_is_not_empty():
@@ -65,7 +68,7 @@ def test_a_null_override_gives_a_field_its_default_and_removes_a_mapping_entry(n
                "reward.weights.jpeg_compressibility", "reward.options.clip.checkpoint",
                "policy.options.absent", "reward.options.absent.key"]  # entries not there: nothing to remove
     cfg = load_config(None, given + [f"{key}={null}" for key in cleared])
-    assert (cfg.run.name, cfg.train.mixed_precision) == ("shapes_grpo", "no")  # the defaults, not "" or "null"
+    assert (cfg.run.name, cfg.train.mixed_precision) == ("grpo", "no")  # the defaults, not "" or "null"
     assert cfg.train.adapter_targets == ["q_proj", "k_proj", "v_proj", "o_proj"]
     assert cfg.policy.options == {"image_size": 256}  # the kind's loader then uses its own default for gpt
     assert cfg.reward.weights == {"clip": 1.0, "aesthetic": 1.0}
@@ -94,13 +97,60 @@ def test_a_null_in_a_file_is_the_same_as_leaving_the_key_out(tmp_path):
 @pytest.mark.parametrize("empty", ["policy.options.gpt=", "policy.options.gpt=null", "policy.options.gpt=''"])
 def test_every_way_of_emptying_a_kind_option_reaches_its_default(empty):
     # `policy.options.gpt=` stored None, which LlamaGenOptions refused ("expects a string"); only '' worked
-    from grpo_vision.config import from_dict
-    from grpo_vision.models.llamagen_load import LlamaGenOptions
-
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "llamagen_t2i.yaml",
                       ["policy.options.gpt=GPT-B", empty])
-    options = from_dict(LlamaGenOptions, cfg.policy.options, prefix="policy.options.")
+    options = kind_options(cfg.policy)  # the LlamaGenOptions the llamagen kind registered
     assert options.gpt == "" and options.image_size == 256  # "": the size is read from the weights
+
+
+# ---------------------------------------------------------------- options checked at load (issue 51)
+
+
+def test_a_misspelt_reward_option_is_refused_at_load_naming_the_key_and_the_right_one():
+    cfg = load_config(None, ["reward.options.clip.chekpoint=/m/clip.bin"])  # a mapping of Any: its reader checks it
+    with pytest.raises(ConfigError) as err:
+        check_options(cfg)
+    assert str(err.value) == ("config: unknown key 'reward.options.clip.chekpoint' (did you mean "
+                              "'reward.options.clip.checkpoint'?); valid keys in reward.options.clip: model, "
+                              "checkpoint, trust_torchscript")
+    with pytest.raises(ConfigError, match=r"^reward.options names 'cilp', which is not a reward \(did you mean "
+                                          r"'reward.options.clip'\?\); registered rewards: aesthetic, clip, "):
+        check_options(load_config(None, ["reward.options.cilp.checkpoint=/m/clip.bin"]))
+    with pytest.raises(ConfigError, match="^config: 'reward.options.hpsv2.trust_torchscript' expects a boolean"):
+        check_options(load_config(None, ["reward.options.hpsv2.trust_torchscript=maybe"]))
+    with pytest.raises(ConfigError, match=r"^reward.options.placebo: reward 'placebo' takes no options, got 'scale'"):
+        check_options(load_config(None, ["reward.options.placebo.scale=2"]))
+
+
+def test_a_misspelt_policy_option_is_refused_at_load_naming_the_key_and_the_right_one():
+    with pytest.raises(ConfigError) as err:
+        check_options(load_config(None, ["policy.kind=llamagen", "policy.options.imagesize=256"]))
+    assert str(err.value) == ("config: unknown key 'policy.options.imagesize' (did you mean "
+                              "'policy.options.image_size'?); valid keys in policy.options: gpt, heads, image_size, "
+                              "text_encoder, cls_token_num")
+    with pytest.raises(ConfigError) as err:  # llama and janus take none
+        check_options(load_config(None, ["policy.kind=janus", "policy.options.image_size=256"]))
+    assert str(err.value) == "policy.options (image_size) is not used with policy.kind 'janus'; remove it"
+    with pytest.raises(ConfigError) as err:  # options, and no kind to read them
+        check_options(load_config(None, ["policy.options.image_size=256"]))
+    assert str(err.value) == "policy.kind is required: set it to one of janus, llama, llamagen, shapes"
+    check_options(load_config(None, []))  # no policy at all: `score` reads rewards only
+
+
+def test_world_train_split_is_an_option_of_the_shapes_kind():
+    shapes = ["policy.kind=shapes", "policy.path=worlds/shapes"]
+    assert kind_options(load_config(None, shapes).policy).world_train_split == "train"  # the default
+    cfg = load_config(None, [*shapes, "policy.options.world_train_split=all"])
+    check_options(cfg)
+    assert kind_options(cfg.policy).world_train_split == "all"
+    with pytest.raises(ConfigError) as err:
+        check_options(load_config(None, [*shapes, "policy.options.world_train_splt=all"]))
+    assert str(err.value) == ("config: unknown key 'policy.options.world_train_splt' (did you mean "
+                              "'policy.options.world_train_split'?); valid keys in policy.options: world_train_split")
+    with pytest.raises(ConfigError) as err:
+        check_options(load_config(None, [*shapes, "policy.options.world_train_split=seen"]))
+    assert str(err.value) == ("config: 'policy.options.world_train_split' expects one of 'train', 'all', 'heldout', "
+                              "got 'seen' (str)")
 
 
 def test_yaml_values_override_defaults(tmp_path):
@@ -123,7 +173,7 @@ def test_save_and_reload_round_trip(tmp_path):
     ("train:\n  lr: fast\n", "'train.lr' expects a number, got 'fast'"),
     ("train:\n  steps: 1.5\n", "'train.steps' expects an integer"),
     ("train:\n  loss_type: ppo\n", "'train.loss_type' expects one of 'grpo', 'bnpo', 'dr_grpo'"),
-    ("log:\n  tensorboard: 1\n", "'log.tensorboard' expects a boolean"),
+    ("log:\n  report: 1\n", "'log.report' expects a boolean"),
     ("reward:\n  weights: [clip]\n", "'reward.weights' expects a mapping"),
     ("train: 3\n", "'train' must be a mapping"),
     ("- a\n- b\n", "top level must be a mapping"),
@@ -222,7 +272,9 @@ def test_derived_sizes_refuse_split_groups_and_ragged_micro_batches():
     ("reward.clip_checkpoint", "/m/clip.bin", "; valid keys in reward: weights, monitor, options, batch_size, "
                                               "combine, replay_fraction, replay_capacity"),
     ("log.log_every", "1", " (did you mean 'log.sample_every'?); valid keys in log: sample_every, checkpoint_every, "
-                           "eval_images, eval_temperatures, tensorboard, report"),
+                           "eval_images, eval_temperatures, report"),
+    ("log.tensorboard", "false", "; valid keys in log: "),  # one switch now: log.trackers
+    ("data.world_train_split", "all", "; valid keys in data: "),  # now ShapesWorld's policy.options
     ("train.lora_rank", "8", "; valid keys in train: steps, lr, "),
 ])
 def test_a_key_of_an_earlier_layout_is_an_unknown_key(tmp_path, key, value, fix):

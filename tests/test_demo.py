@@ -191,7 +191,7 @@ def test_api_same_seed_same_images_new_seed_new_images(client):
     assert all(x.shape == (64, 64, 3) for x in a)
     for s in ("left", "right"):
         assert all(math.isfinite(v) for vals in details[s]["rewards"].values() for v in vals), details[s]
-        assert details[s]["seeds"] == [5, 6, 7] and len(details[s]["checker"]) == 3
+        assert details[s]["seeds"] == [5, 6, 7] and len(details[s]["judge"]) == 3
     assert details["right"]["label"] == "reference (a frozen copy of the base policy)"
     for row in summary["data"]:  # each mean is the mean of the per-image scores
         if not row[0].startswith("judge"):  # rounded to 4 decimals

@@ -219,10 +219,10 @@ def test_eval_scores_three_sets_with_intervals_over_captions_and_draws_again(pro
     test = sets["test"]
     assert (test["prompts"], test["images_per_prompt"]) == (8, 2)  # configs/shapes_micro.yaml: data.eval_size 8
     assert test["captions"] == len({e.prompt for e in load_prompts(project_run / "prompts" / "test.jsonl")})
-    change = test["checker_difference_ci"]["correct"]
+    change = test["judge_difference_ci"]["correct"]
     assert change["captions"] == test["captions"] and change["n"] == 16  # resampled by caption, 16 images
-    assert test["checker_difference_ci_per_image"]["correct"]["mean"] == change["mean"]  # the same change
-    assert "captions" not in test["checker_difference_ci_per_image"]["correct"]  # labelled: per image
+    assert test["judge_difference_ci_per_image"]["correct"]["mean"] == change["mean"]  # the same change
+    assert "captions" not in test["judge_difference_ci_per_image"]["correct"]  # labelled: per image
     cli("eval", project_run, "--n", 1, "--draw", 2)
     drawn = json.loads(capsys.readouterr().out)
     assert drawn["draw"] == 2 and list(drawn["sets"]) == ["test", "heldout"]  # the training sample is the run's

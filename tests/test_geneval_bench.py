@@ -92,7 +92,7 @@ def coco_run(tmp_path_factory, detector_options):
                              f"data.train_prompts={root / 'train.txt'}", f"data.eval_prompts={root / 'eval.txt'}",
                              "reward.weights={jpeg_compressibility: 1.0}", "reward.monitor=[]",
                              "sample.prompts_per_step=2", "sample.group_size=2", "train.micro_batch_size=2",
-                             "train.steps=1", "log.sample_every=0", "log.report=false", "log.tensorboard=false",
+                             "train.steps=1", "log.sample_every=0", "log.report=false", "log.trackers=[]",
                              f"run.out_dir={root / 'runs'}", "run.device=cpu", *detector_options])
     return train(cfg, progress=False)
 

@@ -275,7 +275,7 @@ def write_config(tmp_path: Path, janus_dir: Path, reference: str) -> Path:
                      {"reference": reference})},
         "reward": {"weights": {"jpeg_compressibility": 1.0}, "monitor": []},
         "data": {"train_prompts": str(tmp_path / "train.txt"), "eval_prompts": str(tmp_path / "eval.txt")},
-        "log": {"sample_every": 1, "checkpoint_every": 0, "eval_images": 1, "tensorboard": False},
+        "log": {"sample_every": 1, "checkpoint_every": 0, "eval_images": 1, "trackers": []},
     }
     path = tmp_path / f"janus_{reference}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML

@@ -352,7 +352,9 @@ def test_bad_settings_are_one_line_errors_naming_the_key(tmp_path, t5_dir):
              (pcfg("c2i", path=str(DATA / "vq_tiny.pt")), CheckpointError, "not a LlamaGen GPT checkpoint")]
     cases += [(PolicyConfig(kind=kind, path=str(tmp_path), options={"image_size": 256}), ConfigError,
                f"policy.options \\(image_size\\) is not used with policy.kind '{kind}'")
-              for kind in ("llama", "janus", "shapes")]
+              for kind in ("llama", "janus")]
+    cases.append((PolicyConfig(kind="shapes", path=str(tmp_path), options={"image_size": 256}), ConfigError,
+                  "unknown key 'policy.options.image_size'; valid keys in policy.options: world_train_split"))
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     cases.append((pcfg("c2i", path=str(tmp_path / "junk.pt")), CheckpointError, "not a readable torch checkpoint"))
     for config, error, message in cases:
@@ -468,7 +470,7 @@ def write_config(tmp_path: Path, mode: str, t5_dir: Path, clip: dict) -> Path:
         "train": {"steps": 2, "micro_batch_size": 4, "lr": 1e-3, "beta": 0.04, "gradient_checkpointing": True},
         "reward": {"weights": {"clip": 1.0}, "monitor": [], "options": {"clip": clip}},
         "data": {"train_prompts": str(tmp_path / "train.txt"), "eval_prompts": str(tmp_path / "eval.txt")},
-        "log": {"sample_every": 1, "checkpoint_every": 0, "eval_images": 1, "tensorboard": False},
+        "log": {"sample_every": 1, "checkpoint_every": 0, "eval_images": 1, "trackers": []},
     }
     path = tmp_path / f"llamagen_{mode}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
@@ -519,10 +521,10 @@ def test_two_train_steps_through_the_cli_then_sample_and_the_demo(mode, tmp_path
 
 @pytest.mark.parametrize("name", ["llamagen_t2i.yaml", "llamagen_c2i.yaml"])
 def test_shipped_configs_name_valid_options(name):
-    from grpo_vision.config import from_dict, load_config
-    from grpo_vision.models.llamagen_load import LlamaGenOptions
+    from grpo_vision.config import load_config
+    from grpo_vision.policy import kind_options
 
     cfg = load_config(ROOT / "configs" / name)
-    options = from_dict(LlamaGenOptions, cfg.policy.options, prefix="policy.options.")
+    options = kind_options(cfg.policy)  # the LlamaGenOptions the llamagen kind registered
     # no gpt pin: the size comes from the weights, so another size's checkpoint needs no override (issue 50)
     assert cfg.policy.kind == "llamagen" and not options.gpt and (options.text_encoder != "") == ("t2i" in name)

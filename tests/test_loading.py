@@ -13,6 +13,8 @@ from grpo_vision.prompts import PromptEntry
 from grpo_vision.shapes.scene import all_words, is_held_out
 from tests.helpers import ROOT
 
+SHAPES = ["policy.kind=shapes"]  # the world's prompts need no policy.path; its loader does
+
 
 @pytest.fixture(scope="module")
 def bundle():
@@ -23,7 +25,7 @@ def bundle():
 
 @pytest.mark.parametrize("split, held_out", [("train", {False}), ("heldout", {True}), ("all", {False, True})])
 def test_world_split_picks_compositions_and_never_the_eval_prompts(bundle, split, held_out):
-    sets = checked_prompt_sets(load_config(None, [f"data.world_train_split={split}"]), bundle)
+    sets = checked_prompt_sets(load_config(None, [*SHAPES, f"policy.options.world_train_split={split}"]), bundle)
     assert len(sets.test) == len(sets.heldout) == 128  # data.eval_size
     assert not any(is_held_out(e.prompt) for e in sets.test) and all(is_held_out(e.prompt) for e in sets.heldout)
     assert {is_held_out(e.prompt) for e in sets.train} == held_out
@@ -31,7 +33,7 @@ def test_world_split_picks_compositions_and_never_the_eval_prompts(bundle, split
 
 
 def test_world_eval_sets_are_the_same_for_every_run_seed():
-    a, b = (prompt_lists(load_config(None, [f"run.seed={seed}"])) for seed in (0, 5))
+    a, b = (prompt_lists(load_config(None, [*SHAPES, f"run.seed={seed}"])) for seed in (0, 5))
     assert [e.prompt for e in a.train] == [e.prompt for e in b.train]  # a data set; the seed draws from it
     assert [e.prompt for e in a.test] == [e.prompt for e in b.test]
     assert [e.prompt for e in a.heldout] == [e.prompt for e in b.heldout]
@@ -62,8 +64,9 @@ def test_a_heldout_file_is_the_transfer_set_and_never_trained_on(tmp_path):
 
 
 def test_unknown_split_is_refused_with_the_choices():
-    with pytest.raises(ConfigError, match="'data.world_train_split' expects one of 'train', 'all', 'heldout'"):
-        load_config(None, ["data.world_train_split=seen"])
+    with pytest.raises(ConfigError, match="'policy.options.world_train_split' expects one of 'train', 'all', "
+                                          "'heldout'"):
+        prompt_lists(load_config(None, [*SHAPES, "policy.options.world_train_split=seen"]))
 
 
 def test_training_prompts_all_in_the_eval_sets_are_a_config_error_naming_them(tmp_path):
@@ -99,10 +102,11 @@ def test_a_kind_whose_training_prompts_are_its_eval_prompts_is_refused():
 
 def test_an_eval_file_is_removed_from_the_kinds_training_prompts(tmp_path):
     evals = tmp_path / "eval.txt"
-    cfg = load_config(None, ["data.world_train_split=all"])
+    cfg = load_config(None, [*SHAPES, "policy.options.world_train_split=all"])
     first = prompt_lists(cfg).train[0].prompt  # a caption the world would train on
     evals.write_text(first + "\n")
-    sets = prompt_lists(load_config(None, ["data.world_train_split=all", f"data.eval_prompts={evals}"]))
+    sets = prompt_lists(load_config(None, [*SHAPES, "policy.options.world_train_split=all",
+                                           f"data.eval_prompts={evals}"]))
     assert [e.prompt for e in sets.test] == [first] and first not in {e.prompt for e in sets.train}
 
 
@@ -116,14 +120,37 @@ def test_unknown_kind_lists_the_registered_ones():
         policy_kind("gpt5")
 
 
+def test_the_core_names_no_policy_a_config_says_which():
+    with pytest.raises(ConfigError) as err:  # the defaults: no kind
+        prompt_lists(load_config(None))
+    assert str(err.value) == "policy.kind is required: set it to one of janus, llama, llamagen, shapes"
+    with pytest.raises(ConfigError) as err:
+        load_bundle(load_config(None, SHAPES).policy, "cpu")
+    assert str(err.value) == ("policy.path is required: what policy.kind 'shapes' loads (a model's directory or "
+                              "checkpoint file, or a run folder to continue from)")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_shapes_kind_loads_its_policy_in_policy_dtype(dtype):
     """The world saves float32 weights; policy.dtype casts them, as for the llama kind (issue 33: it was ignored)."""
     world = ROOT / "worlds" / "shapes"
-    cfg = load_config(None, [f"policy.path={world}", f"policy.dtype={dtype}", "train.adapter=lora"])
+    cfg = load_config(None, [*SHAPES, f"policy.path={world}", f"policy.dtype={dtype}", "train.adapter=lora"])
     bundle = load_bundle(cfg.policy, "cpu")
     assert {p.dtype for p in bundle.policy.parameters()} == {getattr(torch, dtype)}
     assert {p.dtype for p in bundle.tokenizer.vq.parameters()} == {torch.float32}  # the tokenizer is not the policy
+
+
+def test_a_run_folder_continues_with_its_own_options_and_those_given_replaced(micro_run):
+    # world_train_split chooses the new run's prompts, not the weights: a run that continues another sets it
+    from grpo_vision.config import PolicyConfig
+
+    cfg = load_config(None, [*SHAPES, f"policy.path={micro_run}", "policy.options.world_train_split=all"])
+    assert load_bundle(cfg.policy, "cpu").judge is not None  # the shapes kind's Bundle, the run's weights in it
+    assert {is_held_out(e.prompt) for e in prompt_lists(cfg).train} == {False, True}
+    with pytest.raises(ConfigError, match=r"^config: unknown key 'policy.options.world_split' \(did you mean "):
+        load_bundle(PolicyConfig("shapes", str(micro_run), options={"world_split": "all"}), "cpu")
+    with pytest.raises(ConfigError, match="is a run folder, which brings its own policy.tokenizer: leave it empty$"):
+        load_bundle(PolicyConfig("shapes", str(micro_run), tokenizer="vq"), "cpu")
 
 
 def test_a_policy_config_that_does_not_fit_its_weights_is_one_line_naming_both(tiny_policy, tmp_path):

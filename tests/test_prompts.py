@@ -166,7 +166,7 @@ def test_a_resumed_run_keeps_the_prompts_it_saved(tmp_path):
         save_prompts([PromptEntry(p) for p in prompts], tmp_path / "prompts" / f"{name}.jsonl")
     sets = run_prompt_sets(cfg, tmp_path)
     assert [[e.prompt for e in v] for v in (sets.train, sets.test, sets.heldout)] == list(saved.values())
-    assert sets.train_sample == []  # a run from before the sample was written
+    assert sets.train_sample == []  # no train_sample.jsonl: a run saves only the sets it has
 
 
 # ---- Prompt sources (issue 50): tables, datasets, rows in memory, the prompt column

@@ -18,12 +18,12 @@ def result():
     rewards = {"clip": (entry(0.644, 0.63, 0.66), entry(0.695, 0.68, 0.71)),
                "aesthetic": (entry(7.92, 7.8, 8.0), entry(8.35, 8.2, 8.5)),
                "shapes_exact": judge["correct"]}
-    models = {m: {"rewards": {k: v[i] for k, v in rewards.items()}, "checker": {k: v[i] for k, v in judge.items()}}
+    models = {m: {"rewards": {k: v[i] for k, v in rewards.items()}, "judge": {k: v[i] for k, v in judge.items()}}
               for i, m in enumerate(("reference", "policy"))}
     return {"models": models, "prompts": 128, "captions": 76,
             "difference_ci": {"clip": entry(0.051, 0.014, 0.088), "aesthetic": entry(0.43, 0.33, 0.53),
                               "shapes_exact": entry(0.129, 0.06, 0.198)},
-            "checker_difference_ci": {"correct": entry(0.129, 0.06, 0.198), "count": entry(0.15, 0.08, 0.22),
+            "judge_difference_ci": {"correct": entry(0.129, 0.06, 0.198), "count": entry(0.15, 0.08, 0.22),
                                       "color": entry(-0.125, -0.2, -0.05), "relation": entry(-0.203, -0.38, -0.03)}}
 
 
@@ -57,8 +57,8 @@ def test_what_changed_names_rises_falls_hacking_and_the_kl():
 
 def test_no_hacking_line_when_nothing_independent_falls():
     r = result()
-    r["checker_difference_ci"]["color"] = entry(-0.05, -0.12, 0.02)  # inside its interval: not a fall
-    r["checker_difference_ci"]["relation"] = entry(0.01, -0.1, 0.12)
+    r["judge_difference_ci"]["color"] = entry(-0.05, -0.12, 0.02)  # inside its interval: not a fall
+    r["judge_difference_ci"]["relation"] = entry(0.01, -0.1, 0.12)
     text = " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
     assert "reward hacking" not in text and "Fell beyond" not in text and "KL" not in text
     # colour's -5 points is said as unresolved; relation's +1 is too small to mention
@@ -68,8 +68,8 @@ def test_no_hacking_line_when_nothing_independent_falls():
 
 def test_the_all_right_rate_is_named_apart_and_a_zero_width_interval_says_nothing():
     r = result()
-    r["checker_difference_ci"]["correct"] = entry(-0.05, -0.09, -0.01)
-    r["checker_difference_ci"]["count"] = entry(-0.03, -0.03, -0.03)  # identical differences: no width
+    r["judge_difference_ci"]["correct"] = entry(-0.05, -0.09, -0.01)
+    r["judge_difference_ci"]["count"] = entry(-0.03, -0.03, -0.03)  # identical differences: no width
     text = " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
     assert "rose while the judge's all-attributes-right rate and the judge's color and relation accuracy fell" in text
     assert "count" not in text.split("**Possible reward hacking:**")[1]

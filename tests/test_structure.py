@@ -25,7 +25,8 @@ PLUGIN = "grpo_vision.shapes"  # ShapesWorld: may import anything; nothing outsi
 LAYERS = [
     ("core", ["grpo_vision", "grpo_vision.config", "grpo_vision.files", "grpo_vision.plugins", "grpo_vision.policy",
               "grpo_vision.prompts", "grpo_vision.splits", "grpo_vision.sampling", "grpo_vision.grpo",
-              "grpo_vision.images", "grpo_vision.iterative", "grpo_vision.seeds"]),  # contracts and math
+              "grpo_vision.images", "grpo_vision.iterative", "grpo_vision.seeds",
+              "grpo_vision.rollouts"]),  # contracts and math; the step's first half, shared by every measurement
     ("run", ["grpo_vision.run"]),  # checkpoints, safe state, distributed, health, memory, metrics, lock, ...
     ("models and rewards", ["grpo_vision.models", "grpo_vision.rewards"]),  # which must not import each other
     ("the step", ["grpo_vision.reference", "grpo_vision.update"]),
@@ -253,7 +254,7 @@ cfg = load_config(None, ["policy.kind=llama", f"policy.path={{root}}/policy", f"
                          "reward.weights={{jpeg_compressibility: 1.0}}", "reward.monitor=[placebo]",
                          "sample.prompts_per_step=2", "sample.group_size=2", "train.micro_batch_size=2",
                          "train.steps=1", "train.reference=none", "log.sample_every=1", "log.eval_images=1",
-                         "log.tensorboard=false", f"run.out_dir={{root}}/runs", "run.device=cpu"])
+                         "log.trackers=[]", f"run.out_dir={{root}}/runs", "run.device=cpu"])
 run = train(cfg, progress=False)
 assert (run / "report.md").is_file() and (run / "samples" / "step_000001.png").is_file()
 print(json.dumps(sorted(m for m in sys.modules if m.startswith("grpo_vision.shapes"))))

@@ -21,7 +21,7 @@ def run_micro(world, out, *overrides):
 def test_tensorboard_holds_the_sample_grid_its_text_and_the_scalars(micro_world, tmp_path, one_thread):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = run_micro(micro_world, tmp_path, "log.sample_every=1", "log.tensorboard=true")
+    run = run_micro(micro_world, tmp_path, "log.sample_every=1", "log.trackers=[tensorboard]")
     events = EventAccumulator(str(run / "tensorboard" / "grpo_vision"), size_guidance={"images": 0, "tensors": 0})
     events.Reload()
     images = events.Images("samples/grid")
@@ -42,8 +42,8 @@ def test_tensorboard_holds_the_sample_grid_its_text_and_the_scalars(micro_world,
     assert all(r["reward/clip/group_std"] >= 0 for r in rows)
 
 
-def test_log_tensorboard_false_and_no_trackers_write_no_events(micro_world, tmp_path, one_thread):
-    run = run_micro(micro_world, tmp_path, "log.sample_every=1", "log.tensorboard=false")  # the older switch
+def test_no_trackers_write_no_events(micro_world, tmp_path, one_thread):
+    run = run_micro(micro_world, tmp_path, "log.sample_every=1", "log.trackers=[]")
     assert not (run / "tensorboard").exists() and not (run / "trackers.json").exists()
     assert len(load_metrics(run)) == 2 and (run / "samples" / "step_000002.png").is_file()
 

@@ -83,7 +83,7 @@ def test_a_run_writes_its_report_eval_curves_config_and_a_grid_each_step(micro_r
 def test_the_report_tables_the_checker_by_prompt_form(micro_run):
     report = (micro_run / "report.md").read_text()
     assert "Exact checker" in report and "All attributes right, by prompt form" in report
-    by_form = json.loads((micro_run / "eval.json").read_text())["models"]["policy"]["checker_by_form"]
+    by_form = json.loads((micro_run / "eval.json").read_text())["models"]["policy"]["judge_by_form"]
     assert by_form and set(by_form) <= {"plain", "size", "background", "relation"}
 
 
@@ -509,7 +509,7 @@ def test_eval_and_sample_cli_sample_at_the_asked_temperature(micro_run, tmp_path
     default, cooler = (json.loads(cli("eval", str(micro_run), "--prompts", str(prompts), "--n", "2", *extra))
                        for extra in ((), ("--temperature", "0.4")))
     assert (default["temperature"], cooler["temperature"]) == (0.7, 0.4)  # the run's headline, then the asked one
-    assert default["models"]["policy"]["checker"]["correct"]["n"] == 4
+    assert default["models"]["policy"]["judge"]["correct"]["n"] == 4
     cli("sample", str(micro_run), "--prompts", str(prompts), "--out", str(tmp_path / "s"), "--n", "1",
         "--temperature", "0.4")
     assert len((tmp_path / "s" / "index.jsonl").read_text().splitlines()) == 2

@@ -40,7 +40,10 @@ def cmd_config(args) -> None:
     """Print the resolved config (defaults + YAML + overrides) and the derived batch sizes."""
     import yaml
 
+    from grpo_vision.rewards import check_options
+
     cfg = load_config(args.config, args.overrides)
+    check_options(cfg)  # reward.options and policy.options against their registered dataclasses
     sizes = derived_sizes(cfg, args.num_processes)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("# derived: " + format_sizes(sizes))
@@ -93,7 +96,7 @@ def cmd_train(args) -> None:
     from grpo_vision.run.health import run_summary, warn
     from grpo_vision.run.metrics import load_metrics
     from grpo_vision.splits import run_prompt_sets
-    from grpo_vision.rewards import check_rewards
+    from grpo_vision.rewards import check_options, check_rewards
     from grpo_vision.run.folder import refuse_code
     from grpo_vision.train import resume_config, train
 
@@ -111,6 +114,7 @@ def cmd_train(args) -> None:
         if not args.config:
             raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")
         cfg = load_config(args.config, overrides)
+        check_options(cfg)  # a misspelt option is named now, not once the models have loaded
     try:
         run_dir = train(cfg, resume=args.resume or None)
     except KeyboardInterrupt as e:  # 130 after Ctrl-C, 143 after SIGTERM: what a shell reports for a killed command

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from grpo_vision.cli.args import MAX_SEED, device, positive_float, positive_int, seed
 from grpo_vision.config import ConfigError
+from grpo_vision.rollouts import EVAL_SEED
 
 
 def add_reader_options(p, rewards: bool) -> None:
@@ -49,9 +50,10 @@ def add_run_commands(sub) -> None:
                        help="the column (JSONL: the key) of --prompts that holds the prompts (default: prompt, else "
                             "caption or text)")
         p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
-        p.add_argument("--seed", type=seed, default=0,
+        p.add_argument("--seed", type=seed, default=0 if name == "sample" else EVAL_SEED,
                        help="image j of each prompt uses seed + j" if name == "sample" else
-                       "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images")
+                       "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images (default "
+                       f"{EVAL_SEED}: the images the run's report and the matrix scored)")
         p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
         p.add_argument("--temperature", type=positive_float, default=None,
                        help="sampling temperature (default: the run's first log.eval_temperatures entry, "
@@ -76,7 +78,7 @@ def add_run_commands(sub) -> None:
                                 "--out`'s file); flat: <prompt>_<k>.png (T2I-CompBench style)")
         p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
     p = sub.add_parser("alerts", help="replay the training alerts over a run's metrics.jsonl: one JSON line per "
-                                      "alert (step, name, evidence, advice); works on runs from before the alerts")
+                                      "alert (step, name, evidence, advice), e.g. under other thresholds")
     p.add_argument("run", help="run directory")
     p.add_argument("overrides", nargs="*", help="other thresholds, e.g. log.alerts.window=20 log.alerts.sigmas=2.5")
     p.set_defaults(func=cmd_alerts)

@@ -175,7 +175,7 @@ def _default(cls: type, name: str, key: str) -> Any:
 def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
     """Check `value` against type `hint`; convert the lossless cases (int -> float, "1e-5" -> float)."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:  # a reward's own options: checked by that reward's options dataclass
+    if hint is Any:  # a reward's or policy kind's own options: checked by its registered dataclass
         return value
 
     def fail(expected: str) -> ConfigError:

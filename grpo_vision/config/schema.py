@@ -34,7 +34,7 @@ MAX_SEED = 2**32 - 1
 
 @dataclass
 class RunConfig:
-    name: str = "shapes_grpo"  # run directory name, created under out_dir
+    name: str = "grpo"  # run directory name, created under out_dir
     out_dir: str = "runs"  # parent folder of run directories
     seed: int = 0  # seeds prompts order, sampling and initialisation
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:N" or "mps"
@@ -43,12 +43,13 @@ class RunConfig:
 
 @dataclass
 class PolicyConfig:
-    kind: str = "shapes"  # a registered policy kind: llama, janus, llamagen, or a plugin's (ShapesWorld: shapes)
-    path: str = "worlds/shapes"  # what the kind loads: a LlamaImagePolicy or Janus-Pro directory, a LlamaGen .pt, ...
+    # a registered policy kind: llama, janus, llamagen, or a plugin's; required (the core names no model)
+    kind: str = ""
+    path: str = ""  # required: what the kind loads, e.g. a LlamaImagePolicy or Janus-Pro directory, a LlamaGen .pt
     tokenizer: str = ""  # VQ: a diffusers VQModel directory (llama), a LlamaGen vq_ds16_*.pt; Janus ships its own
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype of the policy
-    # settings of the kind itself, checked by its loader; llamagen: gpt, heads, image_size, text_encoder
-    # (models/llamagen_load.py, LlamaGenOptions)
+    # settings of the kind itself, checked against the options dataclass it registers when a command loads the
+    # config (llamagen: LlamaGenOptions in models/llamagen_load.py; llama and janus take none)
     options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -138,25 +139,21 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    train_prompts: str = ""  # prompts file (text or JSONL); "" = the policy kind's (ShapesWorld: its captions)
+    train_prompts: str = ""  # prompts file (text or JSONL); "" = the policy kind's own, where it has them
     # The report's headline eval set: prompts of the training distribution, never trained on (GenEval's
     # practice). "" = the kind's test captions, or with train_prompts, test_prompts of its prompts held
     # back with a fixed seed (the same split for every run.seed)
     eval_prompts: str = ""
     test_prompts: int = 32  # how many prompts of train_prompts to hold back when eval_prompts is ""
-    # The transfer row: compositions no model trained on. "" = the kind's (ShapesWorld: captions naming
-    # a held-out colour-shape pair), none with train_prompts. Removed from training like eval_prompts
+    # The transfer row: compositions no model trained on. "" = the kind's held-out set where it has one,
+    # none with train_prompts. Removed from training like eval_prompts
     heldout_prompts: str = ""
     # The column of a table (.csv, .tsv, .parquet, a datasets folder) or the key of a JSONL file that holds
     # the prompts; "" = 'prompt', else 'caption' or 'text' where the table has one of them and not both
     prompt_column: str = ""
-    # Without train_prompts on a ShapesWorld: "train" = captions of the base policy's training split
-    # (the test captions' distribution); "all" = both splits, so RL also trains on held-out
-    # compositions (other captions than the transfer row's); "heldout" = held-out compositions only
-    world_train_split: Literal["train", "all", "heldout"] = "train"
-    # Captions in each of the kind's eval sets (ShapesWorld: test, held-out, and the sample of training
-    # captions the report also scores), drawn balanced by prompt form; eval_draw 2, 3, ... draws other
-    # test and held-out captions from the same pools (a check that the headline is not the draw's)
+    # Captions in each of the kind's eval sets (test, held-out, and the sample of training captions the
+    # report also scores), for a kind that draws them; eval_draw 2, 3, ... draws other test and held-out
+    # captions from the same pools (a check that the headline is not the draw's)
     eval_size: int = 128
     eval_draw: int = 1
 
@@ -189,7 +186,6 @@ class LogConfig:
     # both); the first gives the headline tables, each one a row of the by-temperature table. Empty =
     # sample.temperature only. Training still samples at sample.temperature
     eval_temperatures: list[float] = field(default_factory=list)
-    tensorboard: bool = True  # false leaves tensorboard out of log.trackers (the switch from before log.trackers)
     report: bool = True  # evaluate and write report.md at the end (`matrix` scores its runs itself)
     # where the metrics, the sample grids (log.sample_every) and, on W&B, the rollouts table go besides
     # metrics.jsonl: tensorboard, wandb, mlflow (pip install grpo_vision[wandb] / [mlflow]); [] = none

@@ -32,7 +32,8 @@ from grpo_vision.reference import Reference
 from grpo_vision.models.adapters import add_adapter
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.files import write_file
-from grpo_vision.sampling import SamplingParams, sample_batched
+from grpo_vision.rollouts import EVAL_SEED, compare, draw
+from grpo_vision.sampling import SamplingParams
 
 
 @dataclass
@@ -65,7 +66,7 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "run") 
     return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"], learned["rewards"] if learned else None)
 
 
-def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed: int = 0, device: str = "run",
+def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed: int = EVAL_SEED, device: str = "run",
                  sets: dict[str, list[PromptEntry]] | None = None, temperature: float | None = None, draw: int = 1,
                  trust: bool = False, rewards: Sequence[str] = (), source: Callable[[str], str] | None = None) -> dict:
     """`grpo-vision eval RUN`'s result: each reward's mean and interval for policy and reference on `sets` (the
@@ -141,50 +142,38 @@ def eval_params(cfg: Config, temperature: float | None = None) -> SamplingParams
 def generate(model, tokenizer, prompts: list[str], seeds: list[int], params: SamplingParams,
              batch_size: int = 64) -> torch.Tensor:
     """Images `[n, 3, H, W]` in [0, 1] for prompts, image i drawn with seeds[i]."""
-    rollout = sample_batched(model, model.encode_prompts(prompts), seeds, params, batch_size)
-    return torch.cat([tokenizer.decode(rollout.tokens[i:i + batch_size]) for i in range(0, len(prompts), batch_size)])
-
-
-def eval_seeds(prompts: int, n: int, seed: int = 0) -> list[int]:
-    """The seeds of `n` images of each of `prompts` prompts: image j of prompt i uses seed + 1000 i + j, the
-    same for every model scored, so a repeated prompt gets fresh images and each pair is comparable."""
-    return [seed + 1000 * i + j for i in range(prompts) for j in range(n)]
+    return draw(model, tokenizer, [PromptEntry(p) for p in prompts], seeds, params, batch_size).images
 
 
 def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[PromptEntry], n: int,
-             params: SamplingParams, judge: Judge | None = None, seed: int = 0) -> dict:
-    prompts = [e.prompt for e in entries for _ in range(n)]
-    seeds = eval_seeds(len(entries), n, seed)
-    meta = [e.metadata for e in entries for _ in range(n)]
+             params: SamplingParams, judge: Judge | None = None, seed: int = EVAL_SEED) -> dict:
+    """Each reward's mean and interval for `policy` and `reference` on `n` images of each entry (the same seeds,
+    rollouts.compare), the judge's tables, and the paired changes with intervals over captions."""
+    paired = compare(policy, reference, tokenizer, entries, n, params, seed, rewards, judge)
+    prompts = paired.prompts
     strata = [judge.form(p) for p in prompts] if judge is not None else None  # the sets are balanced by form
     result = {"prompts": len(entries), "captions": len({e.prompt for e in entries}), "images_per_prompt": n,
               "models": {}}
-    ref_model, ref_ctx = reference.sampler(policy)
-    raw, verdicts, reasons = {}, {}, {}
-    for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):
-        with ctx:
-            images = generate(model, tokenizer, prompts, seeds, params)
-        scored = rewards(images, prompts, meta)
-        raw[name], reasons[name] = scored.raw, scored.reasons
-        verdicts[name] = judge.verdicts(images, prompts) if judge is not None else None
-        table, by_form = judge_tables(judge, images, prompts, verdicts[name])
-        result["models"][name] = {"rewards": {k: interval(v) for k, v in raw[name].items()}, "checker": table,
-                                  "checker_by_form": by_form}
+    sides = {"policy": paired.policy, "reference": paired.reference}
+    for name, scored in sides.items():
+        table, by_form = judge_tables(judge, paired.images[name], prompts, scored.verdicts if judge else None)
+        result["models"][name] = {"rewards": {k: interval(v) for k, v in scored.raw.items()}, "judge": table,
+                                  "judge_by_form": by_form}
     result["difference"] = {k: _diff(result, "rewards", k) for k in result["models"]["policy"]["rewards"]}
     # paired per image (the same prompt and seed on both sides); the interval resamples captions, all
     # their images with them: another draw of captions is what a reader would re-draw (evaluation/intervals.py)
-    diffs = {k: raw["policy"][k].double() - raw["reference"][k].double() for k in raw["policy"]}
+    diffs = {k: paired.policy.raw[k].double() - paired.reference.raw[k].double() for k in paired.policy.raw}
     result["difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
     result["difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}  # these captions held fixed
-    if reasons["policy"]:
-        result["reasons"] = {k: failure_summary(reasons["policy"][k], reasons["reference"][k], prompts, strata)
-                             for k in reasons["policy"]}
-    if result["models"]["policy"]["checker"]:
-        keys = list(result["models"]["policy"]["checker"])
-        result["checker_difference"] = {k: _diff(result, "checker", k) for k in keys}
-        diffs = paired_differences(verdicts["policy"], verdicts["reference"], keys)
-        result["checker_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
-        result["checker_difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}
+    if paired.policy.reasons:
+        result["reasons"] = {k: failure_summary(paired.policy.reasons[k], paired.reference.reasons[k], prompts, strata)
+                             for k in paired.policy.reasons}
+    if result["models"]["policy"]["judge"]:
+        keys = list(result["models"]["policy"]["judge"])
+        result["judge_difference"] = {k: _diff(result, "judge", k) for k in keys}
+        diffs = paired_differences(paired.policy.verdicts, paired.reference.verdicts, keys)
+        result["judge_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
+        result["judge_difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}
     return result
 
 

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from grpo_vision.rollouts import EVAL_SEED, compare
 from grpo_vision.prompts import PromptsError
 from grpo_vision.rewards.geneval import FAILURES
 from grpo_vision.rewards.geneval_prompts import entry, flat
@@ -83,28 +84,21 @@ def _ends(draws: torch.Tensor) -> list[float]:
     return [round(lo, 5), round(hi, 5)]
 
 
-def benchmark(policy, reference, tokenizer, entries: Sequence, reward, n: int, params, seed: int = 0
+def benchmark(policy, reference, tokenizer, entries: Sequence, reward, n: int, params, seed: int = EVAL_SEED
               ) -> tuple[dict, list[dict]]:
     """GenEval's protocol on a policy and its reference: `n` images of each entry (its metadata in
     GenEval's format) from the same seeds for both (image j of entry i: seed + 1000 i + j, as `eval`),
     GenEval's verdicts from `reward` (the `geneval` reward: its `verdicts(images, prompts, metadata)`),
     each model's summary and the paired change. Returns (that result, one row per image with its
     clauses met and the reasons of the failing ones)."""
-    from contextlib import nullcontext
-
-    from grpo_vision.evaluation.evaluate import eval_seeds, generate
-
-    prompts = [e.prompt for e in entries for _ in range(n)]
-    metadata = [e.metadata for e in entries for _ in range(n)]
-    seeds = eval_seeds(len(entries), n, seed)
-    ref_model, ref_ctx = reference.sampler(policy)
+    paired = compare(policy, reference, tokenizer, entries, n, params, seed, rewards=None)  # GenEval's verdicts only
+    prompts, metadata = paired.prompts, [e.metadata for e in paired.entries]
     rows: dict[str, list[dict]] = {}
-    for name, model, ctx in (("policy", policy, nullcontext()), ("reference", ref_model, ref_ctx)):
-        with ctx:
-            images = generate(model, tokenizer, prompts, seeds, params)
+    for name in ("policy", "reference"):
         rows[name] = [{"model": name, "prompt": p, "tag": m["tag"], "seed": s, "correct": v.correct,
                        "clauses_met": v.met, "clauses": v.clauses, "reasons": v.reasons, "failures": v.failures}
-                      for p, m, s, v in zip(prompts, metadata, seeds, reward.verdicts(images, prompts, metadata))]
+                      for p, m, s, v in zip(prompts, metadata, paired.seeds,
+                                            reward.verdicts(paired.images[name], prompts, metadata))]
     result = {"prompts": len(entries), "images_per_prompt": n, "policy": summary(rows["policy"]),
               "reference": summary(rows["reference"]), "change": paired_change(rows["policy"], rows["reference"])}
     return result, rows["policy"] + rows["reference"]

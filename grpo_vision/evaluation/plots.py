@@ -77,11 +77,11 @@ def judge_figure(result: dict):
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter
 
-    names = [k for k, v in result["models"]["policy"]["checker"].items() if v["mean"] is not None]
+    names = [k for k, v in result["models"]["policy"]["judge"].items() if v["mean"] is not None]
     fig = Figure(figsize=(6.4, 2.8))
     ax = fig.add_subplot()
     for offset, model in ((-0.2, "reference"), (0.2, "policy")):
-        table = result["models"][model]["checker"]
+        table = result["models"][model]["judge"]
         ax.bar([i + offset for i in range(len(names))], [table[n]["mean"] for n in names], width=0.4, label=model)
     ax.set_xticks(range(len(names)), ["all right" if n == "correct" else n for n in names], fontsize=8)
     ax.set_ylim(0, 1)

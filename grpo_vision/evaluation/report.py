@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from grpo_vision.rollouts import EVAL_SEED
 from grpo_vision.evaluation.evaluate import eval_temperatures, evaluate, save_sample_grid
 from grpo_vision.run.alerts import load_alerts, report_lines as alert_lines
 from grpo_vision.run.health import run_summary
@@ -21,8 +22,8 @@ def _temperature_table(by_temperature: dict) -> list[str]:
     a judge) and each reward's mean."""
     first = next(iter(by_temperature.values()))
     names = [n for n in first["models"]["policy"]["rewards"] if n != duplicate_of_judge(first)]
-    checked = bool(first["models"]["policy"]["checker"])
-    head = ["temperature"] + (["checker: all right, reference -> policy"] if checked else []) + \
+    checked = bool(first["models"]["policy"]["judge"])
+    head = ["temperature"] + (["judge: all right, reference -> policy"] if checked else []) + \
            [f"{n}: reference -> policy" for n in names]
     lines = ["", "## By sampling temperature", "",
              "The same prompts and seeds at each temperature; the first row is the tables above.", "",
@@ -31,7 +32,7 @@ def _temperature_table(by_temperature: dict) -> list[str]:
         ref, pol = r["models"]["reference"], r["models"]["policy"]
         cells = [str(t)]
         if checked:
-            a, b = ref["checker"]["correct"]["mean"], pol["checker"]["correct"]["mean"]
+            a, b = ref["judge"]["correct"]["mean"], pol["judge"]["correct"]["mean"]
             cells.append(f"{100 * a:.1f}% -> {100 * b:.1f}% ({100 * (b - a):+.1f} pts)")
         for n in names:
             a, b = ref["rewards"][n]["mean"], pol["rewards"][n]["mean"]
@@ -48,7 +49,7 @@ def sets_table(result: dict, twin: str | None) -> list[str]:
     """Train sample, test and held-out side by side: the judge's all-right rate (else the first reward),
     its change with the interval over captions and, labelled, the per-image one."""
     sets = {"train_sample": result.get("train_sample"), "test": result, "heldout": result.get("heldout")}
-    judged = bool(result["models"]["policy"]["checker"])
+    judged = bool(result["models"]["policy"]["judge"])
     name = "judge: all attributes right" if judged else next(iter(result["difference_ci"]), None)
     if name is None:
         return []
@@ -59,9 +60,9 @@ def sets_table(result: dict, twin: str | None) -> list[str]:
         if r is None:
             continue
         if judged:
-            ref, pol = (r["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
-            cells = [rate_value(ref), rate_value(pol), rate_change(r["checker_difference_ci"]["correct"]),
-                     rate_change(r["checker_difference_ci_per_image"]["correct"])]
+            ref, pol = (r["models"][m]["judge"]["correct"] for m in ("reference", "policy"))
+            cells = [rate_value(ref), rate_value(pol), rate_change(r["judge_difference_ci"]["correct"]),
+                     rate_change(r["judge_difference_ci_per_image"]["correct"])]
         else:
             ref, pol = (r["models"][m]["rewards"][name] for m in ("reference", "policy"))
             cells = [reward_value(ref), reward_value(pol), reward_change(r["difference_ci"][name]),
@@ -82,15 +83,15 @@ def _judge_section(result: dict, title: str) -> list[str]:
     """The judge per attribute on the test prompts, and its all-right rate per prompt form."""
     lines = ["", f"## {title}, per attribute (test prompts)", "",
              f"| attribute | reference | policy | {interval_heading(result)} |", "|---|---|---|---|"]
-    for name in result["checker_difference"]:
-        ref, pol = (result["models"][m]["checker"][name] for m in ("reference", "policy"))
+    for name in result["judge_difference"]:
+        ref, pol = (result["models"][m]["judge"][name] for m in ("reference", "policy"))
         label = "all attributes right" if name == "correct" else name
         lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
-                     f"{rate_change(result['checker_difference_ci'].get(name))} |")
-    lines += ["", "![checker accuracy](checker.png)", "", "All attributes right, by prompt form:",
+                     f"{rate_change(result['judge_difference_ci'].get(name))} |")
+    lines += ["", "![judge accuracy](judge.png)", "", "All attributes right, by prompt form:",
               "", "| form | reference | policy | change |", "|---|---|---|---|"]
-    for form, pol in result["models"]["policy"]["checker_by_form"].items():
-        ref = result["models"]["reference"]["checker_by_form"][form]
+    for form, pol in result["models"]["policy"]["judge_by_form"].items():
+        ref = result["models"]["reference"]["judge_by_form"][form]
         change = 100 * (pol["mean"] - ref["mean"])
         lines.append(f"| {form} | {rate_value(ref)} | {rate_value(pol)} | {change:+.1f} pts |")
     return lines
@@ -119,7 +120,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     run_dir = Path(run_dir)
     policy.eval()
     temperatures = eval_temperatures(cfg)
-    n, seed = cfg.log.eval_images, cfg.run.seed + 99
+    n, seed = cfg.log.eval_images, EVAL_SEED  # the images `eval RUN` and the matrix score (rollouts.eval_seeds)
 
     def run_eval(entries, t, what):
         print(f"[report] evaluating on {len(entries)} {what} x {n} images at temperature {t}", flush=True)
@@ -159,8 +160,8 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
              "each prompt form; eval.json also holds the per-image interval, which holds the captions fixed "
              "(`*_per_image`).", "",
              *sets_table(result, twin), "## Test prompts", "", *change_table(result)]
-    if result["models"]["policy"]["checker"]:
-        save_figure(judge_figure(result), run_dir / "checker.png")
+    if result["models"]["policy"]["judge"]:
+        save_figure(judge_figure(result), run_dir / "judge.png")
         lines += _judge_section(result, judge.name)
     lines += _other_sets(result)
     if len(by_temperature) > 1:

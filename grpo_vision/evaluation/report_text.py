@@ -59,10 +59,10 @@ def duplicate_of_judge(result: dict) -> str | None:
     """The reward that is the judge's all-right rate itself (ShapesWorld's shapes_exact): the same mean
     and interval on both sides. Its row would repeat the judge's."""
     models = result["models"]
-    if not models["policy"]["checker"]:
+    if not models["policy"]["judge"]:
         return None
     for name in models["policy"]["rewards"]:
-        if all(models[m]["rewards"][name] == models[m]["checker"]["correct"] for m in ("policy", "reference")):
+        if all(models[m]["rewards"][name] == models[m]["judge"]["correct"] for m in ("policy", "reference")):
             return name
     return None
 
@@ -82,11 +82,11 @@ def change_table(result: dict) -> list[str]:
         ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
         lines.append(f"| {name} | {reward_value(ref)} | {reward_value(pol)} | "
                      f"{reward_change(result.get('difference_ci', {}).get(name))} |")
-    if result["models"]["policy"]["checker"]:
-        ref, pol = (result["models"][m]["checker"]["correct"] for m in ("reference", "policy"))
+    if result["models"]["policy"]["judge"]:
+        ref, pol = (result["models"][m]["judge"]["correct"] for m in ("reference", "policy"))
         label = "judge: all attributes right" + (f" (= reward `{twin}`)" if twin else "")
         lines.append(f"| {label} | {rate_value(ref)} | {rate_value(pol)} | "
-                     f"{rate_change(result.get('checker_difference_ci', {}).get('correct'))} |")
+                     f"{rate_change(result.get('judge_difference_ci', {}).get('correct'))} |")
     return lines
 
 
@@ -149,7 +149,7 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
     when that looks like reward hacking, why a reward that gives reasons failed images (GenEval's
     clauses), the judge on the training rollouts (`rollouts`, a `rollout_trend`), and the KL it cost."""
     changes = result.get("difference_ci", {})
-    judged = result.get("checker_difference_ci", {})
+    judged = result.get("judge_difference_ci", {})
     up = lambda names: [n for n in names if _sign(changes.get(n)) > 0]  # noqa: E731
     down = lambda names: [n for n in names if _sign(changes.get(n)) < 0]  # noqa: E731
     said = []
@@ -169,8 +169,8 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
     if moved:
         said.append(f"Monitored, not trained on: {'; '.join(moved)}.")
     if judged:
-        ref = result["models"]["reference"]["checker"]["correct"]["mean"]
-        pol = result["models"]["policy"]["checker"]["correct"]["mean"]
+        ref = result["models"]["reference"]["judge"]["correct"]["mean"]
+        pol = result["models"]["policy"]["judge"]["correct"]["mean"]
         said.append(f"The exact judge's all-attributes-right rate went from {100 * ref:.1f}% to {100 * pol:.1f}% "
                     f"({rate_change(judged.get('correct'))}, {result.get('captions', result['prompts'])} captions).")
         attrs = [a for a in judged if a != "correct"]

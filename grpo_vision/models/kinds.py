@@ -4,12 +4,14 @@ register like any plugin's kinds (plugins.py, policy.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import torch
 
 from grpo_vision.config import ConfigError, PolicyConfig
+from grpo_vision.models.llamagen_load import LlamaGenOptions
 from grpo_vision.policy import Bundle, register_path_loader, register_policy_kind
 
 
@@ -19,7 +21,6 @@ def load_llama(pcfg: PolicyConfig, device) -> Bundle:
     from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.models.tokenizer import VQTokenizer
 
-    no_options(pcfg)
     if not pcfg.tokenizer:
         raise ConfigError("policy.kind 'llama' needs policy.tokenizer: the directory of its VQ tokenizer")
     policy = LlamaImagePolicy.from_pretrained(pcfg.path, device).to(getattr(torch, pcfg.dtype))
@@ -31,7 +32,6 @@ def load_janus(pcfg: PolicyConfig, device) -> Bundle:
     """Janus-Pro through transformers; its VQ model, inside the checkpoint, is the tokenizer."""
     from grpo_vision.models.janus import JanusImagePolicy
 
-    no_options(pcfg)
     if pcfg.tokenizer:
         raise ConfigError("policy.tokenizer is not used with policy.kind 'janus': its VQ model is part of the "
                           "Janus checkpoint in policy.path; leave policy.tokenizer empty")
@@ -39,14 +39,7 @@ def load_janus(pcfg: PolicyConfig, device) -> Bundle:
     return Bundle(policy, policy.image_tokenizer(), source=Path(pcfg.path))  # the tokenizer shares the VQ model
 
 
-def no_options(pcfg: PolicyConfig) -> None:
-    """ConfigError for policy.options given to a kind that takes none (an unknown key is an error)."""
-    if pcfg.options:
-        raise ConfigError(f"policy.options ({', '.join(map(str, pcfg.options))}) is not used with policy.kind "
-                          f"{pcfg.kind!r}; remove it")
-
-
-@register_policy_kind("llamagen")
+@register_policy_kind("llamagen", options=LlamaGenOptions)
 def load_llamagen(pcfg: PolicyConfig, device) -> Bundle:
     """LlamaGen's released GPT (`policy.path`, c2i or t2i), its VQ (`policy.tokenizer`), `policy.options`."""
     from grpo_vision.models.llamagen_load import load_llamagen as load
@@ -70,8 +63,9 @@ def run_folder_of(path: str | Path) -> tuple[Path, int | None] | None:
 
 
 def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
-    """The Bundle of the run folder in `pcfg.path`: its own policy kind, tokenizer and options, with the
-    checkpoint's weights (an adapter merged into them) in `pcfg.dtype`; a new run trains on from there."""
+    """The Bundle of the run folder in `pcfg.path`: its own policy kind, tokenizer and options (those that
+    `pcfg.options` gives replaced), with the checkpoint's weights (an adapter merged into them) in `pcfg.dtype`;
+    a new run trains on from there."""
     from grpo_vision.models.adapters import add_adapter
     from grpo_vision.policy import load_bundle
     from grpo_vision.run.checkpoint import find_checkpoint, load_checkpoint
@@ -83,9 +77,12 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
     if pcfg.kind != own.kind:
         raise ConfigError(f"policy.path {pcfg.path} is a run folder of policy kind {own.kind!r}: set policy.kind "
                           f"to {own.kind!r}")
-    if pcfg.tokenizer or pcfg.options:
-        raise ConfigError(f"policy.path {pcfg.path} is a run folder, which brings its own policy.tokenizer and "
-                          "policy.options: leave them empty")
+    if pcfg.tokenizer:
+        raise ConfigError(f"policy.path {pcfg.path} is a run folder, which brings its own policy.tokenizer: leave "
+                          "it empty")
+    # the run's own options, each that policy.options gives replaced: a setting of this run rather than of the
+    # model (ShapesWorld's world_train_split), or a file that moved since (llamagen's text_encoder)
+    own = dataclasses.replace(own, options={**own.options, **pcfg.options})
     bundle = load_bundle(own, device)  # the run's own base (itself a run folder, for a chain of runs)
     policy, t = bundle.policy, cfg.train
     frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}  # what the kind's loader froze

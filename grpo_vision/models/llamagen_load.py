@@ -178,11 +178,10 @@ def head_count(state: dict, gpt: str, heads: int, path: Path) -> int:
 
 def load_llamagen(pcfg, device):
     """The llamagen kind's Bundle: the GPT in `policy.path`, the VQ in `policy.tokenizer`, `policy.options`."""
-    from grpo_vision.config import from_dict
     from grpo_vision.models.llamagen_vq import LlamaGenVQ
-    from grpo_vision.policy import Bundle
+    from grpo_vision.policy import Bundle, kind_options
 
-    options = from_dict(LlamaGenOptions, dict(pcfg.options), where="config", prefix="policy.options.")
+    options = kind_options(pcfg)  # a LlamaGenOptions, the class the kind registered (models/kinds.py)
     if not pcfg.tokenizer:
         raise ConfigError("policy.kind 'llamagen' needs policy.tokenizer: LlamaGen's VQ checkpoint (vq_ds16_t2i.pt "
                           "for text-to-image, vq_ds16_c2i.pt for class-conditional)")

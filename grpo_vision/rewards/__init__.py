@@ -16,6 +16,7 @@ from grpo_vision.rewards.base import (
     RewardFn,
     available_rewards,
     batched,
+    check_options,
     check_rewards,
     is_registered,
     make_reward,
@@ -28,5 +29,5 @@ from grpo_vision.rewards.base import (
 from grpo_vision.rewards.composite import CompositeReward, RewardOutput
 
 __all__ = ["REGISTRY", "CompositeReward", "RewardContext", "RewardError", "RewardFn", "RewardOutput",
-           "available_rewards", "batched", "check_rewards", "is_registered", "make_reward",
+           "available_rewards", "batched", "check_options", "check_rewards", "is_registered", "make_reward",
            "register_callable", "register_reward", "reward_origin", "save_reward_origins", "supply_rewards"]

@@ -21,6 +21,7 @@ their own callable with `python:package.module:function` (the function is the re
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import sys
@@ -33,6 +34,7 @@ import torch
 from grpo_vision.config import ConfigError, brief, from_dict
 from grpo_vision.files import write_file
 from grpo_vision.plugins import load_plugins, not_found_hint
+from grpo_vision.policy import kind_options
 
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
 
@@ -87,21 +89,53 @@ def is_registered(name: str) -> bool:
 def make_reward(name: str, ctx: RewardContext, options: dict[str, Any] | None = None) -> RewardFn:
     """The reward `name` built with `options` (a mapping, checked against its options dataclass)."""
     if name.startswith("python:"):
-        if options:
-            raise ConfigError(f"reward.options.{name}: a python: reward takes no options; read your own "
-                              "settings inside the function")
+        reward_options(name, options)
         return _import_callable(name)
     if not is_registered(name):
         raise ConfigError(f"unknown reward {brief(name)}; registered rewards: {', '.join(available_rewards())} "
                           f"({not_found_hint()})")
+    parsed = reward_options(name, options)
+    return REGISTRY[name].factory(ctx) if parsed is None else REGISTRY[name].factory(ctx, parsed)
+
+
+def reward_options(name: str, options: dict[str, Any] | None) -> Any:
+    """`options` as registered reward `name`'s options dataclass, strictly (an unknown key or a wrong type is a
+    ConfigError naming it); None for a reward that takes none, which refuses any."""
+    if name.startswith("python:"):
+        if options:
+            raise ConfigError(f"reward.options.{name}: a python: reward takes no options; read your own "
+                              "settings inside the function")
+        return None
     entry = REGISTRY[name]
     if entry.options is None:
         if options:
             raise ConfigError(f"reward.options.{name}: reward {name!r} takes no options, got "
                               f"{', '.join(map(brief, options))}")
-        return entry.factory(ctx)
-    return entry.factory(ctx, from_dict(entry.options, dict(options or {}), where="config",
-                                        prefix=f"reward.options.{name}."))
+        return None
+    return from_dict(entry.options, dict(options or {}), where="config", prefix=f"reward.options.{name}.")
+
+
+def check_option_names(names) -> None:
+    """ConfigError for the first of `names` (the keys of reward.options) that is no reward: a misspelt name's
+    options would otherwise be silently unused."""
+    for name in names:
+        if not is_registered(name):
+            close = difflib.get_close_matches(name, sorted(REGISTRY), n=1)
+            hint = f" (did you mean 'reward.options.{close[0]}'?)" if close else ""
+            raise ConfigError(f"reward.options names {brief(name)}, which is not a reward{hint}; registered "
+                              f"rewards: {', '.join(available_rewards())}")
+
+
+def check_options(cfg) -> None:
+    """Check the config's `reward.options.<name>` and `policy.options` against the options dataclasses that the
+    rewards and the policy kind registered (plugins loaded on demand, as every lookup does): a misspelt key
+    is a ConfigError naming it, with a did-you-mean, when a command loads the config rather than when the
+    model loads (issue 51). A config without policy.kind (`score` needs none) has no policy options to check."""
+    check_option_names(cfg.reward.options)
+    for name, options in cfg.reward.options.items():
+        reward_options(name, options)
+    if cfg.policy.kind or cfg.policy.options:
+        kind_options(cfg.policy)
 
 
 def register_callable(name: str, fn: RewardFn) -> None:

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from grpo_vision.config import ConfigError, brief
-from grpo_vision.rewards.base import RewardContext, RewardError, RewardFn, available_rewards, is_registered, make_reward
+from grpo_vision.rewards.base import RewardContext, RewardError, RewardFn, check_option_names, make_reward
 
 
 @dataclass
@@ -49,10 +49,7 @@ class CompositeReward:
         """The rewards of a config.RewardConfig, plus any that prompt entries name in their own weights.
         Each reward's options are `defaults[name]` (what the policy kind ships, e.g. ShapesWorld's tiny
         CLIP) overridden key by key by `reward.options[name]`."""
-        for name in reward_cfg.options:  # a typo in an options key would otherwise be silently unused
-            if not is_registered(name):
-                raise ConfigError(f"reward.options names {brief(name)}, which is not a reward; registered rewards: "
-                                  f"{', '.join(available_rewards())}")
+        check_option_names(reward_cfg.options)
         names = {*(defaults or {}), *reward_cfg.options}
         options = {n: {**(defaults or {}).get(n, {}), **reward_cfg.options.get(n, {})} for n in names}
         composite = cls(reward_cfg.weights, reward_cfg.monitor,

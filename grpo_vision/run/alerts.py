@@ -92,10 +92,10 @@ def beyond(c: tuple[float, float] | None, sigmas: float) -> int:
     return 0 if abs(d) <= sigmas * se or d == 0 else (1 if d > 0 else -1)
 
 
-def _spread_key(rows: list[dict], name: str) -> str:
-    """A reward's within-group std (`group_std`); runs from before that metric have only the std over
-    the whole step (`std`), which also counts the spread between prompts."""
-    return f"reward/{name}/group_std" if f"reward/{name}/group_std" in rows[-1] else f"reward/{name}/std"
+def _spread_key(name: str) -> str:
+    """A reward's within-group std (`group_std`): the spread its advantages come from, not the std over the
+    whole step (`std`), which also counts the spread between prompts."""
+    return f"reward/{name}/group_std"
 
 
 def _r(x: float) -> float:
@@ -123,7 +123,7 @@ def flat_reward(rows: list[dict], o: AlertConfig, trained: list[str]) -> list[tu
         for name in trained:
             key = f"reward/{name}/mean"
             c = change(_values(prev, key), _values(last, key))
-            spread = _values(last, _spread_key(rows, name))
+            spread = _values(last, _spread_key(name))
             if c is None or not spread or fmean(spread) <= 0:
                 return out  # a reward without numbers or without spread: not this check's case
             if beyond(c, o.sigmas) or abs(c[0]) >= o.flat_change * fmean(spread):
@@ -177,7 +177,7 @@ def variance_collapse(rows: list[dict], o: AlertConfig, trained: list[str]) -> l
     if len(rows) < 2 * W:
         return out
     for t in trained:
-        key = _spread_key(rows, t)
+        key = _spread_key(t)
         start, now = _values(rows[:W], key), _values(rows[-W:], key)
         if start and now and fmean(start) > 0 and fmean(now) < o.collapse_fraction * fmean(start):
             out.append((f"variance_collapse:{t}",
@@ -307,7 +307,7 @@ def report_lines(alerts: list[dict]) -> list[str]:
 
 def replay_run(run_dir: str | Path, overrides: list[str] | tuple = ()) -> list[Alert]:
     """The alerts a run's metrics.jsonl makes fire under its config's log.alerts (with `overrides`, e.g.
-    log.alerts.window=20): what a finished run, or one trained before the alerts existed, would have said."""
+    log.alerts.window=20): what a finished run would have said under other thresholds."""
     from grpo_vision.run.folder import read_run_config
     from grpo_vision.run.metrics import load_metrics
 

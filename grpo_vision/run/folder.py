@@ -7,7 +7,8 @@ A relative path of the config (policy.path, policy.tokenizer, data.*, and reward
 existing file) is looked for first from the run folder's side, which stays right when the run folder
 is copied, to this machine or another, together with what it names (say `runs/` beside `worlds/`),
 then at the absolute directory, right when only the run folder moved. So `eval RUN` works from any
-directory. A run from before origin.json resolves against the current directory, as it always did.
+directory. A folder without origin.json (not written by `train`: a config.yaml put there by hand)
+resolves against the current directory.
 
 Code. A `python:module:function` reward imports and runs that module, and a reward told
 `trust_torchscript: true` runs its archive's code; a run folder's config or prompts files may say

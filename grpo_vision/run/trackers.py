@@ -30,17 +30,12 @@ from grpo_vision.files import folder, write_file
 PACKAGE = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it needs
 
 
-def tracker_names(log) -> list[str]:
-    """log.trackers without repeats; tensorboard left out where log.tensorboard is false (the older switch)."""
-    return [n for n in dict.fromkeys(log.trackers) if n != "tensorboard" or log.tensorboard]
-
-
 def accelerator_options(cfg, run_dir: Path) -> dict:
     """Accelerator(...)'s tracker arguments for this run; a tracker whose package is missing is a
     ConfigError here (accelerate itself would leave it out silently)."""
     from accelerate.utils import ProjectConfiguration
 
-    names = tracker_names(cfg.log)
+    names = list(dict.fromkeys(cfg.log.trackers))  # a tracker named twice starts once
     for n in names:
         if importlib.util.find_spec(PACKAGE[n]) is None:
             raise ConfigError(f"log.trackers names {n}, and the {PACKAGE[n]} package is not installed: pip install "

@@ -3,7 +3,8 @@ user's world or model would use (grpo_vision/plugins.py).
 
 * the policy kind `shapes`: a world directory's base policy and VQ tokenizer, with its judge (the
   exact checker), the default model files of the `clip` and `aesthetic` rewards (its tiny CLIP and
-  aesthetic head), and its caption sets as the default prompts (train, test, held-out);
+  aesthetic head), and its caption sets as the default prompts (train, test, held-out), chosen by its
+  options (`policy.options`, ShapesOptions);
 * the rewards `shapes_exact` and `shapes_partial` (grpo_vision/shapes/rewards.py).
 
 The world builder (`grpo_vision.shapes.build`) is not imported here: training never needs it.
@@ -11,21 +12,32 @@ The world builder (`grpo_vision.shapes.build`) is not imported here: training ne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
 import grpo_vision.shapes.rewards  # noqa: F401  (registers shapes_exact, shapes_partial)
-from grpo_vision.policy import Bundle, register_policy_kind
+from grpo_vision.policy import Bundle, kind_options, register_policy_kind
 from grpo_vision.splits import PromptSets
 from grpo_vision.prompts import PromptEntry
 
-TRAIN_PROMPTS = 512  # captions of data.world_train_split a run trains on, an equal share per caption form
+TRAIN_PROMPTS = 512  # captions of policy.options.world_train_split a run trains on, an equal share per caption form
 EVAL_SEED = 1  # the eval sets are drawn with a fixed seed: every run.seed is scored on the same captions
 # The training captions are a fixed data set too, as a data set is in TRL: run.seed draws each step's
 # prompts from it and every image's seed, so runs that differ in their seed share their training sample
 TRAIN_SEED = 0
 CLIP_CONFIG = Path(__file__).parent / "shapes_clip.json"  # the tiny CLIP's open_clip architecture
+
+
+@dataclass
+class ShapesOptions:
+    """`policy.options` of the shapes kind."""
+    # Without data.train_prompts, what RL trains on: "train" = captions of the base policy's training split
+    # (the test captions' distribution); "all" = both splits, so RL also trains on held-out compositions
+    # (other captions than the transfer row's); "heldout" = held-out compositions only
+    world_train_split: Literal["train", "all", "heldout"] = "train"
 
 
 def world_reward_defaults(world: Path) -> dict[str, dict]:
@@ -50,7 +62,7 @@ def world_prompts(cfg) -> PromptSets:
       other image seeds. data.eval_draw 2, 3, ... draw again from the same pool (another relation,
       background and size sample), for a check of the draw;
     * held-out (the transfer row): captions naming a held-out colour-shape pair, which no model trained on;
-    * train: TRAIN_PROMPTS captions of data.world_train_split outside the test pool, the same for every
+    * train: TRAIN_PROMPTS captions of policy.options.world_train_split outside the test pool, the same for every
       run.seed; train_sample: data.eval_size of them, scored beside the eval sets."""
     from grpo_vision.shapes.scene import FORMS, all_captions
 
@@ -62,7 +74,7 @@ def world_prompts(cfg) -> PromptSets:
         test_pool[form] = [pool[i] for i in order[:len(pool) // 2]]
         rest[form] = [pool[i] for i in order[len(pool) // 2:]]
     heldout_pool = {form: all_captions("heldout", form) for form in FORMS}
-    split = cfg.data.world_train_split
+    split = kind_options(cfg.policy).world_train_split
     train_pool = {f: (rest[f] if split != "heldout" else []) + (heldout_pool[f] if split != "train" else [])
                   for f in FORMS}
     train = draw_per_form(train_pool, TRAIN_PROMPTS // len(FORMS), [TRAIN_SEED])
@@ -92,19 +104,15 @@ def interleave(drawn: dict[str, list[str]]) -> list[str]:
     return [v[i] for i in range(share) for v in drawn.values() if v]
 
 
-@register_policy_kind("shapes", prompts=world_prompts)
+@register_policy_kind("shapes", prompts=world_prompts, options=ShapesOptions)
 def load_shapes(pcfg, device) -> Bundle:
     """A ShapesWorld directory (`policy.path`): its base policy in `policy.dtype` (saved in float32, cast as
-    the llama kind casts), its tokenizer, judge and reward models."""
+    the llama kind casts), its tokenizer, judge and reward models. Its options choose prompts, not weights."""
     import torch
 
-    from grpo_vision.config import ConfigError
     from grpo_vision.shapes.judge import ShapesJudge
     from grpo_vision.shapes.world import load_world
 
-    if pcfg.options:  # an unused key would be silently ignored otherwise
-        raise ConfigError(f"policy.options ({', '.join(map(str, pcfg.options))}) is not used with policy.kind "
-                          "'shapes'; remove it")
     world = load_world(pcfg.path, device)
     return Bundle(world.policy.to(getattr(torch, pcfg.dtype)), world.tokenizer, judge=ShapesJudge(),
                   reward_defaults=world_reward_defaults(world.path), source=world.path)

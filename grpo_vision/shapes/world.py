@@ -45,25 +45,8 @@ class WorldError(ConfigError):
 @dataclass
 class World:
     path: Path
-    info: dict  # world.json
     tokenizer: Any  # grpo_vision.models.tokenizer.VQTokenizer
     policy: Any  # grpo_vision.models.llama.LlamaImagePolicy
-
-    @property
-    def sampling(self) -> dict:
-        return self.info["sampling"]
-
-    @property
-    def clip_model_name(self) -> str:
-        return self.info["clip_model_name"]
-
-    @property
-    def clip_checkpoint(self) -> Path:
-        return self.path / "clip" / "clip.safetensors"
-
-    @property
-    def aesthetic_dir(self) -> Path:
-        return self.path / "aesthetic"
 
 
 def stage_problem(world: Path, name: str) -> str | None:
@@ -163,4 +146,4 @@ def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
             raise WorldError(f"world file {problem}; {rebuild_command(world, info, name)}")
     tokenizer = VQTokenizer.from_pretrained(world / "vq", device=device)
     policy = LlamaImagePolicy.from_pretrained(world / "policy", device=device).float().eval()
-    return World(world, info, tokenizer, policy)
+    return World(world, tokenizer, policy)

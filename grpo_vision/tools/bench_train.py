@@ -36,7 +36,7 @@ def _our_steps(config: str, overrides: list[str], steps: int, out_dir: str) -> t
     name = f"bench_{time.monotonic_ns()}"
     cfg = load_config(config, [*overrides, f"train.steps={steps}", f"run.out_dir={out_dir}", f"run.name={name}",
                                "log.report=false", "log.sample_every=0", "log.checkpoint_every=0",
-                               "log.tensorboard=false"])
+                               "log.trackers=[]"])
     with redirect_stdout(sys.stderr):  # the run's own lines; stdout is the benchmark's JSON
         run = train(cfg, progress=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -282,7 +282,7 @@ def side_json(side: Side, seeds: list[int]) -> dict:
     rewards = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in side.rewards.items()}
     reasons = {k: [[list(r) for r in image] for image in v] for k, v in side.reasons.items()}
     return {"label": side.label, "seeds": seeds, "rewards": rewards, "reasons": reasons, "not_scored": side.notes,
-            "checker": side.checks}
+            "judge": side.checks}
 
 
 def _mean(values: list[float]) -> float | None:

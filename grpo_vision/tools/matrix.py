@@ -144,7 +144,9 @@ def check_options(config: str, overrides: list[str], cfg: Config, specs: list[Ru
     though no run trains on them), the eval prompts."""
     from grpo_vision.splits import prompt_lists
     from grpo_vision.rewards import available_rewards, is_registered
+    from grpo_vision.rewards import check_options as check_registered_options
 
+    check_registered_options(cfg)  # reward.options and policy.options, as `train` checks them
     for spec in specs:
         derived_sizes(run_config(config, overrides, spec, Path("runs")), 1)
     if (images or cfg.log.eval_images) < 2:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.evaluation.evaluate import eval_params, eval_seeds, load_run
+from grpo_vision.evaluation.evaluate import eval_params, load_run
 from grpo_vision.files import write_file
 from grpo_vision.images import to_uint8
 from grpo_vision.evaluation.intervals import caption_interval
@@ -33,9 +33,7 @@ from grpo_vision.policy import load_bundle
 from grpo_vision.splits import prompt_lists
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.rewards import CompositeReward
-from grpo_vision.sampling import sample_batched, sequence_logprobs
-
-EVAL_SEED = 99  # image j of prompt i uses EVAL_SEED + 1000 i + j, for every model (as the report does)
+from grpo_vision.rollouts import EVAL_SEED, decode_images, draw, eval_seeds, kl_to, repeat, score
 STRIP_PROMPTS = 8  # prompts in a run's sample strip: image 0 of each of the first test prompts
 
 
@@ -81,46 +79,28 @@ class Scorer:
                 "sets": {k: [e.prompt for e in v] for k, v in self.sets.items()}}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
-    def per_image(self, entries) -> tuple[list[str], list]:
-        """A set's prompts and metadata, one per image (each prompt's n images in turn): the order of its
-        tokens, scores and seeds, which score() and add_rewards() must share."""
-        return [e.prompt for e in entries for _ in range(self.n)], [e.metadata for e in entries for _ in range(self.n)]
-
     @torch.no_grad()
     def score(self, model) -> tuple[dict, list, dict]:
         """Per-image and per-prompt scores of `model` on every eval set, its strip images and, per set,
         its sampled tokens `[prompts x n, sequence]`."""
         out, strip, sampled = {}, [], {}
         for set_name, entries in self.sets.items():
-            prompts, meta = self.per_image(entries)
-            seeds = eval_seeds(len(entries), self.n, EVAL_SEED)
-            cond = model.encode_prompts(prompts)
-            rollout = sample_batched(model, cond, seeds, self.params, self.batch_size)
-            images, kl = self.decode(rollout.tokens), []
-            for i in range(0, len(prompts), self.batch_size):
-                ref = sequence_logprobs(self.base, cond[i:i + self.batch_size], rollout.tokens[i:i + self.batch_size],
-                                        self.params)
-                log_ratio = ref - rollout.logprobs[i:i + self.batch_size]
-                kl.append((log_ratio.exp() - log_ratio - 1).mean(1))  # k3 per token, averaged per image
-            sampled[set_name] = rollout.tokens.cpu()
-            raw = self.rewards(images, prompts, meta).raw
-            emb = self.embed(images).reshape(len(entries), self.n, -1)
-            verdicts = self.bundle.judge.verdicts(images, prompts) if self.bundle.judge else []
+            samples = draw(model, self.bundle.tokenizer, repeat(entries, self.n), eval_seeds(len(entries), self.n),
+                           self.params, self.batch_size)
+            scored = score(self.rewards, samples.images, samples.entries, self.bundle.judge)
+            kl = kl_to(self.base, samples, self.params, self.batch_size)  # grpo.k3_kl, as training logs it
+            sampled[set_name] = samples.rollout.tokens.cpu()
+            emb = self.embed(samples.images).reshape(len(entries), self.n, -1)
+            verdicts = scored.verdicts if self.bundle.judge else []
             judge = {} if not verdicts or any(v is None for v in verdicts) else {
                 a: [None if v.get(a) is None else float(v[a]) for v in verdicts]
                 for a in ("correct", *self.bundle.judge.attributes)}
-            out[set_name] = {"rewards": {k: _floats(v) for k, v in raw.items()}, "judge": judge,
-                             "entropy": _floats(rollout.entropy.mean(1)), "kl": _floats(torch.cat(kl)),
+            out[set_name] = {"rewards": {k: _floats(v) for k, v in scored.raw.items()}, "judge": judge,
+                             "entropy": _floats(samples.rollout.entropy.mean(1)), "kl": _floats(kl),
                              "diversity": _floats(pairwise_distance(emb))}
             if set_name == "test":
-                strip = [images[p * self.n] for p in range(min(STRIP_PROMPTS, len(entries)))]
+                strip = [samples.images[p * self.n] for p in range(min(STRIP_PROMPTS, len(entries)))]
         return out, strip, sampled
-
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Images of `tokens` `[n, sequence]`, decoded in batches of `batch_size`: score() and add_rewards()
-        share it, so an added reward sees the images the others were scored on."""
-        return torch.cat([self.bundle.tokenizer.decode(tokens[i:i + self.batch_size])
-                          for i in range(0, len(tokens), self.batch_size)])
 
     @torch.no_grad()
     def add_rewards(self, scores: dict, tokens: dict, names: list[str]) -> None:
@@ -128,8 +108,9 @@ class Scorer:
         images as sampling gives, so the same values as scoring them with the rest."""
         rewards = self.composite(names)
         for set_name, entries in self.sets.items():
-            prompts, meta = self.per_image(entries)
-            raw = rewards(self.decode(tokens[set_name].to(self.device)), prompts, meta).raw
+            rows = repeat(entries, self.n)  # the rows' order of score()'s: its images decode alike
+            images = decode_images(self.bundle.tokenizer, tokens[set_name].to(self.device), self.batch_size)
+            raw = rewards(images, [e.prompt for e in rows], [e.metadata for e in rows]).raw
             scores["sets"][set_name]["rewards"].update({n: _floats(v) for n, v in raw.items()})
 
 

@@ -129,7 +129,8 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
 
 
 def recorded_files(world: Path) -> dict:
-    """The file checksums world.json records, or {} (no world.json yet, or one from before they were)."""
+    """The file checksums world.json records, or {} (no world.json yet, or one without them: the build
+    rewrites it)."""
     try:
         files = json.loads((world / "world.json").read_text()).get("files")
     except (OSError, ValueError, AttributeError):  # absent, unreadable, not an object: the build rewrites it
