@@ -20,16 +20,13 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from grpo_vision.config import EVAL_SEED
 from grpo_vision.grpo import k3_kl
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.sampling import Rollout, SamplingParams, batched_logprobs, sample_batched
 
 if TYPE_CHECKING:
     from grpo_vision.policy import Judge
-
-# Every eval image's base seed, whatever run.seed: image j of prompt i draws EVAL_SEED + 1000 i + j, so a run's
-# report, `eval RUN` and the matrix (whose runs differ in run.seed) score the same images of a prompt set
-EVAL_SEED = 99
 
 
 def eval_seeds(prompts: int, n: int, seed: int = EVAL_SEED) -> list[int]:

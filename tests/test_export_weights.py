@@ -18,6 +18,7 @@ from grpo_vision.policy import load_bundle
 from grpo_vision.evaluation.weights import export_run
 from grpo_vision.train import train
 from tests.test_janus import PROMPTS as JANUS_PROMPTS, build_tiny_janus, write_config as janus_config
+from tests.test_llamagen import LLAMAGEN_PROMPTS
 
 LLAMA_PROMPTS = ["a red circle", "a blue square", "a red square left of a blue circle"]
 
@@ -225,30 +226,12 @@ def t5_dir(tmp_path_factory):
 
 
 def llamagen_config(mode, t5_dir, tmp_path, adapter: bool):
-    from tests.test_llamagen import pcfg
+    from tests.test_llamagen import write_config
 
-    prompts = LLAMAGEN_PROMPTS[mode]
-    (tmp_path / "train.txt").write_text("\n".join(prompts) + "\n")
-    (tmp_path / "eval.txt").write_text("a green cat\n" if mode == "t2i" else "2 a cat\n")
-    policy = pcfg(mode, t5_dir)
-    config = {
-        "run": {"name": f"llamagen_{mode}", "out_dir": str(tmp_path / "runs"), "device": "cpu"},
-        "policy": {"kind": "llamagen", "path": policy.path, "tokenizer": policy.tokenizer, "options": policy.options},
-        "sample": {"prompts_per_step": 2, "group_size": 4, "cfg_scale": 3.0, "batch_size": 8},
-        "train": {"steps": 2, "micro_batch_size": 4, "lr": 1e-3, "beta": 0.04,
-                  **({"adapter": "lora", "reference": "adapter", "adapter_rank": 4,
-                      "adapter_targets": ["wqkv", "wo"]} if adapter else {})},
-        "reward": {"weights": {"jpeg_compressibility": 1.0}, "monitor": []},
-        "data": {"train_prompts": str(tmp_path / "train.txt"), "eval_prompts": str(tmp_path / "eval.txt")},
-        "log": {"sample_every": 0, "checkpoint_every": 0, "eval_images": 1, "trackers": [], "report": False},
-    }
-    path = tmp_path / f"llamagen_{mode}.yaml"
-    path.write_text(json.dumps(config))
-    return load_config(path)
-
-
-LLAMAGEN_PROMPTS = {"t2i": ["a red circle", "a blue square on the grass", "two green dogs left of a cat"],
-                    "c2i": ["1 a red circle", "4 a dog", "7 a cat"]}
+    lora = {"adapter": "lora", "reference": "adapter", "adapter_rank": 4, "adapter_targets": ["wqkv", "wo"]}
+    return load_config(write_config(tmp_path, mode, t5_dir, None, train={"gradient_checkpointing": False,
+                                                                         **(lora if adapter else {})},
+                                    log={"sample_every": 0, "report": False}))
 
 
 @pytest.mark.parametrize("mode,adapter", [("t2i", False), ("c2i", False), ("t2i", True)])

@@ -614,8 +614,8 @@ def test_two_steps_train_on_the_geneval_reward_report_its_reasons_benchmark_scor
     rows = [json.loads(line) for line in verdicts.read_text().splitlines()]
     assert [(r["model"], r["prompt"], r["seed"]) for r in rows] == [
         (m, p, s) for m in ("policy", "reference")
-        for p, s in (("a red circle", 0), ("a red circle", 1), ("a blue square left of a green circle", 1000),
-                     ("a blue square left of a green circle", 1001))]
+        for p, s in (("a red circle", 99), ("a red circle", 100), ("a blue square left of a green circle", 1099),
+                     ("a blue square left of a green circle", 1100))]  # EVAL_SEED + 1000 i + j
     assert all(r["correct"] == (r["clauses_met"] == r["clauses"]) and (r["correct"] or r["reasons"]) for r in rows)
     assert all(len(r["failures"]) == len(r["reasons"]) for r in rows)
     policy, reference = rows[:4], rows[4:]

@@ -101,7 +101,7 @@ def test_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
     holder = f"is in use by a running train (pid {os.getpid()} on {socket.gethostname()}, started "
     try:
         for args in ([MICRO, f"run.out_dir={tmp_path}"], ["--resume", run]):
-            (run / "config.yaml").write_text("run:\n  name: shapes_micro\n")  # what --resume reads
+            (run / "config.yaml").write_text("run:\n  name: shapes_micro\npolicy:\n  kind: shapes\n  path: worlds/shapes\n")
             out = run_cli("train", *args, timeout=TIMEOUT)
             assert out.returncode == 2 and holder in out.stderr, out.stderr[-2000:]
             assert "Traceback" not in out.stderr

@@ -29,6 +29,7 @@ GOLDEN = load_file(DATA / "golden.safetensors")
 OPTIONS = {"heads": 4, "image_size": 8}  # tiny models: no released size to take the heads from; 8 px images
 WORDS = "a an the red blue green circle square dog cat on of left right grass photo two".split()
 PROMPTS = ["a red circle", "a blue square on the grass", "two green dogs left of a cat"]
+LLAMAGEN_PROMPTS = {"t2i": PROMPTS, "c2i": ["1 a red circle", "4 a dog", "7 a cat"]}  # training prompts per mode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -458,8 +459,10 @@ def clip_options(tmp_path_factory):
     return {"model": str(CLIP_CONFIG), "checkpoint": str(path)}
 
 
-def write_config(tmp_path: Path, mode: str, t5_dir: Path, clip: dict) -> Path:
-    prompts = PROMPTS if mode == "t2i" else ["1 a red circle", "4 a dog", "7 a cat"]
+def write_config(tmp_path: Path, mode: str, t5_dir: Path, clip: dict | None, **changes: dict) -> Path:
+    """Two steps of the tiny `mode` model on the clip reward (`clip`: its options) or, with clip None, on
+    jpeg_compressibility; `changes`: keys per section over these (train={"adapter": "lora"}, ...)."""
+    prompts = LLAMAGEN_PROMPTS[mode]
     (tmp_path / "train.txt").write_text("\n".join(prompts) + "\n")
     (tmp_path / "eval.txt").write_text("a green cat\n" if mode == "t2i" else "2 a cat\n")
     policy = pcfg(mode, t5_dir)
@@ -468,10 +471,13 @@ def write_config(tmp_path: Path, mode: str, t5_dir: Path, clip: dict) -> Path:
         "policy": {"kind": "llamagen", "path": policy.path, "tokenizer": policy.tokenizer, "options": policy.options},
         "sample": {"prompts_per_step": 2, "group_size": 4, "cfg_scale": 3.0, "batch_size": 8},
         "train": {"steps": 2, "micro_batch_size": 4, "lr": 1e-3, "beta": 0.04, "gradient_checkpointing": True},
-        "reward": {"weights": {"clip": 1.0}, "monitor": [], "options": {"clip": clip}},
+        "reward": {"weights": {"clip": 1.0}, "monitor": [], "options": {"clip": clip}} if clip else
+                  {"weights": {"jpeg_compressibility": 1.0}, "monitor": []},
         "data": {"train_prompts": str(tmp_path / "train.txt"), "eval_prompts": str(tmp_path / "eval.txt")},
         "log": {"sample_every": 1, "checkpoint_every": 0, "eval_images": 1, "trackers": []},
     }
+    for section, keys in changes.items():
+        config[section] = {**config[section], **keys}
     path = tmp_path / f"llamagen_{mode}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
     return path

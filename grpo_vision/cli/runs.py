@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 from grpo_vision.cli.args import MAX_SEED, device, positive_float, positive_int, seed
-from grpo_vision.config import ConfigError
-from grpo_vision.rollouts import EVAL_SEED
+from grpo_vision.config import EVAL_SEED, ConfigError
 
 
 def add_reader_options(p, rewards: bool) -> None:
@@ -137,7 +136,9 @@ def cmd_eval(args) -> None:
         return cmd_benchmark(args)
     from grpo_vision.evaluation.evaluate import evaluate_run
     from grpo_vision.prompts import load_prompts
+    from grpo_vision.run.folder import read_run_config
 
+    read_run_config(args.run, device=args.device)  # not a run folder: said before the prompts are read
     if args.draw != 1 and args.prompts:
         raise ConfigError("--draw and --prompts: give one (--draw draws the policy kind's eval sets again)")
     sets = {"prompts": load_prompts(args.prompts, column=args.prompt_column)} if args.prompts else None

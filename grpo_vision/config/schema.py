@@ -30,6 +30,9 @@ DEVICE_HINT = "auto (the best device here), cpu, cuda, cuda:N or mps"
 # the largest image seed the commands and the demo take (numpy's and most tools' limit); here, in the core,
 # so that the command line and the tools share it without importing each other
 MAX_SEED = 2**32 - 1
+# Every eval image's base seed, whatever run.seed: image j of prompt i draws EVAL_SEED + 1000 i + j (rollouts.py),
+# so a run's report, `eval RUN` and the matrix (whose runs differ in run.seed) score the same images
+EVAL_SEED = 99
 
 
 @dataclass

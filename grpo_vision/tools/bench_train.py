@@ -94,6 +94,7 @@ def _trl_trainer(cfg, out: Path):
     from grpo_vision.models.llama_hf import condition_text, hf_tokenizer, to_hf_llama
     from grpo_vision.splits import checked_prompt_sets
     from grpo_vision.policy import load_bundle
+    from grpo_vision.rollouts import decode_images, score
     from grpo_vision.rewards import CompositeReward
 
     bundle = load_bundle(cfg.policy, "cpu")
@@ -110,12 +111,8 @@ def _trl_trainer(cfg, out: Path):
         if codes.shape[1] != pc.num_image_tokens or not 0 <= int(codes.min()) <= int(codes.max()) < pc.codebook_size:
             raise ValueError(f"TRL sampled {tuple(codes.shape)} completions outside the image codebook: the "
                              "generation settings (min_new_tokens, suppress_tokens) did not take")
-        with torch.no_grad():
-            images = torch.cat([bundle.tokenizer.decode(codes[i:i + s.batch_size])
-                                for i in range(0, len(codes), s.batch_size)])
         chosen = [entries[i] for i in index]
-        total = rewards(images, [e.prompt for e in chosen], [e.metadata for e in chosen],
-                        [e.rewards for e in chosen]).total  # [B*G]
+        total = score(rewards, decode_images(bundle.tokenizer, codes, s.batch_size), chosen).total  # [B*G]
         means.append(total.nanmean().item())
         return total.tolist()
 
