@@ -56,14 +56,6 @@ class Samples:  # images drawn for prompt entries, one row each, an entry's imag
     chosen: np.ndarray | None = None  # training: the step's prompt indices [B] (every process: the same)
     rows: slice | None = None  # training: these rows among the step's B*G, in group order
 
-    @property
-    def prompts(self) -> list[str]:
-        return [e.prompt for e in self.entries]
-
-    @property
-    def metadata(self) -> list[dict]:
-        return [e.metadata for e in self.entries]
-
 
 @dataclass
 class Scored:  # every reward and the judge on a set of images (training: every process's, gathered)

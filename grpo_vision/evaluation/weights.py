@@ -88,10 +88,10 @@ def write_adapter(policy, root: str, targets: list[str], out: Path, base_path: s
         raise ValueError(f"adapter scope {scope!r} lies outside the exported model {root!r}")
     # peft names a saved tensor base_model.model.<module path>.<factor>.weight (the adapter name dropped)
     head = "base_model.model."
-    state = {head + k[len(head) + len(prefix):]: v.detach().contiguous().cpu()
-             for k, v in get_peft_model_state_dict(policy).items()}
-    if any(not k.startswith(head) for k in get_peft_model_state_dict(policy)):
-        raise ValueError("peft's adapter state has keys outside base_model.model.")
+    saved = get_peft_model_state_dict(policy)
+    if any(not k.startswith(head + prefix) for k in saved):
+        raise ValueError(f"peft's adapter state has keys outside {head + prefix}")
+    state = {head + k[len(head) + len(prefix):]: v.detach().contiguous().cpu() for k, v in saved.items()}
     config.target_modules = target_pattern(scope[len(prefix):] if scope else None, targets)
     config.base_model_name_or_path = base_path or None
     config.inference_mode = True
