@@ -324,7 +324,7 @@ def test_a_reward_that_exits_later_stops_the_run_with_a_checkpoint_and_status_1(
 
 
 def test_a_corrupt_reward_model_stops_the_run_before_it_starts(micro_world, tmp_path):
-    # A reward model of its own (a broken file inside the world is a WorldError: tests/test_world.py)
+    # A reward model of its own (a broken file inside the world is a WorldError: tests/shapes/test_world.py)
     clip_file = tmp_path / "clip.safetensors"
     clip_file.write_bytes((micro_world / "clip" / "clip.safetensors").read_bytes()[:1000])  # cut short, as by a failed copy
     cfg = micro_cfg(micro_world, tmp_path, "run.name=corrupt", f"reward.options.clip.checkpoint={clip_file}")

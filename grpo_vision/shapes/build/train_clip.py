@@ -69,7 +69,7 @@ def register_shapes_clip() -> None:
 
 def save_clip(model: torch.nn.Module, directory: str | Path, half: bool = True) -> Path:
     """Write `directory/clip.safetensors`: the state dict (fp16 when `half`; load_state_dict casts
-    it back into the fp32 model, see tests/test_shapes_clip.py for the tolerance)."""
+    it back into the fp32 model, see tests/shapes/test_clip.py for the tolerance)."""
     from safetensors.torch import save_file
 
     path = Path(directory) / CHECKPOINT_NAME

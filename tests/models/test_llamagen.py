@@ -24,7 +24,7 @@ from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 from tests.helpers import ROOT, run_cli
 
-DATA = Path(__file__).parent / "data" / "llamagen"
+DATA = Path(__file__).resolve().parents[1] / "data" / "llamagen"
 GOLDEN = load_file(DATA / "golden.safetensors")
 OPTIONS = {"heads": 4, "image_size": 8}  # tiny models: no released size to take the heads from; 8 px images
 WORDS = "a an the red blue green circle square dog cat on of left right grass photo two".split()

@@ -17,8 +17,8 @@ from grpo_vision.evaluation.evaluate import load_run
 from grpo_vision.policy import load_bundle
 from grpo_vision.evaluation.weights import export_run
 from grpo_vision.train import train
-from tests.test_janus import PROMPTS as JANUS_PROMPTS, build_tiny_janus, write_config as janus_config
-from tests.test_llamagen import LLAMAGEN_PROMPTS
+from tests.models.test_janus import PROMPTS as JANUS_PROMPTS, build_tiny_janus, write_config as janus_config
+from tests.models.test_llamagen import LLAMAGEN_PROMPTS
 
 LLAMA_PROMPTS = ["a red circle", "a blue square", "a red square left of a blue circle"]
 
@@ -220,13 +220,13 @@ def test_export_refuses_a_folder_that_holds_files(llama_runs, tmp_path):
 
 @pytest.fixture(scope="module")
 def t5_dir(tmp_path_factory):
-    from tests.test_llamagen import build_tiny_t5
+    from tests.models.test_llamagen import build_tiny_t5
 
     return build_tiny_t5(tmp_path_factory.mktemp("t5") / "tiny-flan-t5")
 
 
 def llamagen_config(mode, t5_dir, tmp_path, adapter: bool):
-    from tests.test_llamagen import write_config
+    from tests.models.test_llamagen import write_config
 
     lora = {"adapter": "lora", "reference": "adapter", "adapter_rank": 4, "adapter_targets": ["wqkv", "wo"]}
     return load_config(write_config(tmp_path, mode, t5_dir, None, train={"gradient_checkpointing": False,
@@ -241,7 +241,7 @@ def test_llamagen_exports_the_pt_its_own_scripts_load(mode, adapter, t5_dir, tmp
     from safetensors.torch import load_file
 
     from grpo_vision.models.llamagen import LlamaGenPolicy
-    from tests.test_llamagen import DATA
+    from tests.models.test_llamagen import DATA
 
     run_dir = train(llamagen_config(mode, t5_dir, tmp_path, adapter), progress=False)
     done = export_run(run_dir, tmp_path / "out")
@@ -259,7 +259,7 @@ def test_llamagen_exports_the_pt_its_own_scripts_load(mode, adapter, t5_dir, tmp
     assert all(torch.equal(v, saved["model"][k]) for k, v in load_file(tmp_path / "out" / "model.safetensors").items())
     assert close(image_logits(rebuilt.eval(), prompts)[0], expected)
     # and as policy.path of this library's llamagen kind, from the .pt alone (its args carry the sizes)
-    from tests.test_llamagen import pcfg
+    from tests.models.test_llamagen import pcfg
 
     again = load_bundle(pcfg(mode, t5_dir, path=str(tmp_path / "out" / "model.pt"),
                              options={"heads": 4, **({"text_encoder": str(t5_dir)} if mode == "t2i" else {})}),

@@ -14,7 +14,7 @@ from grpo_vision.shapes.scene import render, scene_for_caption
 CTX = RewardContext()
 
 
-def constant(images, prompts, metadata):  # used as python:tests.test_rewards:constant
+def constant(images, prompts, metadata):  # used as python:tests.rewards.test_rewards:constant
     return torch.full((len(prompts),), 2.0)
 
 
@@ -36,7 +36,7 @@ class Explains:  # a reward that says why an image lost points (rewards/base.py:
         return torch.tensor([0.0 if p == "b" else 1.0 for p in prompts])
 
 
-EXPLAINS = Explains()  # used as python:tests.test_rewards:EXPLAINS
+EXPLAINS = Explains()  # used as python:tests.rewards.test_rewards:EXPLAINS
 
 
 def test_unknown_name_lists_the_registered_rewards():
@@ -50,29 +50,29 @@ def test_unknown_name_lists_the_registered_rewards():
 
 
 def test_python_rewards_import_a_users_callable():
-    fn = make_reward("python:tests.test_rewards:constant", CTX)
+    fn = make_reward("python:tests.rewards.test_rewards:constant", CTX)
     assert fn(torch.zeros(3, 3, 8, 8), ["a"] * 3, [{}] * 3).tolist() == [2.0, 2.0, 2.0]
-    with pytest.raises(ConfigError, match="cannot import nope from tests.test_rewards"):
-        make_reward("python:tests.test_rewards:nope", CTX)
+    with pytest.raises(ConfigError, match="cannot import nope from tests.rewards.test_rewards"):
+        make_reward("python:tests.rewards.test_rewards:nope", CTX)
     with pytest.raises(ConfigError, match="must look like python:package.module:function"):
-        make_reward("python:tests.test_rewards", CTX)
+        make_reward("python:tests.rewards.test_rewards", CTX)
 
 
 def test_composite_weights_raw_values_and_nan_means_does_not_apply():
-    reward = CompositeReward({"python:tests.test_rewards:constant": 0.5,
-                              "python:tests.test_rewards:not_applicable_to_odd": 2.0}, [], CTX)
+    reward = CompositeReward({"python:tests.rewards.test_rewards:constant": 0.5,
+                              "python:tests.rewards.test_rewards:not_applicable_to_odd": 2.0}, [], CTX)
     out = reward(torch.zeros(4, 3, 8, 8), ["p"] * 4, [{}] * 4)
     # Even samples: 0.5 * 2 + 2 * 1 = 3; odd samples: the second reward does not apply -> 0.5 * 2 = 1.
     assert out.total.tolist() == [3.0, 1.0, 3.0, 1.0]
-    assert out.raw["python:tests.test_rewards:constant"].tolist() == [2.0] * 4
-    assert math.isnan(out.raw["python:tests.test_rewards:not_applicable_to_odd"][1])
+    assert out.raw["python:tests.rewards.test_rewards:constant"].tolist() == [2.0] * 4
+    assert math.isnan(out.raw["python:tests.rewards.test_rewards:not_applicable_to_odd"][1])
 
 
 def test_per_entry_weights_route_rewards_and_monitors_carry_no_weight():
-    reward = CompositeReward({"python:tests.test_rewards:constant": 1.0}, ["jpeg_compressibility"], CTX)
-    reward.add(["python:tests.test_rewards:not_applicable_to_odd"])
-    entry = [None, {"python:tests.test_rewards:not_applicable_to_odd": 1.0}, None,
-             {"python:tests.test_rewards:not_applicable_to_odd": 1.0}]
+    reward = CompositeReward({"python:tests.rewards.test_rewards:constant": 1.0}, ["jpeg_compressibility"], CTX)
+    reward.add(["python:tests.rewards.test_rewards:not_applicable_to_odd"])
+    entry = [None, {"python:tests.rewards.test_rewards:not_applicable_to_odd": 1.0}, None,
+             {"python:tests.rewards.test_rewards:not_applicable_to_odd": 1.0}]
     out = reward(torch.rand(4, 3, 16, 16), ["p"] * 4, [{}] * 4, entry)
     # Rows 0, 2 use the defaults (constant 2.0); row 1 routes to a reward that does not apply -> NaN;
     # row 3 would too, as its only weighted reward is NaN for odd indices.
@@ -82,34 +82,34 @@ def test_per_entry_weights_route_rewards_and_monitors_carry_no_weight():
 
 
 def test_a_failing_reward_is_named():
-    reward = CompositeReward({"python:tests.test_rewards:broken": 1.0}, [], CTX)
-    with pytest.raises(RewardError, match="reward 'python:tests.test_rewards:broken' failed: RuntimeError: model exploded"):
+    reward = CompositeReward({"python:tests.rewards.test_rewards:broken": 1.0}, [], CTX)
+    with pytest.raises(RewardError, match="reward 'python:tests.rewards.test_rewards:broken' failed: RuntimeError: model exploded"):
         reward(torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
 
 
 def test_an_infinite_reward_is_an_error_naming_the_reward_and_the_prompt():
     # NaN means "does not apply"; inf has no such meaning, and one inf makes a group's advantages NaN
-    reward = CompositeReward({"python:tests.test_rewards:constant": 1.0}, ["python:tests.test_rewards:minus_inf_for_b"],
+    reward = CompositeReward({"python:tests.rewards.test_rewards:constant": 1.0}, ["python:tests.rewards.test_rewards:minus_inf_for_b"],
                              CTX)  # even a monitored reward: its logged mean would be -inf
-    with pytest.raises(RewardError, match=r"reward 'python:tests.test_rewards:minus_inf_for_b' failed: returned -inf "
+    with pytest.raises(RewardError, match=r"reward 'python:tests.rewards.test_rewards:minus_inf_for_b' failed: returned -inf "
                                           r"for 2 of 3 images \(the first for prompt 'b'\); a reward must be finite"):
         reward(torch.zeros(3, 3, 8, 8), ["a", "b", "b"], [{}] * 3)
 
 
 def test_the_output_carries_each_samples_weights():
-    reward = CompositeReward({"python:tests.test_rewards:constant": 0.5}, ["python:tests.test_rewards:not_applicable_to_odd"],
+    reward = CompositeReward({"python:tests.rewards.test_rewards:constant": 0.5}, ["python:tests.rewards.test_rewards:not_applicable_to_odd"],
                              CTX)
-    out = reward(torch.zeros(2, 3, 8, 8), ["p"] * 2, [{}] * 2, [None, {"python:tests.test_rewards:constant": 0.0}])
-    assert out.weights["python:tests.test_rewards:constant"].tolist() == [0.5, 0.0]
-    assert out.weights["python:tests.test_rewards:not_applicable_to_odd"].tolist() == [0.0, 0.0]  # monitored
+    out = reward(torch.zeros(2, 3, 8, 8), ["p"] * 2, [{}] * 2, [None, {"python:tests.rewards.test_rewards:constant": 0.0}])
+    assert out.weights["python:tests.rewards.test_rewards:constant"].tolist() == [0.5, 0.0]
+    assert out.weights["python:tests.rewards.test_rewards:not_applicable_to_odd"].tolist() == [0.0, 0.0]  # monitored
     assert out.total[0].item() == 1.0 and math.isnan(out.total[1])  # row 1 weighs nothing: no signal
 
 
 def test_the_output_carries_the_reasons_of_the_rewards_that_give_them():
-    reward = CompositeReward({"python:tests.test_rewards:EXPLAINS": 1.0, "python:tests.test_rewards:constant": 1.0},
+    reward = CompositeReward({"python:tests.rewards.test_rewards:EXPLAINS": 1.0, "python:tests.rewards.test_rewards:constant": 1.0},
                              [], CTX)
     out = reward(torch.zeros(3, 3, 8, 8), ["a", "b", "c"], [{}] * 3)
-    assert out.reasons == {"python:tests.test_rewards:EXPLAINS": [[], [("count", "too few in b")], []]}
+    assert out.reasons == {"python:tests.rewards.test_rewards:EXPLAINS": [[], [("count", "too few in b")], []]}
 
 
 def test_jpeg_rewards_prefer_flat_images():

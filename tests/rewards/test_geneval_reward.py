@@ -665,7 +665,7 @@ def test_two_steps_train_on_the_geneval_reward_report_its_reasons_benchmark_scor
 def test_the_matrix_trains_on_geneval_and_watches_clip_the_vlm_judge_and_the_judge(micro_world, models, tmp_path):
     """The reward-swap use: train on GenEval's rules, score with CLIP, a VLM judge and the world's exact judge."""
     from grpo_vision.tools.matrix import run_matrix
-    from tests.test_vlm_judge import build_tiny_qwen2_vl
+    from tests.rewards.test_vlm_judge import build_tiny_qwen2_vl
 
     prompts, evals = geneval_prompts(tmp_path)
     judge = build_tiny_qwen2_vl(tmp_path / "tiny-qwen2-vl")

@@ -1,4 +1,4 @@
-"""Run by tests/test_distributed.py under `torchrun --nproc_per_node 2` on CPU (gloo): the policy
+"""Run by tests/run/test_distributed.py under `torchrun --nproc_per_node 2` on CPU (gloo): the policy
 sharded with FSDP2's `fully_shard` per block and at the root, as accelerate's FSDP plugin
 (transformer_based_wrap) shards it, against an unsharded copy on the same data. Writes what it
 measured as JSON (first process) to argv[2]."""

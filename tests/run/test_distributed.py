@@ -19,7 +19,7 @@ def test_a_sharded_policy_samples_updates_and_checkpoints_as_an_unsharded_one(mi
     # processes shard the policy with fully_shard as accelerate's plugin does, and compare each phase
     out = tmp_path / "fsdp.json"
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          str(ROOT / "tests" / "fsdp_worker.py"), str(micro_world), str(out)],
+                          str(ROOT / "tests" / "run" / "fsdp_worker.py"), str(micro_world), str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())

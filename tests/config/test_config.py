@@ -11,7 +11,7 @@ from grpo_vision.config import Config, ConfigError, derived_sizes, load_config, 
 from grpo_vision.policy import kind_options
 from grpo_vision.rewards import check_options
 
-CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
+CONFIGS = sorted(Path(__file__).resolve().parents[2].glob("configs/*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -97,7 +97,7 @@ def test_a_null_in_a_file_is_the_same_as_leaving_the_key_out(tmp_path):
 @pytest.mark.parametrize("empty", ["policy.options.gpt=", "policy.options.gpt=null", "policy.options.gpt=''"])
 def test_every_way_of_emptying_a_kind_option_reaches_its_default(empty):
     # `policy.options.gpt=` stored None, which LlamaGenOptions refused ("expects a string"); only '' worked
-    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "llamagen_t2i.yaml",
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "llamagen_t2i.yaml",
                       ["policy.options.gpt=GPT-B", empty])
     options = kind_options(cfg.policy)  # the LlamaGenOptions the llamagen kind registered
     assert options.gpt == "" and options.image_size == 256  # "": the size is read from the weights

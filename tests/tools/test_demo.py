@@ -94,13 +94,13 @@ def test_score_each_gives_n_a_and_the_reason_for_a_reward_that_cannot_score_the_
     from grpo_vision.rewards import CompositeReward, RewardContext
     from grpo_vision.tools.demo import score_each
 
-    rewards = CompositeReward({"python:tests.test_rewards:EXPLAINS": 1.0, "python:tests.test_rewards:broken": 1.0},
+    rewards = CompositeReward({"python:tests.rewards.test_rewards:EXPLAINS": 1.0, "python:tests.rewards.test_rewards:broken": 1.0},
                               [], RewardContext())
     raw, reasons, notes = score_each(rewards, torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
-    assert raw["python:tests.test_rewards:EXPLAINS"].tolist() == [1.0, 0.0]
-    assert raw["python:tests.test_rewards:broken"].isnan().all()
-    assert notes == {"python:tests.test_rewards:broken": "RuntimeError: model exploded"}
-    assert reasons == {"python:tests.test_rewards:EXPLAINS": [[], [("count", "too few in b")]]}
+    assert raw["python:tests.rewards.test_rewards:EXPLAINS"].tolist() == [1.0, 0.0]
+    assert raw["python:tests.rewards.test_rewards:broken"].isnan().all()
+    assert notes == {"python:tests.rewards.test_rewards:broken": "RuntimeError: model exploded"}
+    assert reasons == {"python:tests.rewards.test_rewards:EXPLAINS": [[], [("count", "too few in b")]]}
 
 
 def test_grid_png_places_each_image_upscaled_under_its_side(tmp_path):

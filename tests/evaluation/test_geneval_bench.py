@@ -100,7 +100,7 @@ def coco_run(tmp_path_factory, detector_options):
 @pytest.fixture(scope="module")
 def detector_options(tmp_path_factory):
     """`score geneval`'s overrides: a tiny OWLv2 directory and colour CLIP, real files the reward checks."""
-    from tests.test_geneval_reward import save_tiny_clip, save_tiny_owlv2
+    from tests.rewards.test_geneval_reward import save_tiny_clip, save_tiny_owlv2
 
     d = tmp_path_factory.mktemp("geneval_detector")
     config, checkpoint, _ = save_tiny_clip(d)

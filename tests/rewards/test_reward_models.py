@@ -338,7 +338,7 @@ def test_unknown_options_are_named_with_the_keys_they_could_be():
     with pytest.raises(ConfigError, match="reward 'placebo' takes no options"):
         make_reward("placebo", RewardContext(), {"seed": 1})
     with pytest.raises(ConfigError, match="a python: reward takes no options"):
-        make_reward("python:tests.test_rewards:constant", RewardContext(), {"x": 1})
+        make_reward("python:tests.rewards.test_rewards:constant", RewardContext(), {"x": 1})
     cfg = load_config(None, ["reward.options.cilp.checkpoint=/x"])
     with pytest.raises(ConfigError, match=r"reward.options names 'cilp', which is not a reward \(did you mean "
                                           r"'reward.options.clip'\?\); registered rewards: "):
