@@ -105,6 +105,32 @@ def check_writable(path: str | Path, fix: str) -> None:
         raise FolderError(f"cannot write in {here} ({why}): {fix}")
 
 
+def check_output_file(path: str | Path, option: str) -> None:
+    """Refuse, before any work, the file an option names (`--verdicts F`, `--out F`) where it cannot be
+    written: a folder holds its name, a file stands where one of its folders belongs, or its folder cannot
+    be written. Found only at the end, such a path cost the whole run and named a hidden temporary file."""
+    path, fix = Path(path), f"choose another {option}"
+    if path.is_dir():
+        raise FolderError(f"{option} {path} is a folder; give the file to write, e.g. {path / 'out.jsonl'}")
+    here = path.absolute().parent
+    while not os.path.lexists(here) and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise FolderError(f"{option} {path}: {here} is a file, not a folder; {fix}")
+    check_writable(path.absolute().parent, f"make it writable, or {fix}")
+
+
+def write_output_file(path: str | Path, data: str | bytes, option: str) -> Path:
+    """`write_file` for a file an option names: an OS error names the option and the user's path, not the
+    hidden temporary file it was writing."""
+    try:
+        return write_file(path, data)
+    except FolderError:
+        raise
+    except OSError as e:
+        raise FolderError(f"{option} {path}: cannot write it ({e.strerror}); choose another {option}") from None
+
+
 @contextmanager
 def _writing(where: Path):
     """An OS refusal to write becomes a FolderError naming the folder (a disk that became read-only)."""

@@ -34,6 +34,26 @@ Variants (names and formulas as in TRL's GRPOTrainer, `grpo_trainer.py` `_comput
   token with A < 0 and a huge ratio cannot dominate (two-sided clipping; delta > 1 + eps_high).
 * policy_mask (top_entropy_quantile, "Beyond the 80/20 rule", arXiv 2506.01939): only the tokens it
   keeps carry the policy term; the KL and the normalisation still count every unmasked token.
+
+Per-token weights (credit assignment, `credit.py`: STAGE, GCPO, guidance-contrastive; None = off). With a
+policy weight w the policy term is the weighted mean the sources use instead of the loss type's normaliser,
+and with a KL weight m the KL term is aggregated as the loss type says, of m * k3:
+
+    s_t = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)      (the policy term of l_t)
+    loss = -sum_t(w_t a_t s_t) / (sum_t w_t + 1e-6) + beta * aggregate(m_t * k3_t)
+
+`a_t` (advantage_weight) multiplies the token's surrogate outside the normaliser: GCPO's dynamic advantage
+weight, which may carry a gradient (a_t > 0, so a_t min(r A, clip(r) A) = min(r A a_t, clip(r) A a_t)).
+Tokens outside policy_mask or the off-policy mask have s_t = 0 but keep their w_t in the sum below.
+
+TRL 1.16 options (`grpo_config.py`, `_compute_loss`):
+
+* use_bias_correction_kl (DeepSeek-V3.2 arXiv 2512.02556): k3_t * r_t, the ratio *not* detached, so the
+  KL's gradient is the unbiased reverse-KL gradient for samples of the old policy; off by default here.
+* off_policy_mask_threshold (DeepSeek-V3.2 eq. 9): a sequence with A < 0 whose mean old_t - logp_t
+  (detached) exceeds the threshold loses its policy term; its KL stays.
+* entropy bonus: loss -= coef * mean_t(H_t) over the tokens that carry the policy term, whatever the loss
+  type; `adaptive_entropy_coef` is Skywork-OR1's controller (arXiv 2505.22312) as TRL steps it.
 """
 
 from __future__ import annotations
@@ -57,6 +77,9 @@ class LossParams:
     loss_type: str = "grpo"  # one of LOSS_TYPES: how token terms become the loss
     importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio per sequence
     delta: float | None = None  # INTELLECT-2's cap on the unclipped ratio; None = off
+    use_bias_correction_kl: bool = False  # k3 times the (differentiable) ratio; TRL 1.16 defaults to True
+    off_policy_mask_threshold: float | None = None  # drop A < 0 sequences drifted past it; None = off
+    entropy_coef: float = 0.0  # entropy bonus weight (the starting value of an adaptive one); 0 = off
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -67,9 +90,10 @@ class LossParams:
 
     @classmethod
     def from_config(cls, train_cfg) -> "LossParams":
-        """The settings of a config's `train` section (delta 0 there means off)."""
+        """The settings of a config's `train` section (delta and off_policy_mask_threshold 0 there mean off)."""
         t = train_cfg
-        return cls(t.beta, t.epsilon_low, t.epsilon_high, t.loss_type, t.importance_sampling_level, t.delta or None)
+        return cls(t.beta, t.epsilon_low, t.epsilon_high, t.loss_type, t.importance_sampling_level, t.delta or None,
+                   t.use_bias_correction_kl, t.off_policy_mask_threshold or None, t.entropy_coef)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -164,6 +188,12 @@ def frac_zero_std(rewards: Tensor, group_size: int) -> float:
     return _constant_groups(_group_view(rewards, group_size)).float().mean().item()
 
 
+def informative_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """`[B]` bool: the groups with a reward spread (not all non-NaN rewards equal), whose advantages are not all
+    0; what `train.zero_std_groups: drop` keeps (DAPO's dynamic sampling, arXiv 2503.14476)."""
+    return ~_constant_groups(_group_view(rewards, group_size))  # [B]
+
+
 def group_std(rewards: Tensor, group_size: int) -> float:
     """Mean within-group std (unbiased, NaN-aware) over the groups with two or more values; NaN when none
     has: metric `reward/<name>/group_std`, the spread advantages are made of (variance collapse watches it).
@@ -233,6 +263,55 @@ def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, p: Los
     return torch.minimum(capped * adv, clipped), ratio  # [B*G, N]
 
 
+def off_policy_mask(advantages: Tensor, logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor,
+                    threshold: float) -> Tensor:
+    """`[B*G, 1]` bool, False for the sequences to drop: A < 0 and mean_t(sampling_t - logp_t) > threshold.
+
+    TRL's `get_off_policy_mask` (DeepSeek-V3.2 eq. 9, arXiv 2512.02556): the detached forward-KL estimate of the
+    sampling policy to the current one, averaged over the sequence's unmasked tokens; a NaN token counts 0.
+    Sequences that gain (A >= 0) are always kept: only pushing down drifted samples is what destabilises.
+    """
+    kl = torch.nan_to_num(sampling_logprobs - logprobs.detach(), nan=0.0)  # [B*G, N]
+    drift = masked_mean(kl, mask.bool(), dim=1)  # [B*G]
+    return ((advantages >= 0) | (drift <= threshold))[:, None]  # [B*G, 1]
+
+
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, step: float, low: float, high: float) -> float:
+    """The entropy coefficient for the next optimizer update: +step when the update's mean entropy is at or below
+    `target`, -step above it, kept in [low, high]. Skywork-OR1's adaptive entropy control (arXiv 2505.22312) as TRL
+    1.16 steps it (`entropy_coef_delta`, `entropy_coef_min`, `entropy_coef_max`, `entropy_target`)."""
+    return min(coef + step, high) if entropy <= target else max(coef - step, low)
+
+
+def entropy_coef_to_apply(coef: float, last_entropy: float, target: float) -> float:
+    """The adaptive coefficient an update applies: `coef` while the previous update's mean entropy is at or below
+    `target`, else 0 (TRL: the bonus only engages on collapse; its first update, with no entropy yet, applies 0)."""
+    return coef if last_entropy <= target else 0.0
+
+
+@torch.no_grad()
+def mixup_state_dict(policy: dict[str, Tensor], ref: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
+    """The reference after a TR-DPO sync (arXiv 2404.09656; TRL `ref_model_mixup_alpha`, `SyncRefModelCallback`):
+    ref = alpha * policy + (1 - alpha) * ref per floating tensor, in the reference's dtype, computed as TRL does
+    (`ref.mul_(1 - alpha).add_(policy, alpha=alpha)`), so alpha = 1 is an exact copy. Tensors that are not floating
+    point (counters, ids) are the policy's. Both dicts must have the same keys and shapes; neither is changed."""
+    if policy.keys() != ref.keys():
+        raise ValueError(f"mixup needs the same keys; only in policy: {sorted(policy.keys() - ref.keys())[:5]}, "
+                         f"only in ref: {sorted(ref.keys() - policy.keys())[:5]}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"ref_model_mixup_alpha must be in [0, 1], got {alpha}")
+    out = {}
+    for k, r in ref.items():
+        p = policy[k]
+        if p.shape != r.shape:
+            raise ValueError(f"mixup: {k} is {tuple(p.shape)} in the policy and {tuple(r.shape)} in the reference")
+        if r.is_floating_point():
+            out[k] = r.mul(1.0 - alpha).add_(p.to(device=r.device, dtype=r.dtype), alpha=alpha)
+        else:
+            out[k] = p.to(r.device).clone()
+    return out
+
+
 def _check(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
            beta: float) -> None:
     if beta > 0 and ref_logprobs is None:
@@ -246,6 +325,15 @@ def _check(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, 
         raise ValueError(f"advantages must be [B*G]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
 
 
+def _weighted_policy_term(surrogate: Tensor, weight: Tensor, mask: Tensor,
+                          weight_total: float | Tensor | None) -> Tensor:
+    """sum_t(w_t l_t) / W, the sources' weighted mean (STAGE `grpo_trainer.py` L1039-1070; jacklishufan/gcpo
+    `grpo_trainer.py` L1084); W = this call's sum_t w_t + 1e-6 unless the caller gives the global one."""
+    w = torch.where(mask, weight.detach().to(surrogate.dtype), torch.zeros_like(surrogate))  # [B*G, N]
+    total = w.sum() + 1e-6 if weight_total is None else torch.as_tensor(weight_total, dtype=surrogate.dtype)
+    return (w * surrogate).sum() / total
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -257,6 +345,12 @@ def grpo_loss(
     max_tokens: int | None = None,
     policy_mask: Tensor | None = None,
     num_items: float | Tensor | None = None,
+    policy_weight: Tensor | None = None,
+    kl_weight: Tensor | None = None,
+    advantage_weight: Tensor | None = None,
+    weight_total: float | Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO loss (scalar, to minimise) and detached 0-d metrics.
 
@@ -264,16 +358,29 @@ def grpo_loss(
     tokens never reach the loss or its gradient, even when their inputs are NaN/inf. old_logprobs and
     ref_logprobs are constants; ref_logprobs may be None only when beta == 0. `num_items` is the
     "dapo" / "cispo" normaliser (default: this batch's unmasked tokens); `max_tokens` the "dr_grpo" one.
+
+    Token weights `[B*G, N]` (module docstring; all None: the plain loss, bit for bit): `policy_weight` w
+    (a constant) makes the policy term sum(w l) / W, W = `weight_total` or this call's sum(w) + 1e-6 (give
+    the update's global sum, divided as the losses are averaged, for one weighted mean over micro-batches);
+    `kl_weight` m weights each token's KL; `advantage_weight` (> 0, may carry grad) scales each token's
+    surrogate. `entropy` `[B*G, N]` (with grad) adds the bonus -coef * mean(H) over the policy-term tokens,
+    coef = `entropy_coef` (an adaptive controller's current value) or `p.entropy_coef`.
     """
     _check(logprobs, old_logprobs, ref_logprobs, advantages, mask, p.beta)
     mask = mask.bool()  # [B*G, N]
     pg_mask = mask if policy_mask is None else mask & policy_mask.bool()  # [B*G, N] tokens with a policy term
+    bonus_mask = pg_mask  # [B*G, N] TRL's entropy bonus covers mask * entropy_mask, not the off-policy mask
     zeros = torch.zeros_like(logprobs)  # [B*G, N]
     # Replace masked entries before any arithmetic: where() sends them no gradient and no NaN.
     logp = torch.where(mask, logprobs, zeros)  # [B*G, N]
     old = torch.where(mask, old_logprobs.detach(), zeros)  # [B*G, N]
     adv = advantages.detach().to(logp.dtype)[:, None]  # [B*G, 1]
     surrogate, ratio = surrogate_terms(logp, old, adv, mask, p)  # [B*G, N] each
+    if advantage_weight is not None:  # GCPO's dynamic advantage weight (credit.dynamic_advantage_weight)
+        surrogate = surrogate * torch.where(mask, advantage_weight.to(logp.dtype), torch.ones_like(logp))  # [B*G, N]
+    if p.off_policy_mask_threshold is not None:
+        kept = off_policy_mask(advantages.detach(), logp, old, mask, p.off_policy_mask_threshold)  # [B*G, 1]
+        pg_mask = pg_mask & kept  # [B*G, N]
     surrogate = torch.where(pg_mask, surrogate, zeros)  # [B*G, N]
 
     if ref_logprobs is not None:
@@ -281,8 +388,18 @@ def grpo_loss(
         kl = k3_kl(logp, ref)  # [B*G, N]
     else:
         kl = zeros  # [B*G, N]
-    per_token = surrogate - p.beta * kl  # [B*G, N]
-    loss = -_aggregate(per_token, mask, p.loss_type, max_tokens, num_items)
+    kl_term = kl * ratio if p.use_bias_correction_kl else kl  # [B*G, N] TRL: per_token_kl * coef_1, not detached
+    if kl_weight is not None:
+        kl_term = kl_term * torch.where(mask, kl_weight.detach().to(logp.dtype), zeros)  # [B*G, N]
+    if policy_weight is None:
+        per_token = surrogate - p.beta * kl_term  # [B*G, N]
+        loss = -_aggregate(per_token, mask, p.loss_type, max_tokens, num_items)
+    else:
+        policy_term = _weighted_policy_term(surrogate, policy_weight, mask, weight_total)
+        loss = -policy_term + p.beta * _aggregate(kl_term, mask, p.loss_type, max_tokens, num_items)
+    coef = p.entropy_coef if entropy_coef is None else entropy_coef
+    if entropy is not None and coef != 0:
+        loss = loss - coef * masked_mean(entropy, bonus_mask)
 
     with torch.no_grad():
         if p.loss_type == "cispo":  # only the weight's cap clips, counted on either sign of A (TRL: A > 0 only)
@@ -306,7 +423,12 @@ def grpo_loss(
             # With no unmasked token at all, report the neutral ratio 1 rather than +-inf.
             "ratio_max": torch.where(any_token, torch.where(mask, ratio, -inf).amax(), one),
             "ratio_min": torch.where(any_token, torch.where(mask, ratio, inf).amin(), one),
-            "policy_loss": -_aggregate(surrogate, mask, p.loss_type, max_tokens, num_items),
+            "policy_loss": (-_aggregate(surrogate, mask, p.loss_type, max_tokens, num_items) if policy_weight is None
+                            else -policy_term),
             "policy_token_frac": masked_mean(pg_mask.to(ratio.dtype), mask),
         }
+        if p.off_policy_mask_threshold is not None:  # sequences whose policy term the drift dropped
+            metrics["off_policy_frac"] = (~kept[:, 0]).to(ratio.dtype).mean()
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy, bonus_mask)
     return loss, {k: v.detach() for k, v in metrics.items()}

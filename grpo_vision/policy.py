@@ -12,6 +12,11 @@ Optional: `unknown_words(prompt) -> list[str]`, the words a policy would read as
 `caption_words`, its vocabulary. A policy with a closed vocabulary implements them, so that
 training refuses prompts it cannot read (`prompt_problem` below); Janus reads any text and does not.
 
+Optional, for a token weighting (`train.token_weighting`, credit.py): `token_embeddings(tokens [n, N]) ->
+[n, N, E]`, the language model's input embeddings of image tokens (GCPO's critical tokens compare them across a
+group), and the tokenizer's `code_vectors(tokens [n, N]) -> [n, N, D]`, its L2-normalised codebook vectors
+(STAGE). A weighting whose hook a kind lacks is refused by name (`check_weighting_hooks`).
+
 The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling.py`. Adapters:
 `models.llama.LlamaImagePolicy` (built in, LlamaGen-style) and `models.janus.JanusImagePolicy` (Janus-Pro through transformers).
 """
@@ -97,6 +102,24 @@ def check_prompts(policy, prompts: Iterable[tuple[str, str]]) -> None:
         problem = prompt_problem(policy, prompt)
         if problem:
             raise PromptsError(f"{where}: {problem}")
+
+
+# train.token_weighting -> the optional method it needs and what holds it (credit.py); the others need none
+WEIGHTING_HOOKS = {"stage": ("tokenizer", "code_vectors"), "critical": ("policy", "token_embeddings")}
+
+
+def check_weighting_hooks(weighting: str, kind: str, policy, tokenizer) -> None:
+    """ConfigError, naming the kind and the weighting, when train.token_weighting needs a hook that `policy` (the
+    unwrapped module) or `tokenizer` lacks: before the first step rather than at it."""
+    if weighting not in WEIGHTING_HOOKS:
+        return
+    holder, method = WEIGHTING_HOOKS[weighting]
+    owner = policy if holder == "policy" else tokenizer
+    if not callable(getattr(owner, method, None)):
+        others = " or ".join(w for w in ("none", "stage", "critical", "guidance_contrastive") if w != weighting)
+        raise ConfigError(f"train.token_weighting={weighting} needs the {holder}'s {method}(tokens), which policy.kind "
+                          f"{kind!r} ({type(owner).__name__}) does not have: add it, or set train.token_weighting to "
+                          f"{others}")
 
 
 # ---------------------------------------------------------------------------- judges

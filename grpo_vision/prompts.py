@@ -28,10 +28,8 @@ from pathlib import Path
 
 from grpo_vision.config.load import brief
 from grpo_vision.files import write_file
+from grpo_vision.reading import MAX_DEPTH, depth, json_value, read_text, what_is
 
-# Lists and objects one JSON line may nest. Python's parser stops near 1,000 with a RecursionError, and
-# a value a few hundred deep parses but breaks json.dumps (the run saves its prompts) and copies
-MAX_DEPTH = 100
 AUTO_COLUMNS = ("caption", "text")  # what datasets name their captions; taken when 'prompt' is absent
 DELIMITERS = {".csv": ",", ".tsv": "\t"}
 # Never captions one per line: read as text, a table's header became a training prompt (issue 50)
@@ -60,8 +58,10 @@ def load_prompts(path: str | Path, *, column: str = "") -> list[PromptEntry]:
     path = Path(path)
     if path.is_dir():
         return _load_dataset_folder(path, column)
-    if not path.is_file():
+    if what_is(path) == "missing":
         raise PromptsError(f"prompts file not found: {path}")
+    if what_is(path):  # a FIFO would block the read for ever
+        raise PromptsError(f"{path} is {what_is(path)}, not a prompts file: {FORMATS}")
     suffix = path.suffix.lower()
     if suffix in DELIMITERS:
         return _load_delimited(path, DELIMITERS[suffix], column)
@@ -180,7 +180,7 @@ def _cell(value, where: str):
         return parse_json_line(value, where) if value.strip() else None
     if isinstance(value, dict):
         value = {k: v for k, v in value.items() if v is not None}
-        if _depth(value) > MAX_DEPTH:
+        if depth(value) > MAX_DEPTH:
             raise PromptsError(f"{where}: lists and objects nested more than {MAX_DEPTH} levels deep; write "
                                "flatter JSON")
     return value
@@ -204,38 +204,18 @@ def _entry(prompt: str, rewards, metadata, where: str, number: int) -> PromptEnt
                        number)
 
 
-def read_lines(path: Path) -> list[str]:
+def read_lines(path: Path, fix: str = FORMATS) -> list[str]:
     """The lines of the UTF-8 text file `path`, split at line breaks only ("\\n", "\\r\\n", "\\r", which
     reading turns into "\\n"): str.splitlines() also splits at U+2028, U+0085 and other separators that a
-    JSON string or a caption may hold. A leading byte-order mark is dropped."""
-    try:
-        return path.read_text(encoding="utf-8-sig").split("\n")
-    except UnicodeDecodeError as e:
-        raise PromptsError(f"{path} is not UTF-8 text ({e}); save it as UTF-8") from None
+    JSON string or a caption may hold. A leading byte-order mark is dropped; a FIFO or a folder is refused
+    unopened (reading.py), `fix` saying what to give instead."""
+    return read_text(path, PromptsError, fix).split("\n")
 
 
 def parse_json_line(text: str, where: str):
     """The JSON value on one line, or PromptsError naming `where` when it is not JSON or nests more
     than MAX_DEPTH lists and objects."""
-    too_deep = PromptsError(f"{where}: lists and objects nested more than {MAX_DEPTH} levels deep; write flatter JSON")
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PromptsError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    except RecursionError:  # nested far past MAX_DEPTH: the parser stopped at Python's recursion limit
-        raise too_deep from None
-    if _depth(value) > MAX_DEPTH:
-        raise too_deep
-    return value
-
-
-def _depth(value) -> int:
-    """How many levels of lists and objects `value` nests, counted level by level, without recursion."""
-    depth, level = 0, [value]
-    while level := [v for v in level if isinstance(v, (list, dict))]:
-        depth += 1
-        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
-    return depth
+    return json_value(text, where, PromptsError)
 
 
 def _load_jsonl(path: Path, lines: list[str], column: str) -> list[PromptEntry]:

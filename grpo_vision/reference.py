@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from grpo_vision.grpo import mixup_state_dict
 from grpo_vision.models.adapters import ZERO_FACTORS, adapter_layers, is_adapter_weight
 from grpo_vision.sampling import SamplingParams, batched_logprobs
 
@@ -40,14 +41,14 @@ class Reference:
             self.model = copy.deepcopy(policy).eval().requires_grad_(False)
 
     def logprobs(self, policy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                 micro_batch: int) -> torch.Tensor | None:
-        """Reference log-probs `[B, N]`, computed in micro-batches; None without a reference."""
+                 micro_batch: int, with_entropy: bool = False):
+        """Reference log-probs `[B, N]` (`with_entropy`: and entropies), in micro-batches; None without a reference."""
         if self.mode == "none":
             return None
         if self.mode == "adapter":
             with policy.disable_adapter():
-                return batched_logprobs(policy, cond, tokens, params, micro_batch)
-        return batched_logprobs(self.model, cond, tokens, params, micro_batch)
+                return batched_logprobs(policy, cond, tokens, params, micro_batch, with_entropy)
+        return batched_logprobs(self.model, cond, tokens, params, micro_batch, with_entropy)
 
     def sampler(self, policy):
         """(model, context): sampling `model` inside `context` draws from the reference (grids,
@@ -65,10 +66,14 @@ class Reference:
         return self._base, nullcontext()
 
     @torch.no_grad()
-    def sync(self, policy, weights: dict | None = None) -> None:
-        """Make the reference equal to the current policy (whose whole `weights` a sharded run passes)."""
+    def sync(self, policy, weights: dict | None = None, alpha: float = 1.0) -> None:
+        """Make the reference equal to the current policy (whose whole `weights` a sharded run passes), or with
+        `alpha` < 1 (a frozen copy only) move it that far toward the policy (TR-DPO, grpo.mixup_state_dict)."""
         if self.mode == "frozen":
-            self.model.load_state_dict(policy.state_dict() if weights is None else weights)
+            weights = policy.state_dict() if weights is None else weights
+            if alpha != 1.0:
+                weights = mixup_state_dict(weights, self.model.state_dict(), alpha)
+            self.model.load_state_dict(weights)
         elif self.mode == "adapter":
             for module, name in adapter_layers(policy):  # fold each adapter into its base weight, then zero it
                 module.base_layer.weight += module.get_delta_weight(name)

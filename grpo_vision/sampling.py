@@ -116,15 +116,20 @@ def guided_logits(cond: torch.Tensor, uncond: torch.Tensor | None, cfg_scale: fl
 
 
 def token_logprobs(cond: torch.Tensor, uncond: torch.Tensor | None, tokens: torch.Tensor,
-                   params: SamplingParams) -> torch.Tensor:
-    """Log-probs `[...]` of known `tokens` under `params.logprob_mode`; the one formula for both paths."""
+                   params: SamplingParams, with_entropy: bool = False):
+    """Log-probs `[...]` of known `tokens` under `params.logprob_mode`; the one formula for both paths.
+    `with_entropy`: (log-probs, the entropy `[...]` of the same distribution at each position)."""
     cond, uncond = cond.float(), None if uncond is None else uncond.float()
     if params.logprob_mode == "conditional":
         logits = cond / params.temperature  # [..., K]
     else:
         logits = guided_logits(cond, uncond, params.cfg_scale) / params.temperature  # [..., K]
         logits = filter_logits(logits, params.top_k, params.top_p, keep=tokens)
-    return logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+    logp = logits.log_softmax(-1)  # [..., K]
+    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+    if not with_entropy:
+        return picked
+    return picked, -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)  # [...] each
 
 
 def sample_token(cond: torch.Tensor, uncond: torch.Tensor | None, u: torch.Tensor, params: SamplingParams):
@@ -233,8 +238,9 @@ def sample_batched(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int]
 
 
 def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor,
-                      params: SamplingParams) -> torch.Tensor:
-    """Teacher-forced log-probs `[B, N]` of `tokens` `[B, N]`, with gradients, in one forward pass.
+                      params: SamplingParams, with_entropy: bool = False):
+    """Teacher-forced log-probs `[B, N]` of `tokens` `[B, N]`, with gradients, in one forward pass
+    (`with_entropy`: and each position's entropy `[B, N]`, the entropy bonus's and STAGE's).
 
     Equal to `sample(...).logprobs` for the same policy weights (a test checks ratio == 1).
     """
@@ -246,7 +252,7 @@ def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Ten
         c, un = logits[:B], logits[B:]
     else:  # conditional mode needs the conditional branch only
         c, un = policy(cond, tokens), None  # [B, N, K]
-    return token_logprobs(c, un, tokens, params)  # [B, N]
+    return token_logprobs(c, un, tokens, params, with_entropy)  # [B, N]
 
 
 def micro_batches(rows: int | torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
@@ -258,9 +264,12 @@ def micro_batches(rows: int | torch.Tensor, size: int) -> tuple[torch.Tensor, ..
 
 @torch.no_grad()
 def batched_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                     micro_batch: int) -> torch.Tensor:
+                     micro_batch: int, with_entropy: bool = False):
     """`sequence_logprobs` without gradients, `micro_batch` rows a forward pass: `[B, N]` (the old and
-    the reference log-probs of a step)."""
-    return torch.cat([sequence_logprobs(policy, cond[idx], tokens[idx], params)
-                      for idx in micro_batches(cond.shape[0], micro_batch)])
+    the reference log-probs of a step; `with_entropy`: and the entropies `[B, N]`)."""
+    parts = [sequence_logprobs(policy, cond[idx], tokens[idx], params, with_entropy)
+             for idx in micro_batches(cond.shape[0], micro_batch)]
+    if not with_entropy:
+        return torch.cat(parts)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 

@@ -27,42 +27,48 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo_vision.config import Config, ConfigError, brief, derived_sizes, format_sizes, save_config
-from grpo_vision.grpo import frac_zero_std, group_advantages, group_std, normalize_then_sum
+from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, save_config
+from grpo_vision.credit import stage_entropy_reward
+from grpo_vision.grpo import frac_zero_std, group_advantages, group_std, informative_groups, normalize_then_sum
 from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
 from grpo_vision.models.adapters import add_adapter
-from grpo_vision.policy import Bundle, load_bundle
+from grpo_vision.policy import Bundle, check_weighting_hooks, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.reference import Reference
 from grpo_vision.rollouts import Samples, Scored, decode_images, repeat, sample_rows, score
 from grpo_vision.rewards import CompositeReward, RewardError, save_reward_origins
 from grpo_vision.run.alerts import RunAlerts, watcher_for
 from grpo_vision.run.checkpoint import (
-    CheckpointError, latest_checkpoint, load_checkpoint, load_iterative_state, load_training_state, save_checkpoint,
+    Resumed, base_identity, latest_checkpoint, load_training_state, resume_weights, save_checkpoint,
 )
 from grpo_vision.run.distributed import (
     full_state_dict, full_weights, gather, is_fsdp, load_optimizer_state, optimizer_state, prepare, process_slice,
     trainable_weights,
 )
 from grpo_vision.run.folder import read_run_config, resume_command, save_origin
-from grpo_vision.run.health import COUNTERS, DRIFT_WARN, NonFiniteWeightsError, RunHealth, warn
+from grpo_vision.run.health import DRIFT_WARN, NonFiniteWeightsError, RunHealth, TrainingHealthError, warn
 from grpo_vision.run.lock import RunLock, check_run_dir
 from grpo_vision.run.machine import check_load, resolve_device, set_threads
 from grpo_vision.run.memory import report_memory, resident_bytes
 from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics, nanmean, nanstd
 from grpo_vision.run.signals import GracefulStop, Interrupted
 from grpo_vision.run.trackers import Trackers, accelerator_options, grid_text
-from grpo_vision.sampling import SamplingParams, decode_mode
+from grpo_vision.sampling import SamplingParams, batched_logprobs, decode_mode
 from grpo_vision.seeds import IMAGE, REPLAY, step_rng, step_seed
 from grpo_vision.splits import PromptSets, checked_prompt_sets
-from grpo_vision.update import Learner, UpdateBatch, old_logprobs, policy_tokens, reference_logprobs, update
+from grpo_vision.update import (
+    LOSS_KEYS, EntropyControl, Learner, Measured, UpdateBatch, UpdatePlan, contrast_logprobs, old_logprobs,
+    policy_tokens, reference_logprobs, token_weights, update,
+)
 
 
 def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, *, bundle: Bundle | None = None,
-          prompts: dict[str, list[PromptEntry]] | None = None) -> Path:
+          prompts: dict[str, list[PromptEntry]] | None = None, allow_other_base: bool = False) -> Path:
     """Train `cfg` (or continue the run folder `resume`) and return the run folder. GRPOTrainer (trainer.py) may
-    hand over a loaded policy `bundle` and in-memory `prompts` ("train", "eval") in place of the config's."""
-    st = set_up(cfg, resume, bundle, prompts)  # every model, reward and prompt loaded; a bad input stops here
+    hand over a loaded policy `bundle` and in-memory `prompts` ("train", "eval") in place of the config's.
+    `allow_other_base`: resume although policy.path / policy.tokenizer are other files than the checkpoint's."""
+    # every model, reward and prompt loaded; a bad input stops here
+    st = set_up(cfg, resume, bundle, prompts, allow_other_base)
     s, t, main = cfg.sample, cfg.train, st.acc.is_main_process
     lock = RunLock(st.run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
     if main:  # only once everything has loaded, so a bad override never reaches the run's config
@@ -70,23 +76,35 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
     logger = MetricsLogger(st.run_dir, st.start, Trackers(st.acc, st.run_dir, cfg, st.start)) if main else None
     alerts = RunAlerts(st.run_dir, st.start, watcher_for(cfg), load_metrics(st.run_dir), cfg.log.stop_on) \
         if main else None  # after the logger, which drops the rows past the resumed step
-    stop, step = GracefulStop(), st.start
+    stop, step, stopped = GracefulStop(), st.start, None
     try:
         for step in (bar := tqdm(range(st.start, t.steps), initial=st.start, total=t.steps, desc="grpo",
                                  disable=not (progress and main))):
             timer = PhaseTimer()
             iteration = new_iteration(st, cfg, step, timer)  # ---- ITERATION: at a boundary (iterative RL)
-            samples = sample_step(st, cfg, step, timer)  # ---- SAMPLING: B / P prompts x G images here, decoded
+            # ---- SAMPLING: B / P prompts x G images here, decoded; the weights gathered (Janus's VQ decoder is
+            # in the sharded policy)
+            with timer("sample"), full_weights(st.learner.model):
+                samples = sample_step(st.policy, st.bundle.tokenizer, st.prompts.train, st.params, cfg, step, st.acc,
+                                      timer)
             with timer("reward"):  # ---- REWARD: every process's scores, in group order; the health checks count them
-                scored = score_step(st, cfg, samples)
+                scored = score_step(st.rewards, st.bundle.judge if cfg.log.judge_rollouts else None, samples, cfg,
+                                    st.acc)
                 st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, scored.spread)
-            # ---- ADVANTAGE: each image against its group, from every process's rewards; this process's rows
-            advantages = group_advantages(scored.total, s.group_size, t.adv_scale)[samples.rows]  # [n]
             with timer("logprobs"):  # ---- the ratio's old log-probs, the reference's for the KL
-                batch = update_batch(st, cfg, samples, advantages)
+                measured = measure(st.policy, st.reference, st.plan, st.params, st.acc, samples)
+            # ---- ADVANTAGE: each image against its group, from every process's rewards; this process's rows
+            advantages = group_advantages(step_rewards(scored, measured, st.plan, st.acc), s.group_size,
+                                          t.adv_scale)[samples.rows]  # [n]
+            with timer("logprobs"):  # the tokens that carry the credit, the groups that stay
+                batch, dropped = update_batch(st.policy, st.bundle.tokenizer, st.plan, st.acc, samples, measured,
+                                              advantages, scored.total)
             with timer("update"):  # ---- UPDATE: the clipped GRPO loss, num_iterations passes
                 st.policy.train()
-                losses = update(st.learner, batch, st.params, t, cfg.run.seed, step)
+                losses = update(st.learner, batch, st.params, st.plan, cfg.run.seed, step) if len(batch.tokens) \
+                    else dict.fromkeys(LOSS_KEYS, math.nan)  # every group dropped: no update this step
+                if st.plan.drop_flat_groups:
+                    losses["train/groups_dropped"] = dropped
             after_update(st, cfg, step, samples)  # ---- the moving reference's sync, the replay buffer
             # ---- LOG / CHECKPOINT
             metrics = step_metrics(st, cfg, samples, scored, losses, timer) | iteration
@@ -102,10 +120,11 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
                                                  scored.verdicts)
             if cfg.log.stop_on and (alert := agreed_alert(st.acc, alert)):  # log.stop_on named it
                 checkpoint(st, step + 1)
-                print(f"\n[train] stopped by the {alert.name} alert at step {step + 1} (log.stop_on): saved a "
-                      f"checkpoint; alerts.jsonl holds the evidence. To go on anyway: "
-                      f"{resume_command(st.run_dir, cfg, st.prompts.all())} log.stop_on=[]", file=sys.stderr, flush=True)
-                break
+                stopped = StoppedByAlert(
+                    st.run_dir, f"stopped by the {alert.name} alert at step {step + 1} (log.stop_on): a checkpoint is "
+                    f"saved and alerts.jsonl holds the evidence; to go on anyway: "
+                    f"{resume_command(st.run_dir, cfg, st.prompts.all())} log.stop_on=[]")
+                break  # the report is still written; the run then ends with the stop, not "done"
             if signum := stop.agreed(st.acc):
                 checkpoint(st, step + 1)
                 print(f"\n[train] stopped by {signal.Signals(signum).name}: saved a checkpoint at step {step + 1}; "
@@ -118,10 +137,11 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
                 checkpoint(st, step + 1)
         else:
             step = t.steps
-            checkpoint(st, step)
+            if step > st.start:  # a finished run resumed writes its report only: its checkpoint is kept as it is
+                checkpoint(st, step)
     except RewardError as e:
         saved = "no step had finished, nothing was saved: the same command starts again"
-        if step:  # at step 0 a checkpoint would hold the starting weights and make the folder refuse a fresh start
+        if step > st.start:  # none at the step it started from: at 0 it would make the folder refuse a fresh start
             checkpoint(st, step)
             saved = f"checkpoint saved at step {step} in {st.run_dir}"
         raise RewardError(e.name, f"{e.message} ({saved})") from e
@@ -141,7 +161,17 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
             alerts.close()
         if lock:
             lock.release()
+    if stopped is not None:
+        raise stopped
     return st.run_dir
+
+
+class StoppedByAlert(TrainingHealthError):
+    """log.stop_on stopped the run at an alert it names (after its checkpoint and report): `run_dir` holds both."""
+
+    def __init__(self, run_dir: Path, message: str):
+        super().__init__(message)
+        self.run_dir = run_dir
 
 
 # ---------------------------------------------------------------------------- the phases
@@ -168,55 +198,84 @@ def new_iteration(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> di
     return metrics | {"iteration": index + 1}
 
 
-def sample_step(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> Samples:
+def sample_step(policy, tokenizer, prompts: list[PromptEntry], params: SamplingParams, cfg: Config, step: int,
+                acc, timer: PhaseTimer) -> Samples:
     """Every process draws the step's B prompts (the same list) and samples its own whole groups, each
     image from its own seed (seeds.IMAGE + its row among the step's B*G)."""
-    s, acc, policy = cfg.sample, st.acc, st.policy
-    with timer("sample"), full_weights(st.learner.model):  # gathered: Janus's VQ decoder is in the sharded policy
-        chosen = step_rng(cfg.run.seed, step).choice(len(st.prompts.train), s.prompts_per_step,
-                                                     replace=len(st.prompts.train) < s.prompts_per_step)
-        entries = repeat([st.prompts.train[i] for i in chosen[process_slice(s.prompts_per_step, acc)]], s.group_size)
-        rows = process_slice(s.prompts_per_step * s.group_size, acc)
-        seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
-        policy.eval()
-        cond, rollout = sample_rows(policy, entries, seeds, st.params, s.batch_size, s.mixed_precision == "bf16")
-        with timer("decode"):  # its own phase: the sample clock stops meanwhile
-            images = decode_images(st.bundle.tokenizer, rollout.tokens, s.batch_size)  # [n, 3, H, W]
+    s = cfg.sample
+    chosen = step_rng(cfg.run.seed, step).choice(len(prompts), s.prompts_per_step,
+                                                 replace=len(prompts) < s.prompts_per_step)
+    entries = repeat([prompts[i] for i in chosen[process_slice(s.prompts_per_step, acc)]], s.group_size)
+    rows = process_slice(s.prompts_per_step * s.group_size, acc)
+    seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
+    policy.eval()
+    cond, rollout = sample_rows(policy, entries, seeds, params, s.batch_size, s.mixed_precision == "bf16")
+    with timer("decode"):  # its own phase: the sample clock stops meanwhile
+        images = decode_images(tokenizer, rollout.tokens, s.batch_size)  # [n, 3, H, W]
     return Samples(entries, seeds, cond, rollout, images, chosen, rows)
 
 
-def score_step(st: RunState, cfg: Config, samples: Samples) -> Scored:
-    """Every reward on this process's images, gathered from every process (in group order), and the
-    policy kind's judge on them (log.judge_rollouts)."""
-    judge = st.bundle.judge if cfg.log.judge_rollouts else None
-    local = score(st.rewards, samples.images, samples.entries, judge)
-    total = gather(st.acc, local.total)  # [B*G]
-    raw = {k: gather(st.acc, v) for k, v in local.raw.items()}
-    weights = {k: gather(st.acc, v) for k, v in local.weights.items()}
+def score_step(rewards: CompositeReward, judge, samples: Samples, cfg: Config, acc) -> Scored:
+    """Every reward on this process's images, gathered from every process (in group order), and `judge`
+    on them (the policy kind's, with log.judge_rollouts; None: no verdicts)."""
+    local = score(rewards, samples.images, samples.entries, judge)
+    total = gather(acc, local.total)  # [B*G]
+    raw = {k: gather(acc, v) for k, v in local.raw.items()}
+    weights = {k: gather(acc, v) for k, v in local.weights.items()}
     if cfg.reward.combine == "normalize_then_sum":
-        total = normalize_then_sum(torch.stack([raw[k] for k in st.rewards.names], 1),
-                                   torch.stack([weights[k] for k in st.rewards.names], 1), cfg.sample.group_size)
+        total = normalize_then_sum(torch.stack([raw[k] for k in rewards.names], 1),
+                                   torch.stack([weights[k] for k in rewards.names], 1), cfg.sample.group_size)
     judged = {}
     if judge is not None:
         from grpo_vision.evaluation.judge import verdict_rates
 
-        judged = {k: gather(st.acc, v) for k, v in verdict_rates(local.verdicts,
-                                                                 ["correct", *judge.attributes]).items()}
+        judged = {k: gather(acc, v) for k, v in verdict_rates(local.verdicts, ["correct", *judge.attributes]).items()}
     return Scored(total, raw, weights, local.reasons, local.verdicts, judged,
                   frac_zero_std(total, cfg.sample.group_size))
 
 
-def update_batch(st: RunState, cfg: Config, samples: Samples, advantages: torch.Tensor) -> UpdateBatch:
-    """The update's inputs: the log-probs its ratio divides by, the reference's for the KL, and the
-    tokens that carry the policy term."""
-    t, acc, cond, tokens = cfg.train, st.acc, samples.cond, samples.rollout.tokens
-    old = old_logprobs(st.policy, cond, samples.rollout, st.params, acc, t.micro_batch_size,
-                       recompute=cfg.sample.mixed_precision != "no")
+def measure(policy, reference: Reference, plan: UpdatePlan, params: SamplingParams, acc, samples: Samples) -> Measured:
+    """The teacher-forced passes of a step: the log-probs the ratio divides by, the reference's for the KL,
+    and what the token weighting reads (STAGE's entropies, guidance-contrastive's two branches)."""
+    cond, tokens = samples.cond, samples.rollout.tokens
+    old = old_logprobs(policy, cond, samples.rollout, params, acc, plan.micro_batch, recompute=plan.recompute_old)
+    entropy = ref_entropy = contrast = None
     with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
-        ref = reference_logprobs(st.policy, st.reference, cond, tokens, st.params, t)
+        if plan.entropies:  # STAGE's entropy reward: both models' entropies of the distribution the ratio uses
+            _, entropy = batched_logprobs(policy, cond, tokens, params, plan.micro_batch, with_entropy=True)
+            ref, ref_entropy = reference.logprobs(policy, cond, tokens, params, plan.micro_batch, with_entropy=True)
+        else:
+            ref = reference_logprobs(policy, reference, cond, tokens, params, plan)
+        if plan.token_weighting == "guidance_contrastive":
+            contrast = contrast_logprobs(policy, cond, tokens, params, plan.micro_batch)
+    return Measured(old, ref, entropy, ref_entropy, contrast)
+
+
+def step_rewards(scored: Scored, measured: Measured, plan: UpdatePlan, acc) -> torch.Tensor:
+    """The totals `[B*G]` the advantages come from: STAGE's entropy reward added to each group's best images."""
+    if not plan.entropies:
+        return scored.total
+    mean_entropy = gather(acc, measured.entropy.mean(1).float())  # [B*G] every process's images
+    ref_entropy = gather(acc, measured.ref_entropy.mean(1).float())
+    return stage_entropy_reward(scored.total, mean_entropy, ref_entropy, plan.group_size, plan.stage_entropy_scale)
+
+
+def update_batch(policy, tokenizer, plan: UpdatePlan, acc, samples: Samples, measured: Measured,
+                 advantages: torch.Tensor, total: torch.Tensor) -> tuple[UpdateBatch, int]:
+    """The update's inputs: the tokens that carry the policy term and each token's policy and KL weights
+    (train.token_weighting), without the groups train.zero_std_groups=drop leaves out; and how many it left out."""
+    tokens = samples.rollout.tokens
     mask = torch.ones_like(tokens, dtype=torch.bool)  # image sequences have a fixed length
-    keep = policy_tokens(samples.rollout.entropy, mask, t.top_entropy_quantile, acc)
-    return UpdateBatch(cond, tokens, mask, samples.rollout.logprobs, old, ref, advantages.to(acc.device), keep)
+    keep = policy_tokens(samples.rollout.entropy, mask, plan.policy_quantile, acc)
+    batch = UpdateBatch(samples.cond, tokens, mask, samples.rollout.logprobs, measured.old, measured.ref,
+                        advantages.to(acc.device), keep, dynamic_weight=plan.token_weighting == "critical")
+    with torch.no_grad():
+        batch.policy_weight, batch.kl_weight = token_weights(plan, policy, tokenizer, batch, samples.rollout.entropy,
+                                                             measured.contrast)
+    if not plan.drop_flat_groups:
+        return batch, 0
+    spread = informative_groups(total[samples.rows], plan.group_size)  # [groups here] (one process: set-up)
+    return batch.rows(spread.repeat_interleave(plan.group_size).to(tokens.device)), int((~spread).sum())
 
 
 def after_update(st: RunState, cfg: Config, step: int, samples: Samples) -> None:
@@ -224,7 +283,7 @@ def after_update(st: RunState, cfg: Config, step: int, samples: Samples) -> None
     replay buffer once it is done (the last iteration's would never be used)."""
     t = cfg.train
     if st.reference.mode != "none" and t.ref_sync_every and (step + 1) % t.ref_sync_every == 0:
-        sync_reference(st)
+        sync_reference(st, t.ref_model_mixup_alpha)
     if st.buffer is not None and iteration_of(step, t.steps, t.iterations) < t.iterations - 1:
         step_entries = repeat([st.prompts.train[i] for i in samples.chosen], cfg.sample.group_size)
         st.buffer.add(gather(st.acc, samples.rollout.tokens), step_entries)
@@ -275,14 +334,16 @@ def checkpoint(st: RunState, step: int) -> None:
     if main:
         learned = None if st.buffer is None else {"buffer": st.buffer.state_dict(), "rewards": st.rewards.state_dict()}
         save_checkpoint(st.run_dir, step, st.policy, optimizer, st.learner.scheduler,
-                        st.reference.state_dict(st.policy), {"counters": st.learner.health.counters}, learned,
+                        st.reference.state_dict(st.policy), {"counters": st.learner.health.counters, "base": st.base}
+                        | ({"entropy": st.learner.entropy.state()} if st.learner.entropy else {}), learned,
                         weights=weights, optimizer_state=opt_state)
     st.acc.wait_for_everyone()
 
 
-def sync_reference(st: RunState) -> None:
-    """The reference becomes the policy; a frozen copy takes every weight whole, gathered from FSDP's shards."""
-    st.reference.sync(st.policy, full_state_dict(st.learner.model) if st.reference.mode == "frozen" else None)
+def sync_reference(st: RunState, alpha: float = 1.0) -> None:
+    """The reference becomes the policy (`alpha` < 1: moves that far toward it, train.ref_model_mixup_alpha); a
+    frozen copy takes every weight whole, gathered from FSDP's shards."""
+    st.reference.sync(st.policy, full_state_dict(st.learner.model) if st.reference.mode == "frozen" else None, alpha)
 
 
 def sample_grid(st: RunState, step: int, trackers: Trackers | None) -> None:
@@ -320,6 +381,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     acc: object  # accelerate.Accelerator
     run_dir: Path
     params: SamplingParams  # the rollout's sampling settings
+    plan: UpdatePlan  # the update's loss, passes, minibatches and reference, fixed for the run
     bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
     policy: torch.nn.Module  # the bundle's policy, peft-wrapped when train.adapter is set
     learner: Learner  # the prepared model, its optimizer and schedule, the health checks
@@ -328,12 +390,65 @@ class RunState:  # everything set-up builds before the first step, on this proce
     prompts: PromptSets  # train, and the two eval sets
     start: int  # the first step to run (0, or the resumed checkpoint's step)
     buffer: ReplayBuffer | None  # iterative RL with a learning reward: the samples it updates on
+    base: dict  # the identity of the base files (run/checkpoint.py base_identity), kept in every checkpoint
     memory_estimate: int = 0  # bytes: run/memory.py's estimated peak, logged beside the measured one
 
 
 def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None = None,
-           given_prompts: dict | None = None) -> RunState:
+           given_prompts: dict | None = None, allow_other_base: bool = False) -> RunState:
     """Load everything a run needs, or fail naming the problem before the run directory is written."""
+    acc, run_dir, sizes = open_run(cfg, resume)  # the processes; a folder in use (or already a run) refused
+    params, plan = SamplingParams.from_config(cfg.sample), UpdatePlan.from_config(cfg)
+    before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
+    bundle, policy = load_policy(cfg, acc, params, given_bundle)  # the kind's files, its adapter
+    check_weighting_hooks(cfg.train.token_weighting, cfg.policy.kind, bundle.policy, bundle.tokenizer)
+    if plan.drop_flat_groups and acc.num_processes > 1:  # each process would make a different number of updates
+        raise ConfigError(f"train.zero_std_groups=drop runs on one process, and this run has {acc.num_processes}: "
+                          "use train.zero_std_groups=keep, or one process")
+    reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    # before any sampling: a batch that cannot fit stops here, naming the knob to lower
+    memory_estimate = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
+                                    params.guided, acc.device, acc.is_main_process, before_load)
+    prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
+    rewards = load_rewards(cfg, acc, bundle, prompts)  # a missing model or a set it cannot score stops here
+    buffer = replay_buffer(cfg, bundle, rewards, reference)
+    # a resume's checkpoint, checked against this run (train.steps, its base files, what it must hold), and its
+    # weights loaded before accelerate shards them (FSDP); the optimizer's state after
+    ckpt, base = latest_checkpoint(run_dir) if resume else None, base_identity(cfg.policy)
+    resumed = resume_weights(ckpt, policy, cfg.train.steps, base, rewards.learners, allow_other_base) if ckpt else None
+    learner = make_learner(cfg, acc, policy, trainable, sizes, resumed, ckpt)
+    if resumed is not None:
+        if resumed.reference is not None:
+            reference.load_state_dict(policy, resumed.reference)
+        if resumed.learned is not None:
+            rewards.load_state_dict(resumed.learned["rewards"])
+            if buffer is not None:
+                buffer.load_state_dict(resumed.learned["buffer"])
+    if resume and acc.is_main_process:
+        print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
+              "starting at step 0", flush=True)
+        if resumed is not None and resumed.other_base:  # said with --allow-other-base: the run's log keeps it
+            record_other_base(run_dir, resumed.step, resumed.other_base)
+    return RunState(acc, run_dir, params, plan, bundle, policy, learner, reference, rewards, prompts,
+                    resumed.step if resumed else 0, buffer, base, memory_estimate)
+
+
+def record_other_base(run_dir: Path, step: int, change: str) -> None:
+    """A resume onto other base files (--allow-other-base), said and kept in the run's base_changes.jsonl."""
+    import json
+    import time
+
+    from grpo_vision.files import open_kept
+
+    print(f"[train] --allow-other-base: from step {step}, {change}", file=sys.stderr, flush=True)
+    with open_kept(run_dir / "base_changes.jsonl", root=run_dir) as f:
+        f.write(json.dumps({"step": step, "time": time.time(), "change": change}) + "\n")
+
+
+def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict]:
+    """The accelerator, the run folder (one in use, or on a fresh start already a run, refused before any model
+    loads) and the batch sizes per process; the threads set."""
     from accelerate import Accelerator
 
     device = resolve_device(cfg.run.device)
@@ -341,19 +456,22 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
     acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision,
                       **accelerator_options(cfg, run_dir))  # log.trackers: started by train() once the folder is ours
     sizes = derived_sizes(cfg, acc.num_processes)
-    check_run_dir(run_dir, fresh=not resume)  # in use, or (fresh start) already a run: refused before loading
+    check_run_dir(run_dir, fresh=not resume)
     acc.wait_for_everyone()  # every process has looked before the main one writes anything there
-    main = acc.is_main_process
     threads = set_threads(cfg.run.threads, acc.num_processes)
-    if main:
+    if acc.is_main_process:
         print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}  threads={threads}", flush=True)
         if busy := check_load():
-            warnings.warn(busy, stacklevel=2)
+            warnings.warn(busy, stacklevel=3)
+    return acc, run_dir, sizes
+
+
+def load_policy(cfg: Config, acc, params: SamplingParams, given: Bundle | None) -> tuple[Bundle, torch.nn.Module]:
+    """The policy kind's bundle (or a script's, moved to this process's device) and the policy to train: its
+    decode path checked, activations recomputed, an adapter added as train.* says."""
     t = cfg.train
-    params = SamplingParams.from_config(cfg.sample)
-    before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
-    bundle = given_bundle or load_bundle(cfg.policy, acc.device)
-    if given_bundle is not None:  # a script's policy, loaded wherever it was: onto this process's device
+    bundle = given or load_bundle(cfg.policy, acc.device)
+    if given is not None:  # a script's policy, loaded wherever it was: onto this process's device
         for part in (bundle.policy, bundle.tokenizer):
             if isinstance(part, torch.nn.Module):
                 part.to(acc.device)
@@ -369,60 +487,55 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
         policy.gradient_checkpointing_enable()
     if t.adapter != "none":
         policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
-    reference = Reference(policy, t.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    # before any sampling: a batch that cannot fit stops here, naming the knob to lower
-    memory_estimate = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
-                                    params.guided, acc.device, main, before_load)
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
-    prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
+    return bundle, policy
+
+
+def load_rewards(cfg: Config, acc, bundle: Bundle, prompts: PromptSets) -> CompositeReward:
+    """The run's rewards with their models loaded, checked against every prompt set they will score."""
     rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
-    rewards.load()  # a missing or corrupt reward model stops the run here, before its folder is written
-    rewards.check({"training": prompts.train, **prompts.named()})  # ... and so does a set a reward cannot score
-    buffer = None
+    rewards.load()
+    rewards.check({"training": prompts.train, **prompts.named()})
+    return rewards
+
+
+def replay_buffer(cfg: Config, bundle: Bundle, rewards: CompositeReward, reference: Reference) -> ReplayBuffer | None:
+    """Iterative RL with a reward that learns: the buffer of samples it learns from between iterations."""
+    t = cfg.train
     if t.iterations > 1 and rewards.learners:
         needs = [n for n in rewards.learners if getattr(rewards.fns[n], "needs_judge", False)]
         if needs and bundle.judge is None:
             raise ConfigError(f"reward {needs[0]!r} learns from a judge's verdicts between iterations, and policy "
                               f"kind {cfg.policy.kind!r} has no judge: train on another reward, or set "
                               "train.iterations=1 (it then scores without learning)")
-        buffer = ReplayBuffer(cfg.reward.replay_capacity)
-    elif t.iterations > 1 and reference.mode == "none":
+        return ReplayBuffer(cfg.reward.replay_capacity)
+    if t.iterations > 1 and reference.mode == "none":
         warnings.warn(f"train.iterations={t.iterations} does nothing here: there is no reference to reset "
-                      "(train.reference: none) and no reward that learns", stacklevel=2)
-    start, counters, ckpt = 0, None, latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:  # weights before accelerate shards them (FSDP); the optimizer's state after
-        state, ref_state = load_checkpoint(ckpt, policy)
+                      "(train.reference: none) and no reward that learns", stacklevel=3)
+    return None
+
+
+def make_learner(cfg: Config, acc, policy, trainable: list, sizes: dict, resumed: Resumed | None,
+                 ckpt: Path | None) -> Learner:
+    """The policy prepared by accelerate (DDP / FSDP), its AdamW and schedule (a resume's states loaded into
+    them) and the health checks (a resume's counters)."""
+    t = cfg.train
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
     model, optimizer = prepare(acc, policy, optimizer, t.adapter)
     trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
-    if ckpt is not None:
+    if resumed is not None:
         load_training_state(ckpt, optimizer, scheduler,
                             lambda opt_state: load_optimizer_state(model, optimizer, opt_state))
-        if ref_state is not None:
-            reference.load_state_dict(policy, ref_state)
-        start, counters = state["step"], state["counters"]
-        if not isinstance(counters, dict) or set(counters) != set(COUNTERS):
-            raise CheckpointError(f"{ckpt / 'trainer_state.json'} holds the counters {brief(counters)}, not "
-                                  f"{', '.join(COUNTERS)}: delete {ckpt} and resume from an earlier step")
-        learned = load_iterative_state(ckpt)
-        if buffer is not None and learned is None and start:
-            raise CheckpointError(f"{ckpt} has no iterative.safetensors, which this run's learning rewards "
-                                  f"({', '.join(rewards.learners)}) need to resume exactly: resume with the "
-                                  "config that wrote it")
-        if learned is not None:
-            rewards.load_state_dict(learned["rewards"])
-            if buffer is not None:
-                buffer.load_state_dict(learned["buffer"])
-    if resume and main:
-        print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
-              "starting at step 0", flush=True)
     low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
-    health = RunHealth(counters, t.max_skipped_updates, loud=main,
+    health = RunHealth(resumed.counters if resumed else None, t.max_skipped_updates, loud=acc.is_main_process,
                        drift_limit=DRIFT_WARN["low_precision" if low_precision else "float32"])
-    learner = Learner(model, trainable, optimizer, scheduler, acc, health)
-    return RunState(acc, run_dir, params, bundle, policy, learner, reference, rewards, prompts, start, buffer,
-                    memory_estimate)
+    entropy = None
+    if t.use_adaptive_entropy:
+        entropy = EntropyControl(t.entropy_coef, t.entropy_target, t.entropy_coef_delta, t.entropy_coef_min,
+                                 t.entropy_coef_max)
+        if resumed is not None and resumed.entropy is not None:
+            entropy.load(resumed.entropy)
+    return Learner(model, trainable, optimizer, scheduler, acc, health, entropy)
 
 
 def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:

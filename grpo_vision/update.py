@@ -1,8 +1,10 @@
 """The UPDATE phase of a step: passes over the rollout, minibatches, micro-batches (accelerate syncs gradients).
 
-`update` runs `num_iterations` passes over the step's sequences, each split into
-`minibatches_per_pass` optimizer updates of micro-batches; the loss is `grpo.grpo_loss` with the
-config's `LossParams`. It also measures two things the loss needs no extra pass for:
+`UpdatePlan` is made once at set-up from `train.*`: the loss's settings, the passes, minibatches and
+micro-batches, the clipping, and the one decision whether a reference is measured (and on how many
+rows) and whether its KL is in the loss. `update` runs `plan.passes` passes over the step's sequences,
+each split into `plan.minibatches` optimizer updates of micro-batches; the loss is `grpo.grpo_loss`.
+It also measures two things the loss needs no extra pass for:
 
 * the KL to the reference, the token mean of k3 over the sequences whose reference log-probs were
   measured (all of them with beta > 0), whether or not it is in the loss;
@@ -14,18 +16,84 @@ config's `LossParams`. It also measures two things the loss needs no extra pass 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from grpo_vision.config import TrainConfig
-from grpo_vision.grpo import LossParams, grpo_loss, high_entropy_mask, k3_kl
+from grpo_vision import credit
+from grpo_vision.grpo import (
+    LossParams, adaptive_entropy_coef, entropy_coef_to_apply, grpo_loss, high_entropy_mask, k3_kl,
+)
 from grpo_vision.run.distributed import as_float, process_slice
 from grpo_vision.run.health import NonFiniteWeightsError, RunHealth, weights_finite
 from grpo_vision.sampling import SamplingParams, batched_logprobs, micro_batches, sequence_logprobs
 from grpo_vision.seeds import PASS_ORDER, step_seed
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """How every step's update runs, fixed at set-up (`from_config`); `update` takes nothing else from the config."""
+    loss: LossParams  # beta, clipping, loss_type, importance level, delta
+    passes: int = 1  # train.num_iterations: passes over the step's sequences
+    minibatches: int = 1  # train.minibatches_per_pass: optimizer updates a pass
+    micro_batch: int = 8  # train.micro_batch_size: sequences a forward pass (also the reference's)
+    max_grad_norm: float = 1.0  # 0: no clipping
+    reference: bool = False  # reference log-probs are measured: for the KL term, or only for the logged KL
+    kl_sequences: int = 0  # with beta 0, measure the logged KL on this process's first N sequences (0 = all)
+    policy_quantile: float = 1.0  # train.top_entropy_quantile: the tokens that carry the policy term
+    recompute_old: bool = False  # rollouts in another precision: the ratio's old log-probs teacher-forced again
+    token_weighting: str = "none"  # credit.py: none | stage | critical | guidance_contrastive
+    group_size: int = 1  # G: the groups the weightings compare images within
+    critical_fraction: float = 0.1  # critical: GCPO's share per subset
+    guidance_shares: tuple[float, float] = (0.8, 0.4)  # guidance_contrastive: (top_share, top_fraction)
+    stage_entropy_scale: float = 0.0  # stage: the entropy reward's scale (0: off)
+    drop_flat_groups: bool = False  # train.zero_std_groups=drop: groups without reward spread leave the update
+
+    @classmethod
+    def from_config(cls, cfg) -> "UpdatePlan":
+        """The plan of a config (validate() has refused beta > 0 without a reference)."""
+        t = cfg.train
+        # every row's reference log-probs: for the KL term, GCPO's dynamic weight, STAGE's entropy reward
+        all_rows = t.beta > 0 or t.token_weighting == "critical" or (
+            t.token_weighting == "stage" and t.stage_entropy_reward_scale > 0)
+        return cls(LossParams.from_config(t), t.num_iterations, t.minibatches_per_pass, t.micro_batch_size,
+                   t.max_grad_norm, t.reference != "none", 0 if all_rows else t.kl_metric_sequences,
+                   t.top_entropy_quantile, cfg.sample.mixed_precision != "no", t.token_weighting,
+                   cfg.sample.group_size, t.critical_fraction, (t.guidance_top_share, t.guidance_top_fraction),
+                   t.stage_entropy_reward_scale if t.token_weighting == "stage" else 0.0,
+                   t.zero_std_groups == "drop")
+
+    @property
+    def entropies(self) -> bool:
+        """The teacher-forced passes also give each token's entropy (STAGE's entropy reward)."""
+        return self.stage_entropy_scale > 0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.reference and self.loss.beta > 0
+
+    def measured_rows(self, n: int) -> int:
+        """How many of `n` sequences get reference log-probs (0 without a reference)."""
+        if not self.reference:
+            return 0
+        return min(n, self.kl_sequences) if self.kl_sequences else n
+
+
+# the loss metrics `update` logs every step (NaN on a step whose every group train.zero_std_groups dropped)
+LOSS_KEYS = ("loss/total", "loss/policy", "loss/kl", "loss/clip_frac_low", "loss/clip_frac_high", "loss/ratio_mean",
+             "rollout/logp_drift", "train/grad_norm")
+
+
+@dataclass
+class Measured:  # a step's teacher-forced passes, on this process's rows
+    old: torch.Tensor  # [n, N] the log-probs the ratio divides by
+    ref: torch.Tensor | None  # [n, N] the reference's (NaN where not measured; None: no reference)
+    entropy: torch.Tensor | None = None  # [n, N] the policy's entropy at each token (STAGE's entropy reward)
+    ref_entropy: torch.Tensor | None = None  # [n, N] the reference's
+    contrast: tuple[torch.Tensor, torch.Tensor] | None = None  # guidance-contrastive: (prompt, null prompt) log-probs
 
 
 @dataclass
@@ -38,6 +106,67 @@ class UpdateBatch:  # what the update trains on, on this process: n sequences of
     ref_logprobs: torch.Tensor | None  # [n, N] reference log-probs, NaN where not measured (None: no reference)
     advantages: torch.Tensor  # [n] group-relative advantages
     policy_mask: torch.Tensor  # [n, N] bool, the tokens that carry the policy term (top_entropy_quantile)
+    policy_weight: torch.Tensor | None = None  # [n, N] credit.py's weight of each token's policy term (None: 1)
+    kl_weight: torch.Tensor | None = None  # [n, N] its weight of each token's KL (None: 1)
+    dynamic_weight: bool = False  # GCPO: each token's surrogate times credit.dynamic_advantage_weight
+
+    def rows(self, keep: torch.Tensor) -> "UpdateBatch":
+        """The batch of the rows `keep` ([n] bool) only."""
+        pick = {k: (v[keep] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return UpdateBatch(**pick)
+
+
+def token_weights(plan: UpdatePlan, policy, tokenizer, batch: UpdateBatch, entropy: torch.Tensor,
+                  cond_logprobs=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(policy weight, KL weight) `[n, N]` of `plan.token_weighting` for this process's whole groups (credit.py):
+    STAGE from the tokens' VQ code vectors and the advantages, GCPO from the sampling entropy (the guided
+    distribution's) and the tokens' input embeddings, guidance-contrastive from `cond_logprobs`, the
+    (conditional, null-prompt) log-probs of the sampled tokens. None, None: every token alike."""
+    kind, G = plan.token_weighting, plan.group_size
+    if kind == "stage":
+        return credit.stage_weights(tokenizer.code_vectors(batch.tokens).float(), batch.advantages, G)
+    if kind == "critical":
+        embeddings = getattr(policy, "module", policy).token_embeddings(batch.tokens).float()
+        chosen = credit.critical_tokens(entropy.float(), embeddings, tuple(policy.image_grid), G,
+                                        plan.critical_fraction)
+        return credit.critical_weights(chosen)
+    if kind == "guidance_contrastive":
+        share, fraction = plan.guidance_shares
+        return credit.guidance_contrastive_weights(*cond_logprobs, top_share=share, top_fraction=fraction)
+    return None, None
+
+
+def contrast_logprobs(policy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+                      micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs `[n, N]` of the sampled tokens given the prompt and given the null prompt, without guidance,
+    temperature or filters (the guidance-contrastive source scores both branches at T = 1): two no-grad passes."""
+    plain = dataclasses.replace(params, cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0, logprob_mode="conditional")
+    null = getattr(policy, "module", policy).null_condition(cond)
+    return (batched_logprobs(policy, cond, tokens, plain, micro),
+            batched_logprobs(policy, null, tokens, plain, micro))
+
+
+@dataclass
+class EntropyControl:  # train.use_adaptive_entropy: Skywork-OR1's coefficient as TRL 1.16 steps it (grpo.py)
+    coef: float  # the coefficient, stepped after every optimizer update
+    target: float
+    delta: float
+    low: float
+    high: float
+    last: float = math.inf  # the previous update's mean token entropy (none yet: the bonus waits, as TRL's)
+
+    def applied(self) -> float:
+        return entropy_coef_to_apply(self.coef, self.last, self.target)
+
+    def observe(self, entropy: float) -> None:
+        self.coef = adaptive_entropy_coef(self.coef, entropy, self.target, self.delta, self.low, self.high)
+        self.last = entropy
+
+    def state(self) -> list:  # for trainer_state.json (JSON has no inf)
+        return [self.coef, None if math.isinf(self.last) else self.last]
+
+    def load(self, state: list) -> None:
+        self.coef, self.last = float(state[0]), math.inf if state[1] is None else float(state[1])
 
 
 @dataclass
@@ -48,6 +177,7 @@ class Learner:  # what an update changes, and what watches it
     scheduler: torch.optim.lr_scheduler.LambdaLR
     acc: object  # accelerate.Accelerator
     health: RunHealth  # skipped updates, non-finite weights, log-prob drift
+    entropy: EntropyControl | None = None  # the adaptive entropy coefficient (None: a fixed one, or none)
 
 
 def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int, recompute: bool = False) -> torch.Tensor:
@@ -60,14 +190,15 @@ def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int,
         return batched_logprobs(policy, cond, rollout.tokens, params, micro)
 
 
-def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams, t: TrainConfig) -> torch.Tensor | None:
-    """Reference log-probs `[n, N]`; with beta 0 and `kl_metric_sequences`, only the first rows are
-    computed (the KL is only logged) and the others are NaN, meaning "not measured"."""
-    if t.reference == "none":
-        return None
+def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams,
+                       plan: UpdatePlan) -> torch.Tensor | None:
+    """Reference log-probs `[n, N]` (None without a reference); with beta 0 and `kl_metric_sequences`, only
+    the first rows are computed (the KL is only logged) and the others are NaN, meaning "not measured"."""
     n = cond.shape[0]
-    measured = min(n, t.kl_metric_sequences) if t.beta == 0 and t.kl_metric_sequences else n
-    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, t.micro_batch_size)
+    measured = plan.measured_rows(n)
+    if not measured:
+        return None
+    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, plan.micro_batch)
     if measured == n:
         return ref
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
@@ -83,27 +214,33 @@ def policy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, ac
     return keep[process_slice(keep.shape[0], acc)]  # [n, N] this process's rows
 
 
-def update(learner: Learner, batch: UpdateBatch, params: SamplingParams, t: TrainConfig, seed: int,
+def update(learner: Learner, batch: UpdateBatch, params: SamplingParams, plan: UpdatePlan, seed: int,
            step: int) -> dict:
-    """`num_iterations` passes over the step's sequences, each in the order drawn from `(seed, step)`
-    (seeds.PASS_ORDER), `minibatches_per_pass` optimizer updates a pass. The backward passes go through
+    """`plan.passes` passes over the step's sequences, each in the order drawn from `(seed, step)`
+    (seeds.PASS_ORDER), `plan.minibatches` optimizer updates a pass. The backward passes go through
     `learner.model`, so DDP averages gradients (FSDP reduce-scatters them) once per optimizer update, on
     the last micro-batch. Returns the step's loss metrics."""
-    loss_params, stats = LossParams.from_config(t), UpdateStats(batch.tokens.device)
-    for k in range(t.num_iterations):
+    stats = UpdateStats(batch.tokens.device)
+    for k in range(plan.passes):
         order = torch.randperm(batch.tokens.shape[0],
                                generator=torch.Generator().manual_seed(step_seed(seed, step, PASS_ORDER + k)))
-        for mb, rows in enumerate(order.view(t.minibatches_per_pass, -1)):
-            backward(learner, batch, rows, params, loss_params, t.micro_batch_size, stats, gauge=k == mb == 0)
-            stats.grad_norm = optimizer_step(learner, t.max_grad_norm, step)
-    return stats.metrics(learner, t, step)
+        # tensor_split: the same minibatches as a view when they divide evenly (dropped groups may leave fewer rows)
+        for mb, rows in enumerate(order.tensor_split(plan.minibatches)):
+            if not len(rows):
+                continue
+            entropy = backward(learner, batch, rows, params, plan, stats, gauge=k == mb == 0)
+            stats.grad_norm = optimizer_step(learner, plan.max_grad_norm, step)
+            if learner.entropy is not None:  # the next update's coefficient, from this one's mean entropy
+                learner.entropy.observe(entropy)
+    return stats.metrics(learner, plan, step)
 
 
-def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: SamplingParams, p: LossParams,
-             micro: int, stats: UpdateStats, gauge: bool) -> None:
+def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: SamplingParams, plan: UpdatePlan,
+             stats: UpdateStats, gauge: bool) -> float:
     """Accumulate the gradient of one minibatch (`rows` of the batch) over its micro-batches. `gauge`:
     the first minibatch of the step, before any optimizer update, where the on-policy drift is read."""
-    acc, chunks = learner.acc, micro_batches(rows, micro)
+    acc, p, chunks = learner.acc, plan.loss, micro_batches(rows, plan.micro_batch)
+    entropies = []  # each micro-batch's mean token entropy (the entropy bonus's)
     # dapo / cispo: the token sum over the global minibatch's tokens; gradients are then averaged
     # over processes, so each divides by its share (TRL: num_items_in_batch / num_processes)
     num_items = (acc.reduce(batch.mask[rows].sum().float(), "sum") / acc.num_processes
@@ -112,16 +249,32 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
         # DDP averages gradients in the last micro-batch's backward only; its forward must be inside
         # no_sync too, since that is where DDP arms the reduction
         with nullcontext() if j == len(chunks) - 1 else acc.no_sync(learner.model):
+            entropy = None
             with acc.autocast():
-                logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
+                if p.entropy_coef > 0 or learner.entropy is not None:  # the entropy bonus: entropies with gradient
+                    logp, entropy = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params,
+                                                      with_entropy=True)  # [m, N] each
+                else:
+                    logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
             ref, mask = (batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None), batch.mask[idx]
-            loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if p.beta > 0 else None,
+            weights = {"policy_weight": None if batch.policy_weight is None else batch.policy_weight[idx],
+                       "kl_weight": None if batch.kl_weight is None else batch.kl_weight[idx],
+                       "advantage_weight": credit.dynamic_advantage_weight(logp.float(), ref) if batch.dynamic_weight
+                       else None}
+            loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if plan.kl_in_loss else None,
                                 batch.advantages[idx], mask, p, max_tokens=batch.tokens.shape[1],
-                                policy_mask=batch.policy_mask[idx], num_items=num_items)
+                                policy_mask=batch.policy_mask[idx], num_items=num_items, entropy=entropy,
+                                entropy_coef=learner.entropy.applied() if learner.entropy is not None else None,
+                                **weights)
+            if entropy is not None:
+                entropies.append(m["entropy"])
             stats.add_tokens(logp.detach().float(), ref, batch.sample_logprobs[idx] if gauge else None, mask)
             acc.backward(loss if num_items is not None else loss / len(chunks))
         # a dapo / cispo micro-batch holds its share of the minibatch's loss: log the whole
         stats.add_losses({"loss": loss, **m}, share=len(chunks) if num_items is not None else 1)
+    if not entropies:
+        return math.nan
+    return acc.reduce(torch.stack(entropies).mean().to(acc.device), "mean").item()  # every process's mean
 
 
 def optimizer_step(learner: Learner, max_grad_norm: float, step: int) -> float:
@@ -174,7 +327,7 @@ class UpdateStats:
             self.sums[k] = self.sums.get(k, 0.0) + float(v.detach()) * (share if k in ("loss", "policy_loss") else 1)
         self.count += 1
 
-    def metrics(self, learner: Learner, t: TrainConfig, step: int) -> dict:
+    def metrics(self, learner: Learner, plan: UpdatePlan, step: int) -> dict:
         acc = learner.acc
         means = {k: acc.reduce(torch.tensor(v / self.count, device=acc.device), "mean").item()
                  for k, v in self.sums.items()}
@@ -188,8 +341,13 @@ class UpdateStats:
         out = {"loss/total": means["loss"], "loss/policy": means["policy_loss"], "loss/kl": kl,
                "loss/clip_frac_low": means["clip_frac_low"], "loss/clip_frac_high": means["clip_frac_high"],
                "loss/ratio_mean": means["ratio_mean"], "rollout/logp_drift": drift, "train/grad_norm": self.grad_norm}
-        if t.delta:
+        if plan.loss.delta:
             out["loss/delta_frac"] = means["delta_frac"]
-        if t.top_entropy_quantile < 1:
+        if plan.policy_quantile < 1:
             out["loss/policy_token_frac"] = means["policy_token_frac"]
+        for key in ("off_policy_frac", "entropy"):  # only where the option that makes them is on
+            if key in means:
+                out[f"loss/{key}"] = means[key]
+        if learner.entropy is not None:
+            out["loss/entropy_coef"] = learner.entropy.coef
         return out

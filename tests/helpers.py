@@ -4,8 +4,10 @@ specs `python:tests.test_train:...` do); fixtures live in conftest.py."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,3 +38,36 @@ def micro_cfg(world, out, *overrides):
 
     path, *rest = micro_args(world, out, *overrides)
     return load_config(path, rest)
+
+
+@contextmanager
+def within(seconds: int):
+    """Fail, rather than hang, when the body blocks: a FIFO opened for reading waits for a writer for ever."""
+    def stop(signum, frame):
+        raise TimeoutError(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def png_declaring(path: Path, width: int, height: int) -> Path:
+    """A valid 1 x 1 PNG whose header (IHDR, its CRC recomputed) declares `width` x `height`: a few hundred
+    bytes that a decoder would size its buffers from."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, "PNG")
+    data = bytearray(buffer.getvalue())  # signature (8), then IHDR: length (4), "IHDR", 13 bytes of fields, CRC
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    path.write_bytes(bytes(data))
+    return path

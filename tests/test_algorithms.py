@@ -4,6 +4,7 @@ checks, and the on-policy gauge. The formulas themselves are checked by hand in 
 import math
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from grpo_vision.config import ConfigError, load_config
@@ -19,6 +20,16 @@ from tests.helpers import micro_cfg
     (["train.delta=1.5"], "loss/delta_frac"),
     (["train.top_entropy_quantile=0.2"], "loss/policy_token_frac"),
     (["train.gradient_checkpointing=true"], None),
+    # issue 52: the token weightings and TRL 1.16's options through the real step (their math: test_credit.py)
+    (["train.token_weighting=stage"], None),
+    (["train.token_weighting=critical"], None),
+    (["train.token_weighting=guidance_contrastive"], None),
+    (["train.zero_std_groups=drop"], "train/groups_dropped"),
+    (["train.use_bias_correction_kl=true", "train.beta=0.04"], None),
+    (["train.entropy_coef=0.01"], "loss/entropy"),
+    (["train.use_adaptive_entropy=true", "train.entropy_coef=0.01", "train.entropy_target=10.0"], "loss/entropy_coef"),
+    (["train.off_policy_mask_threshold=0.5", "train.num_iterations=2"], "loss/off_policy_frac"),
+    (["train.ref_sync_every=1", "train.ref_model_mixup_alpha=0.5"], None),
 ])
 def test_each_option_trains_two_steps(micro_world, tmp_path, options, metric):
     run = train(micro_cfg(micro_world, tmp_path, "log.report=false", *options), progress=False)
@@ -64,3 +75,37 @@ def test_option_errors_name_the_key_and_the_fix(override, needle):
         load_config(None, [override])
     with pytest.raises(ConfigError, match="cispo clips its weight at train.epsilon_high instead: set train.delta=0"):
         load_config(None, ["train.loss_type=cispo", "train.epsilon_high=5", "train.delta=7"])
+
+
+def test_drop_leaves_flat_groups_out_of_the_update(micro_world, tmp_path):
+    # one reward of one value: every group is flat, so every group is dropped and no update runs (with
+    # keep, the KL term alone would still move the weights: beta 0.04 here)
+    run = train(micro_cfg(micro_world, tmp_path, "log.report=false", "train.steps=1", "train.beta=0.04",
+                          "train.zero_std_groups=drop",
+                          "reward.weights={python:tests.rewards.test_rewards:constant: 1.0}"),
+                progress=False)
+    row = load_metrics(run)[0]
+    assert row["train/groups_dropped"] == 2 and row["loss/total"] is None  # NaN, written as null
+    before = load_file(micro_world / "policy" / "policy.safetensors")
+    after = load_file(run / "checkpoints" / "step_000001" / "policy.safetensors")
+    assert all((after[k] == before[k]).all() for k in after)
+
+
+def test_the_token_weights_reach_the_update(micro_world, tmp_path, monkeypatch):
+    # every token's policy weight 0 (a weighting that credits nothing) and no KL: no gradient, no change
+
+    seen = []
+
+    def nothing(plan, policy, tokenizer, batch, entropy, contrast=None):
+        seen.append(plan.token_weighting)
+        return torch.zeros_like(batch.old_logprobs), torch.ones_like(batch.old_logprobs)
+
+    monkeypatch.setattr("grpo_vision.train.token_weights", nothing)
+    run = train(micro_cfg(micro_world, tmp_path, "log.report=false", "train.steps=1", "train.beta=0",
+                          "train.token_weighting=stage", "train.stage_entropy_reward_scale=0", "train.weight_decay=0"),
+                progress=False)
+    assert seen == ["stage"]  # the plan said which weighting
+    before = load_file(micro_world / "policy" / "policy.safetensors")
+    after = load_file(run / "checkpoints" / "step_000001" / "policy.safetensors")
+    assert all((after[k] == before[k]).all() for k in after)
+    assert load_metrics(run)[0]["train/grad_norm"] == 0.0

@@ -7,7 +7,8 @@ import torch
 from torch.testing import assert_close
 
 from grpo_vision.grpo import (
-    LossParams, frac_zero_std, group_advantages, grpo_loss, high_entropy_mask, k3_kl, masked_mean, normalize_then_sum,
+    LossParams, adaptive_entropy_coef, entropy_coef_to_apply, frac_zero_std, group_advantages, grpo_loss,
+    high_entropy_mask, informative_groups, k3_kl, masked_mean, mixup_state_dict, normalize_then_sum, off_policy_mask,
 )
 
 EPS = 1e-4
@@ -450,3 +451,120 @@ def test_loss_params_from_a_train_config():
     p = LossParams.from_config(TrainConfig())  # the config's defaults: DAPO's clip-higher, delta 0 = off
     assert (p.epsilon_low, p.epsilon_high, p.delta, p.beta) == (0.2, 0.28, None, 0.0)
     assert LossParams.from_config(TrainConfig(delta=4.0)).delta == 4.0
+
+
+# ---------------------------------------------------------------- token weights and TRL 1.16's options
+
+
+def test_policy_weight_makes_the_policy_term_a_weighted_mean():
+    # hand_batch's terms: seq0 [1, 1.2 (clipped), 0.5], seq1 [-0.8 (clipped), -1.5, masked].
+    # w = [[1, 0, 2], [0.5, 1, 7 (masked: not counted)]]: sum w = 4.5, sum w l = 1 + 0 + 1 - 0.4 - 1.5 = 0.1
+    # -> loss = -0.1 / (4.5 + 1e-6). d loss / d logp = -w A r / 4.5 where unclipped: (0,0) -1/4.5,
+    # (0,2) -2 * 0.5 / 4.5, (1,1) -1 * -1.5 / 4.5 = +1/3; the clipped tokens and w = 0 get 0.
+    logp, old, adv, mask = hand_batch()
+    w = t([[1.0, 0.0, 2.0], [0.5, 1.0, 7.0]])
+    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo"), policy_weight=w)
+    loss.backward()
+    assert_close(loss, t(-0.1 / (4.5 + 1e-6)))
+    assert_close(m["policy_loss"], loss.detach())
+    assert_close(logp.grad, t([[-1 / 4.5, 0, -1 / 4.5], [0, 1.5 / 4.5, 0]]), rtol=1e-5, atol=0)
+    # a global weight total (an update's micro-batches): the same sum, a different divisor
+    loss, _ = grpo_loss(logp.detach(), old, None, adv, mask, policy_weight=w, weight_total=10.0)
+    assert_close(loss, t(-0.01))
+
+
+def test_kl_weight_scales_each_tokens_kl():
+    # ref - logp = ln 2 on both tokens, A = 0: loss = beta * mean(m k3) = 0.1 * (1 - ln 2) * (0.5 + 1) / 2
+    logp = torch.zeros(1, 2, dtype=F64)
+    ref = torch.full((1, 2), math.log(2), dtype=F64)
+    loss, m = grpo_loss(logp, logp, ref, t([0.0]), torch.ones(1, 2), LossParams(beta=0.1), kl_weight=t([[0.5, 1.0]]))
+    assert_close(loss, t(0.1 * (1 - math.log(2)) * 0.75))
+    assert_close(m["kl"], t(1 - math.log(2)))  # the metric stays the plain KL
+
+
+def test_bias_corrected_kl_multiplies_k3_by_the_ratio_with_its_gradient():
+    # TRL: per_token_kl * coef_1, coef_1 = exp(logp - old) not detached. At r = 1 (logp = old = 0) the value is
+    # k3 = 1 - ln 2, but d(r k3)/d logp = r k3 + r dk3/dlogp = (1 - ln 2) + (1 - e^(ln 2)) = -ln 2, against -1 for
+    # plain k3: beta 0.1 -> gradients -0.0693 and -0.1 (one token, A = 0).
+    ref = torch.full((1, 1), math.log(2), dtype=F64)
+    for corrected, grad in ((True, -0.1 * math.log(2)), (False, -0.1)):
+        logp = torch.zeros(1, 1, dtype=F64, requires_grad=True)
+        loss, _ = grpo_loss(logp, torch.zeros(1, 1, dtype=F64), ref, t([0.0]), torch.ones(1, 1),
+                            LossParams(beta=0.1, use_bias_correction_kl=corrected))
+        loss.backward()
+        assert_close(loss.detach(), t(0.1 * (1 - math.log(2))))
+        assert_close(logp.grad, t([[grad]]))
+    # off the policy (old = -ln 2, r = 2): the value doubles
+    loss, _ = grpo_loss(torch.zeros(1, 1, dtype=F64), t([[-math.log(2)]]), ref, t([0.0]), torch.ones(1, 1),
+                        LossParams(beta=0.1, use_bias_correction_kl=True))
+    assert_close(loss, t(0.2 * (1 - math.log(2))))
+
+
+def test_entropy_bonus_is_the_mean_entropy_of_the_policy_term_tokens():
+    # test_policy_mask_...'s batch (loss 0.1) with entropies; the kept tokens hold 1 and 5: bonus mean 3,
+    # coef 0.01 -> loss 0.1 - 0.03 = 0.07; d loss / d H = -0.01 / 2 on the kept tokens, 0 elsewhere
+    logp, old, adv, mask = hand_batch()
+    keep = torch.tensor([[1, 0, 0], [0, 1, 0]], dtype=torch.bool)
+    entropy = t([[1.0, 2.0, 3.0], [4.0, 5.0, NAN]]).requires_grad_()
+    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo", entropy_coef=0.01),
+                        policy_mask=keep, entropy=entropy)
+    loss.backward()
+    assert_close(loss, t(0.07))
+    assert_close(m["entropy"], t(3.0))
+    assert_close(entropy.grad, t([[-0.005, 0, 0], [0, -0.005, 0]]))
+    # the adaptive controller's current coefficient overrides the configured one; 0 adds nothing
+    loss, _ = grpo_loss(logp.detach(), old, None, adv, mask, LossParams(loss_type="bnpo", entropy_coef=0.01),
+                        policy_mask=keep, entropy=entropy.detach(), entropy_coef=0.0)
+    assert_close(loss, t(0.1))
+
+
+def test_adaptive_entropy_coefficient_steps_toward_the_target():
+    # TRL: + delta when entropy <= target, - delta above, within [min, max]; applied only at or below target
+    assert adaptive_entropy_coef(0.1, 0.15, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.105)
+    assert adaptive_entropy_coef(0.1, 0.2, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.105)
+    assert adaptive_entropy_coef(0.1, 0.3, 0.2, 0.005, 0.0, 1.0) == pytest.approx(0.095)
+    assert adaptive_entropy_coef(0.998, 0.1, 0.2, 0.005, 0.0, 1.0) == 1.0
+    assert adaptive_entropy_coef(0.002, 0.3, 0.2, 0.005, 0.0, 1.0) == 0.0
+    assert entropy_coef_to_apply(0.1, math.inf, 0.2) == 0.0  # the first update: no entropy measured yet
+    assert entropy_coef_to_apply(0.1, 0.15, 0.2) == 0.1
+
+
+def test_off_policy_mask_drops_drifted_negative_advantage_sequences():
+    # hand_batch seq1 (A = -1): r = [0.5, 1.5] -> old - logp = [ln 2, -ln 1.5], mean 0.143841.
+    # threshold 0.1: dropped -> bnpo policy sum 2.7 (seq0 only) over the 5 tokens -> loss -0.54.
+    # threshold 0.2: kept -> -0.08 as without the mask. seq0 (A > 0) is kept whatever its drift.
+    logp, old, adv, mask = hand_batch()
+    kept = off_policy_mask(adv, logp, old, mask, 0.1)
+    assert kept.tolist() == [[True], [False]]
+    for threshold, expected, frac in ((0.1, -0.54, 0.5), (0.2, -0.08, 0.0), (0.14, -0.54, 0.5), (0.15, -0.08, 0.0)):
+        p = LossParams(loss_type="bnpo", off_policy_mask_threshold=threshold)
+        loss, m = grpo_loss(logp, old, None, adv, mask, p)
+        assert_close(loss, t(expected))
+        assert m["off_policy_frac"].item() == frac
+
+
+def test_mixup_state_dict_is_trls_tr_dpo_update():
+    # ref = 0.6 policy + 0.4 ref: [0.6 + 1.2, 1.2 + 2.4] = [1.8, 3.6]; an integer tensor is the policy's
+    policy = {"w": torch.tensor([1.0, 2.0]), "step": torch.tensor(5)}
+    ref = {"w": torch.tensor([3.0, 6.0]), "step": torch.tensor(1)}
+    out = mixup_state_dict(policy, ref, 0.6)
+    assert_close(out["w"], torch.tensor([1.8, 3.6]))
+    assert out["step"].item() == 5
+    assert torch.equal(ref["w"], torch.tensor([3.0, 6.0]))  # inputs untouched
+    assert torch.equal(mixup_state_dict(policy, ref, 1.0)["w"], policy["w"])  # alpha 1: a copy
+    with pytest.raises(ValueError, match="same keys"):
+        mixup_state_dict({"w": torch.zeros(2)}, {"v": torch.zeros(2)}, 0.5)
+
+
+def test_informative_groups_are_those_with_a_spread():
+    assert informative_groups(t([1, 2, 5, 5, NAN, 3]), 2).tolist() == [True, False, False]
+
+
+def test_loss_params_carry_trl_116_options_from_the_config():
+    from grpo_vision.config import TrainConfig
+
+    p = LossParams.from_config(TrainConfig())  # off by default: today's loss
+    assert (p.use_bias_correction_kl, p.off_policy_mask_threshold, p.entropy_coef) == (False, None, 0.0)
+    p = LossParams.from_config(TrainConfig(use_bias_correction_kl=True, off_policy_mask_threshold=0.5,
+                                           entropy_coef=0.01))
+    assert (p.use_bias_correction_kl, p.off_policy_mask_threshold, p.entropy_coef) == (True, 0.5, 0.01)

@@ -3,6 +3,7 @@ around them: the reference equals the policy at each boundary, and a run resumed
 continues exactly."""
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -214,7 +215,9 @@ def test_a_run_resumed_at_a_boundary_continues_exactly(micro_world, tmp_path):
               "reward.options.clip_refit.lr=1e-3", "reward.replay_fraction=0.25"]
     straight = train(micro_cfg(micro_world, tmp_path, NO_REPORT, "run.name=straight", *common), progress=False)
     half = train(micro_cfg(micro_world, tmp_path, NO_REPORT, "run.name=half", *common), progress=False)
-    (half / "checkpoints" / "latest").write_text("step_000004")  # stop at the second boundary, resume into it
+    for later in ("step_000005", "step_000006"):  # stopped at the second boundary: resume into it
+        shutil.rmtree(half / "checkpoints" / later, ignore_errors=True)
+    (half / "checkpoints" / "latest").write_text("step_000004")
     resumed = train(load_config(half / "config.yaml"), resume=half, progress=False)
     for name in ("policy.safetensors", "reference.safetensors"):
         a, b = (load_file(r / "checkpoints" / "step_000006" / name) for r in (straight, resumed))

@@ -85,6 +85,19 @@ def test_missing_checkpoint_is_named(tmp_path):
         LlamaImagePolicy.from_pretrained(tmp_path / "nowhere")
 
 
+def test_integer_weights_are_refused_at_load(tiny_policy, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from grpo_vision.run.checkpoint import CheckpointError
+
+    tiny_policy.save_pretrained(tmp_path)
+    weights = tmp_path / "policy.safetensors"
+    save_file({k: v.to(torch.int32) for k, v in load_file(weights).items()}, weights)
+    with pytest.raises(CheckpointError, match=f"{weights} has integer weights where the policy's are floats: "
+                                              r".* is torch.int32 \(and \d+ more\); rewrite it with save_pretrained"):
+        LlamaImagePolicy.from_pretrained(tmp_path)
+
+
 def test_gradients_reach_every_parameter(tiny_policy):
     cond = tiny_policy.encode_prompts(["a red circle"])
     tokens = torch.randint(0, 32, (1, 12))

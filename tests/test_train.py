@@ -2,6 +2,7 @@
 
 import copy
 import json
+import shutil
 import math
 import subprocess
 import sys
@@ -74,10 +75,59 @@ def test_cli_smoke_two_steps_move_parameters_and_log_finite_metrics(micro_world,
 # two steps, the report at eval temperatures 0.7 and 1.0)
 
 
-def test_a_run_writes_its_report_eval_curves_config_and_a_grid_each_step(micro_run):
-    for name in ("report.md", "eval.json", "curves.png", "config.yaml", "final_samples.png",
-                 "samples/step_000001.png", "samples/step_000002.png"):
-        assert (micro_run / name).is_file(), name
+def test_a_run_writes_the_config_it_trained_with_and_a_row_and_a_checkpoint_each_step(micro_run, micro_world):
+    # the config conftest.py's micro_run trained with, read back whole
+    assert load_config(micro_run / "config.yaml") == micro_cfg(micro_world, micro_run.parent, "log.sample_every=1",
+                                                               "log.eval_temperatures=[0.7,1.0]")
+    rows = load_metrics(micro_run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all({"reward/total/mean", "loss/policy", "loss/kl", "adv/frac_zero_std", "perf/step_s", "lr"} <= r.keys()
+               for r in rows)
+    # a checkpoint each step (log.checkpoint_every: 1), the last one named latest; each step moved the weights
+    checkpoints = micro_run / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_000002"
+    weights = [load_file(micro_world / "policy" / "policy.safetensors")]
+    for step in (1, 2):
+        assert json.loads((checkpoints / f"step_{step:06d}" / "trainer_state.json").read_text())["step"] == step
+        weights.append(load_file(checkpoints / f"step_{step:06d}" / "policy.safetensors"))
+        assert weights[-1].keys() == weights[0].keys()
+        assert any(not torch.equal(weights[-1][k], weights[-2][k]) for k in weights[0])
+
+
+def assert_same_picture(path: Path, other: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    a, b = (np.asarray(Image.open(p)) for p in (path, other))
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert not (a != b).any(), f"{int((a != b).any(-1).sum())} pixels of {other} differ"
+
+
+def test_the_last_grid_is_drawn_by_the_weights_the_last_checkpoint_holds(micro_run, tmp_path):
+    # samples/step_000002.png was drawn by the policy in memory after step 2: drawn again from the step-2
+    # checkpoint on the same prompts and seeds (train.py's sample_grid), it is the same picture, pixel for pixel
+    from PIL import Image
+
+    from grpo_vision.evaluation.evaluate import load_run, save_sample_grid
+    from grpo_vision.prompts import load_prompts
+    from grpo_vision.sampling import SamplingParams
+
+    run = load_run(micro_run, device="cpu")
+    assert run.step == 2
+    entries = [*load_prompts(micro_run / "prompts" / "test.jsonl")[:4],
+               *load_prompts(micro_run / "prompts" / "train.jsonl")[:4]]
+    params = SamplingParams.from_config(run.cfg.sample)  # the rollout's, as train.py's set_up makes them
+    save_sample_grid(run.policy, run.reference, run.bundle.tokenizer, entries, params, tmp_path / "again.png",
+                     judge=run.bundle.judge)
+    assert_same_picture(tmp_path / "again.png", micro_run / "samples" / "step_000002.png")
+    assert Image.open(micro_run / "samples" / "step_000001.png").size == Image.open(tmp_path / "again.png").size
+
+
+def test_the_curves_are_the_runs_metrics_plotted(micro_run, tmp_path):
+    from grpo_vision.evaluation.plots import curves_figure, save_figure
+
+    save_figure(curves_figure(load_metrics(micro_run)), tmp_path / "curves.png")
+    assert_same_picture(tmp_path / "curves.png", micro_run / "curves.png")
 
 
 def test_the_report_tables_the_checker_by_prompt_form(micro_run):
@@ -133,6 +183,7 @@ def test_resume_is_exact(micro_world, tmp_path):
     half = train(micro_cfg(micro_world, tmp_path, "run.name=half", "train.steps=4", "train.lr_schedule=cosine",
                            "log.checkpoint_every=2"), progress=False)
     # Simulate a stop after step 2: drop the later checkpoint and resume from step 2.
+    shutil.rmtree(half / "checkpoints" / "step_000004")
     (half / "checkpoints" / "latest").write_text("step_000002")
     resumed = train(load_config(half / "config.yaml"), resume=half, progress=False)
     a = load_file(straight / "checkpoints" / "step_000004" / "policy.safetensors")

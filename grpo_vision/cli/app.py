@@ -14,8 +14,8 @@ import sys
 import warnings
 
 from grpo_vision import __version__
-from grpo_vision.cli.args import at_least_two, int_list, non_negative_int, positive_int
-from grpo_vision.cli.runs import add_reader_options, add_reward_option, add_run_commands
+from grpo_vision.cli.args import at_least_two, cfg_scale, int_list, non_negative_int, port, positive_int
+from grpo_vision.cli.runs import add_base_option, add_reader_options, add_reward_option, add_run_commands
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
 
@@ -52,6 +52,7 @@ def cmd_config(args) -> None:
 def cmd_prompts(args) -> None:
     """GenEval's evaluation prompts, or training prompts from its templates outside them, as a prompts
     file; without --out, where the evaluation prompts are."""
+    from grpo_vision.files import check_output_file
     from grpo_vision.rewards import geneval_prompts
 
     if not args.out:
@@ -60,6 +61,7 @@ def cmd_prompts(args) -> None:
               "prompts geneval --out F; N training prompts from its templates, none of them an evaluation prompt: "
               "--train N [--seed S]")
         return
+    check_output_file(args.out, "--out")  # before the draw: a folder there was found only when writing
     entries = (geneval_prompts.training_entries(args.train, args.seed) if args.train
                else geneval_prompts.evaluation_entries())
     geneval_prompts.write(entries, args.out)
@@ -72,23 +74,34 @@ def cmd_score(args) -> None:
     import dataclasses
     from pathlib import Path
 
-    from grpo_vision.evaluation.geneval_bench import compare_folders, read_folder
-    from grpo_vision.files import write_file
+    from grpo_vision.evaluation.geneval_bench import check_pairs, compare_folders, read_folder
+    from grpo_vision.files import check_output_file, write_output_file
     from grpo_vision.rewards import CompositeReward
     from grpo_vision.run.machine import resolve_device
 
-    for folder in filter(None, (args.folder, args.against)):
-        read_folder(folder)  # a folder not in GenEval's layout is named before any model loads
+    # everything the arguments and the folders' metadata tell is checked before any model loads
+    if args.verdicts:
+        check_output_file(args.verdicts, "--verdicts")
+    entries = [e for folder in filter(None, (args.folder, args.against)) for e in read_folder(folder)]
+    if args.against:
+        check_pairs(args.folder, args.against)
     cfg = load_config(args.config or None, args.overrides)
     device = resolve_device(args.device, "--device")
     only = dataclasses.replace(cfg.reward, weights={"geneval": 1.0}, monitor=[])  # its options, no other reward
-    reward = CompositeReward.from_config(only, device).load().fns["geneval"]
+    rewards = CompositeReward.from_config(only, device)
+    reward = rewards.fns["geneval"]
+    try:  # a colour clause and no colour classifier (read_folder checked the clauses themselves), before loading
+        reward.check([m["prompt"] for m, _ in entries], [{k: v for k, v in m.items() if k != "prompt"}
+                                                         for m, _ in entries])
+    except ValueError as e:
+        raise ConfigError(f"{args.folder}: {e}") from None
+    rewards.load()
     try:
         result, rows = compare_folders(reward, args.folder, args.against or None)
-    except ValueError as e:  # a colour clause and no colour classifier (read_folder checked the clauses)
+    except ValueError as e:
         raise ConfigError(f"{args.folder}: {e}") from None
     if args.verdicts:
-        write_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows))
+        write_output_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows), "--verdicts")
     print(json.dumps({"device": str(device), **result}, indent=2))
 
 
@@ -116,7 +129,7 @@ def cmd_train(args) -> None:
         cfg = load_config(args.config, overrides)
         check_options(cfg)  # a misspelt option is named now, not once the models have loaded
     try:
-        run_dir = train(cfg, resume=args.resume or None)
+        run_dir = train(cfg, resume=args.resume or None, allow_other_base=args.allow_other_base)
     except KeyboardInterrupt as e:  # 130 after Ctrl-C, 143 after SIGTERM: what a shell reports for a killed command
         sys.exit(128 + getattr(e, "signum", signal.SIGINT))
     skipped, updates, warnings = run_summary(load_metrics(run_dir),
@@ -137,7 +150,8 @@ def cmd_matrix(args) -> None:
     try:
         betas = None if args.kl is None else _items(args.kl, float, "--kl")  # None: the config's train.beta
         result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"), betas,
-                            _items(args.seeds, int, "--seeds"), Path(args.out), args.jobs, args.images, command)
+                            _items(args.seeds, int, "--seeds"), Path(args.out), args.jobs, args.images, command,
+                            args.variant)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the runs in training saved a checkpoint first
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"[matrix] stopped by {signal.Signals(signum).name}; continue with: {command} (finished runs and "
@@ -161,7 +175,8 @@ def cmd_demo(args) -> None:
     from grpo_vision.tools.demo import DemoRun
     from grpo_vision.tools.demo_app import serve
 
-    run = DemoRun(args.run, args.device, args.trust_run, args.reward)  # a bad run fails now, before serving
+    # a bad run fails now, before serving
+    run = DemoRun(args.run, args.device, args.trust_run, args.reward, args.allow_other_base)
     try:
         serve(run, host=args.host, port=args.port)
     except OSError as e:  # the port is taken or the address is not this machine's
@@ -172,7 +187,7 @@ def cmd_demo(args) -> None:
 def cmd_export(args) -> None:
     from grpo_vision.evaluation.weights import export_run
 
-    done = export_run(args.run, args.out, args.step, args.merge)
+    done = export_run(args.run, args.out, args.step, args.merge, args.allow_other_base)
     what = {"adapter": "a peft adapter folder for", "model": "the whole model, for"}[done.form]
     loader = {"janus": "transformers' JanusForConditionalGeneration", "llamagen": "LlamaGen's own scripts",
               "llama": "transformers' LlamaForCausalLM"}.get(done.kind, f"policy kind {done.kind!r}")
@@ -280,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-run", action="store_true", help="with --resume: load python: rewards that the run "
                                                             "folder names (they import and run its code)")
     add_reward_option(p)
+    add_base_option(p)  # with --resume: continue on other base files, said in the run's base_changes.jsonl
     p.set_defaults(func=cmd_train)
 
     add_run_commands(sub)
@@ -315,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl", default=None, help="KL coefficients (train.beta), comma-separated, e.g. 0,0.04 "
                                               "(default: the config's train.beta)")
     p.add_argument("--seeds", default="0", help="run seeds, comma-separated")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="a row of training options besides the reward, repeatable; every reward trains under each, "
+                        "e.g. --variant base: --variant stage:train.token_weighting=stage")
     p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once (CPU cores are split among them)")
     p.add_argument("--images", type=positive_int, default=None, help="images per eval prompt (default log.eval_images)")
     p.set_defaults(func=cmd_matrix)
@@ -322,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="Gradio app: two checkpoints (or the reference) side by side on the same seeds")
     p.add_argument("run", help="run directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=None, help="port (default: the first free one from 7860)")
+    p.add_argument("--port", type=port, default=None, help="port (default: the first free one from 7860)")
     add_reader_options(p, rewards=True)
     p.set_defaults(func=cmd_demo)
 
@@ -334,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", action="store_true",
                    help="an adapter run: fold the adapter into the weights and write the whole model (default: a "
                         "peft adapter folder where the model's tools load one)")
+    add_base_option(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("convert-clip", help="a TorchScript CLIP archive (OpenAI's ViT-L-14.pt) to safetensors, once; "
@@ -355,8 +375,8 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--policy", default="", help="a saved policy directory (default: random default-size policy)")
     p.add_argument("--batch", type=positive_int, default=64, help="sequences per call")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per run (median reported)")
-    p.add_argument("--cfg-scale", type=float, default=3.0, help="guidance scale of the CFG-on runs")
-    p.add_argument("--top-k", type=int, default=100, help="top-k of all runs (0 = off)")
+    p.add_argument("--cfg-scale", type=cfg_scale, default=3.0, help="guidance scale of the CFG-on runs")
+    p.add_argument("--top-k", type=non_negative_int, default=100, help="top-k of all runs (0 = off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
     add_preset_options(p, "a released model size with random weights (tools/presets.py) instead of the built-in "
                           "policy: images/s per decode path, beside generate() for Janus and the teacher-forced pass")
@@ -365,7 +385,7 @@ def add_bench_commands(sub) -> None:
     p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
     p.add_argument("run", help="a run directory (as for grpo-vision demo)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--n", type=int, default=4, help="images per side")
+    p.add_argument("--n", type=positive_int, default=4, help="images per side")
     p.add_argument("--repeats", type=positive_int, default=4, help="timed calls (median reported)")
     p.add_argument("--prompt", default="", help="the prompt (default: the run's first example prompt)")
     add_reader_options(p, rewards=True)

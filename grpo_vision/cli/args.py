@@ -60,12 +60,27 @@ def device(text: str) -> str:
     return text
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (a sampling temperature)."""
+def port(text: str) -> int:
+    """argparse type: a TCP port, 1 to 65535 (a larger one was an OverflowError inside the server)."""
+    return _whole(text, 1, high=65535)
+
+
+def _finite(text: str, ok, span: str) -> float:
+    """`text` as a finite number for which `ok` holds (NaN passes no range test and inf passes `> 0`)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {brief(text)}")
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"expected a number {span}, got {brief(text)}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a sampling temperature)."""
+    return _finite(text, lambda v: v > 0, "> 0")
+
+
+def cfg_scale(text: str) -> float:
+    """argparse type: a classifier-free guidance scale, a finite number >= 0 (1 turns guidance off)."""
+    return _finite(text, lambda v: v >= 0, ">= 0 (1 turns guidance off)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 from grpo_vision.cli.args import MAX_SEED, device, positive_float, positive_int, seed
@@ -20,11 +21,19 @@ def add_reader_options(p, rewards: bool) -> None:
                    help="where to sample: run (the device the run trained on where this machine has it, so that "
                         "its report reproduces; else the best one here), auto (the best one here), cpu, cuda, "
                         "cuda:N or mps")
+    add_base_option(p)
     if rewards:
         p.add_argument("--trust-run", action="store_true",
                        help="load python: rewards that the run folder names (they import and run its code); only "
                             "for a run folder you trust")
         add_reward_option(p)
+
+
+def add_base_option(p) -> None:
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="load the run although policy.path or policy.tokenizer now hold other files than its "
+                        "checkpoint was trained from (refused otherwise: the weights would decode through another "
+                        "tokenizer)")
 
 
 def add_reward_option(p) -> None:
@@ -53,7 +62,7 @@ def add_run_commands(sub) -> None:
                        help="image j of each prompt uses seed + j" if name == "sample" else
                        "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images (default "
                        f"{EVAL_SEED}: the images the run's report and the matrix scored)")
-        p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+        p.add_argument("--step", type=positive_int, default=None, help="checkpoint step (default: the latest)")
         p.add_argument("--temperature", type=positive_float, default=None,
                        help="sampling temperature (default: the run's first log.eval_temperatures entry, "
                             "else sample.temperature)")
@@ -88,7 +97,8 @@ def cmd_alerts(args) -> None:
 
     from grpo_vision.run.alerts import replay_run
 
-    for alert in replay_run(args.run, args.overrides):
+    # stdout holds the alerts' JSON lines only; what was read, and what was skipped, goes to stderr
+    for alert in replay_run(args.run, args.overrides, say=lambda line: print(f"[alerts] {line}", file=sys.stderr)):
         print(json.dumps(asdict(alert)), flush=True)
 
 
@@ -116,7 +126,7 @@ def cmd_sample(args) -> None:
     prompts, where = [e.prompt for e in entries], [f"{args.prompts}, line {e.line}" for e in entries]
     check_seeds(args.seed, args.n - 1)
     check_writable(args.out, "make it writable, or choose another --out")
-    run = load_run(args.run, args.step, args.device)
+    run = load_run(args.run, args.step, args.device, args.allow_other_base)
     check_prompts(run.policy, zip(where, prompts))
     model, ctx = run.reference.sampler(run.policy) if args.reference else (run.policy, contextlib.nullcontext())
     params, tokenizer = eval_params(run.cfg, args.temperature), run.bundle.tokenizer
@@ -143,7 +153,8 @@ def cmd_eval(args) -> None:
         raise ConfigError("--draw and --prompts: give one (--draw draws the policy kind's eval sets again)")
     sets = {"prompts": load_prompts(args.prompts, column=args.prompt_column)} if args.prompts else None
     result = evaluate_run(args.run, args.step, args.n, args.seed, args.device, sets, args.temperature, args.draw,
-                          args.trust_run, args.reward, source=lambda name: _source(args, name))
+                          args.trust_run, args.reward, source=lambda name: _source(args, name),
+                          allow_other_base=args.allow_other_base)
     print(json.dumps({k: v for k, v in result.items() if k != "sets"} | result["sets"]["prompts"] if args.prompts
                      else result, indent=2))
 
@@ -155,7 +166,7 @@ def cmd_benchmark(args) -> None:
 
     from grpo_vision.evaluation.evaluate import eval_params, load_run
     from grpo_vision.evaluation.geneval_bench import benchmark
-    from grpo_vision.files import write_file
+    from grpo_vision.files import check_output_file, write_output_file
     from grpo_vision.policy import check_prompts
     from grpo_vision.rewards import CompositeReward
     from grpo_vision.rewards.geneval_prompts import evaluation_entries, read
@@ -165,17 +176,28 @@ def cmd_benchmark(args) -> None:
     no_prompt_column(args, "--benchmark geneval")
     entries = read(args.prompts) if args.prompts else evaluation_entries()  # either of GenEval's shapes
     check_seeds(args.seed, 1000 * (len(entries) - 1) + args.n - 1)
-    run = load_run(args.run, args.step, args.device)
+    if args.verdicts:
+        check_output_file(args.verdicts, "--verdicts")  # before the model loads, not after the sampling
+    run = load_run(args.run, args.step, args.device, args.allow_other_base)
     source = args.prompts or "GenEval's evaluation prompts"
     check_prompts(run.policy, ((f"{source}, line {e.line or i + 1}", e.prompt) for i, e in enumerate(entries)))
     device = next(run.policy.parameters()).device
     only = dataclasses.replace(run.cfg.reward, weights={"geneval": 1.0}, monitor=[])  # its options, no other reward
-    reward = CompositeReward.from_config(only, device, run.bundle.reward_defaults).load().fns["geneval"]
+    rewards = CompositeReward.from_config(only, device, run.bundle.reward_defaults)
+    reward = rewards.fns["geneval"]
+    try:  # the reward's own refusal (a colour clause and no colour classifier) in one line, as `score geneval`
+        reward.check([e.prompt for e in entries], [e.metadata for e in entries])
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    rewards.load()
     params = eval_params(run.cfg, args.temperature)
-    result, rows = benchmark(run.policy, run.reference, run.bundle.tokenizer, entries, reward, args.n, params,
-                             args.seed)
+    try:
+        result, rows = benchmark(run.policy, run.reference, run.bundle.tokenizer, entries, reward, args.n, params,
+                                 args.seed)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
     if args.verdicts:
-        write_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows))
+        write_output_file(Path(args.verdicts), "".join(json.dumps(row) + "\n" for row in rows), "--verdicts")
     print(json.dumps({"run": str(args.run), "step": run.step, "device": str(device), "benchmark": "geneval",
                       "temperature": params.temperature, **result}, indent=2))
 

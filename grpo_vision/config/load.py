@@ -21,6 +21,15 @@ from typing import Any, Literal
 
 import yaml
 
+from grpo_vision.reading import what_is
+
+# What one YAML file or override may hold. PyYAML's composer recurses once per level: 50,000 brackets were a
+# RecursionError. Aliases share one object, so 9 levels of 10 (a 537-byte "billion laughs") load in a
+# moment, but anything that walks the value (an error quoting it, a copy) meets 10^10 items.
+MAX_YAML_DEPTH = 100  # lists and mappings nested in one another
+MAX_YAML_VALUES = 100_000  # values in one document, each alias counted as what it stands for
+BRIEF_WORK = 100_000  # characters of a value's repr that `brief` builds at most
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and how to fix it."""
@@ -29,21 +38,75 @@ class ConfigError(ValueError):
 def brief(value: Any, limit: int = 80) -> str:
     """`repr(value)` for an error message, cut after `limit` characters with the full length noted:
     a rejected 10 MB prompt line was echoed whole to stderr (issue 33). Every error quotes user text
-    through this."""
-    text = value if isinstance(value, str) else repr(value)
-    if len(text) <= limit:
-        return repr(value)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
+    through this. A value that is not text is walked for its first BRIEF_WORK characters only: a list
+    holding itself 10 times over 9 levels (YAML aliases) has a repr of 10^10 items."""
+    if isinstance(value, str):
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} characters)"
+    text, more = _repr_prefix(value, BRIEF_WORK)
+    if len(text) <= limit and not more:
+        return text
+    return f"{text[:limit]!r}... ({'more than ' if more else ''}{len(text)} characters)"
+
+
+class _Piece(str):
+    """Punctuation of a container's repr, told apart from a string value inside it."""
+
+
+def _repr_prefix(value: Any, budget: int) -> tuple[str, bool]:
+    """The first `budget` characters of repr(value) (lists, tuples, dicts and sets walked lazily, with a stack
+    rather than recursion), and whether there is more."""
+    def items(v):
+        if isinstance(v, dict):
+            yield _Piece("{")
+            for i, (k, x) in enumerate(v.items()):
+                yield from ((_Piece(", "),) if i else ()) + (k, _Piece(": "), x)
+            yield _Piece("}")
+            return
+        ends = {list: "[]", tuple: "()"}.get(type(v), "{}")
+        yield _Piece(ends[0] if v or type(v) is not set else "set(")
+        for i, x in enumerate(v):
+            yield from ((_Piece(", "),) if i else ()) + (x,)
+        yield _Piece("," + ends[1] if type(v) is tuple and len(v) == 1 else ends[1] if v or type(v) is not set
+                     else ")")
+
+    out, size, stack = [], 0, [iter([value])]
+    while stack:
+        item = next(stack[-1], stack)  # the stack itself marks the end of an iterator
+        if item is stack:
+            stack.pop()
+            continue
+        if type(item) in (list, tuple, dict, set):
+            stack.append(items(item))
+            continue
+        if type(item) is _Piece:
+            piece = str(item)
+        elif isinstance(item, str) and len(item) > budget:
+            piece = repr(item[:budget + 1])  # its head is enough
+        else:
+            try:
+                piece = repr(item)
+            except ValueError:  # an integer past Python's 4300-digit limit of int -> str
+                piece = f"<an integer of {item.bit_length()} bits>" if isinstance(item, int) else "<unprintable>"
+        out.append(piece)
+        size += len(piece)
+        if size > budget:
+            return "".join(out)[:budget], True
+    return "".join(out), False
 
 
 def read_yaml(path: str | Path) -> dict:
     """The mapping in the YAML file at `path`, or ConfigError naming the file and the problem."""
     path = Path(path)
-    if not path.is_file():
+    kind = what_is(path)
+    if kind == "missing":
         raise ConfigError(f"config file not found: {path}")
+    if kind:  # a FIFO would block the read for ever
+        raise ConfigError(f"{path} is {kind}, not a config file: give a YAML file")
     try:
         with open(path, encoding="utf-8") as stream:  # a stream, so YAML errors name the file and line
             raw = yaml.load(stream, Loader=_StrictLoader) or {}
+    except _TooBig as e:
+        raise ConfigError(f"{path}, line {e.mark.line + 1}: {e.problem}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     except UnicodeDecodeError as e:
@@ -53,8 +116,44 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently)."""
+class _TooBig(yaml.YAMLError):
+    def __init__(self, problem: str, mark):
+        super().__init__(problem)
+        self.problem, self.mark = problem, mark
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load that refuses, while it composes, a value nested more than MAX_YAML_DEPTH deep or a document
+    of more than MAX_YAML_VALUES values once its aliases are expanded (see above)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict = {}  # node -> the values it holds, its aliases counted as what they stand for
+
+    def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _TooBig(f"lists and mappings nested more than {MAX_YAML_DEPTH} levels deep; write flatter YAML",
+                          mark)
+        self._depth += 1
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if node not in self._sizes:  # an alias returns its anchor's node, sized when it was composed
+            children = node.value if isinstance(node, yaml.SequenceNode) else (
+                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+            self._sizes[node] = 1 + sum(self._sizes.get(c, 1) for c in children)
+            if self._sizes[node] > MAX_YAML_VALUES:
+                raise _TooBig(f"more than {MAX_YAML_VALUES} values once its aliases (*name) are expanded; write "
+                              "the values out, or use fewer aliases", mark)
+        return node
+
+
+class _StrictLoader(_BoundedLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last one silently), and values
+    nested or aliased past the bounds above."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -149,7 +248,9 @@ def _parse_text(text: str, hint: Any) -> Any:
     """An override's text as YAML reads it (None for ``key=``, ``key=null``, ``key=~``), except that a string
     field or entry keeps unquoted text as written: ``run.name=1e-5`` is the name "1e-5", ``'run.name="x y"'`` x y."""
     try:
-        value = yaml.safe_load(text)
+        value = yaml.load(text, Loader=_BoundedLoader)
+    except _TooBig as e:
+        raise ConfigError(f"command line: {brief(text)}: {e.problem}") from None
     except yaml.YAMLError:
         return text
     if hint is str and value is not None and not (isinstance(value, str) and text.strip()[:1] in ("'", '"')):

@@ -120,6 +120,37 @@ class TrainConfig:
     adapter_rank: int = 16  # the adapter's rank r (LoRA, LoHa, LoKr)
     adapter_alpha: float = 32.0  # the adapter's scaling numerator: its update is scaled by alpha / r
     adapter_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])  # modules
+    # Token-level credit assignment (credit.py): per-token weights of the policy and KL terms. stage: VQ-code
+    # similarity to the group's opposite-advantage images (STAGE); critical: GCPO's first, entropy-edge and
+    # least-alike tokens with its dynamic advantage weight; guidance_contrastive: each token's KL between the
+    # prompt and the null prompt, rank-equalised (needs CFG). none: every token alike (today's loss)
+    token_weighting: Literal["none", "stage", "critical", "guidance_contrastive"] = "none"
+    critical_fraction: float = 0.1  # critical: share of tokens in each of GCPO's three subsets (its 10%)
+    guidance_top_share: float = 0.8  # guidance_contrastive: weight share the top guidance_top_fraction tokens carry
+    guidance_top_fraction: float = 0.4  # guidance_contrastive: the fraction of tokens that carries that share
+    # stage: STAGE's entropy reward, 1/(1 + (H_ref - H)^2) of the image's mean token entropy, centred and added
+    # with this scale to the rewards of each group's best images (needs a reference); 0 = off
+    stage_entropy_reward_scale: float = 0.4
+    # groups whose rewards are all equal (advantage 0): keep them (they add only KL), or drop them from the update
+    # (DAPO's filter without its refill, one process; the count is logged as train/groups_dropped)
+    zero_std_groups: Literal["keep", "drop"] = "keep"
+    # KL times the importance ratio, its gradient the unbiased reverse-KL one (DeepSeek-V3.2). TRL 1.16 defaults
+    # to True; off here so that existing runs stay bit-identical
+    use_bias_correction_kl: bool = False
+    # drop the policy term of a negative-advantage image whose mean log-prob drift from its rollout exceeds this
+    # (DeepSeek-V3.2's off-policy sequence mask, TRL's; matters with num_iterations > 1); 0 = off (TRL: None)
+    off_policy_mask_threshold: float = 0.0
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * mean token entropy (adaptive: its start); 0 = off
+    use_adaptive_entropy: bool = False  # Skywork-OR1: step entropy_coef by entropy_coef_delta toward entropy_target
+    entropy_coef_min: float = 0.0  # adaptive entropy: the coefficient's lower bound
+    entropy_coef_max: float = 1.0  # adaptive entropy: the coefficient's upper bound
+    entropy_coef_delta: float = 0.005  # adaptive entropy: the coefficient's step per optimizer update
+    # adaptive entropy: the bonus applies while the mean token entropy (nats) is at or below this; TRL's 0.2 is
+    # for text, and image tokens start far higher (several nats): set it near the entropy of early steps
+    entropy_target: float = 0.2
+    # ref_sync_every's mix: reference = alpha * policy + (1 - alpha) * reference (TR-DPO). 1 = a copy (today's);
+    # TRL's default is 0.6
+    ref_model_mixup_alpha: float = 1.0
 
 
 @dataclass
@@ -237,6 +268,9 @@ def validate(cfg: Config) -> None:
                             "and a group of one has no spread to learn from"),
         (bool(DEVICE_NAME.fullmatch(cfg.run.device)), f"run.device {brief(cfg.run.device)} is not a device: use {DEVICE_HINT}"),
         (cfg.run.threads >= 0, "run.threads must be >= 0 (0 = one per core this process may use)"),
+        # numpy's seed range: the step seeds take more, but TRL's set_seed (bench trl) and the tools do not
+        (0 <= cfg.run.seed <= MAX_SEED, f"run.seed must be a whole number from 0 to {MAX_SEED}, got "
+                                        f"{brief(cfg.run.seed)}"),
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
         (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),
@@ -278,8 +312,11 @@ def validate(cfg: Config) -> None:
         (all(math.isfinite(w) for w in cfg.reward.weights.values()),
          f"reward.weights must be finite numbers, got {cfg.reward.weights}"),
         (cfg.reward.batch_size >= 1, "reward.batch_size must be >= 1"),
-        (bool(cfg.run.name) and cfg.run.name not in (".", "..") and "/" not in cfg.run.name,
-         f"run.name must be a plain folder name (no '/'), got {brief(cfg.run.name)}"),
+        # printable only: a newline in it printed as a line of its own, e.g. a forged "[train] done:" (issue 53)
+        (bool(cfg.run.name) and cfg.run.name not in (".", "..") and not set("/\\") & set(cfg.run.name)
+         and cfg.run.name.isprintable(),
+         f"run.name must be a plain folder name (no '/' or '\\', no newline or other control character), got "
+         f"{brief(cfg.run.name)}"),
         (cfg.log.sample_every >= 0, "log.sample_every must be >= 0 (0 = never)"),
         (cfg.log.checkpoint_every >= 0, "log.checkpoint_every must be >= 0 (0 = only at the end)"),
         (cfg.log.eval_images >= 1, "log.eval_images must be >= 1 (images per eval prompt in the report)"),
@@ -292,7 +329,7 @@ def validate(cfg: Config) -> None:
         (cfg.data.eval_size >= 1, "data.eval_size must be >= 1 (captions per eval set)"),
         (cfg.data.eval_draw >= 1, "data.eval_draw must be >= 1 (1: the eval sets every run is scored on)"),
     ]
-    for ok, message in checks:
+    for ok, message in checks + _credit_checks(cfg):
         if not ok:
             raise ConfigError(message)
     if t.adapter != "none" and t.reference == "frozen":
@@ -326,6 +363,17 @@ def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
         ("reward.replay_fraction", cfg.reward.replay_fraction, "in [0, 1) (0 = no replay)", lambda v: 0 <= v < 1),
     ]
     ranges += [(f"train.adam_betas[{i}]", b, "in [0, 1)", lambda v: 0 <= v < 1) for i, b in enumerate(t.adam_betas)]
+    ranges += [("train.critical_fraction", t.critical_fraction, "in (0, 1] (GCPO: 0.1)", lambda v: 0 < v <= 1),
+               ("train.guidance_top_share", t.guidance_top_share, "in (0, 1) (0.8)", lambda v: 0 < v < 1),
+               ("train.guidance_top_fraction", t.guidance_top_fraction, "in (0, 1) (0.4)", lambda v: 0 < v < 1),
+               ("train.stage_entropy_reward_scale", t.stage_entropy_reward_scale, ">= 0 (0 = off)", lambda v: v >= 0),
+               ("train.off_policy_mask_threshold", t.off_policy_mask_threshold, ">= 0 (0 = off)", lambda v: v >= 0),
+               ("train.entropy_coef", t.entropy_coef, ">= 0 (0 = off)", lambda v: v >= 0),
+               ("train.entropy_coef_min", t.entropy_coef_min, ">= 0", lambda v: v >= 0),
+               ("train.entropy_coef_max", t.entropy_coef_max, ">= 0", lambda v: v >= 0),
+               ("train.entropy_coef_delta", t.entropy_coef_delta, ">= 0", lambda v: v >= 0),
+               ("train.entropy_target", t.entropy_target, ">= 0 (nats)", lambda v: v >= 0),
+               ("train.ref_model_mixup_alpha", t.ref_model_mixup_alpha, "in (0, 1] (1 = a copy)", lambda v: 0 < v <= 1)]
     a = cfg.log.alerts
     ranges += [("log.alerts.sigmas", a.sigmas, "> 0", lambda v: v > 0),
                ("log.alerts.flat_zero_std", a.flat_zero_std, "in (0, 1]", lambda v: 0 < v <= 1),
@@ -336,6 +384,35 @@ def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
     ranges += [(f"log.eval_temperatures[{i}]", x, "> 0", lambda v: v > 0)
                for i, x in enumerate(cfg.log.eval_temperatures)]
     return ranges
+
+
+def _credit_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """(ok, message) for the token weightings, zero-std groups and TRL 1.16's options (grpo.py, credit.py)."""
+    s, t = cfg.sample, cfg.train
+    return [
+        (t.token_weighting != "guidance_contrastive" or s.cfg_scale > 1,
+         f"train.token_weighting=guidance_contrastive weighs tokens by the KL between the prompt and the null prompt "
+         f"of classifier-free guidance, and sample.cfg_scale={s.cfg_scale:g} turns it off: set sample.cfg_scale > 1 "
+         "(the paper samples at 5)"),
+        (t.guidance_top_share > t.guidance_top_fraction,
+         f"train.guidance_top_share ({t.guidance_top_share:g}) must exceed train.guidance_top_fraction "
+         f"({t.guidance_top_fraction:g}): the top tokens carry more than their share (the paper: 0.8 on 0.4)"),
+        (t.token_weighting != "stage" or t.stage_entropy_reward_scale == 0 or t.reference != "none",
+         "train.stage_entropy_reward_scale compares each image's entropy with the reference's, and train.reference "
+         "is none: set train.reference to frozen or adapter, or train.stage_entropy_reward_scale=0"),
+        (t.token_weighting != "critical" or t.reference != "none",
+         "train.token_weighting=critical scales advantages by GCPO's dynamic weight, exp(clamp(logp - ref_logp)), "
+         "and train.reference is none: set train.reference to frozen or adapter"),
+        (t.entropy_coef_min <= t.entropy_coef_max,
+         f"train.entropy_coef_min ({t.entropy_coef_min:g}) must not exceed train.entropy_coef_max "
+         f"({t.entropy_coef_max:g})"),
+        (t.ref_model_mixup_alpha == 1 or t.ref_sync_every > 0,
+         "train.ref_model_mixup_alpha mixes the policy into the reference at each train.ref_sync_every, which is 0 "
+         "(never): set train.ref_sync_every, or train.ref_model_mixup_alpha=1"),
+        (t.ref_model_mixup_alpha == 1 or t.reference == "frozen",
+         f"train.ref_model_mixup_alpha mixes two sets of weights, and train.reference={t.reference} keeps no second "
+         "set: use train.reference=frozen, or train.ref_model_mixup_alpha=1"),
+    ]
 
 
 # ---------------------------------------------------------------- derived sizes

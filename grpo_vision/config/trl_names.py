@@ -22,6 +22,13 @@ SAME = {
     "warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.lr_schedule",
     "gradient_checkpointing": "train.gradient_checkpointing", "seed": "run.seed", "save_steps": "log.checkpoint_every",
     "per_device_train_batch_size": "train.micro_batch_size", "scale_rewards": "train.adv_scale",
+    # TRL 1.16; use_bias_correction_kl defaults to True there and False here, off_policy_mask_threshold's None is 0
+    "use_bias_correction_kl": "train.use_bias_correction_kl",
+    "off_policy_mask_threshold": "train.off_policy_mask_threshold",
+    "entropy_coef": "train.entropy_coef", "use_adaptive_entropy": "train.use_adaptive_entropy",
+    "entropy_coef_min": "train.entropy_coef_min", "entropy_coef_max": "train.entropy_coef_max",
+    "entropy_coef_delta": "train.entropy_coef_delta", "entropy_target": "train.entropy_target",
+    "ref_model_mixup_alpha": "train.ref_model_mixup_alpha",
 }
 # TRL options with no counterpart here, and why: refused by name rather than ignored
 NONE = {
@@ -81,4 +88,6 @@ def _text(value) -> str:
     """A value as a dotted override writes it (YAML)."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value is None:  # TRL's "off" (off_policy_mask_threshold=None): the field's default
+        return "null"
     return str(value)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import textwrap
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from grpo_vision.run.checkpoint import find_checkpoint, load_checkpoint, load_iterative_state
+from grpo_vision.run.checkpoint import (
+    base_identity, check_base, find_checkpoint, load_checkpoint, load_iterative_state, recorded_base,
+)
 from grpo_vision.config import Config, ConfigError
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.evaluation.intervals import caption_interval
@@ -44,14 +47,20 @@ class LoadedRun:
     reference: Reference
     step: int
     learned_rewards: dict | None = None  # iterative RL: what learning rewards had learned by this checkpoint
+    other_base: str | None = None  # how policy.path / policy.tokenizer differ from the trained-on files (allowed)
 
 
-def load_run(run_dir: str | Path, step: int | None = None, device: str = "run") -> LoadedRun:
+def load_run(run_dir: str | Path, step: int | None = None, device: str = "run",
+             allow_other_base: bool = False) -> LoadedRun:
     """A run's checkpoint (the latest, or `step`) on `device` (a --device value; "run": the run's own
-    where this machine has it, else the best one here). Loads no reward: no code the run folder names runs."""
+    where this machine has it, else the best one here). Loads no reward: no code the run folder names runs.
+    Refuses base files other than those the checkpoint was trained from, unless `allow_other_base`."""
     run_dir = Path(run_dir)
     cfg = read_run_config(run_dir, device=device)
     ckpt = find_checkpoint(run_dir, step)
+    other = check_base(ckpt / "trainer_state.json", recorded_base(ckpt), base_identity(cfg.policy), allow_other_base)
+    if other:
+        warnings.warn(f"--allow-other-base: {other}", stacklevel=2)
     device = resolve_device(cfg.run.device, "--device")
     bundle = load_bundle(cfg.policy, device)
     policy = bundle.policy
@@ -63,16 +72,18 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "run") 
     if ref_state is not None:
         reference.load_state_dict(policy, ref_state)
     learned = load_iterative_state(ckpt)
-    return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"], learned["rewards"] if learned else None)
+    return LoadedRun(cfg, bundle, policy.eval(), reference, state["step"], learned["rewards"] if learned else None,
+                     other)
 
 
 def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed: int = EVAL_SEED, device: str = "run",
                  sets: dict[str, list[PromptEntry]] | None = None, temperature: float | None = None, draw: int = 1,
-                 trust: bool = False, rewards: Sequence[str] = (), source: Callable[[str], str] | None = None) -> dict:
+                 trust: bool = False, rewards: Sequence[str] = (), source: Callable[[str], str] | None = None,
+                 allow_other_base: bool = False) -> dict:
     """`grpo-vision eval RUN`'s result: each reward's mean and interval for policy and reference on `sets` (the
     run's own eval sets by default, `draw` 2, 3, ... drawn again), `n` images per prompt. `trust`: load python:
     rewards the run folder names; `rewards`: NAME=python:module:function for rewards only the run's script had;
-    `source(name)`: where set `name` was read, for error messages."""
+    `source(name)`: where set `name` was read, for error messages; `allow_other_base`: as load_run."""
     from grpo_vision.config import MAX_SEED
     from grpo_vision.policy import check_prompts
     from grpo_vision.rewards import CompositeReward, check_rewards
@@ -90,7 +101,7 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed:
     if seed + span > MAX_SEED:
         raise ConfigError(f"--seed {seed}: the last image would get seed {seed + span}, past the largest seed, "
                           f"{MAX_SEED}; use --seed {max(0, MAX_SEED - span)} or less")
-    run = load_run(run_dir, step, device)
+    run = load_run(run_dir, step, device, allow_other_base)
     where = source or (lambda name: name)
     check_prompts(run.policy, ((f"{where(name)}, line {e.line}", e.prompt) for name, v in sets.items() for e in v))
     used = next(run.policy.parameters()).device
@@ -101,7 +112,8 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed:
     results = {name: evaluate(run.policy, run.reference, run.bundle.tokenizer, scorer, v, n, params, run.bundle.judge,
                               seed=seed) for name, v in sets.items()}
     return {"run": str(run_dir), "step": run.step, "device": str(used), "temperature": params.temperature,
-            **({"draw": draw} if draw != 1 else {}), "sets": results}
+            **({"draw": draw} if draw != 1 else {}), **({"other_base": run.other_base} if run.other_base else {}),
+            "sets": results}
 
 
 def run_eval_sets(run_dir: str | Path, cfg: Config) -> dict[str, list[PromptEntry]]:

@@ -17,7 +17,6 @@ GenEval's own generation scripts) with the same rules and detector, so a baselin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -25,6 +24,7 @@ import torch
 
 from grpo_vision.rollouts import EVAL_SEED, compare
 from grpo_vision.prompts import PromptsError
+from grpo_vision.reading import image_size, json_value, read_text, what_is
 from grpo_vision.rewards.geneval import FAILURES
 from grpo_vision.rewards.geneval_prompts import entry, flat
 
@@ -115,7 +115,8 @@ def read_folder(folder: str | Path) -> list[tuple[dict, list[Path]]]:
     """GenEval's layout (`sample --layout geneval`, or GenEval's own generation scripts): per prompt, its
     metadata (`<folder>/<i:05d>/metadata.jsonl`, one JSON line, as GenEval's flat line: a nested one that
     `sample` wrote before issue 50 is flattened) and its images (`samples/*.png`, sorted), in the folders'
-    order; LayoutError naming the first thing that is not so."""
+    order; LayoutError naming the first thing that is not so. Each image's header is read, not its pixels:
+    one that declares more pixels than reading.max_pixels() is refused before anything is scored."""
     folder = Path(folder)
     if not folder.is_dir():
         raise LayoutError(f"{folder} is not a folder; give one written by `grpo-vision sample --layout geneval` "
@@ -125,20 +126,37 @@ def read_folder(folder: str | Path) -> list[tuple[dict, list[Path]]]:
         raise LayoutError(f"{folder} holds no prompt folders (00000, 00001, ...); it is not in GenEval's layout")
     out = []
     for p in prompts:
-        try:
-            meta = json.loads((p / "metadata.jsonl").read_text().strip().splitlines()[0])
-        except (OSError, IndexError, ValueError) as e:
-            raise LayoutError(f"{p / 'metadata.jsonl'}: not one JSON line of GenEval metadata ({e or 'empty'})"
-                              ) from None
+        file, fix = p / "metadata.jsonl", "write GenEval's metadata line of the prompt there"
+        missing = what_is(file) == "missing"  # read_text refuses a FIFO unopened: it would wait for ever
+        lines = [] if missing else [(n, t) for n, t in enumerate(read_text(file, LayoutError, fix).split("\n"), 1)
+                                    if t.strip()]
+        if not lines:
+            raise LayoutError(f"{file}: not one JSON line of GenEval metadata ({'no such file' if missing else 'empty'}"
+                              f"); {fix}")
+        number, line = lines[0]
         try:  # the clauses checked now, before any model loads: the file is named, not the folder
-            meta = flat(entry(meta, str(p / "metadata.jsonl")))
+            meta = flat(entry(json_value(line, f"{file}, line {number}", LayoutError), str(file)))
         except PromptsError as e:
             raise LayoutError(str(e)) from None
         images = sorted((p / "samples").glob("*.png"))
         if not images:
             raise LayoutError(f"{p / 'samples'} holds no PNG images")
+        for image in images:
+            image_size(image, LayoutError)
         out.append((meta, images))
     return out
+
+
+def check_pairs(folder: str | Path, against: str | Path) -> None:
+    """LayoutError unless `against` holds the same prompts as `folder`, in the same order, with as many images
+    each: known from the folders' metadata and file names, so said before any model loads or any image is scored."""
+    ours, theirs = ([m["prompt"] for m, paths in read_folder(f) for _ in paths] for f in (folder, against))
+    mismatch = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if len(ours) != len(theirs) or mismatch is not None:
+        i = mismatch if mismatch is not None else min(len(ours), len(theirs))
+        raise LayoutError(f"{folder} and {against} differ at image {i + 1} (its prompt or the number of images "
+                          "per prompt): --against takes a folder of the same prompts, in the same order, with "
+                          "as many images each (write both with the same --prompts and --n)")
 
 
 def _load(paths: Sequence[Path]) -> list[torch.Tensor]:
@@ -147,6 +165,7 @@ def _load(paths: Sequence[Path]) -> list[torch.Tensor]:
 
     out = []
     for path in paths:
+        image_size(path, LayoutError)  # again: a file replaced since read_folder is not decoded blind
         try:
             with Image.open(path) as img:
                 pixels = torch.frombuffer(bytearray(img.convert("RGB").tobytes()), dtype=torch.uint8)
@@ -178,17 +197,13 @@ def compare_folders(reward, folder: str | Path, against: str | Path | None = Non
     prompts within each task. Image j of a prompt is compared with image j of the same prompt; where the
     two models drew their images from other seeds the pairing is by prompt only, which the interval,
     over prompts, already assumes."""
+    if against is not None:
+        check_pairs(folder, against)
     rows = score_folder(reward, folder, "folder")
     result = {"benchmark": "geneval", "folder": str(folder), "prompts": len({r["prompt"] for r in rows}),
               "images": len(rows), "summary": summary(rows)}
     if against is None:
         return result, rows
     other = score_folder(reward, against, "against")
-    mismatch = next((i for i, (a, b) in enumerate(zip(rows, other)) if a["prompt"] != b["prompt"]), None)
-    if len(rows) != len(other) or mismatch is not None:
-        i = mismatch if mismatch is not None else min(len(rows), len(other))
-        raise LayoutError(f"{folder} and {against} differ at image {i + 1} (its prompt or the number of images "
-                          "per prompt): --against takes a folder of the same prompts, in the same order, with "
-                          "as many images each (write both with the same --prompts and --n)")
     result |= {"against": str(against), "against_summary": summary(other), "change": paired_change(rows, other)}
     return result, rows + other

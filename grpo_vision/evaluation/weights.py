@@ -42,15 +42,17 @@ class Exported:
     files: list[Path]
 
 
-def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, merge: bool = False) -> Exported:
+def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, merge: bool = False,
+               allow_other_base: bool = False) -> Exported:
     """Write the policy of `run_dir`'s checkpoint (the latest, or `step`) into `out` (see the module docstring);
-    `merge`: an adapter run's adapter folded into the weights, the whole model written."""
+    `merge`: an adapter run's adapter folded into the weights, the whole model written; `allow_other_base`: as
+    evaluate.load_run."""
     from grpo_vision.evaluation.evaluate import load_run
 
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty folder: name a new folder")
-    run = load_run(run_dir, step, device="cpu")  # the whole model is written from host memory anyway
+    run = load_run(run_dir, step, device="cpu", allow_other_base=allow_other_base)  # the whole model is written from host memory anyway
     kind, policy = run.cfg.policy.kind, run.policy
     adapter = run.cfg.train.adapter != "none"
     base = policy.get_base_model() if adapter else policy

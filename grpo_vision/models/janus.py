@@ -189,6 +189,12 @@ class JanusImagePolicy(nn.Module):
         else:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    @torch.no_grad()
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The language model's input embeddings `[B, N, D]` of image tokens `[B, N]` (generation_embeddings then
+        generation_aligner; the original's prepare_gen_img_embeds, which GCPO compares): policy.py's hook."""
+        return self.model.prepare_embeddings_for_image_generation(tokens)
+
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<begin_of_image>) .. L+N-2 predict image tokens 0 .. N-1; the last is never input.
         ids, mask = self._ids_and_mask(cond)  # [B, L] each
@@ -317,3 +323,9 @@ class JanusVQTokenizer(nn.Module):
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         return ((self.vq.decode(codes).float() + 1) / 2).clamp(0, 1)  # [B, 3, H, W]
+
+    @torch.no_grad()
+    def code_vectors(self, codes: torch.Tensor) -> torch.Tensor:
+        """The L2-normalised code vectors `[B, N, 8]` of codes `[B, N]`: the original's `quant_b` (get_codebook_entry
+        with codebook_l2_norm), which STAGE compares (tokenizer hook)."""
+        return F.normalize(self.vq.quantize.embedding.weight[codes].float(), dim=-1)

@@ -68,7 +68,7 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
     a new run trains on from there."""
     from grpo_vision.models.adapters import add_adapter
     from grpo_vision.policy import load_bundle
-    from grpo_vision.run.checkpoint import find_checkpoint, load_checkpoint
+    from grpo_vision.run.checkpoint import base_identity, check_base, find_checkpoint, load_checkpoint, recorded_base
     from grpo_vision.run.folder import read_run_config
 
     run_dir, step = run_folder_of(pcfg.path)
@@ -88,7 +88,9 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
     frozen = {n for n, p in policy.named_parameters() if not p.requires_grad}  # what the kind's loader froze
     if t.adapter != "none":
         policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
-    load_checkpoint(find_checkpoint(run_dir, step), policy)
+    ckpt = find_checkpoint(run_dir, step)
+    check_base(ckpt / "trainer_state.json", recorded_base(ckpt), base_identity(own), False)  # before it was continued
+    load_checkpoint(ckpt, policy)
     if t.adapter != "none":  # peft folds LoRA, LoHa and LoKr alike; it leaves every base weight frozen
         policy = policy.merge_and_unload()
         for name, p in policy.named_parameters():

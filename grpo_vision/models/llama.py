@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.config.load import brief
 from grpo_vision.models.decode import future_keys, new_kv, write_step
-from grpo_vision.run.load_checks import non_finite, shape_mismatch
+from grpo_vision.run.load_checks import integer_weights, non_finite, shape_mismatch
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
 PAD, BOS, NULL, BOI, UNK = range(len(SPECIALS))
@@ -297,6 +297,11 @@ class LlamaImagePolicy(nn.Module):
     def gradient_checkpointing_enable(self) -> None:
         self.gradient_checkpointing = True
 
+    @torch.no_grad()
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings `[B, N, dim]` of image tokens `[B, N]` (codebook ids): policy.py's optional hook."""
+        return self.model.embed_tokens(tokens + self.cfg.image_offset)
+
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<boi>) .. L+N-2 predict image tokens 0 .. N-1; the last token is never input.
         ids = torch.cat([cond, tokens[:, :-1] + self.cfg.image_offset], dim=1)  # [B, L+N-1]
@@ -370,6 +375,9 @@ class LlamaImagePolicy(nn.Module):
         if mismatch := shape_mismatch(policy, state):  # a config edited after the weights were saved
             raise CheckpointError(f"policy checkpoint {weights} does not fit {config} ({mismatch}); use the "
                                   "policy_config.json saved with these weights")
+        if wrong := integer_weights(policy, state):  # dtypes checked on load: a float model refuses integer tensors
+            raise CheckpointError(f"policy checkpoint {weights} has integer weights where the policy's are floats: "
+                                  f"{wrong}; rewrite it with save_pretrained (or rebuild the world)")
         if bad := non_finite(state):  # damaged under an intact header: it loads, and no update could fix it
             raise CheckpointError(f"policy checkpoint {weights} holds {bad}: the file is damaged; copy it again, "
                                   "or rewrite it with save_pretrained (or rebuild the world)")

@@ -283,6 +283,11 @@ class LlamaGenPolicy(nn.Module):
     def gradient_checkpointing_enable(self) -> None:
         self.gradient_checkpointing = True
 
+    @torch.no_grad()
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embeddings `[B, N, dim]` of image tokens `[B, N]` (tok_embeddings): policy.py's optional hook."""
+        return self.tok_embeddings(tokens)
+
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 .. L+N-2 predict image tokens 0 .. N-1 (gpt.py: logits[:, cls_token_num - 1:]).
         self._check_condition(cond)

@@ -26,7 +26,7 @@ from grpo_vision.config.load import ConfigError, brief
 from grpo_vision.files import write_file
 from grpo_vision.models.llamagen import CAPTION_ROWS, LlamaGenConfig, LlamaGenPolicy
 from grpo_vision.run.checkpoint import CheckpointError
-from grpo_vision.run.load_checks import non_finite
+from grpo_vision.run.load_checks import integer_weights, non_finite
 from grpo_vision.run.safe_state import UnsafeFileError, refusal
 
 # gpt.py's GPT_models: name -> (n_layer, n_head, dim). B..XXXL are the class-conditional sizes, XL the T2I one.
@@ -37,6 +37,13 @@ SIZES = {"GPT-B": (12, 12, 768), "GPT-L": (24, 16, 1024), "GPT-XL": (36, 20, 128
 # the KV-cache buffers that `setup_caches` registers (a model saved after sampling holds them). Any other key
 # that is missing or extra is an error.
 RUNTIME_KEYS = re.compile(r"(.*\.)?(freqs_cis|causal_mask)|layers\.\d+\.attention\.kv_cache\.[kv]_cache")
+# Image tokens per side at most. No file bounds the grid (gpt.py builds its RoPE table from the image size it is
+# given), and the table and the KV cache grow with its square, the attention mask with its fourth power: 1048576 px
+# asked for terabytes. LlamaGen's largest release has 32 (512 px at 16x); 64 leaves room for 1024 px, or 512 px at 8x.
+MAX_GRID = 64
+# the tensors whose shapes size the model (LlamaGenConfig.from_weights): each a [rows, width] matrix
+MATRICES = ("tok_embeddings.weight", "layers.0.attention.wqkv.weight", "layers.0.feed_forward.w1.weight",
+            "cls_embedding.embedding_table.weight", "cls_embedding.uncond_embedding")
 
 
 @dataclass
@@ -118,7 +125,8 @@ def arg_int(args: dict, key: str, path: Path) -> int:
 
 def check_keys(model: nn.Module, state: dict, path: Path, what: str, ignored: re.Pattern = RUNTIME_KEYS) -> dict:
     """`state` without the keys LlamaGen's own loading ignores (`ignored`); a CheckpointError naming any
-    other key that is missing or extra, a tensor of the wrong shape, or one that is not finite."""
+    other key that is missing or extra, a tensor of the wrong shape or of an integer dtype, or one that is
+    not finite."""
     state = {k: v for k, v in state.items() if not ignored.fullmatch(k)}
     expected = model.state_dict()
     problems = [f"lacks {k}" for k in expected if k not in state]
@@ -129,6 +137,9 @@ def check_keys(model: nn.Module, state: dict, path: Path, what: str, ignored: re
         more = f" (and {len(problems) - 1} more differences)" if len(problems) > 1 else ""
         raise CheckpointError(f"{what} {path} {problems[0]}{more}: it is not the LlamaGen model this setting "
                               "loads; check the file and policy.options")
+    if wrong := integer_weights(model, state):  # dtypes checked on load: a float model refuses integer tensors
+        raise CheckpointError(f"{what} {path} has integer weights where LlamaGen's are floats: {wrong}; loaded, "
+                              "each would be cut to a whole number: use the released file, or a float conversion")
     if bad := non_finite(state):
         raise CheckpointError(f"{what} {path} holds {bad}: the file is damaged; copy it again")
     return state
@@ -197,12 +208,21 @@ def load_llamagen(pcfg, device):
 def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, vq_downsample: int) -> LlamaGenPolicy:
     """A LlamaGenPolicy from a released checkpoint (or its safetensors conversion) and `options`."""
     path = Path(path)
+    for key, fix in (("image_size", "the size in pixels the checkpoint was trained at (256, 384 or 512)"),
+                     ("heads", "its number of attention heads")):
+        if getattr(options, key) < 0:
+            raise ConfigError(f"policy.options.{key} {getattr(options, key)} is negative: set it to {fix}, or 0 to "
+                              "take it from the checkpoint")
     state, args = read_checkpoint(path, "policy.path")
     if "tok_embeddings.weight" not in state or "layers.0.attention.wqkv.weight" not in state:
         state = from_hf_layout(state)
     for key in ("tok_embeddings.weight", "layers.0.attention.wqkv.weight", "layers.0.feed_forward.w1.weight"):
         if key not in state:
             raise CheckpointError(f"policy.path {path} has no {key}: it is not a LlamaGen GPT checkpoint")
+    for key in MATRICES:  # a 1-D one was an IndexError while reading the sizes
+        if key in state and (state[key].dim() != 2 or 0 in state[key].shape):
+            raise CheckpointError(f"policy.path {path} has {key} of shape {list(state[key].shape)}, not a [rows, "
+                                  "width] matrix: it is not a LlamaGen GPT checkpoint, or a damaged one; copy it again")
     if "cls_embedding.cap_proj.fc1.weight" in state and "cls_embedding.uncond_embedding" not in state:
         # a buffer, so savers of trained parameters leave it out; LlamaGen's strict=False loading would then keep
         # a random null caption without a word
@@ -212,13 +232,22 @@ def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, 
     if "cls_embedding.embedding_table.weight" not in state and "cls_embedding.uncond_embedding" not in state:
         raise CheckpointError(f"policy.path {path} has neither a class embedding (c2i) nor a caption embedder's "
                               "uncond_embedding (t2i): it is not a LlamaGen GPT checkpoint")
-    size = options.image_size or arg_int(args, "image_size", path) or released_image_size(path)
+    size, source = options.image_size, "policy.options.image_size"
+    if not size:
+        size, source = arg_int(args, "image_size", path), f"args.image_size of {path.name}"
+    if not size:
+        size, source = released_image_size(path), f"the name {path.name}"
     if not size:
         raise ConfigError(f"policy.options.image_size is not set and neither {path.name} nor its args say it: set "
                           "it to the size the checkpoint was trained at (256, 384 or 512)")
     if size % vq_downsample:
         raise ConfigError(f"the image size {size} (policy.options.image_size, else the checkpoint's) is not a "
                           f"multiple of the VQ's downsampling {vq_downsample}")
+    if size // vq_downsample > MAX_GRID:
+        raise ConfigError(f"the image size {size} (from {source}) is {size // vq_downsample} tokens per side at the "
+                          f"VQ's downsampling {vq_downsample}, more than the {MAX_GRID} supported (LlamaGen's largest "
+                          "release has 32): set policy.options.image_size to the size the checkpoint was trained at "
+                          f"(256, 384 or 512), at most {MAX_GRID * vq_downsample}")
     heads = head_count(state, options.gpt, options.heads, path)
     if "cls_embedding.uncond_embedding" in state:
         length = caption_length(options, args, state["cls_embedding.uncond_embedding"].shape[0], path)

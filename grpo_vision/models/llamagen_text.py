@@ -24,6 +24,8 @@ import torch
 from grpo_vision.config.load import ConfigError
 from grpo_vision.run.load_checks import dtype_argument
 
+# what T5EncoderModel.from_pretrained reads (flan-t5-xl ships its weights sharded, with an index)
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 MAX_TOKENS = 120  # sample_t2i.py's --t5-feature-max-len; a GPT's cls_token_num replaces it (caption_encoder)
 _ENCODERS: dict[tuple, "CaptionEncoder"] = {}
 
@@ -76,6 +78,9 @@ def caption_encoder(directory: str, checkpoint: Path, cfg, device, dtype: str) -
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"policy.options.text_encoder {path} has no config.json; expected a local "
                                 "flan-t5-xl directory (transformers format, with its tokenizer files)")
+    if not any((path / name).is_file() for name in WEIGHTS):  # transformers' OSError was a traceback
+        raise FileNotFoundError(f"policy.options.text_encoder {path} has no weights ({', '.join(WEIGHTS)}): copy "
+                                "google/flan-t5-xl's whole folder there, weights included")
     key = (str(path.resolve()), str(device), dtype, cfg.cls_token_num)  # captions cut at the GPT's length
     if key not in _ENCODERS:
         _ENCODERS[key] = CaptionEncoder(path, device, getattr(torch, dtype), cfg.cls_token_num)

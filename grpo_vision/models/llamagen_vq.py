@@ -150,6 +150,11 @@ class LlamaGenVQ(nn.Module):
         return F.normalize(self.quantize.embedding.weight, dim=-1)  # [K, D]: codebook_l2_norm=True
 
     @torch.no_grad()
+    def code_vectors(self, codes: torch.Tensor) -> torch.Tensor:
+        """The L2-normalised code vectors `[B, N, D]` of codes `[B, N]` (vq_model.py's quant, which STAGE compares)."""
+        return self.codebook()[codes].float()
+
+    @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         w = self.quant_conv.weight
         z = self.quant_conv(self.encoder(images.to(w.dtype) * 2 - 1))  # [B, D, h, w]
@@ -183,7 +188,7 @@ class LlamaGenVQ(nn.Module):
             mult = [state[f"encoder.conv_blocks.{i}.res.0.conv1.weight"].shape[0] // ch for i in range(levels)]
             z = state["encoder.conv_out.weight"].shape[0]
             codebook_size, code_dim = state["quantize.embedding.weight"].shape
-        except (KeyError, ValueError):  # ValueError: max() of no keys
+        except (KeyError, ValueError, IndexError):  # ValueError: max() of no keys; IndexError: a tensor of too few dims
             raise CheckpointError(f"policy.tokenizer {path} is not a LlamaGen VQ checkpoint (no encoder.conv_in, "
                                   "encoder.conv_blocks or quantize.embedding weights)") from None
         vq = cls(ch, mult, blocks, z, codebook_size, code_dim)

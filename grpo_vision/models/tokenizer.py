@@ -35,6 +35,9 @@ class ImageTokenizer(Protocol):
         """Codes `[B, h*w]` -> images `[B, 3, H, W]` in [0, 1]."""
         ...
 
+    # Optional: `code_vectors(codes [B, N]) -> [B, N, D]`, the L2-normalised codebook vectors of codes, which
+    # train.token_weighting=stage compares across a group (credit.py); a tokenizer without it cannot run STAGE.
+
 
 class Float32GroupNorm(nn.GroupNorm):
     """GroupNorm in float32 under autocast (its input and output stay in the autocast dtype).
@@ -84,6 +87,11 @@ class VQTokenizer(nn.Module):
         """Codebook vectors `[B, D, h, w]` for codes `[B, h*w]`."""
         h, w = self.grid
         return self.vq.quantize.embedding(codes).view(codes.shape[0], h, w, -1).permute(0, 3, 1, 2)
+
+    @torch.no_grad()
+    def code_vectors(self, codes: torch.Tensor) -> torch.Tensor:
+        """The L2-normalised codebook vectors `[B, N, D]` of codes `[B, N]` (tokenizer hook, STAGE's e)."""
+        return F.normalize(self.codebook[codes].float(), dim=-1)
 
     def decode_latents_raw(self, zq: torch.Tensor) -> torch.Tensor:
         """Decoder output `[B, 3, H, W]` in the model's own range (about [-1, 1]), for training losses."""

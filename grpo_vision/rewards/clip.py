@@ -141,8 +141,25 @@ def convert_torchscript(archive: str | Path, out: str | Path) -> int:
     if out.suffix != ".safetensors":
         raise ClipLoadError(f"{out}: the output must end in .safetensors (open_clip picks the format by suffix)")
     state = _torchscript_state(archive)
+    if missing := not_openai_clip(state):
+        raise ClipLoadError(f"{archive} is a TorchScript archive but not a CLIP: it has no {missing} (OpenAI's CLIP "
+                            f"archives hold {', '.join(CLIP_PARTS)}); nothing was written: convert only a CLIP "
+                            "archive (clip.load's ViT-L-14.pt, RN50.pt, ...)")
     write_file(out, save({k: v.contiguous() for k, v in state.items()}))  # whole, never through a link
     return len(state)
+
+
+# The top-level parts of OpenAI's CLIP (clip/model.py's CLIP, ViT and ResNet alike), as its archives' state dicts
+# name them: `visual.*` and `transformer.*` are modules, the rest tensors of their own.
+CLIP_PARTS = ("visual", "transformer", "token_embedding", "positional_embedding", "ln_final", "text_projection",
+              "logit_scale")
+
+
+def not_openai_clip(state: dict) -> str:
+    """The first of CLIP_PARTS that `state` lacks ('' when it has them all). Before (issue 53) any TorchScript
+    archive was converted, and the file only failed later, as weights that do not fit the reward's CLIP."""
+    tops = {key.split(".")[0] for key in state}
+    return next((part for part in CLIP_PARTS if part not in tops), "")
 
 
 def _torchscript_state(path: Path) -> dict:

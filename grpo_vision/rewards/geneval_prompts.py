@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from grpo_vision.prompts import PromptEntry, PromptsError, parse_json_line, read_lines, save_prompts
+from grpo_vision.reading import what_is
 from grpo_vision.rewards.geneval import COLORS, RELATIONS, TAGS, check_metadata
 
 DATA = Path(__file__).parent / "geneval_data"
@@ -73,10 +74,10 @@ def read(path: str | Path) -> list[PromptEntry]:
     --layout geneval` and `eval --benchmark geneval` take as --prompts. Blank lines and lines starting
     with `#` are skipped, and lines split at line breaks only, as in a prompts file (prompts.py)."""
     path = Path(path)
-    if not path.is_file():
+    if what_is(path) == "missing":
         raise PromptsError(f"GenEval prompts file not found: {path}")
     entries = []
-    for number, line in enumerate(read_lines(path), start=1):
+    for number, line in enumerate(read_lines(path, "give a JSONL file of GenEval prompts"), start=1):
         text = line.strip()
         if not text or text.startswith("#"):
             continue
@@ -133,10 +134,25 @@ def draw(tag: str, rng: np.random.Generator, names: list[str]) -> dict:
     raise ValueError(f"unknown GenEval task {tag!r}; one of {', '.join(TAGS)}")
 
 
+def training_capacity() -> int:
+    """How many distinct prompts the five training templates write outside the evaluation set, counted from
+    the templates (what `draw` can write of each task, less the evaluation prompts of that task)."""
+    names = classes()
+    n, c, o = len(names), len(COLORS), len([x for x in names if x != "person"])  # GenEval never colours a person
+    space = {"two_object": n * (n - 1), "counting": 3 * n, "colors": o * c, "position": n * (n - 1) * len(RELATIONS),
+             "color_attr": o * (o - 1) * c * (c - 1)}
+    tags = [((parse(e.prompt, names) or {}).get("tag"), e.metadata["tag"]) for e in evaluation_entries()]
+    return sum(space.values()) - sum(1 for written, tag in tags if written == tag and tag in space)
+
+
 def training_entries(n: int, seed: int = 0) -> list[PromptEntry]:
     """`n` distinct prompts, the tasks in turn, none of them an evaluation prompt; the same (n, seed)
     gives the same list. Every one of the 80 single-object prompts is an evaluation prompt, so training
     draws the other five tasks."""
+    most = training_capacity()
+    if n > most:  # refused now: drawing until the templates ran dry took minutes
+        raise PromptsError(f"{n} training prompts: GenEval's templates give at most {most} outside the evaluation "
+                           "set; ask for at most that many")
     rng, names = np.random.default_rng(seed), classes()
     tasks = [t for t in TAGS if t != "single_object"]
     taken = {e.prompt for e in evaluation_entries()}

@@ -29,8 +29,8 @@ from pathlib import Path
 from statistics import fmean, variance
 
 from grpo_vision.config.schema import AlertConfig
-from grpo_vision.files import open_kept, write_file
-from grpo_vision.run.metrics import step_rows
+from grpo_vision.files import FolderError, open_kept, write_file
+from grpo_vision.run.metrics import read_step_rows, step_rows
 
 ADVICE = {
     "flat_reward:zero_spread": "most groups give all their images the same reward, so they teach nothing: raise "
@@ -305,10 +305,27 @@ def report_lines(alerts: list[dict]) -> list[str]:
             *[f"- step {a['step']}, **{a['name']}**: {a['message']}. Try: {a['advice']}" for a in alerts], ""]
 
 
-def replay_run(run_dir: str | Path, overrides: list[str] | tuple = ()) -> list[Alert]:
-    """The alerts a run's metrics.jsonl makes fire under its config's log.alerts (with `overrides`, e.g.
-    log.alerts.window=20): what a finished run would have said under other thresholds."""
-    from grpo_vision.run.folder import read_run_config
-    from grpo_vision.run.metrics import load_metrics
+SKIPPED_SHOWN = 5  # lines named one by one when `replay_run` skips some; the rest are counted
 
-    return replay(load_metrics(Path(run_dir)), watcher_for(read_run_config(run_dir, overrides)))
+
+def replay_run(run_dir: str | Path, overrides: list[str] | tuple = (), say=lambda line: None) -> list[Alert]:
+    """The alerts a run's metrics.jsonl makes fire under its config's log.alerts (with `overrides`, e.g.
+    log.alerts.window=20): what a finished run would have said under other thresholds. `say(line)` hears how
+    many rows were read and which lines were skipped (file, line and why); FolderError when no row reads, since
+    no alert from no rows would look like a healthy run."""
+    from grpo_vision.run.folder import read_run_config
+
+    cfg = read_run_config(run_dir, overrides)
+    path = Path(run_dir) / "metrics.jsonl"
+    rows, skipped = read_step_rows(path)
+    if not rows:  # one line: the first line skipped, and how many more
+        more = f", and {len(skipped) - 1} more lines skipped" if len(skipped) > 1 else ""
+        found = (f"skipped {skipped[0]}{more}" if skipped else "no line" if path.exists() else "no such file")
+        raise FolderError(f"{path} holds no step's row to replay ({found}); alerts replays the steps a run has "
+                          "logged: give a run folder that train has written at least one step in")
+    for why in skipped[:SKIPPED_SHOWN]:
+        say(f"skipped {why}")
+    if len(skipped) > SKIPPED_SHOWN:
+        say(f"skipped {len(skipped) - SKIPPED_SHOWN} more lines of {path}")
+    say(f"read {len(rows)} step rows of {path}" + (f" ({len(skipped)} lines skipped)" if skipped else ""))
+    return replay(rows, watcher_for(cfg))

@@ -4,7 +4,7 @@
       policy.safetensors      trainable policy weights (the full policy, or only its adapter) and its buffers
       reference.safetensors   the reference's weights when it was synced from the policy
       optimizer.safetensors   AdamW and LR-scheduler state
-      trainer_state.json      step and counters (the run's config is run/config.yaml)
+      trainer_state.json      step, counters, and the base the policy was trained from (run/config.yaml: the config)
       rng.safetensors         torch / numpy / python RNG states
       iterative.safetensors   iterative RL only: the replay buffer and what the learning rewards learned
     run/checkpoints/latest    name of the newest complete step directory
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -187,8 +190,11 @@ def _check_fits(file: Path, weights: dict, own: dict, missing: list[str] = ()) -
     """CheckpointError naming `file` when its tensors are not `own`'s names and shapes."""
     unknown = sorted(set(weights) - set(own))
     wrong = sorted(n for n, v in weights.items() if n in own and v.shape != own[n].shape)
+    # an integer tensor copied into a float weight is silently cut to whole numbers (issue 53)
+    integer = sorted(n for n, v in weights.items() if n in own and own[n].is_floating_point()
+                     and not v.is_floating_point())
     for problem, names in (("weights this policy does not have", unknown), ("no weights for", sorted(missing)),
-                           ("weights of another shape for", wrong)):
+                           ("weights of another shape for", wrong), ("integer tensors for the float weights", integer)):
         if names:
             raise CheckpointError(f"checkpoint {file} does not match this run's policy: {problem} "
                                   f"{names[:3]}{' ...' if len(names) > 3 else ''} ({len(names)} in all); "
@@ -215,6 +221,113 @@ def load_iterative_state(path: Path) -> dict | None:
     """The replay buffer and learned rewards' state of a checkpoint (iterative RL), or None if it has none."""
     file = Path(path) / "iterative.safetensors"
     return _holding(_read(file, load_state), ("buffer", "rewards"), file) if file.is_file() else None
+
+
+# ---------------------------------------------------------------------------- resuming
+
+@dataclass
+class Resumed:  # what a resumed run takes from its checkpoint besides the weights (already in the policy)
+    step: int  # the first step to run
+    counters: dict  # the health counters (run/health.py COUNTERS)
+    reference: dict | None  # the reference's weights, when it was synced from the policy
+    learned: dict | None  # iterative RL: the replay buffer and the learning rewards' state
+    other_base: str | None = None  # how the base files differ from the checkpoint's (--allow-other-base)
+    entropy: list | None = None  # train.use_adaptive_entropy: the coefficient's state (update.EntropyControl)
+
+
+def resume_weights(ckpt: Path, policy, steps: int, base: dict, learners: Sequence[str] = (),
+                   allow_other_base: bool = False) -> Resumed:
+    """Load `ckpt`'s weights into `policy` and check that the run can go on from it: train.steps at or past its
+    step (a resume never writes a checkpoint at or below a step the run holds: issue 53), no later checkpoint
+    beside it, the same base files (`base`, from `base_identity`) unless `allow_other_base`, the counters, and
+    the iterative state that `learners` (the run's learning rewards) need to continue exactly."""
+    from grpo_vision.run.health import COUNTERS
+
+    state, ref_state = load_checkpoint(ckpt, policy)
+    step, counters, file = state["step"], state["counters"], ckpt / "trainer_state.json"
+    if steps < step:
+        raise CheckpointError(f"{ckpt.parent.parent} holds step {step} and train.steps is {steps}: a resume only goes "
+                              f"forward (it would overwrite checkpoints): set train.steps to {step} or more, or "
+                              f"evaluate an earlier step with grpo-vision eval RUN --step N")
+    later = [s for s in checkpoint_steps(ckpt.parent.parent) if s > step]
+    if later:
+        raise CheckpointError(f"checkpoints/latest names step {step}, yet {ckpt.parent} holds step {later[-1]} too: a "
+                              f"resume from {step} would overwrite it; point checkpoints/latest at "
+                              f"step_{later[-1]:06d} "
+                              "or move the later steps away")
+    if not isinstance(counters, dict) or set(counters) != set(COUNTERS):
+        from grpo_vision.config import brief
+
+        raise CheckpointError(f"{file} holds the counters {brief(counters)}, not {', '.join(COUNTERS)}: delete {ckpt} "
+                              "and resume from an earlier step")
+    differs = check_base(file, state.get("base"), base, allow_other_base)
+    learned = load_iterative_state(ckpt)
+    if learners and learned is None and step:
+        raise CheckpointError(f"{ckpt} has no iterative.safetensors, which this run's learning rewards "
+                              f"({', '.join(learners)}) need to resume exactly: resume with the config that wrote it")
+    return Resumed(step, counters, ref_state, learned, differs, state.get("entropy"))
+
+
+# Files that make a model (weights, their configs, vocabularies): what a base's identity reads. A run folder's logs,
+# samples and reports change as it runs and are left out.
+BASE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".yaml", ".model", ".txt", ".npz")
+FINGERPRINT_BYTES = 1 << 20
+
+
+def base_identity(pcfg) -> dict:
+    """Which files a policy is trained from: for policy.path and policy.tokenizer, the sha256 over each model file's
+    name, size and first and last MiB (a 15 GB model is read in well under a second; swapped weights of one
+    shape differ there). Recorded in every checkpoint; a resume, eval, sample or demo compares it."""
+    return {key: {"path": str(path), "fingerprint": fingerprint(Path(path))}
+            for key, path in (("policy.path", pcfg.path), ("policy.tokenizer", pcfg.tokenizer)) if path}
+
+
+def fingerprint(path: Path) -> str:
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in BASE_SUFFIXES and p.is_file() and not p.is_symlink())
+    else:
+        return "missing"
+    digest = hashlib.sha256()
+    for file in files[:10_000]:
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(path) if file != path else file.name}\0{size}\0".encode())
+        with open(file, "rb") as f:
+            digest.update(f.read(FINGERPRINT_BYTES))
+            if size > 2 * FINGERPRINT_BYTES:
+                f.seek(size - FINGERPRINT_BYTES)
+                digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def recorded_base(ckpt: Path) -> dict | None:
+    """The base identity a checkpoint recorded (None for one that recorded none)."""
+    state = _read(Path(ckpt) / "trainer_state.json", lambda f: json.loads(f.read_text()))
+    return state.get("base") if isinstance(state, dict) else None
+
+
+def other_base(recorded: dict | None, base: dict) -> str | None:
+    """How `base` differs from the identity a checkpoint `recorded` (None: the same, or nothing recorded)."""
+    if not isinstance(recorded, dict):
+        return None
+    for key in sorted(set(recorded) | set(base)):
+        was, now = recorded.get(key) or {}, base.get(key) or {}
+        if was.get("fingerprint") != now.get("fingerprint"):
+            return (f"it was trained with {key} {was.get('path', '(none)')} (fingerprint {was.get('fingerprint')}) and "
+                    f"the config now names {now.get('path', '(none)')} (fingerprint {now.get('fingerprint')})")
+    return None
+
+
+def check_base(where: Path, recorded: dict | None, base: dict, allowed: bool) -> str | None:
+    """CheckpointError when the checkpoint at `where` was trained from other base files than `base`, unless
+    `allowed` (then the difference is returned, for the run's log)."""
+    differs = other_base(recorded, base)
+    if differs and not allowed:
+        raise CheckpointError(f"{where.parent}: {differs}; its weights would decode through another tokenizer and be "
+                              "scored by other models: point the config at the files it was trained with, or pass "
+                              "--allow-other-base if the change is meant")
+    return differs
 
 
 class CheckpointError(ValueError):

@@ -25,6 +25,16 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str:
     return f"{bad[first]} NaN or infinite values in {first}{more}"
 
 
+def integer_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str:
+    """'' when no tensor of `state` is an integer (or bool) one where `model` holds a float; else the first, as
+    'tok_embeddings.weight is torch.int32 (and 20 more)'. `load_state_dict` copies such a tensor in silently,
+    every weight truncated to a whole number, and the run trains on that (issue 53)."""
+    expected = model.state_dict()
+    wrong = [f"{k} is {v.dtype}" for k, v in state.items()
+             if k in expected and expected[k].is_floating_point() and not (v.is_floating_point() or v.is_complex())]
+    return f"{wrong[0]}{f' (and {len(wrong) - 1} more)' if len(wrong) > 1 else ''}" if wrong else ""
+
+
 def shape_mismatch(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str:
     """'' when `state` has exactly `model`'s keys and shapes; else the first difference of each kind, as
     'lm_head.weight is [283, 64] in the weights, [283, 96] in the model (and 20 more)'."""

@@ -18,9 +18,11 @@ from pathlib import Path
 
 from grpo_vision.run.checkpoint import checkpoint_steps
 from grpo_vision.config import ConfigError
-from grpo_vision.files import check_writable, open_kept, refuse_link
+from grpo_vision.files import FolderError, check_writable, open_kept, refuse_link
+from grpo_vision.reading import what_is
 
 LOCK_NAME = "run.lock"
+KEPT = (LOCK_NAME, "metrics.jsonl", "alerts.jsonl")  # files train keeps open, or reads back on resume
 
 
 class RunLockedError(RuntimeError):
@@ -35,6 +37,8 @@ def check_run_dir(run_dir: Path, fresh: bool) -> None:
                    "make it writable, or copy the run elsewhere and resume the copy (--resume COPY)")
     path = Path(run_dir) / LOCK_NAME
     refuse_link(path)  # the probe below would follow it; the lock itself never does (RunLock)
+    for name in KEPT:
+        refuse_odd(Path(run_dir) / name)
     if path.is_file():
         with open(path) as f:
             _lock_or_refuse(f, fcntl.LOCK_SH, run_dir)
@@ -47,6 +51,7 @@ class RunLock:
 
     def __init__(self, run_dir: Path, fresh: bool):
         self.path = Path(run_dir) / LOCK_NAME
+        refuse_odd(self.path)
         self.file = open_kept(self.path, "a+")  # never through a link: truncating it would empty another file
         try:
             _lock_or_refuse(self.file, fcntl.LOCK_EX, run_dir)
@@ -73,6 +78,15 @@ class RunLock:
         self.file.flush()
         fcntl.flock(self.file, fcntl.LOCK_UN)
         self.file.close()
+
+
+def refuse_odd(path: Path) -> None:
+    """FolderError for a run file that is a folder, a FIFO or a device: locked or read, a FIFO waits for ever,
+    and rewriting a folder fails only once the run has loaded."""
+    kind = what_is(path)
+    if kind not in (None, "missing"):
+        raise FolderError(f"{path} is {kind}, not the file train keeps there: move it away (train makes it "
+                          "again) and run again")
 
 
 def _lock_or_refuse(f, mode: int, run_dir: Path, tries: int = 10) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.files import open_kept, write_file
+from grpo_vision.files import FolderError, open_kept, write_file
+from grpo_vision.reading import json_lines, what_is
 
 
 def nanmean(x: torch.Tensor) -> float:
@@ -43,15 +44,24 @@ def load_metrics(run_dir: Path) -> list[dict]:
 def step_rows(path: Path) -> list[dict]:
     """The JSON lines of a per-step log (metrics.jsonl, alerts.jsonl) that hold a step: a line cut short by a
     crash mid-write, or one that is not a step's row, is skipped; no file, no rows."""
+    return read_step_rows(path)[0]
+
+
+def read_step_rows(path: Path) -> tuple[list[dict], list[str]]:
+    """`step_rows`, and "<file>, line N: why" for each line skipped (not UTF-8, not JSON, nested too deep, not a
+    step's row). FolderError when the log is a folder, a FIFO (reading it would wait for ever) or unreadable."""
+    if what_is(path) == "missing":
+        return [], []
+    values, skipped = json_lines(path, FolderError, f"a run's {path.name} is the per-step log train writes; move "
+                                                    "this one away and run again")
     rows = []
-    for ln in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            row = json.loads(ln)
-        except json.JSONDecodeError:
-            continue
+    for number, row in values:
         if isinstance(row, dict) and isinstance(row.get("step"), int):
             rows.append(row)
-    return rows
+        else:
+            skipped.append((number, f"{path}, line {number}: not a step's row (a JSON object with a whole-number "
+                                    "'step')"))
+    return rows, [why for _, why in sorted(skipped)]
 
 
 def finite_or_none(v: float):

@@ -63,7 +63,7 @@ def cmd_world_bench(args) -> None:
 
 def add_commands(sub) -> None:
     """Add `world build | render | prompts | bench` to the `grpo-vision` subparsers `sub`."""
-    from grpo_vision.cli.args import positive_int
+    from grpo_vision.cli.args import positive_int, seed
 
     world = sub.add_parser("world", help="ShapesWorld, the embedded default world").add_subparsers(
         dest="what", required=True)
@@ -71,14 +71,14 @@ def add_commands(sub) -> None:
                                        "hour on a 2-core CPU; a complete world is kept, not rebuilt")
     p.add_argument("--preset", default="default", choices=["micro", "default"], help="micro: seconds, for tests")
     p.add_argument("--out", default="", help="world directory (default: worlds/shapes or worlds/shapes_micro)")
-    p.add_argument("--seed", type=int, default=0, help="seeds every stage; the build is deterministic")
+    p.add_argument("--seed", type=seed, default=0, help="seeds every stage; the build is deterministic")
     p.add_argument("--json", action="store_true", help="print every quality figure as JSON")
     p.set_defaults(func=cmd_world_build)
     p = world.add_parser("render", help="ground-truth renders for the captions of a prompts file")
     p.add_argument("--prompts", required=True, help="plain text (one caption per line) or JSONL with 'prompt'")
     p.add_argument("--out", required=True, help="output directory for PNGs and index.jsonl")
     p.add_argument("--n", type=positive_int, default=1, help="images per prompt")
-    p.add_argument("--seed", type=int, default=0, help="base seed; image j of a prompt uses seed + j")
+    p.add_argument("--seed", type=seed, default=0, help="base seed; image j of a prompt uses seed + j")
     p.set_defaults(func=cmd_world_render)
     p = world.add_parser("prompts", help="a prompts file of the world's captions (e.g. held-out ones for eval)")
     p.add_argument("--split", default="heldout", choices=["train", "heldout", "all"],
@@ -88,7 +88,7 @@ def add_commands(sub) -> None:
     p.add_argument("--not-trained-in", default="", metavar="RUN",
                    help="leave out every prompt this run trained on (from its config.yaml)")
     p.add_argument("--n", type=positive_int, default=None, help="at most N captions, drawn with --seed")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draw")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the draw")
     p.add_argument("--out", required=True, help="the text file to write (one caption per line)")
     p.set_defaults(func=cmd_world_prompts)
     # here, not under `grpo-vision bench`: the core never imports the world (tests/test_structure.py)
@@ -96,6 +96,6 @@ def add_commands(sub) -> None:
                                        "(target 5 ms; speed is checked here, never in timed tests)")
     p.add_argument("--n", type=positive_int, default=50, help="renders per caption form")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed passes over the renders (median reported)")
-    p.add_argument("--seed", type=int, default=30, help="seed of the scenes")
+    p.add_argument("--seed", type=seed, default=30, help="seed of the scenes")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_world_bench)

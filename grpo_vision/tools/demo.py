@@ -41,6 +41,9 @@ from grpo_vision.sampling import SamplingParams
 
 MAX_IMAGES = 16  # images per side
 MAX_PROMPT_CHARS = 200  # longer prompts are refused before tokenising
+# the API takes any number the page's sliders cannot send: past these, guided logits overflow to inf and NaN
+MAX_CFG_SCALE = 100.0
+TEMPERATURES = (0.01, 100.0)
 EXAMPLES_PER_SPLIT = 6  # clickable prompts from each of the run's train and eval sets
 REFERENCE = "reference"  # the step picker's entry for the run's reference
 CACHED_STEPS = 4  # checkpoints kept loaded besides the latest (least recently used ones are dropped)
@@ -82,9 +85,12 @@ def check_run_dir(run_dir: str | Path) -> Path:
 class DemoRun:
     """A run's models, loaded on first use and cached per step; the reward models loaded once."""
 
-    def __init__(self, run_dir: str | Path, device: str = "run", trust: bool = False, rewards: Sequence[str] = ()):
+    def __init__(self, run_dir: str | Path, device: str = "run", trust: bool = False, rewards: Sequence[str] = (),
+                 allow_other_base: bool = False):
         """`device`: where to sample (a --device value); `trust`: allow python: rewards the run names; `rewards`:
-        --reward NAME=python:module:function for a reward that only the run's script had."""
+        --reward NAME=python:module:function for a reward that only the run's script had; `allow_other_base`:
+        load checkpoints although the run's base files changed (load_run)."""
+        self.allow_other_base = allow_other_base
         self.run_dir = check_run_dir(run_dir)
         cfg = read_run_config(self.run_dir, device=device)
         refuse_code(cfg, (), self.run_dir, trust)  # before anything loads
@@ -102,7 +108,7 @@ class DemoRun:
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)
 
     def load(self, step: int) -> LoadedRun:
-        run = self._runs.pop(step, None) or load_run(self.run_dir, step, self.device)
+        run = self._runs.pop(step, None) or load_run(self.run_dir, step, self.device, self.allow_other_base)
         self._runs[step] = run  # most recently used last
         older = [s for s in self._runs if s != self.latest]
         for s in older[:max(0, len(older) - CACHED_STEPS)]:
@@ -118,8 +124,8 @@ class DemoRun:
         if choice == REFERENCE:
             run = self.load(self.latest)
             return *run.reference.sampler(run.policy), self.reference_label
-        step = choice.removeprefix("step ").strip()
-        if not choice.startswith("step ") or not step.isdigit():
+        step = str(choice).removeprefix("step ").strip()  # the API may send any JSON value, not only a pick
+        if not str(choice).startswith("step ") or not step.isdigit():
             raise DemoInputError(f"unknown checkpoint {brief(choice)}; choose one of: {', '.join(self.choices())}")
         try:
             find_checkpoint(self.run_dir, int(step))
@@ -232,8 +238,8 @@ def clean_prompt(prompt, policy, judge=None) -> str:
 
 def _whole(value, name: str, lo: int, hi: int) -> int:
     try:
-        number = float(value)
-    except (TypeError, ValueError):
+        number = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError, OverflowError):  # "abc", a list; an integer of 400 digits
         number = math.nan
     if not (math.isfinite(number) and number == int(number) and lo <= number <= hi):
         raise DemoInputError(f"{name} must be a whole number from {lo} to {hi}, got {brief(value)}.")
@@ -245,11 +251,11 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
     n = _whole(n, "The number of images", 1, MAX_IMAGES)
     seed = _whole(seed, "The seed", 0, MAX_SEED - n)
     top_k = _whole(top_k, "Top-k", 0, 1 << 20)
-    for name, value in (("The CFG scale", cfg_scale), ("The temperature", temperature)):
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise DemoInputError(f"{name} must be a number >= 0, got {brief(value)}.")
-    if temperature == 0:
-        raise DemoInputError("The temperature must be > 0 (lower it towards 0.1 for less varied images).")
+    for name, value, (lo, hi) in (("The CFG scale (1 = off)", cfg_scale, (0.0, MAX_CFG_SCALE)),
+                                   ("The temperature", temperature, TEMPERATURES)):
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+        if not (math.isfinite(number) and lo <= number <= hi):
+            raise DemoInputError(f"{name} must be a number from {lo:g} to {hi:g}, got {brief(value)}.")
     return [seed + i for i in range(n)], SamplingParams(float(cfg_scale), float(temperature), top_k, base.top_p,
                                                         base.logprob_mode)
 

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from grpo_vision.run.checkpoint import CheckpointError
-from grpo_vision.tools.demo import (MAX_IMAGES, REFERENCE, DemoInputError, DemoRun, caption, clean_prompt, grid_png,
-                              sampling_request, side_json, summary_rows)
+from grpo_vision.tools.demo import (MAX_IMAGES, MAX_PROMPT_CHARS, REFERENCE, DemoInputError, DemoRun, caption,
+                                    clean_prompt, grid_png, sampling_request, side_json, summary_rows)
 from grpo_vision.images import to_uint8
 from grpo_vision.run.metrics import load_metrics
 from grpo_vision.evaluation.plots import curves_figure
@@ -33,6 +33,9 @@ CSS = """.pixelated img { image-rendering: pixelated; }
 COLUMNS = ["score", "left", "right", "left - right"]
 # The app takes no file, yet Gradio serves an upload route to every page: a cap keeps it from filling the disk
 MAX_UPLOAD = "1mb"
+# Request bodies: a click is a prompt of at most 200 characters and seven small values, well under 64 KiB; Gradio
+# took 50 MB into its queue (issue 53). The upload route's files are capped by MAX_UPLOAD, its body here.
+MAX_BODY, MAX_UPLOAD_BODY = 64 << 10, 4 << 20
 # Gradio keeps a copy of every gallery image and grid it serves: swept every 10 min once an hour old, all at exit
 CACHE_SWEEP = (600, 3600)
 EMPTY_STATE = ("Nothing compared yet. Type a prompt or click an example, then **Generate**: each side samples the "
@@ -115,8 +118,10 @@ def build_app(run: DemoRun | str | Path, out_dir: str | Path | None = None):
             reload = gr.Button("Reload checkpoints and metrics")
         inputs = [prompt, seed, n, cfg_scale, temperature, top_k, sides[0][0], sides[1][0]]
         outputs = [sides[0][1], sides[1][1], summary, download, status, details]
-        button.click(compare, inputs, outputs, api_name="generate")
-        prompt.submit(compare, inputs, outputs, api_visibility="private")
+        # preprocess=False: compare gets the values as sent and checks them itself (sampling_request); Gradio's own
+        # conversion failed on a seed of "abc" with a traceback on the console and "Error" for the caller
+        button.click(compare, inputs, outputs, api_name="generate", preprocess=False)
+        prompt.submit(compare, inputs, outputs, api_visibility="private", preprocess=False)
         pickers_and_plot = [sides[0][0], sides[1][0], plot]
         reload.click(refresh, pickers_and_plot[:2], pickers_and_plot, api_name="refresh")
         app.load(refresh, pickers_and_plot[:2], pickers_and_plot, api_visibility="private")
@@ -132,9 +137,60 @@ def temporary_dir() -> Path:
 
 def launch(app, host: str = "127.0.0.1", port: int | None = None) -> None:
     """Serve `app` in the background with the demo's settings (port None: the first free one from 7860)."""
+    from starlette.middleware import Middleware
+
     # quiet: Gradio's own start-up lines suggest share=True, a public link this command does not offer
     app.launch(server_name=host, server_port=port, css=CSS, footer_links=["api", "settings"], quiet=True,
-               prevent_thread_lock=True, max_file_size=MAX_UPLOAD)
+               prevent_thread_lock=True, max_file_size=MAX_UPLOAD,
+               app_kwargs={"middleware": [Middleware(BodyLimit, limit=MAX_BODY, upload_limit=MAX_UPLOAD_BODY)]})
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes (`upload_limit` on Gradio's upload route), by its
+    Content-Length before the app reads it, or, for a body sent without one, once that much has arrived."""
+
+    def __init__(self, app, limit: int, upload_limit: int):
+        self.app, self.limit, self.upload_limit = app, limit, upload_limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.upload_limit if scope["path"].rstrip("/").endswith("/upload") else self.limit
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > limit:
+            return await refuse_body(send, limit)
+        received, refused, started = 0, False, False
+
+        async def counted():
+            nonlocal received, refused
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit and not refused:
+                refused = True
+                if not started:
+                    await refuse_body(send, limit)
+                return {"type": "http.disconnect"}  # the app stops reading, as if the client had gone
+            return message
+
+        async def guarded(message):
+            nonlocal started
+            if not refused:  # after a refusal, whatever the app answers is dropped
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except Exception:
+            if not refused:
+                raise
+
+
+async def refuse_body(send, limit: int) -> None:
+    body = (f"request body over {limit} bytes, refused: the demo takes a prompt of at most {MAX_PROMPT_CHARS} "
+            "characters and a few numbers").encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def serve(run: DemoRun | str | Path, host: str = "127.0.0.1", port: int | None = None) -> None:

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpo_vision.config import Config, ConfigError, brief, derived_sizes, load_config, to_dict
+from grpo_vision.config import MAX_SEED, Config, ConfigError, brief, derived_sizes, load_config, to_dict
 from grpo_vision.tools.matrix_jobs import OutLock, PassOn, refuse_held, run_child
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.files import check_writable, write_file
@@ -38,15 +39,24 @@ class RunSpec:
     weights: tuple[tuple[str, float], ...]  # (reward name, weight) it trains on
     beta: float
     seed: int
+    variant: str = ""  # --variant NAME: a row of training options besides the reward (issue 52's sweeps)
+    options: tuple[str, ...] = ()  # its key=value overrides
 
     @property
     def name(self) -> str:
-        return f"{self.reward.replace('*', 'x')}-kl{self.beta:g}-s{self.seed}"
+        return f"{self.reward.replace('*', 'x')}-kl{self.beta:g}-s{self.seed}" + (f"-{self.variant}" if self.variant
+                                                                                 else "")
+
+    @property
+    def label(self) -> str:
+        """What a table row says it trained on: the reward, and the variant when there is one."""
+        return f"{self.reward} [{self.variant}]" if self.variant else self.reward
 
     def overrides(self, runs_dir: Path) -> list[str]:
         weights = "{" + ", ".join(f"{k}: {w}" for k, w in self.weights) + "}"
-        return [f"run.out_dir={runs_dir}", f"run.name={self.name}", f"run.seed={self.seed}", f"train.beta={self.beta}",
-                f"reward.weights={weights}", "reward.monitor=[]", "log.report=false", "log.sample_every=0"]
+        return [*self.options, f"run.out_dir={runs_dir}", f"run.name={self.name}", f"run.seed={self.seed}",
+                f"train.beta={self.beta}", f"reward.weights={weights}", "reward.monitor=[]", "log.report=false",
+                "log.sample_every=0"]
 
 
 @dataclass
@@ -79,9 +89,25 @@ def parse_reward_spec(spec: str, base_weights: dict[str, float]) -> tuple[tuple[
     return tuple(out)
 
 
-def plan(cfg: Config, rewards: list[str], betas: list[float] | None, seeds: list[int]) -> list[RunSpec]:
-    """Every (train reward, KL, seed), in table order (no KL given: the config's train.beta); a value
-    given twice is refused (its runs would share one folder, or train the same thing twice)."""
+def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
+    """`NAME:key=value,key=value` (`NAME:` for the config as it is) as (name, overrides)."""
+    name, sep, rest = text.partition(":")
+    if not sep or not re.fullmatch(r"[a-z0-9_]{1,40}", name):
+        raise ConfigError(f"--variant {brief(text)}: expected NAME:key=value[,key=value] with NAME of lower-case "
+                          "letters, digits and _, e.g. stage:train.token_weighting=stage (base: for the config as is)")
+    options = tuple(o.strip() for o in rest.split(",") if o.strip())
+    for option in options:
+        if "=" not in option or option.startswith(("run.", "reward.weights", "reward.monitor")):
+            raise ConfigError(f"--variant {name}: {brief(option)} is not a training option key=value (the matrix "
+                              "sets run.*, reward.weights and reward.monitor itself)")
+    return name, options
+
+
+def plan(cfg: Config, rewards: list[str], betas: list[float] | None, seeds: list[int],
+         variants: list[str] = ()) -> list[RunSpec]:
+    """Every (train reward, variant, KL, seed), in table order (no KL given: the config's train.beta; no
+    variant: the config as it is); a value given twice is refused (its runs would share one folder, or
+    train the same thing twice)."""
     betas = [cfg.train.beta] if betas is None else betas
     if not rewards or not betas or not seeds:
         raise ConfigError("matrix needs at least one train reward, KL coefficient and seed")
@@ -91,13 +117,16 @@ def plan(cfg: Config, rewards: list[str], betas: list[float] | None, seeds: list
         if beta > 0 and cfg.train.reference == "none":
             raise ConfigError(f"--kl {beta} needs a reference: the config has train.reference: none")
     for seed in seeds:
-        if seed < 0:  # numpy's SeedSequence, which seeds every step, takes no negative seed
-            raise ConfigError(f"--seeds {seed}: seeds must be whole numbers >= 0")
+        if not 0 <= seed <= MAX_SEED:  # run.seed's range (config/schema.py)
+            raise ConfigError(f"--seeds {seed}: seeds must be whole numbers from 0 to {MAX_SEED}")
     _refuse_twice("--kl", [f"{b:g}" for b in betas], "KL coefficient")  # as run folders name them
     _refuse_twice("--seeds", [str(s) for s in seeds], "seed")
     mixes = [parse_reward_spec(r, cfg.reward.weights) for r in rewards]
     _refuse_twice("--rewards", rewards, "reward mix", [tuple(sorted(m)) for m in mixes])
-    return [RunSpec(r, m, b, s) for r, m in zip(rewards, mixes) for b in betas for s in seeds]
+    parsed = [parse_variant(v) for v in variants] or [("", ())]
+    _refuse_twice("--variant", [name for name, _ in parsed], "variant name")
+    return [RunSpec(r, m, b, s, name, options) for r, m in zip(rewards, mixes) for name, options in parsed
+            for b in betas for s in seeds]
 
 
 def _refuse_twice(option: str, given: list[str], what: str, keys: list | None = None) -> None:
@@ -214,13 +243,14 @@ def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path
 
 
 def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float] | None, seeds: list[int],
-               out: Path, jobs: int = 1, images: int | None = None, command: str = "") -> dict:
+               out: Path, jobs: int = 1, images: int | None = None, command: str = "",
+               variants: list[str] = ()) -> dict:
     """Train every run (reusing and resuming), score them and the reference, write the outputs.
     Interrupted (a KeyboardInterrupt) after SIGINT or SIGTERM, once the runs in training have stopped."""
     stop = PassOn()  # from here on a signal ends in Interrupted: at once, or once the runs in training stopped
     try:
         cfg = load_config(config, overrides)
-        specs = plan(cfg, rewards, betas, seeds)
+        specs = plan(cfg, rewards, betas, seeds, variants)
         check_options(config, overrides, cfg, specs, images)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out} is a file; give a folder")
@@ -246,8 +276,8 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
     scorer.use_rewards([name for spec in specs for name, _ in spec.weights])
     reference, summaries, raw = score_runs(scorer, out, [(r.spec.name, out / "runs" / r.spec.name) for r in results
                                                          if r.status != "failed"])
-    runs = [{"name": r.spec.name, "reward": r.spec.reward, "weights": dict(r.spec.weights), "beta": r.spec.beta,
-             "seed": r.spec.seed, "status": r.status, "rc": r.rc, "log": r.log, "error": r.error,
+    runs = [{"name": r.spec.name, "reward": r.spec.label, "weights": dict(r.spec.weights), "beta": r.spec.beta,
+             "seed": r.spec.seed, "options": list(r.spec.options), "status": r.status, "rc": r.rc, "log": r.log, "error": r.error,
              "summary": summaries.get(r.spec.name)} for r in results]
     groups: dict[tuple, list[dict]] = {}  # runs that differ only in their seed, scored
     for run in runs:

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from grpo_vision.run import signals
-from grpo_vision.files import open_kept
+from grpo_vision.files import FolderError, open_kept
 from grpo_vision.run.lock import LOCK_NAME as RUN_LOCK
 from grpo_vision.run.lock import RunLockedError, check_run_dir
 from grpo_vision.run.signals import Interrupted
@@ -62,6 +62,8 @@ def refuse_held(run_dir: Path, log: Path) -> None:
         check_run_dir(run_dir, fresh=False)
         if log.is_file():
             open_log(log, run_dir, probe=True)
+    except FolderError:  # a run file that is a folder or a FIFO: that run's train names it, and the run fails alone
+        return
     except RunLockedError:
         try:
             holder = f"pid {json.loads((run_dir / RUN_LOCK).read_text())['pid']}"

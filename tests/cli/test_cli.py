@@ -132,6 +132,42 @@ def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
         assert exit_info.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_every_numeric_option_refuses_a_value_outside_its_range(tmp_path, capsys):
+    """Issue 53: before, --top-k -5 and --cfg-scale nan ran (generate() failed, or every guided logit was NaN),
+    --port 70000 was an OverflowError inside the server, and run.seed=-1 a ValueError from numpy mid-run."""
+    from grpo_vision.cli import main
+
+    seed_range = "expected a whole number from 0 to 4294967295"
+    for args, needle in [
+        (["bench", "sampler", "--top-k", "-5"], "argument --top-k: expected a whole number >= 0, got '-5'"),
+        (["bench", "sampler", "--cfg-scale", "nan"],
+         "argument --cfg-scale: expected a number >= 0 (1 turns guidance off), got 'nan'"),
+        (["bench", "sampler", "--cfg-scale", "inf"], "argument --cfg-scale: expected a number >= 0"),
+        (["bench", "sampler", "--cfg-scale", "-1"], "argument --cfg-scale: expected a number >= 0"),
+        (["bench", "demo", "r", "--n", "0"], "argument --n: expected a whole number >= 1, got '0'"),
+        (["demo", "r", "--port", "70000"], "argument --port: expected a whole number from 1 to 65535, got '70000'"),
+        (["demo", "r", "--port", "-1"], "argument --port: expected a whole number from 1 to 65535, got '-1'"),
+        (["sample", "r", "--prompts", "p", "--out", "o", "--step", "-1"],
+         "argument --step: expected a whole number >= 1, got '-1'"),
+        (["eval", "r", "--step", "0"], "argument --step: expected a whole number >= 1, got '0'"),
+        (["world", "build", "--seed", "-3"], f"argument --seed: {seed_range}, got '-3'"),
+        (["world", "render", "--prompts", "p", "--out", "o", "--seed", "nan"], f"argument --seed: {seed_range}"),
+        (["world", "prompts", "--out", "o", "--seed", str(2**64)], f"argument --seed: {seed_range}"),
+        (["world", "bench", "--seed", "-1"], f"argument --seed: {seed_range}, got '-1'"),
+        # the config's numbers, checked as it loads, and the matrix's lists
+        (["train", "configs/shapes.yaml", f"run.out_dir={tmp_path}", "run.seed=-1"],
+         "grpo-vision: error: run.seed must be a whole number from 0 to 4294967295, got -1\n"),
+        (["matrix", "configs/shapes_micro.yaml", "--out", str(tmp_path / "m"), "--rewards", "clip", "--seeds", "-1"],
+         "grpo-vision: error: --seeds -1: seeds must be whole numbers from 0 to 4294967295\n"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        err = capsys.readouterr().err  # argparse's usage lines, then the error in one line
+        assert exit_info.value.code == 2 and needle.strip() in err.splitlines()[-1], (args, err)
+        assert "Traceback" not in err and (not needle.endswith("\n") or err == needle)
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.e2e
 def test_a_warning_is_one_line_like_an_error():
     # not Python's format, "<file>:<line>: UserWarning: ..." with the library's source line under it

@@ -184,6 +184,13 @@ def test_save_and_reload_round_trip(tmp_path):
     ("reward:\n  batch_size: 0\n", "reward.batch_size must be >= 1"),
     ("reward:\n  weights: {clip: .nan}\n", "reward.weights must be finite numbers"),
     ("run:\n  name: a/b\n", "run.name must be a plain folder name"),
+    # issue 53: a newline in run.name printed a line of its own, e.g. a forged "[train] done: ..."
+    ('run:\n  name: "x\\n[train] done: report.md (0 of 2 updates skipped)"\n',
+     "run.name must be a plain folder name (no '/' or '\\', no newline or other control character), got 'x\\n[train]"),
+    ('run:\n  name: "a\\tb"\n', "run.name must be a plain folder name"),
+    ('run:\n  name: "a\\\\b"\n', "run.name must be a plain folder name"),
+    ("run:\n  seed: -1\n", "run.seed must be a whole number from 0 to 4294967295, got -1"),
+    ("run:\n  seed: 4294967296\n", "run.seed must be a whole number from 0 to 4294967295, got 4294967296"),
     ("log:\n  checkpoint_every: -1\n", "log.checkpoint_every must be >= 0"),
     ("log:\n  eval_temperatures: [0.7, 0]\n", "log.eval_temperatures[1] must be a finite number > 0, got 0.0"),
     ("train:\n  lr: .inf\n", "train.lr must be a finite number in (0, 1], got inf"),
@@ -362,7 +369,61 @@ def test_a_long_value_or_key_is_quoted_briefly():
         assert len(str(err.value)) < 400
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"run.name={'a/' * 50_000}"])
-    assert str(err.value) == f"run.name must be a plain folder name (no '/'), got {repr('a/' * 40)}... (100000 characters)"
+    assert str(err.value) == ("run.name must be a plain folder name (no '/' or '\\', no newline or other control "
+                              f"character), got {repr('a/' * 40)}... (100000 characters)")
+
+
+def bomb(levels: int) -> str:
+    """A "billion laughs" in YAML flow style: ten x's, then `levels - 1` lists of ten aliases of the one before,
+    each anchored; the last stands for 10^levels x's in a few hundred bytes."""
+    names = "abcdefghijk"[:levels]
+    lists = [f"&a [{', '.join(['x'] * 10)}]"] + [f"&{n} [{', '.join([f'*{p}'] * 10)}]"
+                                                  for p, n in zip(names, names[1:])]
+    return f"[{', '.join(lists)}]"
+
+
+@pytest.mark.parametrize("where", ["run:\n  name: ", "reward:\n  options:\n    clip:\n      checkpoint: "])
+def test_yaml_aliases_that_expand_past_100000_values_are_refused_at_load(tmp_path, where):
+    # before (issue 53): 9 levels (537 bytes) in run.name or a reward option loaded in a moment, and the type
+    # error's repr() of the value expanded 10^10 items (MemoryError); 6 levels here, 10^6 items
+    path = tmp_path / "c.yaml"
+    path.write_text(where + bomb(6) + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}, line {where.count(chr(10)) + 1}: more than 100000 values once its aliases "
+                              "(*name) are expanded; write the values out, or use fewer aliases")
+    path.write_text(where + bomb(3) + "\n")  # 1,000 x's: a value like any other, refused for its type, briefly
+    with pytest.raises(ConfigError, match=r"(run.name|reward.options.clip.checkpoint)' expects a string, got "
+                                          r"\"\[\['x', 'x', .*\.\.\. \(5796 characters\) \(list\)$"):
+        check_options(load_config(path))
+
+
+def test_a_value_is_quoted_briefly_whatever_it_holds():
+    from grpo_vision.config import brief
+
+    shared = ["x"] * 10
+    for _ in range(5):  # 10^6 x's through shared lists, a repr of 6.7 million characters
+        shared = [shared] * 10
+    assert brief(shared) == repr(repr(shared)[:80]) + "... (more than 100000 characters)"
+    for _ in range(4):  # 10^10: walked for its first characters only
+        shared = [shared] * 10
+    ten = ", ".join(["'x'"] * 10)
+    assert brief(shared) == repr(("[" * 10 + ten + "], [" + ten)[:80]) + "... (more than 100000 characters)"
+    assert brief({"a": (1,), "b": {2}, "c": set(), "d": 10 ** 5000}) == \
+        "{'a': (1,), 'b': {2}, 'c': set(), 'd': <an integer of 16610 bits>}"  # repr() raised past 4300 digits
+
+
+def test_yaml_nested_50000_deep_is_one_line(tmp_path):
+    path, deep = tmp_path / "c.yaml", "[" * 50_000 + "]" * 50_000  # was a RecursionError, in a file or an override
+    path.write_text("run:\n  name: " + deep + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}, line 2: lists and mappings nested more than 100 levels deep; write flatter YAML"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"run.name={deep}"])
+    assert str(err.value) == (f"command line: {'[' * 80!r}... (100000 characters): lists and mappings nested more "
+                              "than 100 levels deep; write flatter YAML")
+    load_config(None, ["run.name=" + "[" * 50 + "]" * 50])  # well within the bound: a string like any other
 
 
 # ---------------------------------------------------------------- run.device
@@ -406,3 +467,57 @@ def test_train_refuses_a_missing_device_before_writing_anything(monkeypatch, tmp
     with pytest.raises(ConfigError, match="run.device=cuda, and this machine has no CUDA GPU"):
         train(cfg, progress=False)  # it trained on the CPU, silently, and saved device: cuda
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- token weighting and TRL 1.16's options
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.token_weighting=gcpo"], "'train.token_weighting' expects one of 'none', 'stage', 'critical', "
+                                     "'guidance_contrastive', got 'gcpo'"),
+    (["train.critical_fraction=0"], "train.critical_fraction must be a finite number in (0, 1]"),
+    (["train.critical_fraction=1.5"], "train.critical_fraction must be a finite number in (0, 1]"),
+    (["train.guidance_top_share=1"], "train.guidance_top_share must be a finite number in (0, 1)"),
+    (["train.guidance_top_fraction=0"], "train.guidance_top_fraction must be a finite number in (0, 1)"),
+    (["train.guidance_top_fraction=0.9"], "train.guidance_top_share (0.8) must exceed train.guidance_top_fraction"),
+    (["train.token_weighting=guidance_contrastive", "sample.cfg_scale=1"], "sample.cfg_scale=1 turns it off"),
+    (["train.token_weighting=guidance_contrastive", "sample.cfg_scale=0.5"], "set sample.cfg_scale > 1"),
+    (["train.token_weighting=critical", "train.reference=none"], "train.token_weighting=critical"),
+    (["train.token_weighting=stage", "train.reference=none"], "train.stage_entropy_reward_scale"),
+    (["train.stage_entropy_reward_scale=-1"], "train.stage_entropy_reward_scale must be a finite number >= 0"),
+    (["train.zero_std_groups=skip"], "'train.zero_std_groups' expects one of 'keep', 'drop'"),
+    (["train.off_policy_mask_threshold=-0.5"], "train.off_policy_mask_threshold must be a finite number >= 0"),
+    (["train.entropy_coef=-0.01"], "train.entropy_coef must be a finite number >= 0"),
+    (["train.entropy_coef_min=0.5", "train.entropy_coef_max=0.1"], "train.entropy_coef_min (0.5) must not exceed"),
+    (["train.entropy_target=-1"], "train.entropy_target must be a finite number >= 0"),
+    (["train.ref_model_mixup_alpha=0"], "train.ref_model_mixup_alpha must be a finite number in (0, 1]"),
+    (["train.ref_model_mixup_alpha=0.6"], "train.ref_sync_every, which is 0"),
+    (["train.ref_model_mixup_alpha=0.6", "train.ref_sync_every=10", "train.adapter=lora", "train.reference=adapter"],
+     "train.reference=adapter keeps no second set"),
+])
+def test_bad_token_weighting_and_trl_options_are_refused_naming_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_token_weighting_and_trl_options_that_fit_load():
+    cfg = load_config(None, ["train.token_weighting=guidance_contrastive", "sample.cfg_scale=5",
+                             "train.zero_std_groups=drop", "train.ref_model_mixup_alpha=0.6",
+                             "train.ref_sync_every=10", "train.use_adaptive_entropy=true", "train.critical_fraction=1"])
+    assert cfg.train.token_weighting == "guidance_contrastive" and cfg.train.zero_std_groups == "drop"
+    load_config(None, ["train.token_weighting=stage", "train.reference=none", "train.stage_entropy_reward_scale=0"])
+    t = load_config(None).train  # the defaults keep today's loss
+    assert (t.token_weighting, t.zero_std_groups, t.use_bias_correction_kl, t.entropy_coef,
+            t.off_policy_mask_threshold, t.ref_model_mixup_alpha) == ("none", "keep", False, 0.0, 0.0, 1.0)
+
+
+def test_trl_names_of_the_116_options_are_aliases():
+    from grpo_vision.config.trl_names import trl_overrides
+
+    overrides, _ = trl_overrides({"use_bias_correction_kl": True, "off_policy_mask_threshold": None,
+                                  "entropy_coef": 0.01, "entropy_target": 5.0, "ref_model_mixup_alpha": 0.6})
+    assert overrides == ["train.use_bias_correction_kl=true", "train.off_policy_mask_threshold=null",
+                         "train.entropy_coef=0.01", "train.entropy_target=5.0", "train.ref_model_mixup_alpha=0.6"]
+    cfg = load_config(None, overrides + ["train.ref_sync_every=4"])
+    assert cfg.train.off_policy_mask_threshold == 0.0 and cfg.train.use_bias_correction_kl is True

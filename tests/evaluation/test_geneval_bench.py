@@ -217,3 +217,138 @@ def test_eval_benchmark_takes_either_shape(coco_run, tmp_path, monkeypatch, caps
     # the verdicts of the round trip above (they do not depend on the pixels): only two_object right, 1/5
     assert out["geneval"]["policy"]["overall"] == pytest.approx(0.2) and out["geneval"]["prompts"] == 5
     assert out["geneval"]["policy"]["failing"] == {"count": 0.2, "colour": 0.4, "position": 0.2}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_eval_benchmark_says_the_rewards_refusal_in_one_line_before_sampling(coco_run, tmp_path, monkeypatch, capsys):
+    """A colour clause and a run with no colour classifier: `score geneval` said so in one line, `eval --benchmark
+    geneval` sampled every image and then showed the same message as a traceback (issue 53)."""
+    import shutil
+
+    import yaml
+
+    from grpo_vision.cli import main
+    from grpo_vision.evaluation import geneval_bench
+
+    run = shutil.copytree(coco_run, tmp_path / "run")
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    del cfg["reward"]["options"]["geneval"]["clip_checkpoint"]  # no colour classifier
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    colour = tmp_path / "colour.jsonl"
+    colour.write_text(json.dumps({"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}],
+                                  "prompt": "a photo of a red car"}) + "\n")
+    plain = tmp_path / "plain.txt"
+    plain.write_text("a photo of a red car\n")
+    monkeypatch.setattr(geneval_bench, "compare", lambda *args, **kwargs: pytest.fail("sampled before refusing"))
+    for prompts, message in (
+            (colour, f"{colour}: prompt 'a photo of a red car' asks for a red car, and the geneval reward has no "
+                     "colour classifier: set reward.options.geneval.clip_checkpoint"),
+            (plain, f"{plain}, line 1: not valid JSON (Expecting value at column 1)")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["eval", str(run), "--benchmark", "geneval", "--prompts", str(prompts), "--n", "1", "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(f"grpo-vision: error: {message}") and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------- a folder from anyone: one line each, never a hang
+
+
+LINE = {"tag": "single_object", "include": [{"class": "dog", "count": 1}], "prompt": "a photo of a dog"}
+
+
+def layout(root, prompts: int = 1, images: int = 1):
+    """GenEval's layout: `prompts` folders of `images` 8 x 8 black PNGs, each prompt the same dog."""
+    from PIL import Image
+
+    for k in range(prompts):
+        samples = root / f"{k:05d}" / "samples"
+        samples.mkdir(parents=True)
+        (samples.parent / "metadata.jsonl").write_text(json.dumps(LINE))
+        for j in range(images):
+            Image.new("RGB", (8, 8)).save(samples / f"{j:05d}.png")
+    return root
+
+
+@pytest.mark.parametrize("name", ["00000/metadata.jsonl", "00000/samples/00000.png"])
+def test_a_fifo_in_a_geneval_folder_is_refused_unopened(tmp_path, name):
+    # before (issue 53): reading metadata.jsonl waited for a writer for ever; a PNG one, once scoring began
+    import os
+
+    from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder
+    from tests.helpers import within
+
+    folder = layout(tmp_path / "g")
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    with within(20), pytest.raises(LayoutError, match=rf"^{folder / name} is a FIFO \(named pipe\), not a file: "):
+        read_folder(folder)
+
+
+@pytest.mark.parametrize("width, height, needle", [
+    (12_000, 12_000, "declares 12000 x 12000 pixels, more than the 16777216 an image may have before it is decoded"),
+    (150_000_000, 1, "declares 150000000 x 1 pixels, more than the 16777216"),  # was a MemoryError
+    (60_000, 60_000, "declares more than 178956970 pixels, which PIL refuses to decode"),  # was PIL's traceback
+])
+def test_an_image_that_declares_too_many_pixels_is_refused_before_it_is_decoded(tmp_path, width, height, needle):
+    # a 12000 x 12000 PNG of 420 KB, under PIL's own bomb limit, took the process to 18 GB (issue 53); the header
+    # alone says its size, so the folder is refused when read, before any model loads
+    from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder, score_folder
+    from tests.helpers import png_declaring
+
+    folder = layout(tmp_path / "g")
+    png = png_declaring(folder / "00000" / "samples" / "00000.png", width, height)
+    assert png.stat().st_size < 1000
+    with pytest.raises(LayoutError, match=rf"^{png} {needle}"):
+        read_folder(folder)
+    with pytest.raises(LayoutError, match=rf"^{png} {needle}"):
+        score_folder(None, folder)
+
+
+def test_the_pixel_limit_is_set_by_the_environment(tmp_path, monkeypatch):
+    from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder
+    from tests.helpers import png_declaring
+
+    folder = layout(tmp_path / "g")  # 8 x 8 = 64 pixels
+    monkeypatch.setenv("GRPO_VISION_MAX_PIXELS", "63")
+    with pytest.raises(LayoutError, match=r"00000.png declares 8 x 8 pixels, more than the 63 .*GRPO_VISION_MAX_PIX"):
+        read_folder(folder)
+    monkeypatch.setenv("GRPO_VISION_MAX_PIXELS", "200000000")
+    png_declaring(folder / "00000" / "samples" / "00000.png", 12_000, 12_000)
+    assert read_folder(folder)[0][1] == [folder / "00000" / "samples" / "00000.png"]  # its header only was read
+    monkeypatch.setenv("GRPO_VISION_MAX_PIXELS", "many")
+    with pytest.raises(LayoutError, match=r"^GRPO_VISION_MAX_PIXELS='many': expected a whole number of pixels >= 1"):
+        read_folder(folder)
+
+
+def test_metadata_nested_100000_deep_is_named_by_file_and_line(tmp_path):
+    from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder
+
+    folder = layout(tmp_path / "g")
+    (folder / "00000" / "metadata.jsonl").write_text("\n" + "[" * 100_000 + "]" * 100_000 + "\n")  # RecursionError
+    with pytest.raises(LayoutError, match=r"00000/metadata.jsonl, line 2: lists and objects nested more than 100 "
+                                          r"levels deep; write flatter JSON$"):
+        read_folder(folder)
+
+
+def test_score_checks_verdicts_and_against_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """--verdicts under a file failed after all the scoring, naming a hidden temporary file; a baseline of other
+    image counts was found after both folders were scored (issue 53). Both are known from the arguments and the
+    folders' metadata."""
+    from grpo_vision.cli import main
+    from grpo_vision.rewards import CompositeReward
+
+    monkeypatch.setattr(CompositeReward, "from_config", lambda *args, **kwargs: pytest.fail("the reward was built"))
+    ours, fewer = layout(tmp_path / "ours", images=2), layout(tmp_path / "fewer", images=1)
+    (tmp_path / "notes.txt").write_text("a file")
+    for extra, message in (
+            (["--verdicts", str(tmp_path / "notes.txt" / "v.jsonl")],
+             f"--verdicts {tmp_path / 'notes.txt' / 'v.jsonl'}: {tmp_path / 'notes.txt'} is a file, not a folder; "
+             "choose another --verdicts"),
+            (["--verdicts", str(tmp_path)], f"--verdicts {tmp_path} is a folder; give the file to write, e.g. "
+                                            f"{tmp_path / 'out.jsonl'}"),
+            (["--against", str(fewer)], f"{ours} and {fewer} differ at image 2 (its prompt or the number of images per "
+                                        "prompt): --against takes a folder of the same prompts")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["score", "geneval", str(ours), "--device", "cpu", *extra])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(f"grpo-vision: error: {message}") and err.count("\n") == 1

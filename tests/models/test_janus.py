@@ -300,3 +300,17 @@ def test_two_full_fine_tune_steps_move_the_generation_path(janus_dir, tmp_path):
     assert not any(k.startswith(("model.model.vision_model", "model.model.vqmodel", "model.lm_head")) for k in after)
     moved = {k for k in after if not torch.equal(after[k], before[k.removeprefix("model.")])}
     assert any("generation_head" in k for k in moved) and any("language_model.layers" in k for k in moved)
+
+
+def test_token_weighting_hooks_are_what_the_model_embeds_and_decodes(policy):
+    # GCPO compares the language model's input embeddings of image tokens (prepare_gen_img_embeds); STAGE the
+    # L2-normalised code vectors the VQ decoder starts from (get_codebook_entry's quant)
+    tokens = torch.tensor([[0, 5, 63, 5] * 4])  # [1, 16]: the 4x4 grid
+    emb = policy.token_embeddings(tokens)
+    m = policy.model.model
+    assert emb.shape == (1, 16, 32) and not emb.requires_grad
+    assert torch.equal(emb, m.generation_aligner(m.generation_embeddings(tokens)))
+    vectors = policy.image_tokenizer().code_vectors(tokens)  # [1, 16, 8]
+    quant = m.vqmodel.quantize.get_codebook_entry(tokens)  # [1, 8, 4, 4], what decode feeds the decoder
+    torch.testing.assert_close(vectors, quant.permute(0, 2, 3, 1).reshape(1, 16, 8))
+    torch.testing.assert_close(vectors.norm(dim=-1), torch.ones(1, 16))

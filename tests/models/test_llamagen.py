@@ -332,6 +332,43 @@ def test_unexpected_missing_or_misshapen_keys_are_named(tmp_path):
             load_bundle(pcfg("c2i", path=str(path)), "cpu")
 
 
+def test_misshapen_integer_or_oversized_models_are_one_line_errors(tmp_path, t5_dir):
+    """Issue 53: each of these was a traceback, a silent load, or an allocation of terabytes."""
+    import shutil
+
+    state = torch.load(DATA / "c2i_tiny.pt", weights_only=True)["model"]
+    row = state["tok_embeddings.weight"][0]  # [32]: a 1-D embedding
+    flat = save_as(tmp_path, "flat.pt", {"model": {**state, "tok_embeddings.weight": row}})
+    # dtypes checked on load: a float model refuses integer tensors (they loaded, each weight cut to a whole number)
+    ints = {k: v.to(torch.int32) for k, v in state.items()}
+    save_file(ints, tmp_path / "ints.safetensors")
+    vq = torch.load(DATA / "vq_tiny.pt", weights_only=True)
+    vq = vq.get("model", vq)
+    codebook = vq["quantize.embedding.weight"]
+    int_vq = save_as(tmp_path, "vq_int.pt", {"model": {**vq, "quantize.embedding.weight": codebook.int()}})
+    bare_t5 = Path(shutil.copytree(t5_dir, tmp_path / "t5_without_weights"))
+    (bare_t5 / "model.safetensors").unlink()
+    cases = [(pcfg("c2i", path=str(flat)), CheckpointError,
+              r"flat.pt has tok_embeddings.weight of shape \[32\], not a \[rows, width\] matrix"),
+             (pcfg("c2i", options={**OPTIONS, "image_size": -8}), ConfigError,
+              "policy.options.image_size -8 is negative"),
+             (pcfg("c2i", options={**OPTIONS, "heads": -4}), ConfigError, "policy.options.heads -4 is negative"),
+             (pcfg("c2i", options={**OPTIONS, "image_size": 1048576}), ConfigError,
+              r"image size 1048576 \(from policy.options.image_size\) is 524288 tokens per side .* more than the 64 "
+              r"supported .* at most 128"),
+             (pcfg("c2i", path=str(save_as(tmp_path, "ints.pt", {"model": ints}))), CheckpointError,
+              "ints.pt has integer weights where LlamaGen's are floats: .* is torch.int32 \\(and 17 more\\)"),
+             (pcfg("c2i", path=str(tmp_path / "ints.safetensors")), CheckpointError, "has integer weights"),
+             (pcfg("c2i", tokenizer=str(int_vq)), CheckpointError,
+              "policy.tokenizer .*vq_int.pt has integer weights .*quantize.embedding.weight is torch.int32"),
+             (pcfg("t2i", t5_dir, options={**OPTIONS, "text_encoder": str(bare_t5)}), FileNotFoundError,
+              "text_encoder .*t5_without_weights has no weights \\(model.safetensors, .*\\): copy google/flan-t5-xl")]
+    for config, error, message in cases:
+        with pytest.raises(error, match=message) as e:
+            load_bundle(config, "cpu")
+        assert "\n" not in str(e.value)
+
+
 def test_bad_settings_are_one_line_errors_naming_the_key(tmp_path, t5_dir):
     cases = [(pcfg("c2i", tokenizer=""), ConfigError, "needs policy.tokenizer"),
              (pcfg("t2i", options=OPTIONS), ConfigError, "needs policy.options.text_encoder"),
@@ -534,3 +571,16 @@ def test_shipped_configs_name_valid_options(name):
     options = kind_options(cfg.policy)  # the LlamaGenOptions the llamagen kind registered
     # no gpt pin: the size comes from the weights, so another size's checkpoint needs no override (issue 50)
     assert cfg.policy.kind == "llamagen" and not options.gpt and (options.text_encoder != "") == ("t2i" in name)
+
+
+def test_token_weighting_hooks_are_what_the_model_embeds_and_decodes(c2i):
+    # GCPO compares the GPT's input embeddings of image tokens; STAGE the normalised codes the VQ decoder reads
+    tokens = torch.tensor([[0, 7, 63, 7], [1, 2, 3, 4]])
+    emb = c2i.token_embeddings(tokens)
+    assert emb.shape == (2, 4, c2i.cfg.dim) and not emb.requires_grad
+    assert torch.equal(emb, c2i.tok_embeddings.weight[tokens])
+    vq = load_bundle(pcfg("c2i"), "cpu").tokenizer
+    vectors = vq.code_vectors(tokens)  # [2, 4, D]
+    assert torch.equal(vectors, vq.codebook()[tokens])  # codebook_l2_norm: decode_raw's zq
+    torch.testing.assert_close(vectors.norm(dim=-1), torch.ones(2, 4))
+    assert torch.equal(vectors[0, 1], vectors[0, 3])

@@ -67,6 +67,29 @@ def test_the_command_writes_a_prompts_file_and_says_where_the_set_is(tmp_path, c
     assert len(load_prompts(tmp_path / "eval.jsonl")) == 553
 
 
+def test_the_command_refuses_a_folder_as_out_and_more_prompts_than_the_templates_give_before_drawing(
+        tmp_path, capsys, monkeypatch):
+    # before (issue 53): --out FOLDER drew the prompts and failed writing them with a traceback, and --train
+    # 10000000 drew for 83 s before saying how many the templates give
+    from grpo_vision.rewards import geneval_prompts
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["prompts", "geneval", "--out", str(tmp_path)])
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        f"grpo-vision: error: --out {tmp_path} is a folder; give the file to write, e.g. {tmp_path / 'out.jsonl'}\n")
+    # by hand, what each template writes: two_object 80 x 79 ordered pairs; counting 80 classes x 3 counts;
+    # colors 79 classes (never a person) x 10 colours; position 80 x 79 x 4 relations; color_attr 79 x 78 x 10 x 9;
+    # less the 553 - 80 evaluation prompts of those five tasks
+    assert geneval_prompts.training_capacity() == 6320 + 240 + 790 + 25280 + 554580 - 473 == 586737
+    monkeypatch.setattr(geneval_prompts, "draw", lambda *args: pytest.fail("drew before refusing"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["prompts", "geneval", "--out", str(tmp_path / "train.jsonl"), "--train", "10000000"])
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        "grpo-vision: error: 10000000 training prompts: GenEval's templates give at most 586737 outside the "
+        "evaluation set; ask for at most that many\n")
+    assert not (tmp_path / "train.jsonl").exists()
+
+
 def test_parse_reads_back_every_evaluation_and_training_prompts_metadata():
     from grpo_vision.rewards.geneval_prompts import parse
 

@@ -578,36 +578,71 @@ def test_a_set_the_reward_cannot_score_stops_the_run_before_it_trains(micro_worl
     assert not (tmp_path / cfg.run.name).exists()
 
 
-@pytest.mark.e2e
-def test_two_steps_train_on_the_geneval_reward_report_its_reasons_benchmark_score_folders_and_demo(
-        micro_world, models, tmp_path, capsys):
-    """ShapesWorld captions the micro policy reads, GenEval clauses over shapes the tiny OWLv2 is asked for:
-    train two steps with a report, then `eval --benchmark geneval`, `sample --layout geneval` of both models
-    scored by `score geneval --against`, and the demo's per-image reasons."""
-    from grpo_vision.cli import main
-    from grpo_vision.evaluation.geneval_bench import paired_change, summary
-    from grpo_vision.run.metrics import load_metrics
+@pytest.fixture(scope="module")
+def geneval_run(micro_world, models, tmp_path_factory):
+    """(run folder, training prompts file): two steps on the geneval reward with a report, trained once for the
+    tests below, which read it and never change it. ShapesWorld captions the micro policy reads, GenEval clauses
+    over shapes the tiny OWLv2 is asked for, partial credit."""
     from grpo_vision.train import train
     from tests.helpers import micro_cfg
 
-    prompts, evals = geneval_prompts(tmp_path)
-    run = train(micro_cfg(micro_world, tmp_path, "log.eval_images=2", f"data.train_prompts={prompts}",
+    folder = tmp_path_factory.mktemp("geneval_run")
+    prompts, evals = geneval_prompts(folder)
+    run = train(micro_cfg(micro_world, folder, "log.eval_images=2", f"data.train_prompts={prompts}",
                           f"data.eval_prompts={evals}", f"data.heldout_prompts={evals}", "reward.weights={geneval: 1.0}",
                           "reward.monitor=[clip]", *geneval_options(models), "reward.options.geneval.partial=true"),
                 progress=False)
-    rows = load_metrics(run)
+    return run, prompts
+
+
+@pytest.fixture(scope="module")
+def geneval_folders(geneval_run):
+    """`sample --layout geneval` of the run's policy (pol/) and its reference (ref/): 2 images of each training
+    prompt, from a metadata file in GenEval's own format (the clauses beside the prompt)."""
+    from grpo_vision.cli import main
+
+    run, prompts = geneval_run
+    folder = run.parent
+    flat = folder / "geneval_metadata.jsonl"
+    flat.write_text("".join(json.dumps({**json.loads(x)["metadata"], "prompt": json.loads(x)["prompt"]}) + "\n"
+                            for x in prompts.read_text().splitlines()))
+    for name, extra in (("pol", []), ("ref", ["--reference"])):
+        main(["sample", str(run), "--prompts", str(flat), "--layout", "geneval", "--n", "2", "--out",
+              str(folder / name), *extra])
+    return run, folder / "pol", folder / "ref"
+
+
+@pytest.mark.e2e
+def test_a_run_on_the_geneval_reward_logs_its_mean_each_step(geneval_run):
+    from grpo_vision.run.metrics import load_metrics
+
+    rows = load_metrics(geneval_run[0])
     assert [m["step"] for m in rows] == [1, 2]
     assert all(math.isfinite(m["reward/geneval/mean"]) and 0 <= m["reward/geneval/mean"] <= 1 for m in rows)
-    # the report says why images failed, by kind of clause, from eval.json's counts
-    result = json.loads((run / "eval.json").read_text())
-    failing = result["reasons"]["geneval"]
-    assert failing["images"] == 4 and set(failing["kinds"]) <= {"object", "count", "colour", "position"}
-    report = (run / "report.md").read_text()
-    assert ("Images failing a clause of geneval's" if failing["kinds"] else "No image failed a clause") in report
 
-    # GenEval's protocol on the run: the same prompts, 2 images each, for policy and reference
+
+@pytest.mark.e2e
+def test_the_report_says_why_images_failed_by_kind_of_clause_from_eval_jsons_counts(geneval_run):
+    run = geneval_run[0]
+    failing = json.loads((run / "eval.json").read_text())["reasons"]["geneval"]
+    assert failing["images"] == 4 and set(failing["kinds"]) <= {"object", "count", "colour", "position"}  # 2 x 2
+    report = (run / "report.md").read_text()
+    if not failing["kinds"]:
+        assert "No image failed a clause of geneval's" in report
+    for kind in failing["kinds"]:  # each kind's share of failing images, reference -> policy, as eval.json counts it
+        ref, pol = failing["reference"]["failing"][kind], failing["policy"]["failing"][kind]
+        assert f"{kind} {100 * ref:.1f}% -> {100 * pol:.1f}%" in report, kind
+
+
+@pytest.mark.e2e
+def test_eval_benchmark_geneval_scores_both_models_on_the_eval_seeds(geneval_run, tmp_path, capsys):
+    """GenEval's protocol on the run: the same prompts, 2 images each, for policy and reference."""
+    from grpo_vision.cli import main
+    from grpo_vision.evaluation.geneval_bench import paired_change, summary
+
+    run, prompts = geneval_run
     verdicts = tmp_path / "verdicts.jsonl"
-    capsys.readouterr()  # the training's lines
+    capsys.readouterr()
     main(["eval", str(run), "--benchmark", "geneval", "--prompts", str(prompts), "--n", "2", "--verdicts",
           str(verdicts)])
     out = json.loads(capsys.readouterr().out)
@@ -623,17 +658,17 @@ def test_two_steps_train_on_the_geneval_reward_report_its_reasons_benchmark_scor
     assert out["policy"] == summary(policy) and out["reference"] == summary(reference)
     assert out["change"] == paired_change(policy, reference)
 
-    # any model's images in GenEval's layout, scored the same way: here the run's two models
-    flat = tmp_path / "geneval_metadata.jsonl"  # GenEval's own format: the clauses beside the prompt
-    flat.write_text("".join(json.dumps({**json.loads(x)["metadata"], "prompt": json.loads(x)["prompt"]}) + "\n"
-                            for x in prompts.read_text().splitlines()))
-    for name, extra in (("pol", []), ("ref", ["--reference"])):
-        main(["sample", str(run), "--prompts", str(flat), "--layout", "geneval", "--n", "2", "--out",
-              str(tmp_path / name), *extra])
-    capsys.readouterr()
+
+@pytest.mark.e2e
+def test_score_geneval_scores_a_folder_in_genevals_layout_against_another(geneval_folders, tmp_path, capsys):
+    from grpo_vision.cli import main
+    from grpo_vision.evaluation.geneval_bench import paired_change, summary
+
+    run, pol, ref = geneval_folders
     scored = tmp_path / "scored.jsonl"
-    main(["score", "geneval", str(tmp_path / "pol"), "--against", str(tmp_path / "ref"), "--config",
-          str(run / "config.yaml"), "--device", "cpu", "--verdicts", str(scored)])
+    capsys.readouterr()
+    main(["score", "geneval", str(pol), "--against", str(ref), "--config", str(run / "config.yaml"), "--device", "cpu",
+          "--verdicts", str(scored)])
     out = json.loads(capsys.readouterr().out)
     rows = [json.loads(line) for line in scored.read_text().splitlines()]
     assert [r["file"].split("/")[-3:] for r in rows[:2]] == [["00000", "samples", "00000.png"],
@@ -641,22 +676,30 @@ def test_two_steps_train_on_the_geneval_reward_report_its_reasons_benchmark_scor
     assert [r["model"] for r in rows] == ["folder"] * 4 + ["against"] * 4
     assert out["summary"] == summary(rows[:4]) and out["against_summary"] == summary(rows[4:])
     assert out["change"] == paired_change(rows[:4], rows[4:]) and (out["prompts"], out["images"]) == (2, 4)
-    with pytest.raises(SystemExit) as err:  # a folder of other prompts is refused in one line
-        main(["score", "geneval", str(tmp_path / "pol"), "--against", str(tmp_path), "--config",
-              str(run / "config.yaml")])
+
+
+@pytest.mark.e2e
+def test_score_geneval_refuses_a_folder_of_other_prompts_in_one_line(geneval_folders, capsys):
+    from grpo_vision.cli import main
+
+    run, pol, _ = geneval_folders
+    with pytest.raises(SystemExit) as err:  # the run folder holds no GenEval prompt folders
+        main(["score", "geneval", str(pol), "--against", str(run.parent), "--config", str(run / "config.yaml")])
     assert err.value.code == 2 and "holds no prompt folders" in capsys.readouterr().err
 
-    # the demo: the reasons under each image for a prompt the run knows; n/a and why for one it does not
+
+@pytest.mark.e2e
+def test_the_demo_gives_geneval_reasons_under_each_image_and_why_a_prompt_it_cannot_score_is_na(geneval_run):
     from grpo_vision.sampling import SamplingParams
     from grpo_vision.tools.demo import DemoRun, caption
 
-    demo = DemoRun(run, "cpu")
+    demo = DemoRun(geneval_run[0], "cpu")
     side = demo.side("step 2", "a blue square left of a green circle", [0, 1, 2], SamplingParams())
     assert list(side.reasons) == ["geneval"] and not side.notes
     for i, image in enumerate(side.reasons["geneval"]):
         assert all(f"geneval ✗ {kind}: {text}" in caption(side, i) for kind, text in image)
         assert (side.rewards["geneval"][i] == 1) == (not image)  # partial credit: 1 only with no failing clause
-    other = demo.side("step 2", "a blue square", [0], SamplingParams())
+    other = demo.side("step 2", "a blue square", [0], SamplingParams())  # no GenEval clauses in the run's prompts
     assert other.rewards["geneval"].isnan().all() and "does not apply to this prompt" in other.notes["geneval"]
     assert math.isfinite(other.rewards["clip"][0])
 

@@ -141,6 +141,32 @@ def test_a_torchscript_archive_needs_trust_or_a_one_time_conversion(tiny_clip, t
                                _open_clip_reference(model, images, PROMPTS[:3]), atol=1e-5, rtol=0)
 
 
+def test_convert_clip_refuses_an_archive_that_is_not_a_clip(tmp_path, capsys):
+    from grpo_vision.cli import main
+
+    class TextOnly(torch.nn.Module):  # CLIP's first two parts, and none of the rest
+        def __init__(self):
+            super().__init__()
+            self.visual, self.transformer = torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.transformer(self.visual(x))
+
+    out = tmp_path / "c.safetensors"
+    for model, missing in ((torch.nn.Linear(3, 2), "visual"), (TextOnly(), "token_embedding")):
+        path = tmp_path / f"{type(model).__name__}.pt"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.jit.save(torch.jit.script(model), str(path))
+        with pytest.raises(SystemExit) as exit_info:  # before: converted, 2 or 4 tensors written as a "CLIP"
+            main(["convert-clip", str(path), str(out)])
+        assert exit_info.value.code == 2 and not out.exists()
+        assert capsys.readouterr().err == (
+            f"grpo-vision: error: {path} is a TorchScript archive but not a CLIP: it has no {missing} (OpenAI's CLIP "
+            "archives hold visual, transformer, token_embedding, positional_embedding, ln_final, text_projection, "
+            "logit_scale); nothing was written: convert only a CLIP archive (clip.load's ViT-L-14.pt, RN50.pt, ...)\n")
+
+
 def test_hpsv2_reward_loads_the_state_dict_wrapper_and_scores_cosines(tiny_clip, tmp_path):
     config, _, model = tiny_clip
     path = tmp_path / "HPS_v2.1_compressed.pt"

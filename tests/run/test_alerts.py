@@ -187,6 +187,50 @@ def test_alerts_command_replays_a_run_folder(tmp_path, capsys):
     assert out[0]["evidence"]["trained_change"] == pytest.approx(0.1) and out[0]["advice"]
 
 
+def test_alerts_names_the_lines_it_skips_and_refuses_a_run_with_no_readable_row(tmp_path, capsys):
+    """Before (issue 53): one line that was not UTF-8 or nested 100,000 deep was a traceback; a metrics.jsonl with
+    no readable line, a FIFO or a folder printed nothing and exited 0, the answer of a healthy run."""
+    import os
+
+    from grpo_vision.cli import main
+    from grpo_vision.config import save_config
+    from tests.helpers import within
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = Config()
+    cfg.reward.weights, cfg.reward.monitor = {"clip": 1.0}, ["shapes_exact"]
+    save_config(cfg, run / "config.yaml")
+    good = [json.dumps(r).encode() for r in stream(reward__clip__mean=UP, reward__shapes_exact__mean=DOWN)]
+    bad = [b'{"step": 99, "note": "\xff"}', b"[" * 100_000 + b"]" * 100_000, b'{"note": "no step"}']
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(b"\n".join(good[:3] + bad + good[3:]) + b'\n{"step": 9, "reward/clip/mean": ')  # cut short
+    main(["alerts", str(run), "log.alerts.window=4"])
+    out, err = capsys.readouterr()
+    assert [(a["step"], a["name"]) for a in map(json.loads, out.splitlines())] == [(8, "hacking_onset")]  # as before
+    assert err.splitlines() == [
+        f"[alerts] skipped {metrics}, line 4: not UTF-8 text (byte 0xff)",
+        f"[alerts] skipped {metrics}, line 5: lists and objects nested more than 100 levels deep; write flatter JSON",
+        f"[alerts] skipped {metrics}, line 6: not a step's row (a JSON object with a whole-number 'step')",
+        f"[alerts] skipped {metrics}, line 12: not valid JSON (Expecting value at column 33)",
+        f"[alerts] read 8 step rows of {metrics} (4 lines skipped)"]
+    cases = [(lambda: metrics.write_bytes(b"\n".join(bad) + b"\n"),
+              f"no step's row to replay (skipped {metrics}, line 1: not UTF-8 text (byte 0xff), and 2 more lines "
+              "skipped); alerts replays the steps a run has logged: give a run folder that train has written at least "
+              "one step in"),
+             (lambda: os.mkfifo(metrics), "is a FIFO (named pipe), not a file: a run's metrics.jsonl is the per-step "
+                                          "log train writes; move this one away and run again"),
+             (metrics.mkdir, "is a folder, not a file: a run's metrics.jsonl is the per-step log train writes")]
+    for make, problem in cases:
+        metrics.rmdir() if metrics.is_dir() else metrics.unlink()
+        make()
+        with within(20), pytest.raises(SystemExit) as exit_:
+            main(["alerts", str(run)])
+        out, err = capsys.readouterr()
+        assert exit_.value.code == 2 and out == "" and err.startswith(f"grpo-vision: error: {metrics} ")
+        assert problem in err and err.count("\n") == 1
+
+
 def test_a_reward_that_rose_and_levelled_off_is_a_plateau_not_a_flat_reward():
     # windows of 4: 0.30 (steps 1-4), 0.50 (5-8), 0.51 (9-12). At step 12 the last two windows differ by
     # +0.01 (flat), but the last is +0.21 over the first, 18 se (se sqrt(2 * 0.000267 / 4) = 0.0116): the

@@ -179,3 +179,120 @@ def test_an_optimizer_state_of_another_model_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="optimizer.safetensors does not fit this run \\(ValueError: .*delete "
                                               ".*step_000001 and resume from an earlier step"):
         load_training_state(path, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda u: 1.0))
+
+
+# ---------------------------------------------------------------------------- resuming (issue 53)
+
+def test_base_identity_reads_names_sizes_and_both_ends_of_each_model_file(tmp_path):
+    from grpo_vision.config import PolicyConfig
+    from grpo_vision.run.checkpoint import FINGERPRINT_BYTES, base_identity, other_base
+
+    world = tmp_path / "world"
+    (world / "vq").mkdir(parents=True)
+    weights = world / "vq" / "model.safetensors"
+    weights.write_bytes(bytes(3 * FINGERPRINT_BYTES))
+    (world / "notes.md").write_text("a log line")  # not a model file: left out
+    pcfg = PolicyConfig(kind="shapes", path=str(world))
+    before = base_identity(pcfg)
+    assert set(before) == {"policy.path"} and before["policy.path"]["path"] == str(world)
+    (world / "notes.md").write_text("another")
+    assert base_identity(pcfg) == before
+    moved = tmp_path / "moved"
+    world.rename(moved)  # the same files elsewhere: the same base
+    assert other_base(before, base_identity(PolicyConfig(kind="shapes", path=str(moved)))) is None
+    blob = bytearray((moved / "vq" / "model.safetensors").read_bytes())
+    blob[-1] = 1  # the last MiB: a weight of the same shape changed
+    (moved / "vq" / "model.safetensors").write_bytes(bytes(blob))
+    changed = base_identity(PolicyConfig(kind="shapes", path=str(moved)))
+    assert re.fullmatch(rf"it was trained with policy.path {world} \(fingerprint [0-9a-f]{{16}}\) and the config now "
+                        rf"names {moved} \(fingerprint [0-9a-f]{{16}}\)", other_base(before, changed))
+    assert other_base(None, changed) is None  # a checkpoint that recorded nothing is not judged
+
+
+@pytest.fixture(scope="module")
+def two_step_run(micro_world, tmp_path_factory):
+    from grpo_vision.train import train
+    from tests.helpers import micro_cfg
+
+    out = tmp_path_factory.mktemp("resume")
+    return train(micro_cfg(micro_world, out, "run.name=two", "train.steps=2", "log.checkpoint_every=1",
+                           "log.report=false", "log.sample_every=0"), progress=False)
+
+
+def test_a_resume_asking_for_fewer_steps_than_the_run_holds_is_refused_and_overwrites_nothing(two_step_run):
+    from grpo_vision.train import resume_config, train
+
+    step1 = two_step_run / "checkpoints" / "step_000001" / "policy.safetensors"
+    before = step1.read_bytes()
+    with pytest.raises(CheckpointError, match=r"holds step 2 and train.steps is 1: a resume only goes forward .*"
+                                              r"set train.steps to 2 or more"):
+        train(resume_config(two_step_run, ["train.steps=1"]), resume=two_step_run, progress=False)
+    assert step1.read_bytes() == before and (two_step_run / "checkpoints" / "latest").read_text() == "step_000002"
+
+
+def test_a_finished_run_resumed_keeps_its_last_checkpoint_as_it_is(two_step_run):
+    from grpo_vision.train import resume_config, train
+
+    last = two_step_run / "checkpoints" / "step_000002"
+    stamp = (last / "policy.safetensors").stat().st_mtime_ns
+    train(resume_config(two_step_run, []), resume=two_step_run, progress=False)
+    assert (last / "policy.safetensors").stat().st_mtime_ns == stamp  # not written again
+
+
+def test_a_resume_from_an_older_latest_would_overwrite_a_later_step_and_is_refused(two_step_run, tmp_path):
+    import shutil
+
+    from grpo_vision.train import resume_config, train
+
+    run = tmp_path / "copy"
+    shutil.copytree(two_step_run, run)
+    (run / "checkpoints" / "latest").write_text("step_000001")
+    with pytest.raises(CheckpointError, match="latest names step 1, yet .* holds step 2 too: a resume from 1 would "
+                                              "overwrite it"):
+        train(resume_config(run, ["train.steps=3"]), resume=run, progress=False)
+
+
+def test_a_run_refuses_other_base_files_unless_allowed_and_then_says_so(two_step_run, micro_world, tmp_path):
+    import hashlib
+    import json
+    import shutil
+
+    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.train import resume_config, train
+
+    run, world = tmp_path / "run", tmp_path / "other_world"
+    shutil.copytree(two_step_run, run)
+    shutil.copytree(micro_world, world)
+    vq = next(p for p in sorted(world.rglob("*.safetensors")) if "vq" in str(p))
+    blob = bytearray(vq.read_bytes())
+    blob[-4:] = bytes(4)  # one weight of the same shape: a world that loads, decodes and scores differently
+    vq.write_bytes(bytes(blob))
+    info = json.loads((world / "world.json").read_text())  # recorded as its build's own file: a valid other world
+    info["files"][str(vq.relative_to(world))] = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    (world / "world.json").write_text(json.dumps(info))
+    cfg = resume_config(run, [f"policy.path={world}", "train.steps=3"])
+    with pytest.raises(CheckpointError, match=rf"it was trained with policy.path {micro_world} \(fingerprint "
+                                              rf"[0-9a-f]+\) and the config now names {world} .*--allow-other-base"):
+        train(cfg, resume=run, progress=False)
+    assert checkpoint_steps(run) == [1, 2]
+    (run / "config.yaml").write_text((run / "config.yaml").read_text().replace(str(micro_world), str(world)))
+    with pytest.raises(CheckpointError, match="it was trained with policy.path"):  # eval, sample, demo: load_run
+        load_run(run)
+    with pytest.warns(UserWarning, match="--allow-other-base: it was trained with"):
+        assert load_run(run, allow_other_base=True).other_base.startswith("it was trained with")
+    train(cfg, resume=run, progress=False, allow_other_base=True)
+    logged = [json.loads(line) for line in (run / "base_changes.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logged] == [2] and str(world) in logged[0]["change"]
+    assert checkpoint_steps(run) == [1, 2, 3]  # and step 3 records the new base: a plain resume goes on
+    train(resume_config(run, ["train.steps=4"]), resume=run, progress=False)
+
+
+def test_integer_tensors_for_float_weights_are_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, opt, sched = tiny()
+    path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
+    weights = load_file(path / "policy.safetensors")
+    save_file({k: (v * 100).to(torch.int32) for k, v in weights.items()}, path / "policy.safetensors")
+    with pytest.raises(CheckpointError, match="integer tensors for the float weights"):
+        load_checkpoint(path, tiny()[0])

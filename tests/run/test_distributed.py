@@ -2,6 +2,7 @@
 training loop through accelerate's FSDP plugin where accelerate allows it (an accelerator)."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -50,7 +51,8 @@ def test_training_under_accelerate_fsdp_resumes_exactly(micro_world, tmp_path):
               "train.steps=4"]
     launch(str(MICRO), *common, "run.name=straight")
     launch(str(MICRO), *common, "run.name=half", "log.checkpoint_every=2")
-    (tmp_path / "half" / "checkpoints" / "latest").write_text("step_000002")  # as if stopped after step 2
+    shutil.rmtree(tmp_path / "half" / "checkpoints" / "step_000004")  # as if stopped after step 2
+    (tmp_path / "half" / "checkpoints" / "latest").write_text("step_000002")
     launch("--resume", str(tmp_path / "half"))
     a, b = (load_file(tmp_path / run / "checkpoints" / "step_000004" / "policy.safetensors")
             for run in ("straight", "half"))

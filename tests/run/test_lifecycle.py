@@ -193,6 +193,33 @@ def test_a_run_folder_that_cannot_be_written_is_refused_naming_it(tmp_path, monk
         train(cfg, progress=False)
 
 
+def test_a_run_file_that_is_a_fifo_or_a_folder_is_refused_before_anything_loads(tmp_path):
+    """run.lock a FIFO, metrics.jsonl a folder (issue 53): before, a traceback once train had loaded everything
+    (an illegal seek on the lock, IsADirectoryError rewriting the metrics)."""
+    from grpo_vision.config import load_config
+    from grpo_vision.files import FolderError
+    from grpo_vision.train import train
+    from tests.helpers import within
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(MICRO, [f"run.out_dir={tmp_path}", "run.name=run"])  # its world is never reached
+    os.mkfifo(run / LOCK_NAME)
+    fifo = rf"^{run / LOCK_NAME} is a FIFO \(named pipe\), not the file train keeps there: move it away \(train makes "
+    with within(60):
+        for start in (lambda: train(cfg, progress=False), lambda: train(cfg, resume=run, progress=False),
+                      lambda: RunLock(run, fresh=True)):
+            with pytest.raises(FolderError, match=fifo):
+                start()
+    (run / LOCK_NAME).unlink()
+    (run / "metrics.jsonl").mkdir()
+    with pytest.raises(FolderError, match=rf"^{run / 'metrics.jsonl'} is a folder, not the file train keeps there"):
+        train(cfg, resume=run, progress=False)
+    with pytest.raises(FolderError, match=rf"^{run / 'metrics.jsonl'} is a folder, not a file: a run's metrics.jsonl "
+                                          "is the per-step log train writes; move this one away and run again$"):
+        load_metrics(run)  # the report, the demo's curves and `alerts` read it too
+
+
 def test_a_folder_that_turns_read_only_is_named_when_written(tmp_path, monkeypatch):
     """The OS refuses a write (root passes permission checks, so the refusal is simulated where it happens)."""
     import errno

@@ -1,14 +1,16 @@
 """The memory estimate: its arithmetic by hand, a real policy's shape, and the refusal that names the knob."""
 
+import io
+import os
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from grpo_vision.config import ConfigError
+from grpo_vision.run import memory
 from grpo_vision.run.memory import (
-    PolicyShape, adapter_copies, available_memory, check_memory, estimate_memory, peak, policy_shape,
+    PolicyShape, adapter_copies, available_memory, check_memory, estimate_memory, peak, policy_shape, resident_bytes,
 )
 
 SHAPE = PolicyShape(params=1000, trainable=1000, param_bytes=4, image_tokens=4, image_values=12, cond_len=2,
@@ -114,7 +116,22 @@ def test_lora_on_bf16_layers_counts_the_inputs_it_copies(tiny_policy):
     assert adapter_copies(policy) == 2 * (64 + 96) * 4
 
 
-def test_available_memory_on_the_cpu_is_a_positive_count():
-    free = available_memory(torch.device("cpu"))
-    if Path("/proc/meminfo").exists():  # elsewhere the check is skipped (None)
-        assert free > 2**20
+def test_available_memory_on_the_cpu_is_memavailable_plus_this_process_resident_set(monkeypatch):
+    # /proc/meminfo counts in KiB, /proc/PID/statm in pages (its second field is the resident set)
+    files = {"/proc/meminfo": "MemTotal:   16000 kB\nMemFree:      100 kB\nMemAvailable:   2000 kB\n",
+             f"/proc/{os.getpid()}/statm": "5000 30 10 1 0 200 0\n"}
+    monkeypatch.setattr(memory, "open", lambda path: io.StringIO(files[path]), raising=False)
+    assert available_memory(torch.device("cpu")) == 2000 * 1024 + 30 * os.sysconf("SC_PAGE_SIZE")
+    files["/proc/meminfo"] = "MemTotal:   16000 kB\n"  # a kernel without MemAvailable: the check is skipped
+    assert available_memory(torch.device("cpu")) is None
+
+
+def test_the_resident_set_grows_by_the_pages_an_allocation_touches():
+    if resident_bytes() is None:
+        pytest.skip("no /proc/PID/statm (not Linux)")
+    size = 64 * 2**20  # above glibc's largest mmap threshold (32 MiB): fresh pages, never the heap's reused ones
+    before = resident_bytes()
+    block = torch.empty(size // 4)  # reserved, not yet touched: the virtual size grows, the resident set does not
+    assert resident_bytes() - before < 4 * 2**20
+    block.fill_(1.0)
+    assert resident_bytes() - before == pytest.approx(size, abs=4 * 2**20)

@@ -112,13 +112,16 @@ def test_mlflow_file_store_gets_the_scalars_and_grids_and_a_resume_continues_its
 
 def test_stop_on_stops_at_the_alert_with_a_checkpoint_and_the_report_lists_it(micro_world, tmp_path, one_thread):
     from grpo_vision.run.checkpoint import latest_checkpoint
-    from grpo_vision.train import train
+    from grpo_vision.train import StoppedByAlert, train
 
     # num_iterations 2 moves loss/ratio_mean off 1 by about 1e-4; with no tolerance and a hair of noise allowed
     # ratio_drift fires at step 2, the first full window
     cfg = micro_cfg(micro_world, tmp_path, "train.steps=4", "log.alerts.window=2", "log.alerts.sigmas=1e-6",
                     "log.alerts.ratio_tolerance=0", "log.stop_on=[ratio_drift]", "log.checkpoint_every=0")
-    run = train(cfg, progress=False)
+    with pytest.raises(StoppedByAlert, match=r"stopped by the ratio_drift alert at step 2 \(log.stop_on\): .* to go on "
+                                             r"anyway: grpo-vision train --resume .* log.stop_on=\[\]") as stopped:
+        train(cfg, progress=False)  # the CLI says it in one line and exits 1 (a stop, not "done")
+    run = stopped.value.run_dir
     assert [r["step"] for r in load_metrics(run)] == [1, 2]
     assert latest_checkpoint(run).name == "step_000002"
     alerts = [json.loads(ln) for ln in (run / "alerts.jsonl").read_text().splitlines()]

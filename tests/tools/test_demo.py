@@ -49,8 +49,9 @@ def client(served):
     return Client(served[0], verbose=False)
 
 
-def generate(client, prompt=PROMPT, seed=0, n=4, left="step 2", right="reference", cfg_scale=2.0, top_k=0):
-    return client.predict(prompt, seed, n, cfg_scale, 1.0, top_k, left, right, api_name="/generate")
+def generate(client, prompt=PROMPT, seed=0, n=4, left="step 2", right="reference", cfg_scale=2.0, top_k=0,
+             temperature=1.0):
+    return client.predict(prompt, seed, n, cfg_scale, temperature, top_k, left, right, api_name="/generate")
 
 
 def pixels(gallery) -> list[np.ndarray]:
@@ -142,8 +143,18 @@ def test_sampling_request_seeds_and_bounds():
                          ((0, MAX_IMAGES + 1, 2.0, 1.0, 0), "from 1 to 16, got 17"),
                          ((0, 2.5, 2.0, 1.0, 0), "got 2.5"),
                          ((-1, 4, 2.0, 1.0, 0), "seed must be a whole number"),
-                         ((0, 4, math.nan, 1.0, 0), "CFG scale must be a number >= 0"),
-                         ((0, 4, 2.0, 0.0, 0), "temperature must be > 0")]:
+                         ((0, 4, math.nan, 1.0, 0), r"CFG scale \(1 = off\) must be a number from 0 to 100, got nan"),
+                         ((0, 4, 2.0, 0.0, 0), "temperature must be a number from 0.01 to 100, got 0.0"),
+                         # issue 53: what the API may send besides numbers, and numbers past what the sampler takes
+                         (("abc", 4, 2.0, 1.0, 0), "The seed must be a whole number from 0 to 4294967291, got 'abc'"),
+                         ((10**400, 4, 2.0, 1.0, 0), "The seed must be a whole number"),
+                         ((0, True, 2.0, 1.0, 0), "number of images must be a whole number from 1 to 16, got True"),
+                         ((0, [4], 2.0, 1.0, 0), r"got \[4\]"),
+                         ((0, 4, "2", 1.0, 0), "CFG scale .* got '2'"),
+                         ((0, 4, 1e300, 1.0, 0), "CFG scale .* got 1e\\+300"),
+                         ((0, 4, 2.0, 1e-40, 0), "temperature must be a number from 0.01 to 100, got 1e-40"),
+                         ((0, 4, 2.0, None, 0), "temperature must be a number from 0.01 to 100, got None"),
+                         ((0, 4, 2.0, 1.0, "x"), "Top-k must be a whole number from 0 to 1048576, got 'x'")]:
         with pytest.raises(DemoInputError, match=needle):
             sampling_request(*args, base)
 
@@ -242,6 +253,42 @@ def test_api_bad_input_gives_a_message(client):
                            ({"left": "step 9"}, "no checkpoint for step 9; available steps: 1, 2")]:
         with pytest.raises(AppError, match=needle):
             generate(client, **kwargs)
+
+
+def test_api_input_of_any_type_is_a_message_and_no_traceback(client, capfd):
+    """Issue 53: a seed of "abc" was a bare "Error" for the caller and a traceback on the server's console (Gradio's
+    own conversion of the value failed before compare could check it)."""
+    from gradio_client.exceptions import AppError
+
+    capfd.readouterr()
+    for kwargs, needle in [({"seed": "abc"}, "The seed must be a whole number from 0 to 4294967291, got 'abc'."),
+                           ({"seed": 2.5}, "The seed must be a whole number from 0 to 4294967291, got 2.5."),
+                           ({"n": "four"}, "The number of images must be a whole number from 1 to 16, got 'four'."),
+                           ({"cfg_scale": "abc"}, "The CFG scale (1 = off) must be a number from 0 to 100, got 'abc'."),
+                           ({"temperature": 1e300}, "The temperature must be a number from 0.01 to 100, got 1e+300."),
+                           ({"top_k": -1}, "Top-k must be a whole number from 0 to 1048576, got -1."),
+                           ({"left": 5}, "unknown checkpoint 5; choose one of: step 2, step 1, reference"),
+                           ({"prompt": None}, "Enter a prompt, e.g. one of the examples.")]:
+        with pytest.raises(AppError) as err:
+            generate(client, **kwargs)
+        assert str(err.value) == needle
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_large_request_body_is_refused_before_the_queue(served):
+    import httpx
+
+    # before: a 50 MB body to the queue route was read and queued; a click is a few hundred bytes
+    url = served[0] + "gradio_api/queue/join"
+    big = {"data": ["a red circle " * 100_000, 0, 1, 2.0, 1.0, 0, "step 2", "reference"], "session_hash": "big"}
+    refused = httpx.post(url, json=big, timeout=60)  # 1.3 MB
+    assert refused.status_code == 413
+    assert refused.text == ("request body over 65536 bytes, refused: the demo takes a prompt of at most 200 characters "
+                            "and a few numbers")
+    chunked = httpx.post(url, content=(b"x" * 8192 for _ in range(64)), timeout=60)  # no Content-Length: counted
+    assert chunked.status_code == 413
+    under = httpx.post(url, json={"data": ["x" * 60_000]}, timeout=60)  # under the limit: read (Gradio refuses it)
+    assert under.status_code != 413 and "request body over" not in under.text
 
 
 def test_the_upload_route_refuses_a_large_file(served):

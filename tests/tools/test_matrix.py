@@ -49,6 +49,20 @@ def test_plan_is_every_reward_kl_and_seed_with_distinct_names():
     assert [s.name for s in plan(load_config(None, ["train.beta=0.04"]), ["clip"], None, [0])] == ["clip-kl0.04-s0"]
 
 
+def test_a_variant_is_a_row_of_training_options_under_every_reward():
+    cfg = load_config(None, [])
+    specs = plan(cfg, ["clip", "aesthetic"], None, [0, 1], ["base:", "stage:train.token_weighting=stage,train.lr=1e-4"])
+    assert [s.name for s in specs[:4]] == ["clip-kl0-s0-base", "clip-kl0-s1-base", "clip-kl0-s0-stage",
+                                           "clip-kl0-s1-stage"]
+    assert specs[2].label == "clip [stage]" and specs[0].options == ()
+    assert specs[2].overrides(Path("o"))[:2] == ["train.token_weighting=stage", "train.lr=1e-4"]
+    assert [s.name for s in plan(cfg, ["clip"], None, [0])] == ["clip-kl0-s0"]  # no variant: the names of before
+    for bad, needle in ((["Stage:x=1"], "expected NAME:key=value"), (["a:train.lr"], "is not a training option"),
+                        (["a:run.seed=3"], "sets run.\\*"), (["a:", "a:train.lr=1"], "--variant: a is given twice")):
+        with pytest.raises(ConfigError, match=needle):
+            plan(cfg, ["clip"], None, [0], bad)
+
+
 def test_a_run_given_twice_is_refused_naming_it():
     cfg = load_config(None, ["reward.weights={clip: 4.0, aesthetic: 1.0}"])  # two runs in one folder, before
     for rewards, betas, seeds, message in [
@@ -60,7 +74,8 @@ def test_a_run_given_twice_is_refused_naming_it():
         (["clip"], [0.0], [1, 2, 1], "--seeds: 1 is given twice; give each seed once"),
         (["clip"], [float("nan")], [0], "--kl nan: KL coefficients must be finite numbers >= 0"),
         (["clip"], [-0.1], [0], "--kl -0.1: KL coefficients must be finite numbers >= 0"),
-        (["clip"], [0.0], [-1], "--seeds -1: seeds must be whole numbers >= 0"),
+        (["clip"], [0.0], [-1], "--seeds -1: seeds must be whole numbers from 0 to 4294967295"),
+        (["clip"], [0.0], [2**32], "--seeds 4294967296: seeds must be whole numbers from 0 to 4294967295"),
     ]:
         with pytest.raises(ConfigError) as err:
             plan(cfg, rewards, betas, seeds)
