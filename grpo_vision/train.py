@@ -94,11 +94,13 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
             with timer("logprobs"):  # ---- the ratio's old log-probs, the reference's for the KL
                 measured = measure(st.policy, st.reference, st.plan, st.params, st.acc, samples)
             # ---- ADVANTAGE: each image against its group, from every process's rewards; this process's rows
-            advantages = group_advantages(step_rewards(scored, measured, st.plan, st.acc), s.group_size,
-                                          t.adv_scale)[samples.rows]  # [n]
-            with timer("logprobs"):  # the tokens that carry the credit, the groups that stay
+            totals = step_rewards(scored, measured, st.plan, st.acc)  # [B*G] (STAGE: with its entropy reward)
+            advantages = group_advantages(totals, s.group_size, t.adv_scale)[samples.rows]  # [n]
+            # the tokens that carry the credit (the weightings read the tokenizer's codebook and the policy's
+            # embeddings: gathered, as for sampling), the groups that stay
+            with timer("logprobs"), full_weights(st.learner.model):
                 batch, dropped = update_batch(st.policy, st.bundle.tokenizer, st.plan, st.acc, samples, measured,
-                                              advantages, scored.total)
+                                              advantages, totals)
             with timer("update"):  # ---- UPDATE: the clipped GRPO loss, num_iterations passes
                 st.policy.train()
                 losses = update(st.learner, batch, st.params, st.plan, cfg.run.seed, step) if len(batch.tokens) \

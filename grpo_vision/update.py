@@ -245,6 +245,12 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
     # over processes, so each divides by its share (TRL: num_items_in_batch / num_processes)
     num_items = (acc.reduce(batch.mask[rows].sum().float(), "sum") / acc.num_processes
                  if p.loss_type in ("dapo", "cispo") else None)
+    # with token weights under dapo / cispo: the minibatch's global weight sum, shared as num_items is, so that
+    # the summed micro-batch losses make one weighted mean (not one per micro-batch, added up)
+    weight_total = None
+    if batch.policy_weight is not None and num_items is not None:
+        weight_total = (acc.reduce((batch.policy_weight[rows] * batch.mask[rows]).sum().float(), "sum")
+                        / acc.num_processes + 1e-6)
     for j, idx in enumerate(chunks):
         # DDP averages gradients in the last micro-batch's backward only; its forward must be inside
         # no_sync too, since that is where DDP arms the reduction
@@ -264,6 +270,7 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
             loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if plan.kl_in_loss else None,
                                 batch.advantages[idx], mask, p, max_tokens=batch.tokens.shape[1],
                                 policy_mask=batch.policy_mask[idx], num_items=num_items, entropy=entropy,
+                                weight_total=weight_total,
                                 entropy_coef=learner.entropy.applied() if learner.entropy is not None else None,
                                 **weights)
             if entropy is not None:

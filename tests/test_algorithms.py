@@ -22,6 +22,7 @@ from tests.helpers import micro_cfg
     (["train.gradient_checkpointing=true"], None),
     # issue 52: the token weightings and TRL 1.16's options through the real step (their math: test_credit.py)
     (["train.token_weighting=stage"], None),
+    (["train.token_weighting=stage", "train.loss_type=dapo"], None),  # one weighted mean over the micro-batches
     (["train.token_weighting=critical"], None),
     (["train.token_weighting=guidance_contrastive"], None),
     (["train.zero_std_groups=drop"], "train/groups_dropped"),

@@ -123,12 +123,14 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The step `latest` names, or, when that pointer is missing or dangling, the highest complete step."""
     pointer = Path(run_dir) / "checkpoints" / "latest"
+    steps = checkpoint_steps(run_dir)
     if pointer.is_file():
         name = pointer.read_text().strip()
         path = pointer.parent / name
-        if (path / "trainer_state.json").is_file():
+        # a stop between a step's rename and the pointer's leaves a complete later step: that one is the latest
+        behind = name[5:].isdigit() and steps and int(name[5:]) < steps[-1]
+        if (path / "trainer_state.json").is_file() and not behind:
             return own_checkpoint(run_dir, path, f"{pointer} names {name!r}, which")
-    steps = checkpoint_steps(run_dir)
     return own_checkpoint(run_dir, Path(run_dir) / "checkpoints" / f"step_{steps[-1]:06d}") if steps else None
 
 
@@ -238,8 +240,8 @@ class Resumed:  # what a resumed run takes from its checkpoint besides the weigh
 def resume_weights(ckpt: Path, policy, steps: int, base: dict, learners: Sequence[str] = (),
                    allow_other_base: bool = False) -> Resumed:
     """Load `ckpt`'s weights into `policy` and check that the run can go on from it: train.steps at or past its
-    step (a resume never writes a checkpoint at or below a step the run holds: issue 53), no later checkpoint
-    beside it, the same base files (`base`, from `base_identity`) unless `allow_other_base`, the counters, and
+    step (a resume never writes a checkpoint at or below a step the run holds: issue 53; `latest_checkpoint` is
+    the highest complete step), the same base files (`base`, from `base_identity`) unless `allow_other_base`, the counters, and
     the iterative state that `learners` (the run's learning rewards) need to continue exactly."""
     from grpo_vision.run.health import COUNTERS
 
@@ -249,12 +251,6 @@ def resume_weights(ckpt: Path, policy, steps: int, base: dict, learners: Sequenc
         raise CheckpointError(f"{ckpt.parent.parent} holds step {step} and train.steps is {steps}: a resume only goes "
                               f"forward (it would overwrite checkpoints): set train.steps to {step} or more, or "
                               f"evaluate an earlier step with grpo-vision eval RUN --step N")
-    later = [s for s in checkpoint_steps(ckpt.parent.parent) if s > step]
-    if later:
-        raise CheckpointError(f"checkpoints/latest names step {step}, yet {ckpt.parent} holds step {later[-1]} too: a "
-                              f"resume from {step} would overwrite it; point checkpoints/latest at "
-                              f"step_{later[-1]:06d} "
-                              "or move the later steps away")
     if not isinstance(counters, dict) or set(counters) != set(COUNTERS):
         from grpo_vision.config import brief
 
@@ -285,8 +281,11 @@ def base_identity(pcfg) -> dict:
 def fingerprint(path: Path) -> str:
     if path.is_file():
         files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in BASE_SUFFIXES and p.is_file() and not p.is_symlink())
+    elif (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():  # a run folder continued from:
+        ckpt = latest_checkpoint(path)  # its config and the checkpoint it hands on, not its logs and reports
+        files = [path / "config.yaml", *(sorted(ckpt.iterdir()) if ckpt else [])]
+    elif path.is_dir():  # links to files count by their content (a Hugging Face snapshot is links to blobs)
+        files = sorted(p for p in path.rglob("*") if p.suffix in BASE_SUFFIXES and p.is_file())
     else:
         return "missing"
     digest = hashlib.sha256()
@@ -295,8 +294,8 @@ def fingerprint(path: Path) -> str:
         digest.update(f"{file.relative_to(path) if file != path else file.name}\0{size}\0".encode())
         with open(file, "rb") as f:
             digest.update(f.read(FINGERPRINT_BYTES))
-            if size > 2 * FINGERPRINT_BYTES:
-                f.seek(size - FINGERPRINT_BYTES)
+            if size > FINGERPRINT_BYTES:  # the last MiB, or what follows the first
+                f.seek(max(FINGERPRINT_BYTES, size - FINGERPRINT_BYTES))
                 digest.update(f.read(FINGERPRINT_BYTES))
     return digest.hexdigest()[:16]
 

@@ -89,17 +89,21 @@ def parse_reward_spec(spec: str, base_weights: dict[str, float]) -> tuple[tuple[
     return tuple(out)
 
 
+# what the matrix sets for every run itself: a variant may not (its value would be overridden, or the table lie)
+MATRIX_SETS = ("run.", "reward.weights", "reward.monitor", "train.beta", "log.report", "log.sample_every")
+
+
 def parse_variant(text: str) -> tuple[str, tuple[str, ...]]:
     """`NAME:key=value,key=value` (`NAME:` for the config as it is) as (name, overrides)."""
     name, sep, rest = text.partition(":")
     if not sep or not re.fullmatch(r"[a-z0-9_]{1,40}", name):
         raise ConfigError(f"--variant {brief(text)}: expected NAME:key=value[,key=value] with NAME of lower-case "
                           "letters, digits and _, e.g. stage:train.token_weighting=stage (base: for the config as is)")
-    options = tuple(o.strip() for o in rest.split(",") if o.strip())
+    options = tuple(o.strip() for o in re.split(r",(?![^\[{]*[\]}])", rest) if o.strip())  # not inside [..] / {..}
     for option in options:
-        if "=" not in option or option.startswith(("run.", "reward.weights", "reward.monitor")):
-            raise ConfigError(f"--variant {name}: {brief(option)} is not a training option key=value (the matrix "
-                              "sets run.*, reward.weights and reward.monitor itself)")
+        if "=" not in option or option.startswith(MATRIX_SETS):
+            raise ConfigError(f"--variant {name}: {brief(option)} is not a training option key=value the matrix "
+                              f"leaves free (it sets {', '.join(MATRIX_SETS)} itself; train.beta: --kl)")
     return name, options
 
 

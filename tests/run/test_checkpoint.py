@@ -194,6 +194,18 @@ def test_base_identity_reads_names_sizes_and_both_ends_of_each_model_file(tmp_pa
     (world / "notes.md").write_text("a log line")  # not a model file: left out
     pcfg = PolicyConfig(kind="shapes", path=str(world))
     before = base_identity(pcfg)
+    middle = world / "vq" / "tokenizer.json"  # between one and two MiB: its middle counts too
+    middle.write_bytes(bytes(FINGERPRINT_BYTES + 10))
+    with_middle = base_identity(pcfg)
+    middle.write_bytes(bytes(FINGERPRINT_BYTES + 5) + b"x" + bytes(4))
+    assert base_identity(pcfg) != with_middle
+    middle.unlink()
+    linked, empty = tmp_path / "snapshot", tmp_path / "empty"  # a Hugging Face snapshot: links to blobs
+    linked.mkdir()
+    empty.mkdir()
+    (linked / "model.safetensors").symlink_to(weights)
+    assert base_identity(PolicyConfig(kind="shapes", path=str(linked)))["policy.path"]["fingerprint"] != \
+        base_identity(PolicyConfig(kind="shapes", path=str(tmp_path / "empty")))["policy.path"]["fingerprint"]
     assert set(before) == {"policy.path"} and before["policy.path"]["path"] == str(world)
     (world / "notes.md").write_text("another")
     assert base_identity(pcfg) == before
@@ -239,7 +251,9 @@ def test_a_finished_run_resumed_keeps_its_last_checkpoint_as_it_is(two_step_run)
     assert (last / "policy.safetensors").stat().st_mtime_ns == stamp  # not written again
 
 
-def test_a_resume_from_an_older_latest_would_overwrite_a_later_step_and_is_refused(two_step_run, tmp_path):
+def test_a_pointer_behind_a_complete_later_step_is_passed_by_and_nothing_is_overwritten(two_step_run, tmp_path):
+    # a stop between a step's rename and the pointer's rewrite leaves `latest` one step behind: the resume goes on
+    # from the complete later step (before: from the pointer's, writing over the later one)
     import shutil
 
     from grpo_vision.train import resume_config, train
@@ -247,9 +261,11 @@ def test_a_resume_from_an_older_latest_would_overwrite_a_later_step_and_is_refus
     run = tmp_path / "copy"
     shutil.copytree(two_step_run, run)
     (run / "checkpoints" / "latest").write_text("step_000001")
-    with pytest.raises(CheckpointError, match="latest names step 1, yet .* holds step 2 too: a resume from 1 would "
-                                              "overwrite it"):
-        train(resume_config(run, ["train.steps=3"]), resume=run, progress=False)
+    assert latest_checkpoint(run).name == "step_000002"
+    step2 = (run / "checkpoints" / "step_000002" / "policy.safetensors").read_bytes()
+    train(resume_config(run, ["train.steps=3"]), resume=run, progress=False)
+    assert (run / "checkpoints" / "step_000002" / "policy.safetensors").read_bytes() == step2
+    assert checkpoint_steps(run) == [1, 2, 3]
 
 
 def test_a_run_refuses_other_base_files_unless_allowed_and_then_says_so(two_step_run, micro_world, tmp_path):

@@ -57,8 +57,11 @@ def test_a_variant_is_a_row_of_training_options_under_every_reward():
     assert specs[2].label == "clip [stage]" and specs[0].options == ()
     assert specs[2].overrides(Path("o"))[:2] == ["train.token_weighting=stage", "train.lr=1e-4"]
     assert [s.name for s in plan(cfg, ["clip"], None, [0])] == ["clip-kl0-s0"]  # no variant: the names of before
+    lists = plan(cfg, ["clip"], None, [0], ["lora:train.adapter=lora,train.adapter_targets=[q_proj,v_proj]"])
+    assert lists[0].options == ("train.adapter=lora", "train.adapter_targets=[q_proj,v_proj]")
     for bad, needle in ((["Stage:x=1"], "expected NAME:key=value"), (["a:train.lr"], "is not a training option"),
-                        (["a:run.seed=3"], "sets run.\\*"), (["a:", "a:train.lr=1"], "--variant: a is given twice")):
+                        (["a:run.seed=3"], r"it sets run\., "), (["a:train.beta=0.1"], "train.beta: --kl"),
+                        (["a:", "a:train.lr=1"], "--variant: a is given twice")):
         with pytest.raises(ConfigError, match=needle):
             plan(cfg, ["clip"], None, [0], bad)
 
