@@ -345,9 +345,8 @@ class UpdateStats:
         drift = (acc.reduce(self.drift_sum.to(acc.device), "sum")
                  / acc.reduce(self.drift_tokens.to(acc.device), "sum")).item()
         learner.health.after_drift(step, drift)
-        out = {"loss/total": means["loss"], "loss/policy": means["policy_loss"], "loss/kl": kl,
-               "loss/clip_frac_low": means["clip_frac_low"], "loss/clip_frac_high": means["clip_frac_high"],
-               "loss/ratio_mean": means["ratio_mean"], "rollout/logp_drift": drift, "train/grad_norm": self.grad_norm}
+        out = dict(zip(LOSS_KEYS, (means["loss"], means["policy_loss"], kl, means["clip_frac_low"],
+                                   means["clip_frac_high"], means["ratio_mean"], drift, self.grad_norm)))
         if plan.loss.delta:
             out["loss/delta_frac"] = means["delta_frac"]
         if plan.policy_quantile < 1:
