@@ -17,6 +17,7 @@ DDP averages gradients before each optimizer update, or FSDP shards them (run/di
 
 from __future__ import annotations
 
+import gc
 import math
 import signal
 import sys
@@ -67,6 +68,19 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
     """Train `cfg` (or continue the run folder `resume`) and return the run folder. GRPOTrainer (trainer.py) may
     hand over a loaded policy `bundle` and in-memory `prompts` ("train", "eval") in place of the config's.
     `allow_other_base`: resume although policy.path / policy.tokenizer are other files than the checkpoint's."""
+    try:
+        return _train(cfg, resume, progress, bundle, prompts, allow_other_base)
+    finally:
+        # a run's models sit in reference cycles (hooks, closures, accelerate's wrappers) that only the cycle
+        # collector frees: a script that trains run after run (`bench gpu`) carried the last run's GPU memory
+        # into the next run's peak
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundle | None,
+           prompts: dict[str, list[PromptEntry]] | None, allow_other_base: bool) -> Path:
     # every model, reward and prompt loaded; a bad input stops here
     st = set_up(cfg, resume, bundle, prompts, allow_other_base)
     s, t, main = cfg.sample, cfg.train, st.acc.is_main_process
@@ -80,7 +94,7 @@ def train(cfg: Config, resume: str | Path | None = None, progress: bool = True, 
     try:
         for step in (bar := tqdm(range(st.start, t.steps), initial=st.start, total=t.steps, desc="grpo",
                                  disable=not (progress and main))):
-            timer = PhaseTimer()
+            timer = PhaseTimer(torch.cuda.synchronize if st.acc.device.type == "cuda" else None)
             iteration = new_iteration(st, cfg, step, timer)  # ---- ITERATION: at a boundary (iterative RL)
             # ---- SAMPLING: B / P prompts x G images here, decoded; the weights gathered (Janus's VQ decoder is
             # in the sharded policy)

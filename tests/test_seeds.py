@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from grpo_vision.run.distributed import process_slice
@@ -68,3 +69,29 @@ def test_phase_timer_adds_up_a_phase_entered_twice(monkeypatch):
     m = timer.metrics()
     assert m == {"perf/step_s": 10.0, "perf/sample_s": 5.0, "perf/update_s": 1.5}
     assert list(m) == ["perf/step_s", "perf/sample_s", "perf/update_s"]  # the order the phases began
+
+
+def _device_clock(monkeypatch):
+    """A fake clock and a fake device: `launch(s)` queues s seconds of kernels; the host waits for them only at
+    `wait()`, a result read back (as `.item()` does), or at `sync()`, the device's synchronize."""
+    now, queued = [0.0], [0.0]
+    monkeypatch.setattr("grpo_vision.run.metrics.time.perf_counter", lambda: now[0])
+
+    def wait():
+        now[0] += queued[0]
+        queued[0] = 0.0
+    return (lambda s: queued.__setitem__(0, queued[0] + s)), wait, now
+
+
+@pytest.mark.parametrize("sync, sample_s, reward_s", [(True, 5.0, 1.0), (False, 0.0, 6.0)])
+def test_with_the_devices_synchronize_a_phase_is_charged_its_own_kernels(monkeypatch, sync, sample_s, reward_s):
+    # the sampler queues 5 s of kernels and returns at once; the reward reads them back and adds 1 s of its own.
+    # Synchronised at the boundary the 5 s are sample's; without it the reward's (what an H200 step showed)
+    launch, wait, now = _device_clock(monkeypatch)
+    timer = PhaseTimer(wait if sync else None)
+    with timer("sample"):
+        launch(5.0)
+    with timer("reward"):
+        wait()
+        now[0] += 1.0
+    assert timer.metrics() == {"perf/step_s": 6.0, "perf/sample_s": sample_s, "perf/reward_s": reward_s}

@@ -14,6 +14,7 @@ alike; each round drops its first step on both sides. Speed is checked here, nev
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import statistics
@@ -62,8 +63,13 @@ def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 
     """Median seconds per phase of a training step, images per second, peak memory and the run's estimate."""
     from grpo_vision.tools.bench_gpu import sig
 
+    before = {}
     if torch.cuda.is_available():  # the peak of this run, not of what the process ran before
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        # what the process still held (the peak includes it): 0 unless the caller keeps models of its own
+        before = {"cuda_allocated_before_gib": round(torch.cuda.memory_allocated() / 2**30, 3)}
     _fresh_accelerate()
     with tempfile.TemporaryDirectory() as out:
         rows, images = _our_steps(config, overrides, warmup + steps, out)
@@ -75,7 +81,7 @@ def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 
             "warmup_steps": warmup, "threads": torch.get_num_threads(), "step_s": round(step_s, 3),
             "phases_s": phases, "other_s": round(other, 3),  # advantages, logging; medians need not add up
             "images_per_s": sig(images / step_s), **_peak_memory_gib(),
-            "memory_estimate_gib": round(timed[-1]["perf/memory_estimate_gib"], 3)}
+            "memory_estimate_gib": round(timed[-1]["perf/memory_estimate_gib"], 3), **before}
 
 
 # The settings both trainers share in `bench trl`: what TRL can do (no CFG, no monitored rewards, no

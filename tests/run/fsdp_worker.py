@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from grpo_vision.run.distributed import (
@@ -22,9 +23,12 @@ from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 
 
 def shard(policy):
+    # a CPU mesh named: fully_shard's default mesh is on CUDA wherever a GPU is visible, and on a one-GPU
+    # machine the second process then asks for cuda:1 ("invalid device ordinal", seen on one H200)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for block in policy.model.layers:
-        fully_shard(block)
-    fully_shard(policy)
+        fully_shard(block, mesh=mesh)
+    fully_shard(policy, mesh=mesh)
     return policy
 
 
