@@ -97,6 +97,35 @@ def score(rewards, images: torch.Tensor, entries: Sequence[PromptEntry], judge: 
     return Scored(out.total, out.raw, out.weights, out.reasons, verdicts)
 
 
+def take_groups(parts: Sequence[tuple[Samples, Scored]], picks: Sequence[tuple[int, int]],
+                group_size: int) -> tuple[Samples, Scored]:
+    """The groups `picks` ((part, group) each, in order) of several samplings with their scores, as one: the
+    step's batch after train.zero_std_groups=resample replaced its flat groups. One process's whole groups."""
+    offsets = np.cumsum([0] + [len(p[0].entries) for p in parts])
+    rows = [int(offsets[i]) + g * group_size + j for i, g in picks for j in range(group_size)]
+    index = torch.tensor(rows, dtype=torch.long)
+
+    def cat(get):  # every part's tensor, the picked rows
+        whole = torch.cat([get(p) for p in parts])
+        return whole[index.to(whole.device)]
+
+    def listed(get):
+        whole = [x for p in parts for x in get(p)]
+        return [whole[r] for r in rows]
+
+    a, b = parts[0]
+    rollout = Rollout(*(cat(lambda p, f=f: getattr(p[0].rollout, f)) for f in ("tokens", "logprobs", "entropy")))
+    samples = Samples(listed(lambda p: p[0].entries), listed(lambda p: p[0].seeds), cat(lambda p: p[0].cond), rollout,
+                      cat(lambda p: p[0].images),
+                      None if a.chosen is None else np.array([parts[i][0].chosen[g] for i, g in picks]),
+                      slice(0, len(rows)))
+    scored = Scored(cat(lambda p: p[1].total), {k: cat(lambda p, k=k: p[1].raw[k]) for k in b.raw},
+                    {k: cat(lambda p, k=k: p[1].weights[k]) for k in b.weights},
+                    {k: listed(lambda p, k=k: p[1].reasons[k]) for k in b.reasons}, listed(lambda p: p[1].verdicts),
+                    {k: cat(lambda p, k=k: p[1].judged[k]) for k in b.judged}, b.spread)
+    return samples, scored
+
+
 def kl_to(reference, samples: Samples, params: SamplingParams, batch_size: int) -> torch.Tensor:
     """The mean per-token k3 KL `[n]` of each image's sampling distribution to `reference` (a policy), on the
     image's own tokens: grpo.k3_kl, the estimator training logs."""

@@ -9,12 +9,14 @@ the stream that also picks the step's prompts. It ties which prompts a step trai
 sampling seed, no more; a salt of their own for the prompts would change every run's prompts and every
 published number, so it waits for a change that measures them again (tests/test_seeds.py pins it).
 
-| key                            | draws                                            | where        |
-|--------------------------------|--------------------------------------------------|--------------|
-| (seed, step)                   | the step's prompts                               | train.py     |
-| (seed, step, IMAGE + j)        | image j's sampling seed (j: global, group order) | train.py     |
-| (seed, step, PASS_ORDER + k)   | the sequence order of update pass k              | update.py    |
-| (seed, step, REPLAY)           | replayed samples at an iteration boundary        | train.py     |
+| key                            | draws                                             | where        |
+|--------------------------------|---------------------------------------------------|--------------|
+| (seed, step)                   | the step's prompts                                | train.py     |
+| (seed, step, IMAGE + j)        | image j's sampling seed (j: global, group order)  | train.py     |
+| (seed, step, PASS_ORDER + k)   | the sequence order of update pass k               | update.py    |
+| (seed, step, REPLAY)           | replayed samples at an iteration boundary         | train.py     |
+| (seed, step, REFILL)           | the prompts that replace groups without spread    | train.py     |
+| (seed, step, REFILL_IMAGE + j) | refill image j's sampling seed (j: in draw order) | train.py     |
 
 Evaluation draws no step keys: its images use fixed seeds (evaluation/evaluate.py), the same for the
 policy and the reference.
@@ -27,6 +29,8 @@ import numpy as np
 IMAGE = 0  # + j, j < 2**31 images a step
 PASS_ORDER = 2**31  # + k, k < 2**31 passes a step
 REPLAY = 2**32  # past both ranges: never an image's or a pass's key
+REFILL = 2**32 + 1  # train.zero_std_groups=resample: the new prompts of a step
+REFILL_IMAGE = 2**33  # + j, j < 2**31: the new groups' images, beyond every key above
 
 
 def step_rng(seed: int, step: int, *salt: int) -> np.random.Generator:

@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -36,7 +37,7 @@ from grpo_vision.models.adapters import add_adapter
 from grpo_vision.policy import Bundle, check_weighting_hooks, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.reference import Reference
-from grpo_vision.rollouts import Samples, Scored, decode_images, repeat, sample_rows, score
+from grpo_vision.rollouts import Samples, Scored, decode_images, repeat, sample_rows, score, take_groups
 from grpo_vision.rewards import CompositeReward, RewardError, save_reward_origins
 from grpo_vision.run.alerts import RunAlerts, watcher_for
 from grpo_vision.run.checkpoint import (
@@ -55,7 +56,7 @@ from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics, nan
 from grpo_vision.run.signals import GracefulStop, Interrupted
 from grpo_vision.run.trackers import Trackers, accelerator_options, grid_text
 from grpo_vision.sampling import SamplingParams, batched_logprobs, decode_mode
-from grpo_vision.seeds import IMAGE, REPLAY, step_rng, step_seed
+from grpo_vision.seeds import IMAGE, REFILL, REFILL_IMAGE, REPLAY, step_rng, step_seed
 from grpo_vision.splits import PromptSets, checked_prompt_sets
 from grpo_vision.update import (
     LOSS_KEYS, EntropyControl, Learner, Measured, UpdateBatch, UpdatePlan, contrast_logprobs, old_logprobs,
@@ -104,6 +105,10 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
             with timer("reward"):  # ---- REWARD: every process's scores, in group order; the health checks count them
                 scored = score_step(st.rewards, st.bundle.judge if cfg.log.judge_rollouts else None, samples, cfg,
                                     st.acc)
+            refilled = None
+            if cfg.train.zero_std_groups == "resample":  # ---- REFILL: new groups in the flat groups' places
+                samples, scored, refilled = refill_flat_groups(st, cfg, step, samples, scored, timer)
+            with timer("reward"):
                 st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, scored.spread)
             with timer("logprobs"):  # ---- the ratio's old log-probs, the reference's for the KL
                 measured = measure(st.policy, st.reference, st.plan, st.params, st.acc, samples)
@@ -121,6 +126,8 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
                     else dict.fromkeys(LOSS_KEYS, math.nan)  # every group dropped: no update this step
                 if st.plan.drop_flat_groups:
                     losses["train/groups_dropped"] = dropped
+                if refilled is not None:
+                    losses["train/groups_resampled"] = refilled
             after_update(st, cfg, step, samples)  # ---- the moving reference's sync, the replay buffer
             # ---- LOG / CHECKPOINT
             metrics = step_metrics(st, cfg, samples, scored, losses, timer) | iteration
@@ -224,11 +231,53 @@ def sample_step(policy, tokenizer, prompts: list[PromptEntry], params: SamplingP
     entries = repeat([prompts[i] for i in chosen[process_slice(s.prompts_per_step, acc)]], s.group_size)
     rows = process_slice(s.prompts_per_step * s.group_size, acc)
     seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
+    return sample_entries(policy, tokenizer, entries, seeds, params, s, timer, chosen, rows)
+
+
+def sample_entries(policy, tokenizer, entries: list[PromptEntry], seeds: list[int], params: SamplingParams, s,
+                   timer: PhaseTimer, chosen=None, rows: slice | None = None) -> Samples:
+    """`entries`' images, row i from `seeds[i]`, decoded (sample config `s`: batch size, precision)."""
     policy.eval()
     cond, rollout = sample_rows(policy, entries, seeds, params, s.batch_size, s.mixed_precision == "bf16")
     with timer("decode"):  # its own phase: the sample clock stops meanwhile
         images = decode_images(tokenizer, rollout.tokens, s.batch_size)  # [n, 3, H, W]
     return Samples(entries, seeds, cond, rollout, images, chosen, rows)
+
+
+def refill_flat_groups(st: RunState, cfg: Config, step: int, samples: Samples, scored: Scored,
+                       timer: PhaseTimer) -> tuple[Samples, Scored, int]:
+    """train.zero_std_groups=resample, DAPO's dynamic sampling (arXiv 2503.14476, section 3.2; verl's
+    `filter_groups`): each group whose trained reward did not vary gives its place to a group of a prompt the
+    step has not drawn, sampled and scored as the step's own, in at most train.resample_rounds rounds; a group
+    still flat after them is dropped by the update as with `drop`. One process (set-up refuses more). Returns
+    the step's groups and how many new groups were sampled."""
+    G = cfg.sample.group_size
+    flat = [g for g, varies in enumerate(informative_groups(scored.total, G).tolist()) if not varies]
+    unused = np.setdiff1d(np.arange(len(st.prompts.train)), samples.chosen)
+    rng, parts, drawn = step_rng(cfg.run.seed, step, REFILL), [(samples, scored)], 0
+    picks = [(0, g) for g in range(len(samples.entries) // G)]
+    for _ in range(cfg.train.resample_rounds):
+        if not flat or not len(unused):
+            break
+        new = rng.choice(unused, min(len(flat), len(unused)), replace=False)
+        unused = np.setdiff1d(unused, new)
+        entries = repeat([st.prompts.train[i] for i in new], G)
+        seeds = [step_seed(cfg.run.seed, step, REFILL_IMAGE + drawn * G + j) for j in range(len(entries))]
+        with timer("sample"), full_weights(st.learner.model):
+            more = sample_entries(st.policy, st.bundle.tokenizer, entries, seeds, st.params, cfg.sample, timer, new)
+        with timer("reward"):
+            more_scored = score_step(st.rewards, st.bundle.judge if cfg.log.judge_rollouts else None, more, cfg,
+                                     st.acc)
+        parts.append((more, more_scored))
+        drawn += len(new)
+        for g, varies in enumerate(informative_groups(more_scored.total, G).tolist()):
+            if varies:  # fills the first place still flat
+                picks[flat.pop(0)] = (len(parts) - 1, g)
+    if drawn == 0:
+        return samples, scored, 0
+    samples, scored = take_groups(parts, picks, G)
+    scored.spread = frac_zero_std(scored.total, G)
+    return samples, scored, drawn
 
 
 def score_step(rewards: CompositeReward, judge, samples: Samples, cfg: Config, acc) -> Scored:
@@ -419,14 +468,18 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
     bundle, policy = load_policy(cfg, acc, params, given_bundle)  # the kind's files, its adapter
     check_weighting_hooks(cfg.train.token_weighting, cfg.policy.kind, bundle.policy, bundle.tokenizer)
     if plan.drop_flat_groups and acc.num_processes > 1:  # each process would make a different number of updates
-        raise ConfigError(f"train.zero_std_groups=drop runs on one process, and this run has {acc.num_processes}: "
-                          "use train.zero_std_groups=keep, or one process")
+        raise ConfigError(f"train.zero_std_groups={cfg.train.zero_std_groups} runs on one process, and this run has "
+                          f"{acc.num_processes}: use train.zero_std_groups=keep, or one process")
     reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     # before any sampling: a batch that cannot fit stops here, naming the knob to lower
     memory_estimate = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
                                     params.guided, acc.device, acc.is_main_process, before_load)
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
+    if cfg.train.zero_std_groups == "resample" and len(prompts.train) <= cfg.sample.prompts_per_step:
+        raise ConfigError(f"train.zero_std_groups=resample replaces flat groups by prompts the step has not drawn, and "
+                          f"the {len(prompts.train)} training prompts leave none beside sample.prompts_per_step="
+                          f"{cfg.sample.prompts_per_step}: give more training prompts, or use train.zero_std_groups=drop")
     rewards = load_rewards(cfg, acc, bundle, prompts)  # a missing model or a set it cannot score stops here
     buffer = replay_buffer(cfg, bundle, rewards, reference)
     # a resume's checkpoint, checked against this run (train.steps, its base files, what it must hold), and its

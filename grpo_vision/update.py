@@ -50,7 +50,7 @@ class UpdatePlan:
     critical_fraction: float = 0.1  # critical: GCPO's share per subset
     guidance_shares: tuple[float, float] = (0.8, 0.4)  # guidance_contrastive: (top_share, top_fraction)
     stage_entropy_scale: float = 0.0  # stage: the entropy reward's scale (0: off)
-    drop_flat_groups: bool = False  # train.zero_std_groups=drop: groups without reward spread leave the update
+    drop_flat_groups: bool = False  # train.zero_std_groups drop or resample: groups without spread leave the update
 
     @classmethod
     def from_config(cls, cfg) -> "UpdatePlan":
@@ -64,7 +64,7 @@ class UpdatePlan:
                    t.top_entropy_quantile, cfg.sample.mixed_precision != "no", t.token_weighting,
                    cfg.sample.group_size, t.critical_fraction, (t.guidance_top_share, t.guidance_top_fraction),
                    t.stage_entropy_reward_scale if t.token_weighting == "stage" else 0.0,
-                   t.zero_std_groups == "drop")
+                   t.zero_std_groups in ("drop", "resample"))
 
     @property
     def entropies(self) -> bool:

@@ -92,6 +92,40 @@ def test_drop_leaves_flat_groups_out_of_the_update(micro_world, tmp_path):
     assert all((after[k] == before[k]).all() for k in after)
 
 
+def flat_for_squares(images, prompts, metadata):  # python:tests.test_algorithms:flat_for_squares
+    # a group of a prompt with a square gets one reward for every image (flat); any other prompt's images differ
+    return torch.tensor([0.5 if "square" in p else images[i].mean().item() for i, p in enumerate(prompts)])
+
+
+def test_resample_puts_groups_of_new_prompts_in_the_flat_groups_places(micro_world, tmp_path):
+    # DAPO's refill: every flat group (a prompt with a square) is replaced by a group of a prompt the step had not
+    # drawn, sampled and scored, until the step's groups all vary; nothing is left to drop
+    options = ["log.report=false", "log.sample_every=0", "train.steps=3", "train.zero_std_groups=resample",
+               "reward.weights={python:tests.test_algorithms:flat_for_squares: 1.0}", "reward.monitor=[]"]
+    run = train(micro_cfg(micro_world, tmp_path, *options), progress=False)
+    rows = load_metrics(run)
+    assert sum(m["train/groups_resampled"] for m in rows) >= 1, rows  # some step drew a square
+    assert all(m["adv/frac_zero_std"] == 0 and m["train/groups_dropped"] == 0 for m in rows)
+    # the same run with keep: the same first prompts, flat groups kept
+    kept = load_metrics(train(micro_cfg(micro_world, tmp_path, *options[:-3], "run.name=kept", options[-2],
+                                        options[-1]), progress=False))
+    for m, k in zip(rows, kept):
+        assert k["adv/frac_zero_std"] * 2 <= m["train/groups_resampled"]  # each flat group of 2 drew a new one
+
+
+def test_resample_needs_prompts_beyond_a_steps_own(micro_world, tmp_path):
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    (tmp_path / "eval.txt").write_text("a green triangle\n")
+    with pytest.raises(ConfigError, match=r"train.zero_std_groups=resample replaces flat groups by prompts the step "
+                                          r"has not drawn, and the 2 training prompts leave none beside "
+                                          r"sample.prompts_per_step=2: give more training prompts"):
+        train(micro_cfg(micro_world, tmp_path, "train.zero_std_groups=resample", f"data.train_prompts={prompts}",
+                        f"data.eval_prompts={tmp_path / 'eval.txt'}",
+                        "reward.weights={python:tests.test_algorithms:flat_for_squares: 1.0}", "reward.monitor=[]"),
+              progress=False)
+
+
 def test_the_token_weights_reach_the_update(micro_world, tmp_path, monkeypatch):
     # every token's policy weight 0 (a weighting that credits nothing) and no KL: no gradient, no change
 

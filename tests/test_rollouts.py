@@ -3,6 +3,7 @@ one KL estimator."""
 
 import copy
 
+import pytest
 import torch
 
 from grpo_vision.config import EVAL_SEED
@@ -40,3 +41,33 @@ def test_the_kl_a_measurement_reports_is_the_one_training_logs(tiny_policy, one_
                     seed=0, step=0)["loss/kl"]
     assert measured.mean().item() > 0.05
     assert abs(measured.mean().item() - logged) < 1e-5
+
+
+def test_take_groups_puts_the_picked_groups_of_several_samplings_in_place():
+    # two samplings of groups of 2: the step's own (groups a, b) and a refill (groups c, d); picks keep a and put
+    # the refill's d in b's place: rows a0 a1 d0 d1, every field following its rows
+    import numpy as np
+
+    from grpo_vision.rollouts import Scored, take_groups
+    from grpo_vision.sampling import Rollout
+
+    def part(names, first, chosen):
+        n = len(names)
+        values = torch.arange(first, first + n, dtype=torch.float32)
+        rollout = Rollout(values.long()[:, None].repeat(1, 3), values[:, None] / 10, values[:, None] / 100)
+        samples = Samples([PromptEntry(x) for x in names], list(range(first, first + n)), values.long()[:, None],
+                          rollout, values[:, None, None, None].expand(n, 3, 2, 2), np.array(chosen), slice(0, n))
+        scored = Scored(values, {"r": values * 2}, {"r": torch.ones(n)}, {"r": [("ok", x) for x in names]},
+                        [None] * n, {"correct": values % 2}, 0.5)
+        return samples, scored
+
+    samples, scored = take_groups([part(["a", "a", "b", "b"], 0, [7, 8]), part(["c", "c", "d", "d"], 10, [3, 4])],
+                                  [(0, 0), (1, 1)], 2)
+    assert [e.prompt for e in samples.entries] == ["a", "a", "d", "d"] and samples.seeds == [0, 1, 12, 13]
+    assert samples.chosen.tolist() == [7, 4] and samples.rows == slice(0, 4)
+    assert samples.cond[:, 0].tolist() == [0, 1, 12, 13] and samples.rollout.tokens[:, 0].tolist() == [0, 1, 12, 13]
+    assert samples.rollout.entropy[:, 0].tolist() == pytest.approx([0, 0.01, 0.12, 0.13])
+    assert samples.images[:, 0, 0, 0].tolist() == [0, 1, 12, 13]
+    assert scored.total.tolist() == [0, 1, 12, 13] and scored.raw["r"].tolist() == [0, 2, 24, 26]
+    assert scored.reasons["r"] == [("ok", "a"), ("ok", "a"), ("ok", "d"), ("ok", "d")]
+    assert scored.judged["correct"].tolist() == [0, 1, 0, 1] and len(scored.verdicts) == 4

@@ -8,12 +8,13 @@ import torch
 
 from grpo_vision.run.distributed import process_slice
 from grpo_vision.run.metrics import PhaseTimer
-from grpo_vision.seeds import IMAGE, PASS_ORDER, REPLAY, step_rng, step_seed
+from grpo_vision.seeds import IMAGE, PASS_ORDER, REFILL, REFILL_IMAGE, REPLAY, step_rng, step_seed
 
 
 def test_salt_ranges_never_meet():
-    # images take IMAGE + j for j < 2**31, passes PASS_ORDER + k for k < 2**31: the replay key lies past both
-    assert IMAGE + 2**31 - 1 < PASS_ORDER and PASS_ORDER + 2**31 - 1 < REPLAY
+    # images take IMAGE + j for j < 2**31, passes PASS_ORDER + k for k < 2**31: the replay key lies past both,
+    # the refill's prompts past it, and the refill's images past everything
+    assert IMAGE + 2**31 - 1 < PASS_ORDER and PASS_ORDER + 2**31 - 1 < REPLAY < REFILL < REFILL_IMAGE
 
 
 def test_the_prompts_draw_shares_image_0s_key_as_seeds_py_says():

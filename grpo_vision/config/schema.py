@@ -131,9 +131,12 @@ class TrainConfig:
     # stage: STAGE's entropy reward, 1/(1 + (H_ref - H)^2) of the image's mean token entropy, centred and added
     # with this scale to the rewards of each group's best images (needs a reference); 0 = off
     stage_entropy_reward_scale: float = 0.4
-    # groups whose rewards are all equal (advantage 0): keep them (they add only KL), or drop them from the update
-    # (DAPO's filter without its refill, one process; the count is logged as train/groups_dropped)
-    zero_std_groups: Literal["keep", "drop"] = "keep"
+    # groups whose rewards are all equal (advantage 0): keep them (they add only KL), drop them from the update, or
+    # resample: replace each by a group of a prompt the step has not drawn, for at most resample_rounds rounds, and
+    # drop what is still flat (DAPO's dynamic sampling, arXiv 2503.14476; one process; logged as
+    # train/groups_resampled and train/groups_dropped)
+    zero_std_groups: Literal["keep", "drop", "resample"] = "keep"
+    resample_rounds: int = 3  # resample: refill rounds a step at most (each samples one group per flat group)
     # KL times the importance ratio, its gradient the unbiased reverse-KL one (DeepSeek-V3.2). TRL 1.16 defaults
     # to True; off here so that existing runs stay bit-identical
     use_bias_correction_kl: bool = False
@@ -289,6 +292,7 @@ def validate(cfg: Config) -> None:
         (t.kl_metric_sequences >= 0, "train.kl_metric_sequences must be >= 0 (0 = every sequence)"),
         (t.max_skipped_updates >= 0, "train.max_skipped_updates must be >= 0 (0 = never stop)"),
         (t.adapter_rank >= 1, "train.adapter_rank must be >= 1"),
+        (t.resample_rounds >= 1, "train.resample_rounds must be >= 1 (train.zero_std_groups=drop refills nothing)"),
         (t.reference != "adapter" or t.adapter != "none",
          "train.reference: adapter is the policy with its adapter disabled, and train.adapter is none: set "
          "train.adapter to lora, loha or lokr, or train.reference to frozen"),
