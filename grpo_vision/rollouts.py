@@ -97,10 +97,13 @@ def score(rewards, images: torch.Tensor, entries: Sequence[PromptEntry], judge: 
     return Scored(out.total, out.raw, out.weights, out.reasons, verdicts)
 
 
-def take_groups(parts: Sequence[tuple[Samples, Scored]], picks: Sequence[tuple[int, int]],
-                group_size: int) -> tuple[Samples, Scored]:
+def take_groups(parts: Sequence[tuple[Samples, Scored]], picks: Sequence[tuple[int, int]], group_size: int,
+                encode=None) -> tuple[Samples, Scored]:
     """The groups `picks` ((part, group) each, in order) of several samplings with their scores, as one: the
-    step's batch after train.zero_std_groups=resample replaced its flat groups. One process's whole groups."""
+    step's batch after train.zero_std_groups=resample replaced its flat groups. One process's whole groups.
+    Condition ids of several widths (a kind that pads each batch to its longest prompt, as Janus does) are
+    made again by `encode` (the policy's `encode_prompts`) for the picked prompts together: the same ids,
+    padded to the widest."""
     offsets = np.cumsum([0] + [len(p[0].entries) for p in parts])
     rows = [int(offsets[i]) + g * group_size + j for i, g in picks for j in range(group_size)]
     index = torch.tensor(rows, dtype=torch.long)
@@ -115,7 +118,14 @@ def take_groups(parts: Sequence[tuple[Samples, Scored]], picks: Sequence[tuple[i
 
     a, b = parts[0]
     rollout = Rollout(*(cat(lambda p, f=f: getattr(p[0].rollout, f)) for f in ("tokens", "logprobs", "entropy")))
-    samples = Samples(listed(lambda p: p[0].entries), listed(lambda p: p[0].seeds), cat(lambda p: p[0].cond), rollout,
+    entries = listed(lambda p: p[0].entries)
+    if len({p[0].cond.shape[1] for p in parts}) == 1:
+        cond = cat(lambda p: p[0].cond)
+    elif encode is None:
+        raise ValueError("the samplings' condition ids differ in width: pass the policy's encode_prompts")
+    else:
+        cond = encode([e.prompt for e in entries])
+    samples = Samples(entries, listed(lambda p: p[0].seeds), cond, rollout,
                       cat(lambda p: p[0].images),
                       None if a.chosen is None else np.array([parts[i][0].chosen[g] for i, g in picks]),
                       slice(0, len(rows)))

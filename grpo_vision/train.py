@@ -105,9 +105,9 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
             with timer("reward"):  # ---- REWARD: every process's scores, in group order; the health checks count them
                 scored = score_step(st.rewards, st.bundle.judge if cfg.log.judge_rollouts else None, samples, cfg,
                                     st.acc)
-            refilled = None
+            refill = None
             if cfg.train.zero_std_groups == "resample":  # ---- REFILL: new groups in the flat groups' places
-                samples, scored, refilled = refill_flat_groups(st, cfg, step, samples, scored, timer)
+                samples, scored, refill = refill_flat_groups(st, cfg, step, samples, scored, timer)
             with timer("reward"):
                 st.learner.health.after_rewards(step, scored.total, scored.raw, scored.weights, scored.spread)
             with timer("logprobs"):  # ---- the ratio's old log-probs, the reference's for the KL
@@ -126,11 +126,11 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
                     else dict.fromkeys(LOSS_KEYS, math.nan)  # every group dropped: no update this step
                 if st.plan.drop_flat_groups:
                     losses["train/groups_dropped"] = dropped
-                if refilled is not None:
-                    losses["train/groups_resampled"] = refilled
+                if refill is not None:  # how many of the step's first groups were flat, how many new ones it drew
+                    losses["train/frac_flat_sampled"], losses["train/groups_resampled"] = refill
             after_update(st, cfg, step, samples)  # ---- the moving reference's sync, the replay buffer
             # ---- LOG / CHECKPOINT
-            metrics = step_metrics(st, cfg, samples, scored, losses, timer) | iteration
+            metrics = step_metrics(st, cfg, samples, scored, losses, timer, refill[1] if refill else 0) | iteration
             alert = None
             if main:
                 alert = alerts.observe(logger.log(step + 1, metrics), warn)  # ALERTS: one line each as it fires
@@ -245,14 +245,16 @@ def sample_entries(policy, tokenizer, entries: list[PromptEntry], seeds: list[in
 
 
 def refill_flat_groups(st: RunState, cfg: Config, step: int, samples: Samples, scored: Scored,
-                       timer: PhaseTimer) -> tuple[Samples, Scored, int]:
+                       timer: PhaseTimer) -> tuple[Samples, Scored, tuple[float, int]]:
     """train.zero_std_groups=resample, DAPO's dynamic sampling (arXiv 2503.14476, section 3.2; verl's
-    `filter_groups`): each group whose trained reward did not vary gives its place to a group of a prompt the
-    step has not drawn, sampled and scored as the step's own, in at most train.resample_rounds rounds; a group
-    still flat after them is dropped by the update as with `drop`. One process (set-up refuses more). Returns
-    the step's groups and how many new groups were sampled."""
+    `filter_groups`): each group whose reward did not vary gives its place to a group of a prompt the step has
+    not drawn, sampled and scored as the step's own, in at most train.resample_rounds rounds; a group still flat
+    after them is dropped by the update as with `drop`. One process, and not with STAGE's entropy reward, which
+    gives flat groups a spread (set-up and config refuse both). Returns the step's groups, the fraction of its
+    first groups that were flat, and how many new groups were sampled."""
     G = cfg.sample.group_size
     flat = [g for g, varies in enumerate(informative_groups(scored.total, G).tolist()) if not varies]
+    flat_first = len(flat) / (len(samples.entries) // G)
     unused = np.setdiff1d(np.arange(len(st.prompts.train)), samples.chosen)
     rng, parts, drawn = step_rng(cfg.run.seed, step, REFILL), [(samples, scored)], 0
     picks = [(0, g) for g in range(len(samples.entries) // G)]
@@ -274,10 +276,10 @@ def refill_flat_groups(st: RunState, cfg: Config, step: int, samples: Samples, s
             if varies:  # fills the first place still flat
                 picks[flat.pop(0)] = (len(parts) - 1, g)
     if drawn == 0:
-        return samples, scored, 0
-    samples, scored = take_groups(parts, picks, G)
+        return samples, scored, (flat_first, 0)
+    samples, scored = take_groups(parts, picks, G, st.policy.encode_prompts)
     scored.spread = frac_zero_std(scored.total, G)
-    return samples, scored, drawn
+    return samples, scored, (flat_first, drawn)
 
 
 def score_step(rewards: CompositeReward, judge, samples: Samples, cfg: Config, acc) -> Scored:
@@ -355,9 +357,10 @@ def after_update(st: RunState, cfg: Config, step: int, samples: Samples) -> None
 
 
 def step_metrics(st: RunState, cfg: Config, samples: Samples, scored: Scored, losses: dict,
-                 timer: PhaseTimer) -> dict:
+                 timer: PhaseTimer, refilled: int = 0) -> dict:
     """The step's namespaced scalars (README, Metrics): the rewards, the update's losses, the health
-    counters as the update left them (its skipped updates included), timings."""
+    counters as the update left them (its skipped updates included), timings. `refilled`: groups sampled
+    beside the step's (train.zero_std_groups=resample), whose tokens the sampler's rate counts too."""
     G, acc = cfg.sample.group_size, st.acc
     metrics = {f"reward/{k}/mean": nanmean(v) for k, v in scored.raw.items()}
     metrics |= {f"reward/{k}/std": nanstd(v) for k, v in scored.raw.items()}
@@ -371,7 +374,8 @@ def step_metrics(st: RunState, cfg: Config, samples: Samples, scored: Scored, lo
         "adv/frac_zero_std": scored.spread, **losses, **st.learner.health.metrics(),
         "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),
         **timer.metrics(),
-        "perf/sample_tokens_per_s": samples.rollout.tokens.numel() / timer.seconds["sample"],
+        "perf/sample_tokens_per_s": (samples.rollout.tokens.numel() + refilled * G * samples.rollout.tokens.shape[1])
+        / timer.seconds["sample"],
         "perf/memory_estimate_gib": st.memory_estimate / 2**30,
         "lr": st.learner.scheduler.get_last_lr()[0],
     }

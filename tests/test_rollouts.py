@@ -71,3 +71,12 @@ def test_take_groups_puts_the_picked_groups_of_several_samplings_in_place():
     assert scored.total.tolist() == [0, 1, 12, 13] and scored.raw["r"].tolist() == [0, 2, 24, 26]
     assert scored.reasons["r"] == [("ok", "a"), ("ok", "a"), ("ok", "d"), ("ok", "d")]
     assert scored.judged["correct"].tolist() == [0, 1, 0, 1] and len(scored.verdicts) == 4
+
+    # a kind that pads each batch to its longest prompt (Janus): ids of two widths are encoded again together
+    narrow, wide = part(["a", "a", "b", "b"], 0, [7, 8]), part(["c", "c", "d", "d"], 10, [3, 4])
+    wide[0].cond = torch.zeros(4, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="differ in width: pass the policy's encode_prompts"):
+        take_groups([narrow, wide], [(0, 0), (1, 1)], 2)
+    samples, _ = take_groups([narrow, wide], [(0, 0), (1, 1)], 2,
+                             encode=lambda prompts: torch.tensor([[ord(p)] * 3 for p in prompts]))
+    assert samples.cond[:, 0].tolist() == [97, 97, 100, 100] and samples.cond.shape == (4, 3)

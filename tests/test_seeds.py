@@ -96,3 +96,15 @@ def test_with_the_devices_synchronize_a_phase_is_charged_its_own_kernels(monkeyp
         wait()
         now[0] += 1.0
     assert timer.metrics() == {"perf/step_s": 6.0, "perf/sample_s": sample_s, "perf/reward_s": reward_s}
+
+
+def test_a_phase_that_raises_is_charged_without_waiting_for_the_device(monkeypatch):
+    # after a CUDA error the device's synchronize raises again: it must not replace the error the phase raised
+    launch, wait, now = _device_clock(monkeypatch)
+    waits = []
+    timer = PhaseTimer(lambda: waits.append(now[0]))
+    with pytest.raises(KeyError):
+        with timer("reward"):
+            now[0] += 2.0
+            raise KeyError("a reward failed")
+    assert waits == [0.0] and timer.seconds == {"reward": 2.0}  # the wait on entering only

@@ -407,6 +407,10 @@ def _credit_checks(cfg: Config) -> list[tuple[bool, str]]:
         (t.token_weighting != "critical" or t.reference != "none",
          "train.token_weighting=critical scales advantages by GCPO's dynamic weight, exp(clamp(logp - ref_logp)), "
          "and train.reference is none: set train.reference to frozen or adapter"),
+        (t.zero_std_groups != "resample" or t.token_weighting != "stage" or t.stage_entropy_reward_scale == 0,
+         "train.zero_std_groups=resample refills the groups whose reward did not vary, and STAGE's entropy reward "
+         "(train.stage_entropy_reward_scale) gives those groups a spread after it: use train.zero_std_groups=drop "
+         "or keep with it, or train.stage_entropy_reward_scale=0"),
         (t.entropy_coef_min <= t.entropy_coef_max,
          f"train.entropy_coef_min ({t.entropy_coef_min:g}) must not exceed train.entropy_coef_max "
          f"({t.entropy_coef_max:g})"),

@@ -98,10 +98,13 @@ class PhaseTimer:
         self.seconds.setdefault(phase, 0.0)
         try:
             yield
-        finally:
-            self._sync()
+        except BaseException:  # no device wait here: after a CUDA error it would raise again, over this error
             self._charge(time.perf_counter())
             self._open.pop()
+            raise
+        self._sync()
+        self._charge(time.perf_counter())
+        self._open.pop()
 
     def metrics(self) -> dict[str, float]:
         self._sync()

@@ -487,6 +487,8 @@ def test_train_refuses_a_missing_device_before_writing_anything(monkeypatch, tmp
     (["train.stage_entropy_reward_scale=-1"], "train.stage_entropy_reward_scale must be a finite number >= 0"),
     (["train.zero_std_groups=skip"], "'train.zero_std_groups' expects one of 'keep', 'drop', 'resample'"),
     (["train.zero_std_groups=resample", "train.resample_rounds=0"], "train.resample_rounds must be >= 1"),
+    (["train.zero_std_groups=resample", "train.token_weighting=stage"],
+     "STAGE's entropy reward (train.stage_entropy_reward_scale) gives those groups a spread"),
     (["train.off_policy_mask_threshold=-0.5"], "train.off_policy_mask_threshold must be a finite number >= 0"),
     (["train.entropy_coef=-0.01"], "train.entropy_coef must be a finite number >= 0"),
     (["train.entropy_coef_min=0.5", "train.entropy_coef_max=0.1"], "train.entropy_coef_min (0.5) must not exceed"),
