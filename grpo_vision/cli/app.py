@@ -254,7 +254,8 @@ def cmd_bench_gpu(args) -> None:
     names = args.presets.split(",") if args.presets else ORDER
     for name in names:
         preset(name)
-    report = bench_gpu(args.out, args.budget, args.preset_dir or None, args.tiny, args.groups, args.step_group, names)
+    report = bench_gpu(args.out, args.budget, args.preset_dir or None, args.tiny, args.groups, args.step_group, names,
+                       sampler=not args.steps_only)
     print(json.dumps(report, indent=2) if args.json else markdown(report))
 
 
@@ -416,6 +417,7 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--tiny", action="store_true", help="the presets' tiny twins (the fast tests run this on a CPU)")
     p.add_argument("--groups", type=int_list, default=[8, 16], help="the sampler's group sizes G")
     p.add_argument("--step-group", type=positive_int, default=16, help="G of the step figures (one prompt a step)")
+    p.add_argument("--steps-only", action="store_true", help="only the step figures (no sampler items)")
     p.set_defaults(func=cmd_bench_gpu)
     p = training_bench("trl", "images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench]; "
                               "about 3 min for the main job on a 2-core CPU)",

@@ -168,8 +168,9 @@ def bench_preset_steps(name: str, directory: str | Path, G: int = 16, dtype: str
 
 
 def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | None = None, tiny: bool = False,
-              groups=(8, 16), step_group: int = 16, presets: list[str] | None = None) -> dict:
-    """Every measurement that fits `budget_s` seconds, preset by preset; the JSON is rewritten after each."""
+              groups=(8, 16), step_group: int = 16, presets: list[str] | None = None, sampler: bool = True) -> dict:
+    """Every measurement that fits `budget_s` seconds, preset by preset; the JSON is rewritten after each.
+    `sampler=False`: the step figures only."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     preset_dir = Path(preset_dir) if preset_dir else out / "presets"
@@ -180,8 +181,9 @@ def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | N
     report = {"machine": machine(), "budget_s": budget_s, "dtype": dtype, "results": [], "not_run": []}
     items = []
     for name in names:
-        items.append((name, "sampler", lambda name=name: bench_preset_sampler(name, preset_dir / name, groups,
-                                                                              dtype=dtype)))
+        if sampler:
+            items.append((name, "sampler", lambda name=name: bench_preset_sampler(name, preset_dir / name, groups,
+                                                                                  dtype=dtype)))
         items += [(name, f"step: {label}", fn) for label, fn in bench_preset_steps(name, preset_dir / name,
                                                                                    step_group, dtype)]
     for name, what, fn in items:

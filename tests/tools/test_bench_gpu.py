@@ -58,6 +58,9 @@ def test_the_budget_and_failures_are_reported_not_fatal(tmp_path, monkeypatch):
     report = bench.bench_gpu(tmp_path / "none", budget_s=0, tiny=True)  # nothing fits in no time: all listed
     assert report["results"] == [] and len(report["not_run"]) == 4 + sum(len(v) for v in bench.STEPS.values())
     assert "janus-pro-1b-tiny sampler: the budget ran out" in report["not_run"]
+    steps = bench.bench_gpu(tmp_path / "steps", budget_s=0, tiny=True, sampler=False)  # --steps-only
+    assert len(steps["not_run"]) == sum(len(v) for v in bench.STEPS.values())
+    assert not any("sampler" in line for line in steps["not_run"])
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
