@@ -21,7 +21,7 @@ import re
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grpo_vision.config import MAX_SEED, Config, ConfigError, brief, derived_sizes, load_config, to_dict
@@ -274,15 +274,15 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
                     out: Path, images: int | None, command: str) -> dict:
     """Score the reference and every run that trained, then write matrix.json, matrix.md and matrix.png."""
     from grpo_vision.tools.matrix_report import write_outputs
-    from grpo_vision.tools.matrix_score import Scorer, pool_seeds, score_runs
+    from grpo_vision.tools.matrix_score import Scorer, against_baseline, pool_seeds, score_runs
 
     scorer = Scorer(cfg, images or cfg.log.eval_images)
     scorer.use_rewards([name for spec in specs for name, _ in spec.weights])
     reference, summaries, raw = score_runs(scorer, out, [(r.spec.name, out / "runs" / r.spec.name) for r in results
                                                          if r.status != "failed"])
     runs = [{"name": r.spec.name, "reward": r.spec.label, "weights": dict(r.spec.weights), "beta": r.spec.beta,
-             "seed": r.spec.seed, "options": list(r.spec.options), "status": r.status, "rc": r.rc, "log": r.log, "error": r.error,
-             "summary": summaries.get(r.spec.name)} for r in results]
+             "seed": r.spec.seed, "variant": r.spec.variant, "options": list(r.spec.options), "status": r.status,
+             "rc": r.rc, "log": r.log, "error": r.error, "summary": summaries.get(r.spec.name)} for r in results]
     groups: dict[tuple, list[dict]] = {}  # runs that differ only in their seed, scored
     for run in runs:
         if run["summary"] is not None:
@@ -290,9 +290,29 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
     pooled = [{"reward": reward, "beta": beta, "seeds": [r["seed"] for r in group],
                "sets": pool_seeds(scorer, raw["reference"], [raw[r["name"]] for r in group])}
               for (reward, beta), group in groups.items() if len(group) > 1]
+    compared = compare_variants(specs, runs, lambda base, other: against_baseline(
+        scorer, [raw[r["name"]] for r in base], [raw[r["name"]] for r in other]))
     header = {"command": command or f"grpo-vision matrix {config}", "config": config, "overrides": overrides,
               "steps": cfg.train.steps, "images_per_prompt": scorer.n, "temperature": scorer.params.temperature,
               "embedding": scorer.embedding, "sets": {k: [e.prompt for e in v] for k, v in scorer.sets.items()},
               "captions": {k: len(set(v)) for k, v in scorer.captions.items()}}
-    write_outputs(out, header, reference, runs, [e.prompt for e in scorer.sets["test"]], pooled)
-    return {"reference": reference, "runs": runs, "pooled": pooled}
+    write_outputs(out, header, reference, runs, [e.prompt for e in scorer.sets["test"]], pooled, compared)
+    return {"reference": reference, "runs": runs, "pooled": pooled, "compared": compared}
+
+
+def compare_variants(specs: list[RunSpec], runs: list[dict], difference) -> list[dict]:
+    """Each variant against the first (`--variant`'s baseline) for every reward and KL they share, on the
+    seeds both have scored: `difference(baseline runs, variant runs)`, the runs paired by seed."""
+    if not any(spec.variant for spec in specs):
+        return []
+    baseline = specs[0].variant
+    scored = {r["name"]: r for r in runs if r["summary"] is not None}
+    rows: dict[tuple, list[tuple[dict, dict, int]]] = {}
+    for spec in specs:
+        base = replace(spec, variant=baseline).name  # the same reward, KL and seed, trained as the baseline
+        if spec.variant != baseline and spec.name in scored and base in scored:
+            rows.setdefault((spec.label, spec.beta, spec.variant), []).append((scored[base], scored[spec.name],
+                                                                               spec.seed))
+    return [{"reward": label, "beta": beta, "variant": variant, "baseline": baseline, "seeds": [s for *_, s in pairs],
+             "sets": difference([b for b, _, _ in pairs], [v for _, v, _ in pairs])}
+            for (label, beta, variant), pairs in rows.items()]

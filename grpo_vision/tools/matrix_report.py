@@ -83,6 +83,24 @@ def judge_attributes(set_name: str, reference: dict, runs: list[dict]) -> list[s
     return lines
 
 
+def compared_table(set_name: str, reference: dict, compared: list[dict]) -> list[str]:
+    """Each variant's difference from the baseline variant (the first `--variant`), paired per image and per
+    seed: every measure, then the judge per attribute."""
+    if not compared:
+        return []
+    cols = columns(reference[set_name]) + [k for k in reference[set_name] if k.startswith("judge/")
+                                           and k != "judge/correct"]
+    names = [c[6:] if c.startswith("judge/") and c != "judge/correct" else c for c in cols]
+    lines = ["", f"Against the baseline variant [{compared[0]['baseline']}] ({set_name} prompts): each variant minus the "
+             "baseline trained with the same reward, KL and seed; the interval resamples captions and seeds:", "",
+             "| variant | KL | seeds | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(cols)]
+    for c in compared:
+        t = c["sets"][set_name]
+        lines.append(f"| {c['reward']} | {c['beta']:g} | {','.join(map(str, c['seeds']))} | "
+                     + " | ".join(_cell(t.get(k), _is_rate(k)) for k in cols) + " |")
+    return lines
+
+
 def _std(entry: dict) -> float:
     """The per-item standard deviation behind a 95% interval (1.96 standard errors)."""
     if not entry.get("ci95") or entry.get("n", 0) < 2:
@@ -142,9 +160,9 @@ def strip(scores_dir: Path, name: str, prompts: list[str], path: Path, scale: in
 
 
 def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], prompts: list[str],
-                  pooled: list[dict] = ()) -> None:
+                  pooled: list[dict] = (), compared: list[dict] = ()) -> None:
     (out / "matrix.json").write_text(json.dumps({**header, "reference": reference, "runs": runs,
-                                                 "pooled": list(pooled)}, indent=2))
+                                                 "pooled": list(pooled), "compared": list(compared)}, indent=2))
     heatmap(reference, runs, out / "matrix.png")
     (out / "strips").mkdir(exist_ok=True)
     stripped = []  # a score cache copied without its picture still gives its rows, only no strip
@@ -165,7 +183,7 @@ def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], pr
              "![heatmap](matrix.png)", ""]
     for set_name in reference:
         lines += [*set_table(set_name, reference, runs, pooled, header.get("captions", {}).get(set_name)),
-                  *judge_attributes(set_name, reference, runs), ""]
+                  *judge_attributes(set_name, reference, runs), *compared_table(set_name, reference, compared), ""]
     lines += ["Sample strips (image 0 of the first test prompts, reference above policy): "
               + ", ".join(f"[{name}](strips/{name}.png)" for name in stripped), ""]
     (out / "matrix.md").write_text("\n".join(lines))

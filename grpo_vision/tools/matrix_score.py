@@ -250,6 +250,24 @@ def pool_seeds(scorer: Scorer, reference: dict, scores: list[dict]) -> dict:
     return out
 
 
+def against_baseline(scorer: Scorer, baseline: list[dict], scores: list[dict]) -> dict:
+    """Each measure of runs (one per training seed) minus the baseline's runs of the same seeds, per eval set:
+    the mean difference, paired per image and per seed, with a 95% interval that resamples the captions and
+    the seeds (intervals.caption_interval). What decides whether a training option beats the recipe it
+    changes (`matrix --variant`: the first variant is the baseline)."""
+    out = {}
+    for set_name in baseline[0]["sets"]:
+        pairs = [(_measures(s["sets"][set_name], b["sets"][set_name]), _measures(b["sets"][set_name],
+                                                                                  b["sets"][set_name]))
+                 for s, b in zip(scores, baseline)]
+        table = {}
+        for name in pairs[0][0]:
+            diff = torch.stack([_tensor(m[name][0]) - _tensor(base[name][0]) for m, base in pairs])  # [S, N]
+            table[name] = caption_interval(diff, *_clusters(scorer.captions, scorer.strata, set_name, diff.shape[1]))
+        out[set_name] = table
+    return out
+
+
 def score_runs(scorer: Scorer, out: Path, runs: list[tuple[str, Path]]) -> tuple[dict, dict, dict]:
     """(the reference's summary, {run name: its summary or None when it has no checkpoint}, {"reference"
     and each scored run: its per-image scores})."""

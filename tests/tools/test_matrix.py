@@ -125,6 +125,45 @@ def test_seeds_pool_into_one_mean_whose_interval_resamples_them():
     assert pooled["clip"]["change"]["seeds"] == 2 and "kl" not in pooled
 
 
+def test_a_variant_is_compared_with_the_baseline_seed_by_seed():
+    from types import SimpleNamespace
+
+    from grpo_vision.tools.matrix import compare_variants
+    from grpo_vision.tools.matrix_report import compared_table
+    from grpo_vision.tools.matrix_score import against_baseline
+
+    def scores(clip, correct):
+        return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {"correct": correct, "count": [1.0] * 4},
+                                  "diversity": [0.5] * 2, "entropy": [1.0] * 4, "kl": [0.0] * 4}}}
+
+    scorer = SimpleNamespace(captions={"test": ["a", "b"]}, strata={"test": [None] * 2})  # 2 prompts x 2 images
+    # the baseline's seeds 0 and 1, the variant's: per seed the variant is 0.05 and 0.2 above, on every caption,
+    # so the mean difference is 0.125 and the interval, the captions saying nothing, the seeds' own [0.05, 0.2]
+    base = [scores([0.1] * 4, [0.0, 0.0, 1.0, None]), scores([0.2] * 4, [0.0, 0.0, 0.0, None])]
+    variant = [scores([0.15] * 4, [1.0, 0.0, 1.0, None]), scores([0.4] * 4, [0.0, 0.0, 0.0, None])]
+    table = against_baseline(scorer, base, variant)["test"]
+    assert table["clip"]["mean"] == pytest.approx(0.125) and table["clip"]["ci95"] == pytest.approx([0.05, 0.2])
+    # the judge: +1 on one of seed 0's three images that have a verdict, 0 on seed 1's: (1/3 + 0) / 2
+    assert table["judge/correct"]["mean"] == pytest.approx(1 / 6, abs=1e-5) and table["judge/correct"]["n"] == 3
+    assert table["kl"]["mean"] == 0.0 and table["diversity"]["mean"] == 0.0
+
+    # the pairs: by seed, the baseline being the first variant; a seed the variant did not score is left out
+    cfg = load_config(None, [])
+    specs = plan(cfg, ["clip"], None, [0, 1, 2], ["base:", "stage:train.token_weighting=stage"])
+    runs = [{"name": sp.name, "summary": None if sp.name == "clip-kl0-s2-stage" else {}} for sp in specs]
+    seen = []
+    compared = compare_variants(specs, runs, lambda b, v: seen.append(([r["name"] for r in b], [r["name"] for r in v]))
+                                or {"test": table})
+    assert seen == [(["clip-kl0-s0-base", "clip-kl0-s1-base"], ["clip-kl0-s0-stage", "clip-kl0-s1-stage"])]
+    assert [(c["reward"], c["variant"], c["baseline"], c["seeds"]) for c in compared] == [
+        ("clip [stage]", "stage", "base", [0, 1])]
+    assert compare_variants(plan(cfg, ["clip"], None, [0]), [], None) == []  # no variants: nothing to compare
+    reference = {"test": {"clip": {}, "judge/correct": {}, "judge/count": {}, "diversity": {}, "entropy": {}, "kl": {}}}
+    lines = compared_table("test", reference, compared)
+    assert "| variant | KL | seeds | clip | judge/correct | diversity | entropy | kl | count |" in lines
+    assert lines[-1].startswith("| clip [stage] | 0 | 0,1 | +0.125 [+0.050, +0.200] | +16.7 [")
+
+
 def test_a_reward_a_score_cache_lacks_is_added_from_its_tokens_not_by_sampling_again(micro_world, tmp_path):
     from grpo_vision.tools.matrix_score import Scorer, cached_scores
 
