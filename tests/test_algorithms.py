@@ -114,6 +114,36 @@ def test_resample_puts_groups_of_new_prompts_in_the_flat_groups_places(micro_wor
     assert kept[0]["adv/frac_zero_std"] == rows[0]["train/frac_flat_sampled"]
 
 
+def flat_for_cats(images, prompts, metadata):  # python:tests.test_algorithms:flat_for_cats
+    return torch.tensor([0.5 if " cat" in p else images[i].mean().item() for i, p in enumerate(prompts)])
+
+
+def test_resample_joins_janus_prompts_of_other_widths(tmp_path, monkeypatch):
+    # Janus pads each batch of prompts to its longest: a refill's condition ids are another width than the
+    # step's, and the joined batch is encoded again (rollouts.take_groups), not concatenated (a crash)
+    import grpo_vision.train as train_module
+    from grpo_vision.tools.presets import preset_overrides
+    from tests.helpers import ROOT
+
+    widths = []
+
+    def spy(parts, picks, group_size, encode=None):
+        widths.append(sorted({p[0].cond.shape[1] for p in parts}))
+        return take_groups(parts, picks, group_size, encode)
+
+    take_groups = train_module.take_groups
+    monkeypatch.setattr(train_module, "take_groups", spy)
+    overrides = [*preset_overrides("janus-pro-1b-tiny", tmp_path / "preset", "float32"), "sample.prompts_per_step=2",
+                 "sample.group_size=2", "sample.batch_size=4", "train.micro_batch_size=2", "train.minibatches_per_pass=1",
+                 "train.steps=2", "train.zero_std_groups=resample", "reward.options={}", "reward.monitor=[]",
+                 "reward.weights={python:tests.test_algorithms:flat_for_cats: 1.0}", "log.sample_every=0",
+                 "log.report=false", f"run.out_dir={tmp_path}", "run.name=janus"]
+    run = train(load_config(ROOT / "configs" / "janus_pro_1b.yaml", overrides), progress=False)
+    rows = load_metrics(run)
+    assert sum(m["train/groups_resampled"] for m in rows) >= 1 and any(len(w) > 1 for w in widths), widths
+    assert all(m["adv/frac_zero_std"] == 0 for m in rows)
+
+
 def test_resample_needs_prompts_beyond_a_steps_own(micro_world, tmp_path):
     prompts = tmp_path / "two.txt"
     prompts.write_text("a red circle\na blue square\n")
