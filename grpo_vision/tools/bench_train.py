@@ -14,7 +14,6 @@ alike; each round drops its first step on both sides. Speed is checked here, nev
 
 from __future__ import annotations
 
-import gc
 import json
 import resource
 import statistics
@@ -65,10 +64,9 @@ def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 
 
     before = {}
     if torch.cuda.is_available():  # the peak of this run, not of what the process ran before
-        gc.collect()
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        # what the process still held (the peak includes it): 0 unless the caller keeps models of its own
+        # what the process still held (the peak includes it; train() and bench gpu collect what runs left):
+        # 0 unless the caller keeps models of its own
         before = {"cuda_allocated_before_gib": round(torch.cuda.memory_allocated() / 2**30, 3)}
     _fresh_accelerate()
     with tempfile.TemporaryDirectory() as out:

@@ -257,12 +257,12 @@ def against_baseline(scorer: Scorer, baseline: list[dict], scores: list[dict]) -
     changes (`matrix --variant`: the first variant is the baseline)."""
     out = {}
     for set_name in baseline[0]["sets"]:
-        pairs = [(_measures(s["sets"][set_name], b["sets"][set_name]), _measures(b["sets"][set_name],
-                                                                                  b["sets"][set_name]))
-                 for s, b in zip(scores, baseline)]
+        # each run's per-image values and the baseline's own (measured against itself: KL has no reference pair)
+        ours = [_measures(s["sets"][set_name], b["sets"][set_name]) for s, b in zip(scores, baseline)]
+        theirs = [_measures(b["sets"][set_name], b["sets"][set_name]) for b in baseline]
         table = {}
-        for name in pairs[0][0]:
-            diff = torch.stack([_tensor(m[name][0]) - _tensor(base[name][0]) for m, base in pairs])  # [S, N]
+        for name in ours[0]:
+            diff = torch.stack([_tensor(o[name][0]) - _tensor(t[name][0]) for o, t in zip(ours, theirs)])  # [S, N]
             table[name] = caption_interval(diff, *_clusters(scorer.captions, scorer.strata, set_name, diff.shape[1]))
         out[set_name] = table
     return out
