@@ -24,7 +24,7 @@ from grpo_vision.config.load import ConfigError, apply_override, brief, from_dic
 from grpo_vision.files import write_file
 
 
-# run.device's names (and --device's); whether this machine has one is checked at use (policies.resolve_device)
+# run.device's names (and --device's); whether this machine has one is checked at use (run/machine.resolve_device)
 DEVICE_NAME = re.compile(r"auto|cpu|cuda(:[0-9]+)?|mps")
 DEVICE_HINT = "auto (the best device here), cpu, cuda, cuda:N or mps"
 # the largest image seed the commands and the demo take (numpy's and most tools' limit); here, in the core,

@@ -359,7 +359,7 @@ def test_no_float_field_accepts_a_non_finite_value(bad):
 
 
 def test_a_long_value_or_key_is_quoted_briefly():
-    # errors quote user text through config_load.brief: the first 80 characters and the length (issue 33)
+    # errors quote user text through config/load.brief: the first 80 characters and the length (issue 33)
     for override, start in ((f"run.seed={'9x' * 50_000}", "command line: 'run.seed' expects an integer, got '9x9x"),
                             (f"run.{'e' * 99_996}=x", "command line: unknown key 'run.eee"),
                             ("r" * 100_000, "override 'rrr")):
