@@ -140,8 +140,8 @@ class ClipPreset:
 
 
 CLIP_PRESETS = {
-    # smoke run, plain recipe: seconds, for tests
-    "micro": ClipPreset(32, 3e-3, 0.1, 5, 60, 1.0),
+    # smoke run, plain recipe: seconds, for tests (float32: see VQ_PRESETS["micro"])
+    "micro": ClipPreset(32, 3e-3, 0.1, 5, 60, 1.0, amp=False),
     # the full recipe; fewer steps left shape and size weaker, and GRPO against such a CLIP lost them
     # (docs/experiments/world_recipes.md)
     "default": ClipPreset(64, 2e-3, 0.1, 50, 1500, 2.0, attr_weights=(1, 1, 1, 1, 4),
