@@ -2,17 +2,28 @@
 
 Two tiers (pyproject.toml's markers): `pytest -m "not e2e"` is the fast tier (math, sampler, config,
 rewards, in-process loops on the micro world); tests marked `e2e` run the CLI in a subprocess, several
-processes, TRL, the browser, matrix runs or world builds. `pytest -q` runs both."""
+processes, TRL, the browser, matrix runs or world builds. `pytest -q` runs both; `-n auto` (pytest-xdist,
+as TRL's CI runs its suite) runs them on one worker per core."""
 
+import os
 import sys
 
 import pytest
 import torch
 
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.run.machine import available_cores
 from tests.helpers import micro_cfg
 
 WORDS = "a red blue circle square left of".split()
+
+# Under pytest-xdist each worker, and every CLI process its tests start (run.threads=0 reads
+# OMP_NUM_THREADS), takes its share of the cores: two workers' OpenMP pools of two threads each on two
+# cores would spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
