@@ -3,7 +3,7 @@
 Two tiers (pyproject.toml's markers): `pytest -m "not e2e"` is the fast tier (math, sampler, config,
 rewards, in-process loops on the micro world); tests marked `e2e` run the CLI in a subprocess, several
 processes, TRL, the browser, matrix runs or world builds. `pytest -q` runs both; `-n auto` (pytest-xdist,
-as TRL's CI runs its suite) runs them on one worker per core."""
+as TRL's Makefile runs its suite) runs them on one worker per core."""
 
 import os
 import sys
