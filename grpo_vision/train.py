@@ -22,6 +22,7 @@ import math
 import signal
 import sys
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes,
 from grpo_vision.credit import stage_entropy_reward
 from grpo_vision.grpo import frac_zero_std, group_advantages, group_std, informative_groups, normalize_then_sum
 from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
-from grpo_vision.models.adapters import add_adapter
+from grpo_vision.models.adapters import add_adapter, merge_problem, merged_adapter, merged_bytes
 from grpo_vision.policy import Bundle, check_weighting_hooks, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.reference import Reference
@@ -101,7 +102,7 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
             # in the sharded policy)
             with timer("sample"), full_weights(st.learner.model):
                 samples = sample_step(st.policy, st.bundle.tokenizer, st.prompts.train, st.params, cfg, step, st.acc,
-                                      timer)
+                                      timer, st.merge)
             with timer("reward"):  # ---- REWARD: every process's scores, in group order; the health checks count them
                 scored = score_step(st.rewards, st.bundle.judge if cfg.log.judge_rollouts else None, samples, cfg,
                                     st.acc)
@@ -222,7 +223,7 @@ def new_iteration(st: RunState, cfg: Config, step: int, timer: PhaseTimer) -> di
 
 
 def sample_step(policy, tokenizer, prompts: list[PromptEntry], params: SamplingParams, cfg: Config, step: int,
-                acc, timer: PhaseTimer) -> Samples:
+                acc, timer: PhaseTimer, merge: bool = False) -> Samples:
     """Every process draws the step's B prompts (the same list) and samples its own whole groups, each
     image from its own seed (seeds.IMAGE + its row among the step's B*G)."""
     s = cfg.sample
@@ -231,14 +232,16 @@ def sample_step(policy, tokenizer, prompts: list[PromptEntry], params: SamplingP
     entries = repeat([prompts[i] for i in chosen[process_slice(s.prompts_per_step, acc)]], s.group_size)
     rows = process_slice(s.prompts_per_step * s.group_size, acc)
     seeds = [step_seed(cfg.run.seed, step, IMAGE + j) for j in range(rows.start, rows.stop)]
-    return sample_entries(policy, tokenizer, entries, seeds, params, s, timer, chosen, rows)
+    return sample_entries(policy, tokenizer, entries, seeds, params, s, timer, chosen, rows, merge)
 
 
 def sample_entries(policy, tokenizer, entries: list[PromptEntry], seeds: list[int], params: SamplingParams, s,
-                   timer: PhaseTimer, chosen=None, rows: slice | None = None) -> Samples:
-    """`entries`' images, row i from `seeds[i]`, decoded (sample config `s`: batch size, precision)."""
+                   timer: PhaseTimer, chosen=None, rows: slice | None = None, merge: bool = False) -> Samples:
+    """`entries`' images, row i from `seeds[i]`, decoded (sample config `s`: batch size, precision); `merge`:
+    sampled with the adapter folded into the weights (sample.merge_adapter), which are put back after."""
     policy.eval()
-    cond, rollout = sample_rows(policy, entries, seeds, params, s.batch_size, s.mixed_precision == "bf16")
+    with merged_adapter(policy) if merge else nullcontext():
+        cond, rollout = sample_rows(policy, entries, seeds, params, s.batch_size, s.mixed_precision == "bf16")
     with timer("decode"):  # its own phase: the sample clock stops meanwhile
         images = decode_images(tokenizer, rollout.tokens, s.batch_size)  # [n, 3, H, W]
     return Samples(entries, seeds, cond, rollout, images, chosen, rows)
@@ -266,7 +269,8 @@ def refill_flat_groups(st: RunState, cfg: Config, step: int, samples: Samples, s
         entries = repeat([st.prompts.train[i] for i in new], G)
         seeds = [step_seed(cfg.run.seed, step, REFILL_IMAGE + drawn * G + j) for j in range(len(entries))]
         with timer("sample"), full_weights(st.learner.model):
-            more = sample_entries(st.policy, st.bundle.tokenizer, entries, seeds, st.params, cfg.sample, timer, new)
+            more = sample_entries(st.policy, st.bundle.tokenizer, entries, seeds, st.params, cfg.sample, timer, new,
+                                  merge=st.merge)
         with timer("reward"):
             more_scored = score_step(st.rewards, st.bundle.judge if cfg.log.judge_rollouts else None, more, cfg,
                                      st.acc)
@@ -461,6 +465,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     buffer: ReplayBuffer | None  # iterative RL with a learning reward: the samples it updates on
     base: dict  # the identity of the base files (run/checkpoint.py base_identity), kept in every checkpoint
     memory_estimate: int = 0  # bytes: run/memory.py's estimated peak, logged beside the measured one
+    merge: bool = False  # sample.merge_adapter resolved: rollouts sample with the adapter folded into the weights
 
 
 def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None = None,
@@ -476,9 +481,12 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
                           f"{acc.num_processes}: use train.zero_std_groups=keep, or one process")
     reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    # before any sampling: a batch that cannot fit stops here, naming the knob to lower
-    memory_estimate = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
-                                    params.guided, acc.device, acc.is_main_process, before_load)
+    merge = merge_setting(cfg, policy, acc)
+    # before any sampling: a batch that cannot fit stops here, naming the knob to lower (auto's merge falls back to
+    # unmerged sampling where only its copy of the weights does not fit)
+    memory_estimate, merge = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
+                                           params.guided, acc.device, acc.is_main_process, before_load,
+                                           merged_bytes(policy) if merge else 0, cfg.sample.merge_adapter == "auto")
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
     if cfg.train.zero_std_groups == "resample" and len(prompts.train) <= cfg.sample.prompts_per_step:
         raise ConfigError(f"train.zero_std_groups=resample replaces flat groups by prompts the step has not drawn, and "
@@ -504,7 +512,25 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
         if resumed is not None and resumed.other_base:  # said with --allow-other-base: the run's log keeps it
             record_other_base(run_dir, resumed.step, resumed.other_base)
     return RunState(acc, run_dir, params, plan, bundle, policy, learner, reference, rewards, prompts,
-                    resumed.step if resumed else 0, buffer, base, memory_estimate)
+                    resumed.step if resumed else 0, buffer, base, memory_estimate, merge)
+
+
+def merge_setting(cfg: Config, policy, acc) -> bool:
+    """sample.merge_adapter resolved for this run: True when rollouts sample with the adapter merged. `on` where
+    it cannot merge exactly, or under FSDP (each process holds a shard of the weights it would fold into), is a
+    ConfigError naming why; `auto` is then off."""
+    setting = cfg.sample.merge_adapter
+    if setting == "off" or cfg.train.adapter == "none":
+        return False
+    if str(acc.distributed_type).endswith("FSDP"):
+        if setting == "on":
+            raise ConfigError("sample.merge_adapter=on folds the adapter into whole weights, and FSDP shards them "
+                              "across processes: set sample.merge_adapter to auto or off under FSDP")
+        return False
+    problem = merge_problem(policy, lora_only=setting == "auto")
+    if problem and setting == "on":
+        raise ConfigError(f"sample.merge_adapter=on cannot merge exactly: {problem}; set sample.merge_adapter=off")
+    return problem is None
 
 
 def record_other_base(run_dir: Path, step: int, change: str) -> None:
@@ -558,8 +584,10 @@ def load_policy(cfg: Config, acc, params: SamplingParams, given: Bundle | None) 
             raise ConfigError(f"policy kind {cfg.policy.kind!r} cannot recompute activations: set "
                               "train.gradient_checkpointing=false")
         policy.gradient_checkpointing_enable()
-    if t.adapter != "none":
-        policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
+    if t.adapter != "none":  # its random factors drawn from run.seed: two runs of one script start alike
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+            torch.manual_seed(cfg.run.seed)
+            policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
     return bundle, policy
 
 

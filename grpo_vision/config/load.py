@@ -285,6 +285,8 @@ def coerce(value: Any, hint: Any, key: str, where: str) -> Any:
     if origin is Literal:
         if value is False and "no" in args:  # YAML 1.1 reads a bare `no` (accelerate's spelling) as false
             return "no"
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # and bare `on` / `off` as booleans
+            return "on" if value else "off"
         if value not in args:
             raise fail("one of " + ", ".join(repr(a) for a in args))
         return value

@@ -73,6 +73,10 @@ class SampleConfig:
     # rollouts under bf16 autocast (float32 weights decode faster on a GPU); rollout/logp_drift shows what it
     # costs, and the update's old log-probs are then recomputed, so that its first ratio is still exactly 1
     mixed_precision: Literal["no", "bf16"] = "no"
+    # fold the peft adapter into the weights while a step samples, and put the weights back bit for bit after (TRL
+    # 1.16 and verl's lora.merge): the rollout runs the base model's kernels only. auto = on for LoRA on one process
+    # or DDP, off for LoHa / LoKr, DoRA, FSDP or where the merged copy does not fit; on refuses what cannot merge
+    merge_adapter: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass
@@ -293,6 +297,9 @@ def validate(cfg: Config) -> None:
         (t.max_skipped_updates >= 0, "train.max_skipped_updates must be >= 0 (0 = never stop)"),
         (t.adapter_rank >= 1, "train.adapter_rank must be >= 1"),
         (t.resample_rounds >= 1, "train.resample_rounds must be >= 1 (train.zero_std_groups=drop refills nothing)"),
+        (s.merge_adapter != "on" or t.adapter != "none",
+         "sample.merge_adapter=on folds a peft adapter into the weights while sampling, and train.adapter is none: "
+         "set sample.merge_adapter to auto or off, or train.adapter to lora"),
         (t.reference != "adapter" or t.adapter != "none",
          "train.reference: adapter is the policy with its adapter disabled, and train.adapter is none: set "
          "train.adapter to lora, loha or lokr, or train.reference to frozen"),

@@ -58,11 +58,12 @@ def saved_values_per_token(dim: int, kv_dim: int, ffn: int) -> int:
 
 def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_batch: int, guided: bool,
                     frozen_reference: bool, activation_bytes: int | None = None,
-                    checkpointing: bool = False) -> dict[str, int]:
+                    checkpointing: bool = False, merged: int = 0) -> dict[str, int]:
     """Bytes per part of a step's peak on one process: `images` per process per step, `sample_batch`
     rows per sampler call, `micro_batch` rows per forward/backward; CFG doubles the rows. Activations are
     `activation_bytes` a value (2 under bf16 autocast; default the weights' dtype); `checkpointing` keeps
-    one block's activations and every block's input."""
+    one block's activations and every block's input. `merged`: the bytes of the merged weights sampling
+    holds beside the originals (sample.merge_adapter; models/adapters.py merged_bytes)."""
     s, pb, cfg_rows = shape, shape.param_bytes, 2 if guided else 1
     trainable_bytes = s.trainable_bytes if s.trainable_bytes is not None else s.trainable * pb
     parts = {
@@ -82,7 +83,7 @@ def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_ba
     rows = sample_batch * cfg_rows
     kv_cache = 2 * s.layers * rows * kv_dim * seq * (s.kv_bytes or pb)  # keys and values
     fused = s.layers * s.dim * ((s.heads + 2 * s.kv_heads) * head_dim + 2 * s.ffn_dim) * pb if s.fused_copy else 0
-    parts["sampling"] = kv_cache + fused + rows * s.codebook * 4 * 4  # a few float32 [rows, K] per token
+    parts["sampling"] = kv_cache + fused + merged + rows * s.codebook * 4 * 4  # a few float32 [rows, K] per token
     rows = micro_batch * cfg_rows
     block = saved_values_per_token(s.dim, kv_dim, s.ffn_dim) * ab
     per_token = (s.layers * s.dim * ab + block + s.adapter_bytes // s.layers if checkpointing
@@ -156,7 +157,7 @@ def available_memory(device: torch.device) -> int | None:
 KNOBS = {"weights": "a smaller policy, policy.dtype, or train.adapter=lora with train.reference=adapter (no second copy)",
          "optimizer": "train.adapter=lora (trains an adapter only) or a smaller policy",
          "step": "sample.prompts_per_step (or sample.group_size): every image of a step is held at once",
-         "sampling": "sample.batch_size (sequences per sampler call)",
+         "sampling": "sample.batch_size (sequences per sampler call), or sample.merge_adapter=off (no merged copy)",
          "training": "train.micro_batch_size (sequences per forward/backward) or train.gradient_checkpointing",
          "runtime": "the other work in this process (it is what the process held before the run's first step)"}
 
@@ -180,18 +181,32 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
 
 
 def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,
-                  device, loud: bool, runtime_bytes: int = 0) -> int:
+                  device, loud: bool, runtime_bytes: int = 0, merged: int = 0,
+                  optional_merge: bool = False) -> tuple[int, bool]:
     """Estimate a run's peak memory for its config, print it (`loud`), warn when close, refuse when over;
-    returns the estimated peak in bytes. `runtime_bytes`: the process before the policy was loaded (a CPU's)."""
+    returns the estimated peak in bytes and whether rollouts merge the adapter. `runtime_bytes`: the process
+    before the policy was loaded (a CPU's); `merged`: the merged weights' bytes when sampling merges, which
+    `optional_merge` (sample.merge_adapter=auto) drops, saying so, where only they make the estimate too close."""
     shape = policy_shape(policy, tokenizer, trainable, runtime_bytes)
     t = cfg.train
-    parts = estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
-                            frozen_reference=t.reference == "frozen",
-                            activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
-                            checkpointing=t.gradient_checkpointing)
-    line, too_close = check_memory(parts, available_memory(torch.device(device)), lower_bound=shape.layers is None)
+    available = available_memory(torch.device(device))
+
+    def parts_with(merged_bytes: int) -> dict[str, int]:
+        return estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
+                               frozen_reference=t.reference == "frozen",
+                               activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
+                               checkpointing=t.gradient_checkpointing, merged=merged_bytes)
+    parts = parts_with(merged)
+    if merged and optional_merge and available and peak(parts) > WARN_FRACTION * available \
+            and peak(parts_with(0)) < peak(parts):
+        if loud:
+            print(f"[train] sample.merge_adapter=auto: sampling unmerged, the merged copy of the adapted weights "
+                  f"({merged / GIB:.2f} GiB) would bring the estimate to {peak(parts) / GIB:.1f} of "
+                  f"{available / GIB:.1f} GiB", flush=True)
+        merged, parts = 0, parts_with(0)
+    line, too_close = check_memory(parts, available, lower_bound=shape.layers is None)
     if loud:
         print(f"[train] {line}", flush=True)
         if too_close:
             warn(too_close)
-    return peak(parts)
+    return peak(parts), bool(merged)
