@@ -29,7 +29,11 @@ far, a shape that grows every step; ``static`` uses a cache preallocated at its 
 position a tensor on the device and the attention masked (`models/decode.py`), so every tensor keeps
 its shape and address; ``graph`` records that step, the token draw included, once as a CUDA graph and
 replays it for every token (no per-token Python or kernel-launch cost; PyTorch's CUDA graphs docs, the
-gpt-fast / LlamaGen `reduce-overhead` decode). All three draw the same tokens from the same seeds.
+gpt-fast / LlamaGen `reduce-overhead` decode); ``compiled`` is the same static step compiled by
+`torch.compile` (inductor fuses its norms, rotary, residuals and the draw into fewer kernels), recorded as
+a CUDA graph on a GPU and run as it is on a CPU. The compiled step is one function of the module
+(`decode_step`), compiled once per process and shape, never per rollout. All draw the same tokens from the
+same seeds.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 from grpo_vision.policy import ImagePolicy
 
 LOGPROB_MODES = ("guided", "conditional")
-DECODE_MODES = ("auto", "eager", "static", "graph")
+DECODE_MODES = ("auto", "eager", "static", "graph", "compiled")
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     logprob_mode: str = "guided"  # "guided" | "conditional", see module docstring
-    decode: str = "eager"  # how a rollout runs, not what it draws: auto | eager | static | graph (docstring)
+    decode: str = "eager"  # how a rollout runs, not what it draws: auto | eager | static | graph | compiled (docstring)
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:
@@ -87,7 +91,8 @@ class Rollout:
 
 def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th largest value along the last dim, `[..., 1]` (no gradient: it is a threshold)."""
-    if x.device.type == "cpu":  # numpy's introselect beats torch.topk on CPU (docs/benchmarks.md)
+    # numpy's introselect beats torch.topk on CPU (docs/benchmarks.md), but would break a compiled step in two
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():
         i = x.shape[-1] - k
         a = np.partition(x.detach().float().numpy(), i, axis=-1)[..., i:i + 1]
         return torch.from_numpy(a).to(x.dtype)
@@ -170,6 +175,38 @@ def decode_mode(policy: ImagePolicy, requested: str, device: torch.device) -> st
     return requested
 
 
+def draw(logits: torch.Tensor, u: torch.Tensor, col: torch.Tensor, out: Rollout, params: SamplingParams) -> torch.Tensor:
+    """Token `col` of every row from `logits` `[B or 2B, K]` (CFG's null rows after the B conditional ones) with
+    uniforms `u` `[B, N]`, written into `out`; returns the rows to decode next `[B or 2B]`."""
+    B = u.shape[0]
+    c, un = (logits[:B], logits[B:]) if params.guided else (logits, None)
+    token, logp, entropy = sample_token(c, un, u.gather(1, col).squeeze(1), params)
+    for buffer, value in zip((out.tokens, out.logprobs, out.entropy), (token, logp, entropy)):
+        buffer.scatter_(1, col, value.unsqueeze(1))
+    col.add_(1)
+    return token.repeat(2) if params.guided else token  # [B or 2B]
+
+
+def decode_step(policy: ImagePolicy, cache, logits: torch.Tensor, u: torch.Tensor, col: torch.Tensor, out: Rollout,
+                params: SamplingParams) -> torch.Tensor:
+    """One token of every row: drawn from `logits`, decoded into `cache`, the next logits written over `logits`.
+    Every tensor it reads and writes keeps its address (a static cache), so a CUDA graph can record it."""
+    return logits.copy_(policy.decode(draw(logits, u, col, out, params), cache))
+
+
+_COMPILED: list = []  # decode_step under torch.compile, made at the first compiled rollout of the process
+
+
+def compiled_decode_step():
+    """`decode_step` compiled by inductor, once per process: torch.compile caches the code per input shape,
+    dtype and setting (guards), so a later rollout of the same shapes runs it without compiling again."""
+    if not _COMPILED:
+        # a recompile per group size, dtype and setting; the default limit of 8 would fall back to eager silently
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _COMPILED.append(torch.compile(decode_step, dynamic=False))
+    return _COMPILED[0]
+
+
 @torch.no_grad()  # not inference_mode: rollout tensors are reused by autograd in training
 def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch.Tensor,
            params: SamplingParams) -> Rollout:
@@ -184,25 +221,20 @@ def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch
     out = Rollout(torch.zeros(B, N, dtype=torch.long, device=device), torch.zeros(B, N, device=device),
                   torch.zeros(B, N, device=device))
     col = torch.zeros(B, 1, dtype=torch.long, device=device)  # the token being drawn, a tensor a graph can read
-
-    def draw(logits: torch.Tensor) -> torch.Tensor:
-        """Token `col` of every row from `logits` `[B or 2B, K]`, written into `out`; the rows to decode next."""
-        c, un = (logits[:B], logits[B:]) if params.guided else (logits, None)
-        token, logp, entropy = sample_token(c, un, u.gather(1, col).squeeze(1), params)
-        for buffer, value in zip((out.tokens, out.logprobs, out.entropy), (token, logp, entropy)):
-            buffer.scatter_(1, col, value.unsqueeze(1))
-        col.add_(1)
-        return token.repeat(2) if params.guided else token  # [B or 2B]
-
     logits = policy.prefill(rows, cache)  # [B or 2B, K]
-    if mode == "graph" and N > 1:
-        replay = record_step(lambda: logits.copy_(policy.decode(draw(logits), cache)), [logits, col, cache.position])
+    if mode in ("graph", "compiled") and N > 1:
+        step = compiled_decode_step() if mode == "compiled" else decode_step
+        if device.type == "cuda":
+            replay = record_step(lambda: step(policy, cache, logits, u, col, out, params),
+                                 [logits, col, cache.position])
+        else:  # inductor's CPU code, run step by step
+            replay = lambda: step(policy, cache, logits, u, col, out, params)  # noqa: E731
         for _ in range(N - 1):
             replay()
     else:
         for _ in range(N - 1):
-            logits = policy.decode(draw(logits), cache)
-    draw(logits)  # the last token: nothing decodes after it
+            logits = policy.decode(draw(logits, u, col, out, params), cache)
+    draw(logits, u, col, out, params)  # the last token: nothing decodes after it
     return out
 
 

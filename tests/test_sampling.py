@@ -31,6 +31,28 @@ def device_for(decode: str) -> str:
     return "cuda" if decode == "graph" else "cpu"
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("params", [MODES[1], MODES[4], MODES[5]], ids=str)
+@torch.no_grad()
+def test_the_compiled_step_draws_the_eager_tokens_and_compiles_once(tiny_policy, params, device):
+    """sample.decode: compiled (inductor runs on a CPU too; inside the CUDA graph on a GPU): the eager path's
+    tokens for the same seeds, and a second rollout of the same shapes compiles nothing more."""
+    from torch._dynamo.utils import counters
+
+    policy = tiny_policy.to(device)
+    cond = policy.encode_prompts(PROMPTS * 2)
+    eager = sample(policy, cond, list(range(6)), params)
+    compiled = sample(policy, cond, list(range(6)), replace(params, decode="compiled"))
+    assert torch.equal(compiled.tokens, eager.tokens)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(compiled.entropy, eager.entropy, atol=1e-5, rtol=0)
+    graphs = counters["stats"]["unique_graphs"]
+    again = sample(policy, cond, list(range(10, 16)), replace(params, decode="compiled"))  # other seeds, same shapes
+    assert counters["stats"]["unique_graphs"] == graphs  # paid once per process, never per rollout
+    assert torch.equal(again.tokens, sample(policy, cond, list(range(10, 16)), params).tokens)
+    assert not torch.equal(again.tokens, eager.tokens)
+
+
 def reference_sample(policy, cond, seeds, params, force_guidance=False):
     """Slow and obvious: full forward passes (no cache) at every step, same uniforms, same filters."""
     B, N, device = cond.shape[0], policy.num_image_tokens, cond.device

@@ -68,8 +68,9 @@ class SampleConfig:
     batch_size: int = 64  # sequences per sampler call (CFG doubles the rows internally)
     # how a rollout runs, not what it draws (sampling.py): graph = a fixed-shape decode step recorded once as a
     # CUDA graph and replayed per token; static = that step without the graph; eager = attention over the keys
-    # so far; auto = graph on a GPU, eager on a CPU. All give the same tokens for the same seeds.
-    decode: Literal["auto", "eager", "static", "graph"] = "auto"
+    # so far; compiled = the static step fused by torch.compile (inside the graph on a GPU; compiled once per
+    # process and shape); auto = graph on a GPU, eager on a CPU. All give the same tokens for the same seeds.
+    decode: Literal["auto", "eager", "static", "graph", "compiled"] = "auto"
     # rollouts under bf16 autocast (float32 weights decode faster on a GPU); rollout/logp_drift shows what it
     # costs, and the update's old log-probs are then recomputed, so that its first ratio is still exactly 1
     mixed_precision: Literal["no", "bf16"] = "no"

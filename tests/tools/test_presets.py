@@ -80,6 +80,19 @@ def test_every_decode_path_draws_the_eager_tokens(name, params, decode, folders)
     assert eager.logprobs.mean() < -0.1  # not a degenerate, deterministic sampler
 
 
+@pytest.mark.parametrize("name", ["janus-pro-1b-tiny", "llamagen-t2i-xl-tiny", "llamagen-c2i-xl-tiny"])
+@torch.no_grad()
+def test_the_compiled_decode_step_draws_the_eager_tokens_for_every_kind(name, folders):
+    """sample.decode: compiled on a CPU (inductor's C++ code): each kind's static step compiled whole."""
+    policy = loaded(folders[name]).policy
+    cond = policy.encode_prompts(prompts_for(name, 3) * 2)
+    eager = sample(policy, cond, list(range(6)), PARAMS[1])
+    compiled = sample(policy, cond, list(range(6)), replace(PARAMS[1], decode="compiled"))
+    assert torch.equal(compiled.tokens, eager.tokens)
+    torch.testing.assert_close(compiled.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+    assert eager.logprobs.mean() < -0.1
+
+
 @pytest.mark.parametrize("decode", DECODES)
 @pytest.mark.parametrize("name", ["janus-pro-1b-tiny", "llamagen-t2i-xl-tiny", "llamagen-c2i-xl-tiny"])
 def test_static_rollout_logprobs_equal_teacher_forced_logprobs(name, decode, folders):
