@@ -198,12 +198,14 @@ _COMPILED: list = []  # decode_step under torch.compile, made at the first compi
 
 
 def compiled_decode_step():
-    """`decode_step` compiled by inductor, once per process: torch.compile caches the code per input shape,
-    dtype and setting (guards), so a later rollout of the same shapes runs it without compiling again."""
+    """`decode_step` compiled by inductor, once per process: torch.compile caches the code per dtype and setting
+    (guards), so a later rollout runs it without compiling again. Shapes are left to its automatic dynamic mode:
+    a Janus cache is as long as the batch's longest prompt, and the second length seen compiles a version for
+    any length, not one a step."""
     if not _COMPILED:
         # a recompile per group size, dtype and setting; the default limit of 8 would fall back to eager silently
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _COMPILED.append(torch.compile(decode_step, dynamic=False))
+        _COMPILED.append(torch.compile(decode_step))
     return _COMPILED[0]
 
 

@@ -255,7 +255,8 @@ def cmd_bench_gpu(args) -> None:
     for name in names:
         preset(name)
     report = bench_gpu(args.out, args.budget, args.preset_dir or None, args.tiny, args.groups, args.step_group, names,
-                       sampler=not args.steps_only)
+                       sampler=not args.steps_only, isolate=args.isolate, generate=args.generate,
+                       only=[w.strip() for w in args.only.split(";")] if args.only else None)
     print(json.dumps(report, indent=2) if args.json else markdown(report))
 
 
@@ -418,6 +419,11 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--groups", type=int_list, default=[8, 16], help="the sampler's group sizes G")
     p.add_argument("--step-group", type=positive_int, default=16, help="G of the step figures (one prompt a step)")
     p.add_argument("--steps-only", action="store_true", help="only the step figures (no sampler items)")
+    p.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
+                   help="time transformers' generate beside the sampler (Janus; the slowest path)")
+    p.add_argument("--only", default="", help="';'-separated items to run: 'sampler' and step settings by label")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="each item in a fresh process (default: on a GPU), so that each memory peak is its own")
     p.set_defaults(func=cmd_bench_gpu)
     p = training_bench("trl", "images/s of this trainer and TRL's GRPOTrainer at equal settings (needs .[bench]; "
                               "about 3 min for the main job on a 2-core CPU)",

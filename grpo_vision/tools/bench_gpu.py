@@ -39,7 +39,13 @@ STEP_COMMON = ["sample.prompts_per_step=1", "sample.batch_size={G}", "sample.gro
                "reward.monitor=[]"]
 # (label, config, overrides) per preset: LoRA and full fine-tune, a frozen reference and none.
 STEPS = {
+    "janus-pro-7b": [("LoRA, reference = adapter off, checkpointing", "configs/janus_pro_7b_lora.yaml",
+                      ["train.gradient_checkpointing=true"])],
     "janus-pro-1b": [("LoRA, reference = adapter off", "configs/janus_pro_7b_lora.yaml", []),
+                     ("LoRA, reference = adapter off, compiled decode", "configs/janus_pro_7b_lora.yaml",
+                      ["sample.decode=compiled"]),
+                     ("LoRA, reference = adapter off, unmerged sampling", "configs/janus_pro_7b_lora.yaml",
+                      ["sample.merge_adapter=off"]),
                      ("full, frozen reference", "configs/janus_pro_1b.yaml", []),
                      ("full, no reference", "configs/janus_pro_1b.yaml", ["train.reference=none", "train.beta=0.0"])],
     "llamagen-t2i-xl": [("full, frozen reference", "configs/llamagen_t2i.yaml", []),
@@ -47,10 +53,10 @@ STEPS = {
                         ("LoRA, reference = adapter off", "configs/llamagen_t2i.yaml",
                          ["train.adapter=lora", "train.reference=adapter", "train.lr=1e-4",
                           "train.adapter_targets=[wqkv, wo, w1, w2, w3]"])],
-    "janus-pro-7b": [("LoRA, reference = adapter off, checkpointing", "configs/janus_pro_7b_lora.yaml",
-                      ["train.gradient_checkpointing=true"])],
 }
-ORDER = ["janus-pro-1b", "llamagen-t2i-xl", "llamagen-c2i-xl", "janus-pro-7b"]  # what users ask for first
+# what users ask for first: the 7B (the anchors' model) in a process of its own before anything else, a preset's
+# steps before its sampler
+ORDER = ["janus-pro-7b", "janus-pro-1b", "llamagen-t2i-xl", "llamagen-c2i-xl"]
 OPTIONAL = ["diffusers", "open_clip_torch", "gradio", "peft", "transformers", "accelerate"]
 
 
@@ -81,9 +87,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, repeats: int) -> float:
-    """Median seconds of `repeats` calls after one warm-up call."""
+def _timed(fn, repeats: int, first: bool = False):
+    """Median seconds of `repeats` calls after one warm-up call (`first`: and the warm-up's own seconds)."""
+    _sync()
+    start = time.perf_counter()
     fn()
+    _sync()
+    warm = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         _sync()
@@ -91,14 +101,14 @@ def _timed(fn, repeats: int) -> float:
         fn()
         _sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return (statistics.median(times), warm) if first else statistics.median(times)
 
 
 @torch.no_grad()
 def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repeats: int = 1, dtype: str = "bfloat16",
-                         device: str | None = None, generate: bool = True) -> dict:
-    """Images/s of one group of G images with the preset's CFG, per decode path, beside transformers' generate
-    (Janus) and the teacher-forced ceiling."""
+                         device: str | None = None, generate: bool = True, compiled: bool = True) -> dict:
+    """Images/s of one group of G images with the preset's CFG, per decode path (eager, static or the CUDA graph,
+    and the compiled step), beside transformers' generate (Janus) and the teacher-forced ceiling."""
     from grpo_vision.config import load_config
     from grpo_vision.policy import load_bundle
     from grpo_vision.sampling import SamplingParams, sample
@@ -112,26 +122,29 @@ def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repea
               "params": sum(q.numel() for q in policy.parameters()), "load_s": round(time.perf_counter() - start, 1),
               "groups": {}}
     fast = "graph" if device == "cuda" else "static"
+    paths = ("eager", fast, "compiled") if compiled else ("eager", fast)
     for G in groups:
         prompts = prompts_for(name, 1) * G  # one prompt's group
         cond = policy.encode_prompts(prompts)
         params = SamplingParams(cfg_scale=p.cfg_scale)
-        runs = {d: (lambda d=d: sample(policy, cond, list(range(G)), replace(params, decode=d)))
-                for d in ("eager", fast)}
+        runs = {d: (lambda d=d: sample(policy, cond, list(range(G)), replace(params, decode=d))) for d in paths}
         tokens = sample(policy, cond, list(range(G)), params).tokens
         rows = torch.cat([cond, policy.null_condition(cond)])
         runs["teacher_forced"] = lambda: policy.image_logits(rows, tokens.repeat(2, 1))
         if generate and p.kind == "janus":
             runs["generate"] = _janus_generate(policy, prompts, p.cfg_scale)
-        seconds, failed = {}, {}
+        seconds, failed, first = {}, {}, {}
         for k, fn in runs.items():
             try:
-                seconds[k] = _timed(fn, repeats)
-            except Exception as e:  # transformers' generate breaks between releases: a baseline, not the item
-                if k != "generate":
+                seconds[k], first[k] = _timed(fn, repeats, first=True)
+            except Exception as e:  # transformers' generate breaks between releases, a compiler may fail: one path
+                if k not in ("generate", "compiled"):
                     raise
-                failed[k] = f"{type(e).__name__}: {e}"
-        row = {k: {"s": sig(s), "images_per_s": sig(G / s), "tokens_per_s": sig(G * N / s)} for k, s in seconds.items()}
+                failed[k] = f"{type(e).__name__}: {str(e)[:300]}"
+        row = {k: {"s": sig(s), "images_per_s": sig(G / s), "tokens_per_s": sig(G * N / s),
+                   "ms_per_decode_step": sig(1000 * s / N)} for k, s in seconds.items()}
+        if "compiled" in seconds:  # the first call compiles (once per process and shape); later calls do not
+            row["compiled"]["compile_s"] = sig(first["compiled"] - seconds["compiled"])
         row |= {f"{k}_error": why for k, why in failed.items()}
         if "generate" in seconds:
             row["speedup_vs_generate"] = sig(seconds["generate"] / seconds[fast])
@@ -162,15 +175,23 @@ def bench_preset_steps(name: str, directory: str | Path, G: int = 16, dtype: str
         if G < 8:  # a tiny group: micro-batches of the whole group (the configs' 2, 4 and 8 divide G = 16)
             overrides.append(f"train.micro_batch_size={G}")
 
-        def run(config=config, overrides=overrides):  # the preset is written when the first item runs
-            return bench_step(config, [*preset_overrides(name, directory, dtype), *overrides], steps, warmup)
+        # a compiled decode compiles at its first rollout and, for a Janus cache of another prompt length, once more
+        # for any length (sampling.compiled_decode_step): two untimed steps
+        warm = max(warmup, 2) if "sample.decode=compiled" in overrides else warmup
+
+        def run(config=config, overrides=overrides, warm=warm):  # the preset is written when the first item runs
+            return bench_step(config, [*preset_overrides(name, directory, dtype), *overrides], steps, warm)
         yield label, run
 
 
 def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | None = None, tiny: bool = False,
-              groups=(8, 16), step_group: int = 16, presets: list[str] | None = None, sampler: bool = True) -> dict:
-    """Every measurement that fits `budget_s` seconds, preset by preset; the JSON is rewritten after each.
-    `sampler=False`: the step figures only."""
+              groups=(8, 16), step_group: int = 16, presets: list[str] | None = None, sampler: bool = True,
+              isolate: bool | None = None, only: list[str] | None = None, generate: bool = True) -> dict:
+    """Every measurement that fits `budget_s` seconds, preset by preset (its steps, then its sampler); the JSON
+    is rewritten after each. `sampler=False`: the step figures only. `isolate` (default: on a GPU): each item in a
+    fresh process, so that its memory peak is its own and a crash or a hang costs that item only. `only`: the
+    items whose "what" (e.g. "sampler", "step: LoRA, reference = adapter off") is listed. `generate=False`: the
+    sampler items leave out transformers' generate (the slowest path: a baseline measured once is enough)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     preset_dir = Path(preset_dir) if preset_dir else out / "presets"
@@ -178,29 +199,31 @@ def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | N
     names = [n + ("-tiny" if tiny else "") for n in (presets or ORDER)]
     # float32 for the tiny twins on a CPU (bf16 matrix products are slow there); the released dtype on a GPU
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    report = {"machine": machine(), "budget_s": budget_s, "dtype": dtype, "results": [], "not_run": []}
+    isolate = torch.cuda.is_available() if isolate is None else isolate
+    report = {"machine": machine(), "budget_s": budget_s, "dtype": dtype, "isolated": isolate, "results": [],
+              "not_run": []}
     items = []
     for name in names:
-        if sampler:
-            items.append((name, "sampler", lambda name=name: bench_preset_sampler(name, preset_dir / name, groups,
-                                                                                  dtype=dtype)))
         items += [(name, f"step: {label}", fn) for label, fn in bench_preset_steps(name, preset_dir / name,
                                                                                    step_group, dtype)]
+        if sampler:
+            items.append((name, "sampler", lambda name=name: bench_preset_sampler(name, preset_dir / name, groups,
+                                                                                  dtype=dtype, generate=generate)))
+    if only:
+        items = [i for i in items if i[1] in only or i[1].removeprefix("step: ") in only]
     for name, what, fn in items:
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
             report["not_run"].append(f"{name} {what}: the budget ran out")
             continue
         start = time.perf_counter()
         entry = {"preset": name, "what": what}
-        try:
-            entry["result"] = fn()
-        except torch.cuda.OutOfMemoryError as e:
-            entry["does_not_fit"] = f"out of memory: {str(e).splitlines()[0]}"
-        except ImportError as e:
-            entry["missing_package"] = str(e)
-        except Exception as e:  # a failed item is a line of the report, not the end of the run
-            entry["error"] = f"{type(e).__name__}: {e}"
-            entry["traceback"] = traceback.format_exc(limit=6)
+        if isolate:
+            entry |= run_isolated({"preset": name, "what": what, "preset_dir": str(preset_dir / name),
+                                   "groups": list(groups), "step_group": step_group, "dtype": dtype,
+                                   "generate": generate}, left + 30)
+        else:
+            entry |= run_item(fn)
         entry["seconds"] = round(time.perf_counter() - start, 1)
         report["results"].append(entry)
         gc.collect()  # an item's models sit in reference cycles: freed now, not inside the next item's peak
@@ -210,6 +233,50 @@ def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | N
         _write(report, out)
     _write(report, out)
     return report
+
+
+def run_item(fn) -> dict:
+    """{"result": ...} of one measurement, or what stopped it: out of memory, a missing package, an error."""
+    try:
+        return {"result": fn()}
+    except torch.cuda.OutOfMemoryError as e:
+        return {"does_not_fit": f"out of memory: {str(e).splitlines()[0]}"}
+    except ImportError as e:
+        return {"missing_package": str(e)}
+    except Exception as e:  # a failed item is a line of the report, not the end of the run
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=6)}
+
+
+ITEM_MARK = "BENCH_ITEM_RESULT "  # the line of a child process's stdout that holds its item's JSON
+
+
+def run_isolated(spec: dict, timeout_s: float) -> dict:
+    """One item (`spec`: preset, what, preset_dir, groups, step_group, dtype) in a fresh Python process: its
+    entry fields, or why it gave none (a timeout, a crash with the end of its output)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-m", "grpo_vision.tools.bench_gpu", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s (the budget's end)"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith(ITEM_MARK):
+            return json.loads(line[len(ITEM_MARK):])
+    return {"error": f"the item's process exited {done.returncode} without a result",
+            "traceback": (done.stderr or done.stdout)[-2000:]}
+
+
+def _item_main(spec: dict) -> None:
+    """The child process of `run_isolated`: one item measured, its entry printed on a marked line."""
+    name, what = spec["preset"], spec["what"]
+    if what == "sampler":
+        fn = lambda: bench_preset_sampler(name, spec["preset_dir"], spec["groups"], dtype=spec["dtype"],  # noqa: E731
+                                          generate=spec.get("generate", True))
+    else:
+        fn = dict(bench_preset_steps(name, spec["preset_dir"], spec["step_group"], spec["dtype"]))[what[6:]]
+    print(ITEM_MARK + json.dumps(run_item(fn)), flush=True)
 
 
 def _write(report: dict, out: Path) -> None:
@@ -222,35 +289,46 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"Device: {m.get('gpu') or 'CPU'} ({m.get('gpu_memory_gib', '-')} GiB), torch {m['torch']}, "
              f"CUDA {m['cuda']}; weights {report['dtype']}", "",
-             "| preset | G | path | images/s | tokens/s | vs generate | of ceiling |", "|---|---|---|---|---|---|---|"]
+             "| preset | G | path | images/s | tokens/s | ms a decode step | compile s | vs generate | of ceiling |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for e in report["results"]:
         if e["what"] != "sampler" or "result" not in e:
             continue
         for G, row in e["result"]["groups"].items():
-            for path in ("eager", "static", "graph", "generate", "teacher_forced"):
+            for path in ("eager", "static", "graph", "compiled", "generate", "teacher_forced"):
                 if path in row:
                     fast = path in ("static", "graph")
                     lines.append(f"| {e['preset']} | {G} | {path} | {row[path]['images_per_s']} | "
-                                 f"{row[path]['tokens_per_s']} | {row.get('speedup_vs_generate', '') if fast else ''} | "
+                                 f"{row[path]['tokens_per_s']} | {row[path].get('ms_per_decode_step', '')} | "
+                                 f"{row[path].get('compile_s', '')} | "
+                                 f"{row.get('speedup_vs_generate', '') if fast else ''} | "
                                  f"{row['fraction_of_ceiling'] if fast else ''} |")
     lines += ["", "| preset | step setting | images/s | step s | sample | decode | reward | log-probs | update | "
-              "peak GiB | estimate GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "peak GiB | estimate GiB | estimate / peak |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report["results"]:
         if not e["what"].startswith("step"):
             continue
         r = e.get("result")
         if r is None:
             why = e.get("does_not_fit") or e.get("missing_package") or e.get("error", "")
-            lines.append(f"| {e['preset']} | {e['what'][6:]} | {why.splitlines()[0][:80]} | | | | | | | | |")
+            lines.append(f"| {e['preset']} | {e['what'][6:]} | {why.splitlines()[0][:80]} | | | | | | | | | |")
             continue
         ph = r["phases_s"]
         peak = r.get("cuda_max_allocated_gib", r.get("peak_rss_gib"))
+        estimate = r.get("memory_estimate_gib")
+        ratio = f"{estimate / peak:.2f}" if estimate and peak else ""
         lines.append(f"| {e['preset']} | {e['what'][6:]} | {r['images_per_s']} | {r['step_s']} | {ph['sample']} | "
                      f"{ph['decode']} | {ph['reward']} | {ph['logprobs']} | {ph['update']} | {peak} | "
-                     f"{r.get('memory_estimate_gib', '')} |")
+                     f"{estimate or ''} | {ratio} |")
     for e in report["results"]:
         if "result" not in e and e["what"] == "sampler":
             lines.append(f"\n{e['preset']} sampler: {e.get('does_not_fit') or e.get('missing_package') or e.get('error')}")
     if report["not_run"]:
         lines += ["", "Not run: " + "; ".join(report["not_run"])]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # run_isolated's child: python -m grpo_vision.tools.bench_gpu '{"preset": ...}'
+    import sys
+
+    _item_main(json.loads(sys.argv[1]))

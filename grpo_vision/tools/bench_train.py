@@ -37,10 +37,37 @@ def _our_steps(config: str, overrides: list[str], steps: int, out_dir: str) -> t
     cfg = load_config(config, [*overrides, f"train.steps={steps}", f"run.out_dir={out_dir}", f"run.name={name}",
                                "log.report=false", "log.sample_every=0", "log.checkpoint_every=0",
                                "log.trackers=[]"])
-    with redirect_stdout(sys.stderr):  # the run's own lines; stdout is the benchmark's JSON
+    lines = _Tee(sys.stderr)
+    with redirect_stdout(lines):  # the run's own lines (to stderr; stdout is the benchmark's JSON), kept
         run = train(cfg, progress=False)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    if rows:  # the estimate's parts, from the line set-up printed: what a memory row is compared part by part with
+        rows[0]["memory_parts_gib"] = memory_parts("".join(lines.kept))
     return rows, cfg.sample.prompts_per_step * cfg.sample.group_size
+
+
+class _Tee:
+    """A stream that writes to `stream` and keeps what was written."""
+
+    def __init__(self, stream):
+        self.stream, self.kept = stream, []
+
+    def write(self, text: str) -> int:
+        self.kept.append(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def memory_parts(log: str) -> dict[str, float]:
+    """The parts of `[train] memory: ... estimated peak (weights 1.23, optimizer ...)` in GiB; {} without one."""
+    import re
+
+    found = re.search(r"memory: [^(]*\(([^)]*)\)", log)
+    if not found:
+        return {}
+    return {k: float(v) for k, v in (part.rsplit(" ", 1) for part in found.group(1).split(", "))}
 
 
 def _fresh_accelerate() -> None:
@@ -54,7 +81,8 @@ def _fresh_accelerate() -> None:
 
 def _peak_memory_gib() -> dict:
     if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
-        return {"cuda_max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+        return {"cuda_max_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                "cuda_max_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
     return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}  # KiB on Linux
 
 
@@ -79,7 +107,8 @@ def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 
             "warmup_steps": warmup, "threads": torch.get_num_threads(), "step_s": round(step_s, 3),
             "phases_s": phases, "other_s": round(other, 3),  # advantages, logging; medians need not add up
             "images_per_s": sig(images / step_s), **_peak_memory_gib(),
-            "memory_estimate_gib": round(timed[-1]["perf/memory_estimate_gib"], 3), **before}
+            "memory_estimate_gib": round(timed[-1]["perf/memory_estimate_gib"], 3),
+            "memory_parts_gib": rows[0].get("memory_parts_gib", {}), **before}
 
 
 # The settings both trainers share in `bench trl`: what TRL can do (no CFG, no monitored rewards, no
