@@ -260,6 +260,17 @@ def cmd_bench_gpu(args) -> None:
     print(json.dumps(report, indent=2) if args.json else markdown(report))
 
 
+def cmd_plan(args) -> None:
+    from grpo_vision.tools.plan import PLANNED, markdown, plan
+    from grpo_vision.tools.presets import preset
+
+    names = args.preset.split(",") if args.preset else PLANNED
+    for name in names:
+        preset(name)  # an unknown name: one line, before anything is built
+    reports = [plan(name, args.gpu_memory) for name in names]
+    print(json.dumps(reports, indent=2) if args.json else "\n".join(markdown(r) for r in reports))
+
+
 def cmd_bench_trl(args) -> None:
     try:
         from grpo_vision.tools.bench_train import bench_trl
@@ -288,6 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5")
     p.add_argument("--num-processes", type=positive_int, default=1, help="check divisibility for this many processes")
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("plan", help="what fits in 24 / 48 / 80 GB of GPU memory, and its measured images/s, for the "
+                                    "released model sizes (nothing is loaded)")
+    p.add_argument("--preset", default="", help="comma-separated released sizes (default: janus-pro-1b, janus-pro-7b, "
+                                                "llamagen-t2i-xl)")
+    p.add_argument("--gpu-memory", type=int_list, default=[24, 48, 80], help="GPU memory budgets in GB, e.g. 24,48,80")
+    p.add_argument("--json", action="store_true", help="print JSON (default: a markdown table per model)")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run); the main job takes "
                                      "10-20 min on a quiet 2-core CPU")

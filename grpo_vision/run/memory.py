@@ -44,16 +44,23 @@ class PolicyShape:  # what the estimate needs from a policy; the architecture fi
     extra_bytes: int = 0  # frozen weights beside the policy's parameters (LlamaGen-T2I's T5 caption encoder)
     runtime_bytes: int = 0  # on a CPU, the process before any step: libraries, loaders' buffers
     adapter_bytes: int = 0  # per token, all layers: the inputs peft adapters copy to their own dtype (`adapter_copies`)
+    adapter: bool = False  # the trainable weights are adapters (the base layers' weights are frozen)
 
 
-def saved_values_per_token(dim: int, kv_dim: int, ffn: int) -> int:
-    """Values one Llama block keeps for its backward pass, per token (bf16 transformers Llama, counted op by op):
-    two RMSNorms (a float32 copy, 2 values a channel, the normalised and the scaled output: 4 x dim each),
-    RoPE's inputs and rotated halves (2 x dim + 2 x kv_dim), attention's q, k, v and output (2 x dim +
-    2 x kv_dim; fused attention keeps no weights), o_proj's input (dim) and SwiGLU's gate, up, silu and
-    product (4 x ffn). The estimate it gives was 2.4% under the peak of a Janus-Pro-1B-sized bf16 LoRA step on a CPU,
-    and 34% under that of the same step in float32 (not yet explained; docs/benchmarks.md)."""
-    return 13 * dim + 4 * kv_dim + 4 * ffn
+def saved_bytes_per_token(dim: int, kv_dim: int, ffn: int, act_bytes: int, full: bool, weight_inputs: bool) -> int:
+    """Bytes one Llama block keeps for its backward pass, per token, as counted with autograd's saved-tensor hooks on
+    transformers' Llama layers at Janus-Pro-1B's width (bf16 and float32, LoRA and full fine-tune: within 1% of each;
+    docs/benchmarks.md): attention's q, k, v and output (2 x dim + 2 x kv_dim), SwiGLU's gate, up and silu (3 x ffn)
+    and the RMSNorms' float32 inputs (2 x dim x 4 B). Where the weights' gradients need their layers' inputs (`full`:
+    a full fine-tune; `weight_inputs`: that, or adapters in the layers' own dtype, which read the inputs themselves)
+    also the norms' outputs (2 x dim) and down_proj's input (ffn); a full fine-tune also o_proj's input and one more
+    copy of the residual width (2 x dim). Adapters of another dtype keep their own copies instead (`adapter_copies`)."""
+    values = 2 * dim + 2 * kv_dim + 3 * ffn
+    if weight_inputs or full:
+        values += 2 * dim + ffn
+    if full:
+        values += 2 * dim
+    return values * act_bytes + 2 * dim * 4
 
 
 def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_batch: int, guided: bool,
@@ -85,7 +92,7 @@ def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_ba
     fused = s.layers * s.dim * ((s.heads + 2 * s.kv_heads) * head_dim + 2 * s.ffn_dim) * pb if s.fused_copy else 0
     parts["sampling"] = kv_cache + fused + merged + rows * s.codebook * 4 * 4  # a few float32 [rows, K] per token
     rows = micro_batch * cfg_rows
-    block = saved_values_per_token(s.dim, kv_dim, s.ffn_dim) * ab
+    block = saved_bytes_per_token(s.dim, kv_dim, s.ffn_dim, ab, full=not s.adapter, weight_inputs=not s.adapter_bytes)
     per_token = (s.layers * s.dim * ab + block + s.adapter_bytes // s.layers if checkpointing
                  else s.layers * block + s.adapter_bytes)
     # logits, log-softmax and their gradient in float32
@@ -112,7 +119,7 @@ def policy_shape(policy, tokenizer, trainable: list[torch.Tensor], runtime_bytes
                        policy.num_image_tokens, image[0].numel(),
                        weight_bytes=sum(p.numel() * p.element_size() for p in params), adapter_bytes=adapter_copies(policy),
                        trainable_bytes=sum(p.numel() * p.element_size() for p in trainable), runtime_bytes=runtime_bytes,
-                       **arch)
+                       adapter=any(hasattr(m, "base_layer") for m in policy.modules()), **arch)
 
 
 def adapter_copies(policy) -> int:

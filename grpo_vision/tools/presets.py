@@ -182,7 +182,7 @@ def write_janus(p: Preset, directory: Path) -> dict:
     (the released checkpoints' dtype); a WordLevel tokenizer with Janus's special tokens stands in for its
     102,400-entry BPE vocabulary (the embedding table keeps the real row count)."""
     from tokenizers import processors
-    from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import GenerationConfig, JanusForConditionalGeneration, PreTrainedTokenizerFast
     from transformers.models.janus.image_processing_janus import JanusImageProcessor
     from transformers.models.janus.processing_janus import JanusProcessor
 
@@ -197,14 +197,7 @@ def write_janus(p: Preset, directory: Path) -> dict:
     grid = s.image_size // 16 if not s.vision else s.vision["image_size"] // s.vision["patch_size"]
     processor = JanusProcessor(JanusImageProcessor(size={"height": s.image_size, "width": s.image_size}),
                                text_tokenizer, chat_template=JANUS_TEMPLATE, num_image_tokens=grid * grid)
-    config = JanusConfig(
-        text_config=dict(model_type="llama", vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn,
-                         num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                         max_position_embeddings=16384, rms_norm_eps=1e-6, pad_token_id=pad, bos_token_id=bos,
-                         eos_token_id=vocab["<eos>"]),
-        vision_config=dict(projection_dim=s.hidden, **s.vision),
-        vq_config=dict(projection_dim=s.hidden, image_token_embed_dim=s.hidden, **s.vq),
-        image_token_id=vocab["<image_placeholder>"])
+    config = janus_config(p, vocab)
     torch.manual_seed(0)
     with _default_dtype(torch.bfloat16), _fast_init(), torch.device(_build_device()):
         model = JanusForConditionalGeneration(config).eval()
@@ -215,6 +208,22 @@ def write_janus(p: Preset, directory: Path) -> dict:
     return {"path": "model"}
 
 
+def janus_config(p: Preset, vocab: dict | None = None):
+    """transformers' JanusConfig of a Janus preset (`vocab`: the stand-in tokenizer's ids of the special tokens)."""
+    from transformers import JanusConfig
+
+    s = p.size
+    vocab = vocab or {t: i for i, t in enumerate(JANUS_SPECIALS)}
+    return JanusConfig(
+        text_config=dict(model_type="llama", vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.ffn,
+                         num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                         max_position_embeddings=16384, rms_norm_eps=1e-6, pad_token_id=vocab["<pad>"],
+                         bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"]),
+        vision_config=dict(projection_dim=s.hidden, **s.vision),
+        vq_config=dict(projection_dim=s.hidden, image_token_embed_dim=s.hidden, **s.vq),
+        image_token_id=vocab["<image_placeholder>"])
+
+
 # ---------------------------------------------------------------------------- LlamaGen
 
 
@@ -222,16 +231,11 @@ def write_llamagen(p: Preset, directory: Path) -> dict:
     """LlamaGen's release layout: the GPT as `{"model": state_dict}` in a `.pt` named as released (the loader
     reads the image size from the name), the VQ likewise, and for t2i a T5 encoder folder of flan-t5-xl's
     width (2 layers: its cost is one pass per caption, outside the step)."""
-    from grpo_vision.models.llamagen import LlamaGenConfig, LlamaGenPolicy
+    from grpo_vision.models.llamagen import LlamaGenPolicy
     from grpo_vision.models.llamagen_vq import LlamaGenVQ
 
     s = p.size
-    cfg = LlamaGenConfig(s.mode, s.dim, s.layers, s.heads, s.heads, s.ffn, s.codebook, s.image_size // 16,
-                         1 if s.mode == "c2i" else s.cls_token_num,
-                         num_classes=s.num_classes if s.mode == "c2i" else 0,
-                         caption_dim=s.caption_dim if s.mode == "t2i" else 0)
-    if s.gpt == "":  # tiny twins: a 2x-downsampling VQ, so the grid is image_size / 2
-        cfg = replace(cfg, grid=s.image_size // 2 ** (len(s.vq_mult) - 1))
+    cfg = llamagen_config(p)
     torch.manual_seed(0)
     with _fast_init(), torch.device(_build_device()):
         gpt = LlamaGenPolicy(cfg)
@@ -246,6 +250,20 @@ def write_llamagen(p: Preset, directory: Path) -> dict:
     if s.mode == "t2i":
         files["text_encoder"] = write_t5(directory / "t5", s.caption_dim, layers=2 if s.gpt else 1)
     return files
+
+
+def llamagen_config(p: Preset):
+    """The LlamaGenConfig of a LlamaGen preset."""
+    from grpo_vision.models.llamagen import LlamaGenConfig
+
+    s = p.size
+    cfg = LlamaGenConfig(s.mode, s.dim, s.layers, s.heads, s.heads, s.ffn, s.codebook, s.image_size // 16,
+                         1 if s.mode == "c2i" else s.cls_token_num,
+                         num_classes=s.num_classes if s.mode == "c2i" else 0,
+                         caption_dim=s.caption_dim if s.mode == "t2i" else 0)
+    if s.gpt == "":  # tiny twins: a 2x-downsampling VQ, so the grid is image_size / 2
+        cfg = replace(cfg, grid=s.image_size // 2 ** (len(s.vq_mult) - 1))
+    return cfg
 
 
 def write_t5(path: Path, width: int, layers: int) -> str:

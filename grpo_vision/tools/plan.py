@@ -1,0 +1,188 @@
+"""`grpo-vision plan`: what fits in a GPU's memory and how fast it runs, before any weight is loaded.
+
+Users ask "will it fit in 24 / 48 / 80 GB, and how long will it take" more than anything but "how do I train at
+all" (shared/research/anchors-2026-11-28.md, Q4: Janus #41, T2I-R1 #9 and #14, STAGE #3). For a released model size
+(tools/presets.py) the architecture is built on PyTorch's meta device, so its parameters are counted without a
+byte of weights, and run/memory.py's estimate (the one `train` prints and refuses by, checked against measured
+peaks in docs/benchmarks.md) is computed for each candidate setting. For each memory budget the largest setting
+whose estimate stays under the fraction `train` warns at is printed, for a full fine-tune and for LoRA, with the
+images/s a GRPO step of that kind measured on one GPU (docs/benchmarks.md), where one was measured.
+
+    grpo-vision plan --preset janus-pro-7b --gpu-memory 24,48,80
+
+The estimate counts the policy's side (the reward models are not counted) and leaves a fifth of the memory for
+what it does not count: the CUDA context, the allocator's reserve (measured 26-36% above the allocated peak on one
+H200) and the rewards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from grpo_vision.run.memory import GIB, WARN_FRACTION, PolicyShape, estimate_memory, peak
+from grpo_vision.tools.presets import janus_config, llamagen_config, preset
+
+# A GRPO step of one prompt's group (G = 16, the model's CFG, one update of micro-batches), images/s on one H200
+# (docs/benchmarks.md, 2026-11-27 and 2026-11-28 rows): (preset, mode, reference, merged sampling) -> images/s
+MEASURED = {
+    ("janus-pro-7b", "lora", "adapter", True): 1.54,
+    ("janus-pro-1b", "lora", "adapter", True): 3.25,
+    ("janus-pro-1b", "lora", "adapter", False): 2.27,
+    ("janus-pro-1b", "full", "frozen", False): 4.21,
+    ("janus-pro-1b", "full", "none", False): 4.58,
+    ("llamagen-t2i-xl", "full", "frozen", False): 6.82,
+    ("llamagen-t2i-xl", "full", "none", False): 7.44,
+    ("llamagen-t2i-xl", "lora", "adapter", False): 4.12,
+}
+# LoRA's targets in the shipped configs: every projection of every block
+JANUS_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LLAMAGEN_TARGETS = ("wqkv", "wo", "w1", "w2", "w3")
+PLANNED = ["janus-pro-1b", "janus-pro-7b", "llamagen-t2i-xl"]  # what `plan` prints without --preset
+T5_XL_ENCODER = 1_220_000_000  # flan-t5-xl's encoder parameters: LlamaGen-T2I keeps it beside the GPT
+
+
+@dataclass(frozen=True)
+class Setting:
+    mode: str  # full | lora
+    group: int  # G: one prompt's images a step on the GPU (the sampler's batch too)
+    micro_batch: int  # sequences a forward/backward (CFG doubles the rows)
+    checkpointing: bool  # train.gradient_checkpointing
+    reference: str  # frozen | none (full) | adapter (LoRA)
+    merge: bool  # sample.merge_adapter on (LoRA)
+    rank: int = 0  # LoRA rank
+
+    def overrides(self) -> list[str]:
+        """The config overrides that make this setting."""
+        out = [f"sample.group_size={self.group}", f"sample.batch_size={self.group}",
+               f"train.micro_batch_size={self.micro_batch}",
+               f"train.gradient_checkpointing={str(self.checkpointing).lower()}", f"train.reference={self.reference}"]
+        if self.mode == "lora":
+            out += ["train.adapter=lora", f"train.adapter_rank={self.rank}",
+                    f"sample.merge_adapter={'on' if self.merge else 'off'}"]
+        elif self.reference == "none":
+            out.append("train.beta=0.0")
+        return out
+
+
+@dataclass(frozen=True)
+class Linear:  # an adapted projection of one block: its input and output widths
+    fan_in: int
+    fan_out: int
+
+
+def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> tuple[PolicyShape, int]:
+    """The estimate's shape of preset `name` trained in full or with LoRA of `rank` on every projection (bf16
+    weights, float32 adapters as peft keeps them), and the bytes of the weights LoRA adapts (a merged copy's)."""
+    p = preset(name)
+    with torch.device("meta"):
+        if p.kind == "janus":
+            from transformers import JanusForConditionalGeneration
+
+            config = janus_config(p)
+            model = JanusForConditionalGeneration(config)
+            t = config.text_config
+            m = model.model
+            frozen = {id(q) for part in (m.vision_model, m.aligner, m.vqmodel, m.language_model.embed_tokens,
+                                         model.lm_head) for q in part.parameters()}
+            arch = dict(layers=t.num_hidden_layers, dim=t.hidden_size, heads=t.num_attention_heads,
+                        kv_heads=t.num_key_value_heads, ffn_dim=t.intermediate_size, cond_len=64,
+                        codebook=config.vq_config.num_embeddings)
+            image_size, tokens, extra = p.size.image_size, config.vision_config.num_image_tokens, 0
+        else:
+            from grpo_vision.models.llamagen import LlamaGenPolicy
+
+            cfg = llamagen_config(p)
+            model = LlamaGenPolicy(cfg)
+            frozen = set()
+            arch = dict(layers=cfg.n_layer, dim=cfg.dim, heads=cfg.n_head, kv_heads=cfg.n_kv_head, ffn_dim=cfg.ffn_dim,
+                        cond_len=cfg.cls_token_num, codebook=cfg.codebook_size)
+            image_size, tokens = p.size.image_size, cfg.num_image_tokens
+            extra = T5_XL_ENCODER * dtype_bytes if cfg.mode == "t2i" and p.size.gpt else 0
+    params = {id(q): q.numel() for q in model.parameters()}
+    total = sum(params.values())
+    d, kv, f = arch["dim"], arch["kv_heads"] * (arch["dim"] // arch["heads"]), arch["ffn_dim"]
+    if p.kind == "janus":
+        block = [Linear(d, d), Linear(d, kv), Linear(d, kv), Linear(d, d), Linear(d, f), Linear(d, f), Linear(f, d)]
+    else:
+        block = [Linear(d, d + 2 * kv), Linear(d, d), Linear(d, f), Linear(f, d), Linear(d, f)]
+    adapted = arch["layers"] * sum(x.fan_in * x.fan_out for x in block) * dtype_bytes
+    if mode == "lora":  # peft keeps the adapters in float32, and a bf16 layer's input is copied to float32 for them
+        trainable = arch["layers"] * rank * sum(x.fan_in + x.fan_out for x in block)
+        trainable_bytes = trainable * 4
+        copies = arch["layers"] * sum(x.fan_in for x in block) * 4 if dtype_bytes != 4 else 0
+        total, weight_bytes = total + trainable, total * dtype_bytes + trainable_bytes
+    else:
+        trainable = sum(n for i, n in params.items() if i not in frozen)
+        trainable_bytes, copies, weight_bytes = trainable * dtype_bytes, 0, total * dtype_bytes
+    shape = PolicyShape(total, trainable, dtype_bytes, tokens, 3 * image_size ** 2, **arch, weight_bytes=weight_bytes,
+                        trainable_bytes=trainable_bytes, extra_bytes=extra, adapter_bytes=copies, adapter=mode == "lora")
+    return shape, adapted
+
+
+def estimate(shape: PolicyShape, adapted: int, s: Setting) -> float:
+    """GiB of the setting's estimated peak (run/memory.py), one prompt's group a step on one GPU."""
+    parts = estimate_memory(shape, images=s.group, sample_batch=s.group, micro_batch=s.micro_batch, guided=True,
+                            frozen_reference=s.reference == "frozen", checkpointing=s.checkpointing,
+                            merged=adapted if s.merge else 0)
+    return peak(parts) / GIB
+
+
+def candidates(mode: str, ranks=(64, 32, 16, 8)):
+    """Settings from the largest to the smallest: a bigger group first, then no recomputation (faster), a bigger
+    micro-batch, a frozen reference (full) or merged sampling (LoRA), a higher rank."""
+    for group in (16, 8, 4):
+        for checkpointing in (False, True):
+            for micro in (m for m in (8, 4, 2, 1) if m <= group and group % m == 0):
+                if mode == "full":
+                    for reference in ("frozen", "none"):
+                        yield Setting("full", group, micro, checkpointing, reference, False)
+                else:
+                    for merge in (True, False):
+                        for rank in ranks:
+                            yield Setting("lora", group, micro, checkpointing, "adapter", merge, rank)
+
+
+def plan(name: str, budgets_gib: list[float]) -> dict:
+    """For each budget and each mode (full fine-tune, LoRA): the largest setting that fits, its estimate, and the
+    step's images/s where a step of that kind was measured."""
+    shapes = {"full": preset_shape(name, "full")}
+    shapes |= {("lora", r): preset_shape(name, "lora", r) for r in (64, 32, 16, 8)}
+    rows = []
+    for budget in budgets_gib:
+        for mode in ("full", "lora"):
+            chosen = None
+            for s in candidates(mode):
+                shape, adapted = shapes["full"] if mode == "full" else shapes[("lora", s.rank)]
+                gib = estimate(shape, adapted, s)
+                if gib <= WARN_FRACTION * budget:
+                    chosen = (s, gib)
+                    break
+            row = {"gpu_memory_gib": budget, "mode": mode}
+            if chosen is None:
+                rows.append(row | {"fits": False})
+                continue
+            s, gib = chosen
+            rate = MEASURED.get((name, mode, s.reference, s.merge))
+            rows.append(row | {"fits": True, **asdict(s), "estimate_gib": round(gib, 1),
+                               "images_per_s_measured": rate,
+                               "measured_at": "G 16, the shipped config's micro-batch, one H200" if rate else None,
+                               "overrides": s.overrides()})
+    return {"preset": name, "fraction": WARN_FRACTION, "rows": rows}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"{report['preset']}: the largest setting whose estimated peak is at most {report['fraction']:.0%} of the "
+             "GPU's memory (one prompt's group a step on the GPU, the model's CFG, bf16 weights)", "",
+             "| GPU memory | mode | G | micro-batch | rank | checkpointing | reference | merged sampling | estimate GiB "
+             "| images/s (measured, G 16) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if not r["fits"]:
+            lines.append(f"| {r['gpu_memory_gib']:g} GB | {r['mode']} | does not fit | | | | | | | |")
+            continue
+        lines.append(f"| {r['gpu_memory_gib']:g} GB | {r['mode']} | {r['group']} | {r['micro_batch']} | "
+                     f"{r['rank'] or ''} | {'on' if r['checkpointing'] else 'off'} | {r['reference']} | "
+                     f"{'on' if r['merge'] else 'off' if r['mode'] == 'lora' else ''} | {r['estimate_gib']} | "
+                     f"{r['images_per_s_measured'] or 'not measured'} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,67 @@
+"""`grpo-vision plan`: the released sizes' shapes counted on the meta device equal the loaded models' own, and
+each budget gets the first candidate setting whose estimate fits."""
+
+import pytest
+import torch
+
+from grpo_vision.config import load_config
+from grpo_vision.models.adapters import add_adapter
+from grpo_vision.policy import load_bundle
+from grpo_vision.run.memory import WARN_FRACTION, policy_shape
+from grpo_vision.tools import plan as planner
+from grpo_vision.tools.presets import preset_overrides
+
+
+@pytest.mark.parametrize("name,targets", [("janus-pro-1b-tiny", list(planner.JANUS_TARGETS)),
+                                          ("llamagen-t2i-xl-tiny", list(planner.LLAMAGEN_TARGETS))])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_presets_shape_on_the_meta_device_is_the_loaded_models(name, targets, mode, tmp_path):
+    bundle = load_bundle(load_config(None, preset_overrides(name, tmp_path, "bfloat16")).policy, "cpu")
+    policy = bundle.policy
+    if mode == "lora":
+        policy = add_adapter(policy, "lora", 4, 8.0, targets)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    loaded = policy_shape(policy, bundle.tokenizer, trainable)
+    counted, adapted = planner.preset_shape(name, mode, rank=4)
+    for field in ("params", "trainable", "trainable_bytes", "adapter_bytes", "adapter", "layers", "dim", "heads",
+                  "kv_heads", "ffn_dim", "codebook", "image_tokens", "image_values"):
+        assert getattr(counted, field) == getattr(loaded, field), field
+    # on a CPU Janus runs its frozen VQ model in float32 (models/janus.py); on a GPU, as planned, in bf16
+    vq = sum(p.numel() for p in bundle.policy.model.model.vqmodel.parameters()) if "janus" in name else 0
+    assert counted.weight_bytes + 2 * vq == loaded.weight_bytes
+    merged = sum(m.base_layer.weight.numel() * 2 for m in policy.modules() if hasattr(m, "base_layer"))
+    assert mode == "full" or adapted == merged
+
+
+def test_each_budget_gets_the_first_setting_that_fits():
+    report = planner.plan("janus-pro-7b", [24, 80])
+    shapes = {r: planner.preset_shape("janus-pro-7b", "lora", r) for r in (64, 32, 16, 8)}
+    full = planner.preset_shape("janus-pro-7b", "full")
+    for row in report["rows"]:
+        if not row["fits"]:  # 7B in full: weights, gradients and AdamW's moments alone are 4 x 14 GB
+            assert row["mode"] == "full" and row["gpu_memory_gib"] == 24
+            continue
+        chosen = planner.Setting(*(row[k] for k in ("mode", "group", "micro_batch", "checkpointing", "reference",
+                                                    "merge", "rank")))
+        for s in planner.candidates(row["mode"]):
+            shape, adapted = full if s.mode == "full" else shapes[s.rank]
+            fits = planner.estimate(shape, adapted, s) <= WARN_FRACTION * row["gpu_memory_gib"]
+            if s == chosen:
+                assert fits and row["estimate_gib"] == round(planner.estimate(shape, adapted, s), 1)
+                break
+            assert not fits, s  # every larger setting is over
+    lora_24 = next(r for r in report["rows"] if r["mode"] == "lora" and r["gpu_memory_gib"] == 24)
+    assert lora_24["group"] < 16 and not lora_24["merge"]  # 7B LoRA on 24 GB: a smaller group, no merged copy
+    assert "train.adapter=lora" in lora_24["overrides"] and "sample.merge_adapter=off" in lora_24["overrides"]
+
+
+def test_the_command_prints_a_table_per_model_and_names_an_unknown_size(capsys):
+    from grpo_vision.cli import main
+
+    main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", "24,80"])
+    out = capsys.readouterr().out
+    assert "| 24 GB | lora | 16 |" in out and "| 80 GB | full |" in out
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--preset", "janus-pro-3b"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.strip().count("\n") == 0 and "unknown --preset 'janus-pro-3b'" in err
