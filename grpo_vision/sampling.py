@@ -38,12 +38,14 @@ same seeds.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from grpo_vision.config import ConfigError
 from grpo_vision.policy import ImagePolicy
 
 LOGPROB_MODES = ("guided", "conditional")
@@ -226,18 +228,42 @@ def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch
     logits = policy.prefill(rows, cache)  # [B or 2B, K]
     if mode in ("graph", "compiled") and N > 1:
         step = compiled_decode_step() if mode == "compiled" else decode_step
-        if device.type == "cuda":
-            replay = record_step(lambda: step(policy, cache, logits, u, col, out, params),
-                                 [logits, col, cache.position])
-        else:  # inductor's CPU code, run step by step
-            replay = lambda: step(policy, cache, logits, u, col, out, params)  # noqa: E731
-        for _ in range(N - 1):
+        with compile_errors(mode):
+            if device.type == "cuda":
+                replay = record_step(lambda: step(policy, cache, logits, u, col, out, params),
+                                     [logits, col, cache.position])
+            else:  # inductor's CPU code, run step by step
+                replay = lambda: step(policy, cache, logits, u, col, out, params)  # noqa: E731
+                replay()
+        for _ in range(N - 2 if mode == "compiled" and device.type != "cuda" else N - 1):
             replay()
     else:
         for _ in range(N - 1):
             logits = policy.decode(draw(logits, u, col, out, params), cache)
     draw(logits, u, col, out, params)  # the last token: nothing decodes after it
     return out
+
+
+class CompileError(ConfigError):
+    """torch.compile could not compile the decode step (sample.decode: compiled): one line, naming the fix."""
+
+
+@contextmanager
+def compile_errors(mode: str):
+    """Inductor's failures while compiling the decode step, as one CompileError line: torch 2.11's Triton code
+    generation failed on the Janus-Pro-1B step on an H200 (docs/benchmarks.md), where the CUDA graph runs."""
+    if mode != "compiled":
+        yield
+        return
+    try:
+        yield
+    except Exception as e:
+        if not type(e).__module__.startswith(("torch._inductor", "torch._dynamo")):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CompileError(f"sample.decode=compiled: torch {torch.__version__} could not compile this policy's decode "
+                           f"step ({type(e).__name__}: {first[:200]}); use sample.decode=graph (a GPU) or eager"
+                           ) from None
 
 
 def record_step(step, state: Sequence[torch.Tensor]) -> callable:

@@ -31,6 +31,27 @@ def device_for(decode: str) -> str:
     return "cuda" if decode == "graph" else "cpu"
 
 
+def test_a_decode_step_the_compiler_fails_on_is_one_line_naming_the_fix(tiny_policy, monkeypatch):
+    """torch 2.11's inductor failed in its Triton code generation on Janus-Pro-1B's step (docs/benchmarks.md)."""
+    from torch._inductor.exc import InductorError
+
+    from grpo_vision import sampling
+
+    def fails(*args, **kwargs):
+        raise InductorError(TypeError("list indices must be integers or slices, not NoneType"), "a traceback")
+
+    monkeypatch.setattr(sampling, "compiled_decode_step", lambda: fails)
+    cond = tiny_policy.encode_prompts(PROMPTS)
+    with pytest.raises(sampling.CompileError) as err:
+        sample(tiny_policy, cond, [1, 2, 3], replace(MODES[1], decode="compiled"))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("sample.decode=compiled: torch ") and \
+        "(InductorError: TypeError: list indices" in message and message.endswith("use sample.decode=graph (a GPU) or eager")
+    monkeypatch.setattr(sampling, "compiled_decode_step", lambda: lambda *a: 1 / 0)  # not the compiler's: as it is
+    with pytest.raises(ZeroDivisionError):
+        sample(tiny_policy, cond, [1, 2, 3], replace(MODES[1], decode="compiled"))
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("params", [MODES[1], MODES[4], MODES[5]], ids=str)
 @torch.no_grad()
@@ -188,7 +209,7 @@ def test_seed_count_must_match_rows(tiny_policy):
 
 def test_bad_params_are_refused(tiny_policy):
     with pytest.raises(ValueError, match="decode must be one of"):
-        SamplingParams(decode="compiled")
+        SamplingParams(decode="fused")
     cond = tiny_policy.encode_prompts(PROMPTS)
     with pytest.raises(ValueError, match="'graph' needs a CUDA device"):
         sample(tiny_policy, cond, [1, 2, 3], SamplingParams(decode="graph"))

@@ -71,7 +71,8 @@ def test_the_budget_and_failures_are_reported_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "bench_preset_sampler", out_of_memory)
     monkeypatch.setattr(bench, "bench_preset_steps", lambda *a, **k: iter([("LoRA", missing)]))
     report = bench.bench_gpu(tmp_path / "some", budget_s=600, tiny=True, presets=["janus-pro-1b"])
-    sampler, step = report["results"]
+    step, sampler = report["results"]  # a preset's steps come before its sampler
+    assert (step["what"], sampler["what"]) == ("step: LoRA", "sampler")
     assert sampler["does_not_fit"].startswith("out of memory: CUDA out of memory")
     assert step["missing_package"] == "No module named 'flash_attn'"
     table = (tmp_path / "some" / "bench_gpu.md").read_text()
@@ -80,3 +81,16 @@ def test_the_budget_and_failures_are_reported_not_fatal(tmp_path, monkeypatch):
 
 def test_rates_keep_their_significant_digits():
     assert bench.sig(2 / 1020) == 0.00196 and bench.sig(1234.5678) == 1230.0 and bench.sig(0.5) == 0.5
+
+
+def test_an_item_runs_in_a_process_of_its_own_and_a_crash_is_its_line(tmp_path):
+    report = bench.bench_gpu(tmp_path / "iso", budget_s=600, tiny=True, presets=["llamagen-c2i-xl"], groups=(2,),
+                             isolate=True, only=["sampler"], generate=False)
+    assert report["isolated"] and [e["what"] for e in report["results"]] == ["sampler"]
+    row = report["results"][0]["result"]["groups"]["2"]
+    assert {"eager", "static", "compiled", "teacher_forced"} <= row.keys() and row["compiled"]["compile_s"] >= 0
+    crashed = bench.run_isolated({"preset": "llamagen-c2i-xl-tiny", "what": "step: no such setting",
+                                  "preset_dir": str(tmp_path / "x"), "groups": [2], "step_group": 2,
+                                  "dtype": "float32"}, timeout_s=120)
+    assert crashed["error"].startswith("the item's process exited 1 without a result") and "KeyError" in \
+        crashed["traceback"]
