@@ -21,6 +21,7 @@ from grpo_vision.run.health import warn
 
 GIB = 2**30
 WARN_FRACTION = 0.8  # warn when the estimate is above this fraction of the available memory
+RETURN_FRACTION = 0.3  # on a CPU, from this fraction up freed memory is returned at once (machine.return_freed_memory)
 
 
 @dataclass
@@ -211,6 +212,12 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
                   f"({merged / GIB:.2f} GiB) would bring the estimate to {peak(parts) / GIB:.1f} of "
                   f"{available / GIB:.1f} GiB", flush=True)
         merged, parts = 0, parts_with(0)
+    if torch.device(device).type == "cpu" and available and peak(parts) > RETURN_FRACTION * available:
+        from grpo_vision.run.machine import return_freed_memory
+
+        if return_freed_memory() and loud:  # glibc's arenas would keep what each phase freed (docs/benchmarks.md)
+            print("[train] a large step for this CPU's memory: freed memory goes back to the system at once "
+                  "(glibc's mmap threshold 64 KiB)", flush=True)
     line, too_close = check_memory(parts, available, lower_bound=shape.layers is None)
     if loud:
         print(f"[train] {line}", flush=True)
