@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_vision.config import (
-    Config, ConfigError, PolicyConfig, apply_override, brief, from_dict, load_config, validate,
+    EVAL_SEED, Config, ConfigError, PolicyConfig, apply_override, brief, from_dict, load_config, validate,
 )
 from grpo_vision.config.trl_names import accumulation, trl_overrides
 
@@ -95,9 +95,11 @@ class GRPOTrainer:
             self.run_dir = train(self.cfg, bundle=self.bundle, prompts=given)
         return self.run_dir
 
-    def evaluate(self, step: int | None = None, n: int = 4, seed: int = 0, prompts=None, device: str = "run") -> dict:
+    def evaluate(self, step: int | None = None, n: int = 4, seed: int = EVAL_SEED, prompts=None,
+                 device: str = "run") -> dict:
         """`grpo-vision eval RUN`'s result for the trained run: each reward's mean and 95% interval, policy and
-        reference, on the run's eval sets (or on `prompts`: a path or prompts in memory, as train_prompts)."""
+        reference, on the run's eval sets (or on `prompts`: a path or prompts in memory, as train_prompts). The
+        seeds are eval's and the report's (EVAL_SEED), so the three score the same images."""
         from grpo_vision.evaluation.evaluate import evaluate_run
 
         sets = {"prompts": self._prompts(prompts, "prompts")} if prompts is not None else None

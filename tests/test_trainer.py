@@ -188,3 +188,15 @@ def test_resume_and_demo_name_a_reward_only_the_script_had(micro_run, tmp_path, 
         assert "bright" in demo.rewards.fns
     finally:
         REGISTRY.pop("bright", None)
+
+
+def test_evaluate_scores_the_images_eval_and_the_report_score(micro_run):
+    """GRPOTrainer.evaluate drew on seed 0 where `grpo-vision eval` and the report draw on the eval seed: the same
+    run gave two sets of numbers for one question."""
+    from grpo_vision.evaluation.evaluate import evaluate_run
+
+    trainer = GRPOTrainer(str(micro_run / "config.yaml"))
+    trainer.run_dir = micro_run
+    ours, cli = trainer.evaluate(n=1, device="cpu"), evaluate_run(micro_run, n=1, device="cpu")
+    assert ours["sets"] == cli["sets"]
+    assert trainer.evaluate(n=1, device="cpu", seed=0)["sets"] != cli["sets"]  # seed 0, the old default: other images
