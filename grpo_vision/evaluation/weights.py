@@ -26,6 +26,7 @@ the run's policy with the checkpoint's weights (models/kinds.py, `trained_bundle
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     from grpo_vision.evaluation.evaluate import load_run
 
     run_dir, out = Path(run_dir), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty folder: name a new folder")
+    check_export_target(out)  # before the run loads: a bad --out is one line, not minutes later
     run = load_run(run_dir, step, device="cpu", allow_other_base=allow_other_base)  # the whole model is written from host memory anyway
     kind, policy = run.cfg.policy.kind, run.policy
     adapter = run.cfg.train.adapter != "none"
@@ -59,17 +59,73 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     if not hasattr(base, "export"):
         raise ConfigError(f"policy kind {kind!r} ({type(base).__name__}) has no export(directory): its weights are "
                           f"the run's checkpoints; load them with grpo_vision.evaluation.evaluate.load_run({str(run_dir)!r})")
-    out.mkdir(parents=True, exist_ok=True)
-    if adapter and not merge and getattr(base, "adapter_root", None) is not None:
-        files, form = write_adapter(policy, base.adapter_root, run.cfg.train.adapter_targets, out,
-                                    base_path=run.cfg.policy.path), "adapter"
-    else:
-        model = policy.merge_and_unload() if adapter else policy  # peft folds LoRA, LoHa and LoKr alike
-        files, form = model.export(out), "model"
-    record = {"run": str(run_dir), "step": run.step, "kind": kind, "form": form, "base": run.cfg.policy.path,
-              "adapter": run.cfg.train.adapter, "merged": adapter and form == "model", "dtype": run.cfg.policy.dtype}
-    write_file(out / "export.json", json.dumps(record, indent=2) + "\n")
-    return Exported(out, kind, form, run.step, [*files, out / "export.json"])
+    with staging(out) as folder:  # written whole into a sibling, then renamed: no half export under --out's name
+        if adapter and not merge and getattr(base, "adapter_root", None) is not None:
+            files, form = write_adapter(policy, base.adapter_root, run.cfg.train.adapter_targets, folder,
+                                        base_path=run.cfg.policy.path), "adapter"
+        else:
+            model = policy.merge_and_unload() if adapter else policy  # peft folds LoRA, LoHa and LoKr alike
+            files, form = model.export(folder), "model"
+        record = {"run": str(run_dir), "step": run.step, "kind": kind, "form": form, "base": run.cfg.policy.path,
+                  "adapter": run.cfg.train.adapter, "merged": adapter and form == "model",
+                  "dtype": run.cfg.policy.dtype}
+        write_file(folder / "export.json", json.dumps(record, indent=2) + "\n")
+    return Exported(out, kind, form, run.step, [out / f.relative_to(folder) for f in files] + [out / "export.json"])
+
+
+def run_folder_around(path: Path) -> Path | None:
+    """The run folder that `path` is, or lies inside (its config.yaml beside a lock, metrics or checkpoints), or
+    None: `train --resume` rewrites what is inside one (a checkpoint folder is replaced whole)."""
+    for folder in (path, *path.parents):
+        if (folder / "config.yaml").is_file() and any((folder / n).exists() for n in
+                                                      ("run.lock", "metrics.jsonl", "checkpoints")):
+            return folder
+    return None
+
+
+def check_export_target(out: Path) -> None:
+    """One ConfigError line naming --out for a target that would fail or be lost: a link, a file or a folder that
+    holds files, a place inside a run folder, a parent that is a file or cannot be written."""
+    import os
+
+    if out.is_symlink():
+        raise ConfigError(f"--out {out} is a link (to {os.readlink(out)}): name a new folder, not a link")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty folder: name a new folder")
+    absolute = Path(os.path.abspath(out))
+    if (run := run_folder_around(absolute)) is not None:
+        raise ConfigError(f"--out {out} lies inside the run folder {run}, which train --resume rewrites (a checkpoint "
+                          "folder is replaced whole): export to a folder outside the run")
+    existing = next(p for p in (absolute, *absolute.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is {'a dangling link' if not existing.exists() else 'a file'}, "
+                          "not a folder; name a folder under a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {existing} is not writable; name a folder where you can write")
+
+
+@contextmanager
+def staging(out: Path):
+    """A new hidden sibling of `out` to write into, renamed to `out` once the body ends; removed if it fails (a
+    full disk is a ConfigError line naming --out), so no half-written folder ever carries the export's name."""
+    import errno
+    import os
+    import secrets
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
+    folder.mkdir()
+    try:
+        yield folder
+        if out.is_dir():  # an empty folder the user made for it
+            out.rmdir()
+        os.rename(folder, out)
+    except BaseException as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise ConfigError(f"--out {out}: writing the export failed ({e.strerror}); nothing was left there") from None
+        raise
 
 
 def write_adapter(policy, root: str, targets: list[str], out: Path, base_path: str = "") -> list[Path]:

@@ -215,6 +215,41 @@ def test_export_refuses_a_folder_that_holds_files(llama_runs, tmp_path):
         export_run(llama_runs[False], tmp_path / "taken")
 
 
+def test_export_refuses_a_place_inside_a_run_folder_and_bad_paths_before_loading(tmp_path):
+    """`--out RUN/checkpoints/step_000004` was accepted, and the next `train --resume` replaced the folder: the
+    export vanished with exit 0. Each refusal comes before the run loads (the run here has no weights at all)."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000004").mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {}\n")
+    (run / "metrics.jsonl").write_text("")
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    cases = {run / "checkpoints" / "step_000004": f"lies inside the run folder {run}, which train --resume rewrites",
+             run / "exports" / "new": f"lies inside the run folder {run}",
+             tmp_path / "a_file" / "out": f"{tmp_path / 'a_file'} is a file, not a folder",
+             tmp_path / "dangling": "is a link (to",
+             tmp_path / "dangling" / "out": "is a dangling link, not a folder"}
+    for out, says in cases.items():
+        with pytest.raises(ConfigError) as err:
+            export_run(run, out)
+        assert says in str(err.value) and "\n" not in str(err.value), (out, str(err.value))
+    assert not (run / "exports").exists()
+
+
+def test_a_failed_export_leaves_nothing_under_its_name(llama_runs, tmp_path, monkeypatch):
+    from grpo_vision.models.llama import LlamaImagePolicy
+
+    def full_disk(self, directory):
+        (directory / "model.safetensors").write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(LlamaImagePolicy, "export", full_disk)
+    with pytest.raises(ConfigError, match=r"^--out .*out: writing the export failed \(No space left on device\); "
+                                          r"nothing was left there$"):
+        export_run(llama_runs[False], tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []  # no folder named out, no hidden half-written sibling
+
+
 # ---------------------------------------------------------------------------- llamagen
 
 
