@@ -200,3 +200,17 @@ def test_evaluate_scores_the_images_eval_and_the_report_score(micro_run):
     ours, cli = trainer.evaluate(n=1, device="cpu"), evaluate_run(micro_run, n=1, device="cpu")
     assert ours["sets"] == cli["sets"]
     assert trainer.evaluate(n=1, device="cpu", seed=0)["sets"] != cli["sets"]  # seed 0, the old default: other images
+
+
+def test_a_function_named_as_a_built_in_reward_is_refused_not_swapped_in(clean_registry):
+    """GRPOTrainer(rewards={"clip": fn}) replaced the built-in clip for the whole process, silently: every later
+    run of the process scored "clip" with fn."""
+    built_in = REGISTRY["clip"]
+    with pytest.raises(ConfigError) as err:
+        GRPOTrainer(MICRO, rewards={"clip": brightness})
+    message = str(err.value)
+    assert message.startswith("reward 'clip' is a registered reward already (from grpo_vision.rewards")
+    assert "{'my_clip': function}" in message and "\n" not in message
+    assert REGISTRY["clip"] is built_in
+    GRPOTrainer(MICRO, rewards={"brightness": brightness})  # a script's own name: registered, and again when re-run
+    GRPOTrainer(MICRO, rewards={"brightness": brightness})

@@ -145,6 +145,13 @@ def register_callable(name: str, fn: RewardFn) -> None:
         raise ConfigError(f"reward {brief(name)}: {brief(fn)} is not callable; give a function "
                           "(images, prompts, metadata) -> scores")
 
+    held = REGISTRY.get(name)
+    if held is not None and not hasattr(held.factory, "reward"):  # a built-in or a plugin's, not a script's function
+        where = getattr(held.factory, "__module__", "") or "a plugin"
+        raise ConfigError(f"reward {name!r} is a registered reward already (from {where}), and a function "
+                          f"{getattr(fn, '__qualname__', brief(fn))} was given under that name: give it another name, "
+                          f"e.g. {{'my_{name}': function}} (the CLI's --reward refuses the same clash)")
+
     def factory(ctx):
         return fn
     factory.reward = fn
