@@ -72,6 +72,7 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
     from grpo_vision.run.folder import read_run_config
 
     run_dir, step = run_folder_of(pcfg.path)
+    check_chain(run_dir)
     cfg = read_run_config(run_dir)
     own = cfg.policy
     if pcfg.kind != own.kind:
@@ -97,6 +98,24 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
             p.requires_grad_(name not in frozen)
     bundle.policy = policy.to(getattr(torch, pcfg.dtype))
     return bundle
+
+
+def check_chain(run_dir: Path) -> None:
+    """ConfigError naming the cycle when the runs whose `policy.path` is a run folder lead back to one of them
+    (a run continued from itself, directly or through others): loading would recurse until Python gave up."""
+    from grpo_vision.run.folder import read_run_config
+
+    seen: list[Path] = []
+    folder: Path | None = run_dir
+    while folder is not None:
+        here = folder.resolve()
+        if here in seen:
+            chain = " -> ".join(str(p) for p in [*seen[seen.index(here):], here])
+            raise ConfigError(f"policy.path leads back to itself through run folders ({chain}): set the first run's "
+                              "policy.path to the model it started from")
+        seen.append(here)
+        found = run_folder_of(read_run_config(folder).policy.path)
+        folder = found[0] if found else None
 
 
 register_path_loader(run_folder_of, trained_bundle)

@@ -200,3 +200,22 @@ def test_a_registered_kind_is_loaded_by_name_with_its_prompts(tiny_policy):
             [["a red circle"], ["a dog"], []]
     finally:
         del REGISTRY["test_kind"]
+
+
+def test_run_folders_whose_policy_path_leads_back_are_one_line_naming_the_cycle(micro_run, tmp_path):
+    """Was a RecursionError after 17 s."""
+    from grpo_vision.config import PolicyConfig, save_config
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    for run, base in ((a, b), (b, a)):
+        (run / "checkpoints").mkdir(parents=True)
+        cfg = load_config(micro_run / "config.yaml", [f"policy.path={base}"])
+        save_config(cfg, run / "config.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_bundle(PolicyConfig("shapes", str(a)), "cpu")
+    assert str(err.value) == (f"policy.path leads back to itself through run folders ({a.resolve()} -> "
+                              f"{b.resolve()} -> {a.resolve()}): set the first run's policy.path to the model it "
+                              "started from")
+    save_config(load_config(micro_run / "config.yaml", [f"policy.path={a}"]), a / "config.yaml")  # itself
+    with pytest.raises(ConfigError, match=r"run folders \(.*a -> .*a\)"):
+        load_bundle(PolicyConfig("shapes", str(a)), "cpu")
