@@ -87,7 +87,9 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
     st = set_up(cfg, resume, bundle, prompts, allow_other_base)
     s, t, main = cfg.sample, cfg.train, st.acc.is_main_process
     lock = RunLock(st.run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
-    if main:  # only once everything has loaded, so a bad override never reaches the run's config
+    # only once everything has loaded, so a bad override never reaches the run's config; and not by a resume of a
+    # finished run, which trains no step: its overrides would be recorded as settings no step used
+    if main and not (resume and st.start >= t.steps):
         save_run_files(st, cfg)
     logger = MetricsLogger(st.run_dir, st.start, Trackers(st.acc, st.run_dir, cfg, st.start)) if main else None
     alerts = RunAlerts(st.run_dir, st.start, watcher_for(cfg), load_metrics(st.run_dir), cfg.log.stop_on) \

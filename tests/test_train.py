@@ -674,3 +674,14 @@ def test_a_finished_run_leaves_no_tensors_behind(tmp_path):
         gc.enable()
     # the run's weights (a lazily filled cache of some library would hold plain tensors, not parameters)
     assert [t for t in left if isinstance(t, torch.nn.Parameter)] == [], [tuple(t.shape) for t in left]
+
+
+def test_a_resume_of_a_finished_run_records_no_override(micro_world, tmp_path):
+    """A resume that trains nothing rewrote config.yaml with overrides no step used."""
+    run = train(micro_cfg(micro_world, tmp_path, "run.name=done", "train.steps=1", "log.report=false"),
+                progress=False)
+    recorded = (run / "config.yaml").read_bytes()
+    train(load_config(run / "config.yaml", ["train.lr=0.5", "log.eval_images=3"]), resume=run, progress=False)
+    assert (run / "config.yaml").read_bytes() == recorded
+    train(load_config(run / "config.yaml", ["train.steps=2"]), resume=run, progress=False)  # a step trains: kept
+    assert "steps: 2" in (run / "config.yaml").read_text()
