@@ -295,8 +295,10 @@ def _load_dataset_folder(path: Path, column: str) -> list[PromptEntry]:
     datasets = _need("datasets", path)
     try:
         ds = datasets.load_from_disk(str(path))
-    except (OSError, ValueError) as e:
-        raise PromptsError(f"{path}: datasets cannot load this folder ({e})") from None
+    except Exception as e:  # a damaged state.json fails inside datasets as a KeyError or a TypeError too
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise PromptsError(f"{path}: datasets cannot load this folder ({type(e).__name__}: {first}); write it again "
+                           "with Dataset.save_to_disk") from None
     return entries_from_dataset(ds, column, str(path))
 
 

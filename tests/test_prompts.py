@@ -402,3 +402,15 @@ def test_a_geneval_flat_line_trains_with_its_clauses_as_metadata(tmp_path):
     (entry,) = load_prompts(tmp_path / "flat.jsonl")
     assert (entry.prompt, entry.metadata, entry.rewards) == ("a photo of two dogs", nested["metadata"], None)
     assert load_prompts(tmp_path / "nested.jsonl")[0].metadata == entry.metadata
+
+
+def test_a_datasets_folder_with_a_damaged_state_is_one_line_naming_it(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"prompt": ["a red circle"]}).save_to_disk(str(tmp_path / "ds"))
+    state = json.loads((tmp_path / "ds" / "state.json").read_text())
+    del state["_data_files"]  # was a KeyError traceback from inside datasets
+    (tmp_path / "ds" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(PromptsError) as err:
+        load_prompts(tmp_path / "ds")
+    assert str(err.value) == (f"{tmp_path / 'ds'}: datasets cannot load this folder (KeyError: '_data_files'); write "
+                              "it again with Dataset.save_to_disk")
