@@ -5,6 +5,8 @@ The files named by `data.*`, else the policy kind's own splits; a resumed run re
 
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +70,7 @@ def _sets(cfg: Config, train: list[PromptEntry], test: list[PromptEntry] | None,
     """The sets from the training prompts, the test prompts (None: the kind's own, else held back from
     `train`, read from `source`) and the kind's own sets `own` (None without)."""
     d, column = cfg.data, cfg.data.prompt_column
+    test_given = test is not None  # else the kind's own, or drawn from the training prompts themselves by design
     if test is None:
         test = own.test if own else _hold_back(train, d.test_prompts, source)
     heldout = load_prompts(d.heldout_prompts, column=column) if d.heldout_prompts else (own.heldout if own else [])
@@ -75,6 +78,18 @@ def _sets(cfg: Config, train: list[PromptEntry], test: list[PromptEntry] | None,
     sets = PromptSets([e for e in train if e.prompt not in unseen], test, heldout)
     if not sets.train:  # else the first step fails deep in numpy, after the run folder is written
         raise ConfigError(_nothing_to_train(cfg, train, sets, own is not None))
+    named = f"data.eval_prompts ({d.eval_prompts})" if d.eval_prompts else "the evaluation prompts given"
+    given = {named: {e.prompt for e in test} if test_given else set(),
+             f"data.heldout_prompts ({d.heldout_prompts})": {e.prompt for e in heldout} if d.heldout_prompts else set()}
+    dropped = sum(any(e.prompt in v for v in given.values()) for e in train)  # also evaluation prompts given
+    if dropped:
+        where = " and ".join(k for k, v in given.items() if v & {e.prompt for e in train})
+        line = (f"{dropped} of the {len(train)} training prompts of {source or KIND_PROMPTS} are also in {where} "
+                f"and are not trained on (evaluation prompts never are); {len(sets.train)} remain")
+        if len({e.prompt for e in sets.train}) < cfg.sample.prompts_per_step:
+            raise ConfigError(f"{line}, fewer than sample.prompts_per_step={cfg.sample.prompts_per_step}: train on "
+                              "other prompts, evaluate on others, or lower sample.prompts_per_step")
+        warnings.warn(line, stacklevel=3)
     kept = {e.prompt for e in sets.train}
     sets.train_sample = [e for e in own.train_sample if e.prompt in kept] if own and own.train_sample else \
         _draw(sets.train, d.eval_size)

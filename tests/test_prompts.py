@@ -10,6 +10,7 @@ from grpo_vision.policy import Bundle
 from grpo_vision.splits import checked_prompt_sets
 from grpo_vision.policy import prompt_problem
 from grpo_vision.prompts import PromptsError, load_prompts
+from tests.helpers import MICRO
 
 
 def write(tmp_path, name, text):
@@ -361,7 +362,10 @@ def test_data_prompt_column_reaches_every_prompts_file_of_the_config(tmp_path):
     evals = write(tmp_path, "eval.jsonl", '{"text": "prompt 3"}\n')
     heldout = write(tmp_path, "heldout.txt", "prompt 9\n")  # a text file has no column: read as before
     llama = ["policy.kind=llama", f"data.train_prompts={train}", f"data.eval_prompts={evals}"]
-    sets = prompt_lists(load_config(None, [*llama, "data.prompt_column=text", f"data.heldout_prompts={heldout}"]))
+    with pytest.warns(UserWarning, match=r"^1 of the 3 training prompts of .*train.csv are also in data.eval_prompts "
+                                         r"\(.*eval.jsonl\) and are not trained on"):
+        sets = prompt_lists(load_config(None, [*llama, "data.prompt_column=text", f"data.heldout_prompts={heldout}",
+                                               "sample.prompts_per_step=2"]))
     assert [[e.prompt for e in s] for s in (sets.train, sets.test, sets.heldout)] == [
         ["prompt 1", "prompt 2"], ["prompt 3"], ["prompt 9"]]  # prompt 3 is an eval prompt: never trained on
     with pytest.raises(PromptsError, match=r"train.csv has both 'caption' and 'text', and no 'prompt'"):
@@ -414,3 +418,21 @@ def test_a_datasets_folder_with_a_damaged_state_is_one_line_naming_it(tmp_path):
         load_prompts(tmp_path / "ds")
     assert str(err.value) == (f"{tmp_path / 'ds'}: datasets cannot load this folder (KeyError: '_data_files'); write "
                               "it again with Dataset.save_to_disk")
+
+
+def test_training_prompts_that_are_evaluation_prompts_are_counted_and_too_few_refused(tmp_path):
+    """2 of 3 training prompts were dropped without a line, and the run trained on 1."""
+    from grpo_vision.config import ConfigError
+    from grpo_vision.splits import prompt_lists
+
+    (tmp_path / "train.txt").write_text("a red circle\na blue square\na red square\n")
+    (tmp_path / "eval.txt").write_text("a red circle\na blue square\n")
+    base = [f"data.train_prompts={tmp_path / 'train.txt'}", f"data.eval_prompts={tmp_path / 'eval.txt'}"]
+    with pytest.warns(UserWarning) as said:
+        sets = prompt_lists(load_config(MICRO, [*base, "sample.prompts_per_step=1"]))
+    assert [e.prompt for e in sets.train] == ["a red square"]
+    assert str(said[0].message) == (f"2 of the 3 training prompts of {tmp_path / 'train.txt'} are also in "
+                                    f"data.eval_prompts ({tmp_path / 'eval.txt'}) and are not trained on (evaluation "
+                                    "prompts never are); 1 remain")
+    with pytest.raises(ConfigError, match=r"; 1 remain, fewer than sample.prompts_per_step=2: train on other prompts"):
+        prompt_lists(load_config(MICRO, [*base, "sample.prompts_per_step=2"]))
