@@ -248,7 +248,7 @@ def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, 
                           f"VQ's downsampling {vq_downsample}, more than the {MAX_GRID} supported (LlamaGen's largest "
                           "release has 32): set policy.options.image_size to the size the checkpoint was trained at "
                           f"(256, 384 or 512), at most {MAX_GRID * vq_downsample}")
-    heads = head_count(state, options.gpt, options.heads, path)
+    heads = head_count(state, options.gpt, options.heads or arg_int(args, "n_head", path), path)
     if "cls_embedding.uncond_embedding" in state:
         length = caption_length(options, args, state["cls_embedding.uncond_embedding"].shape[0], path)
     elif options.cls_token_num not in (0, 1):
@@ -283,6 +283,8 @@ def llamagen_args(cfg: LlamaGenConfig) -> dict:
     named = [name for name, size in SIZES.items() if size == (c.n_layer, c.n_head, c.dim)]
     if named:
         args["gpt_model"] = named[0]
+    else:  # a size gpt.py does not name: its depth and width are in the weights, its heads only here
+        args |= {"n_layer": c.n_layer, "n_head": c.n_head, "dim": c.dim}
     if c.image_size:
         args |= {"image_size": c.image_size, "downsample_size": c.image_size // c.grid}
     if c.mode == "c2i":

@@ -293,10 +293,12 @@ def test_llamagen_exports_the_pt_its_own_scripts_load(mode, adapter, t5_dir, tmp
     rebuilt.load_state_dict(saved["model"], strict=True)  # every key, none left over
     assert all(torch.equal(v, saved["model"][k]) for k, v in load_file(tmp_path / "out" / "model.safetensors").items())
     assert close(image_logits(rebuilt.eval(), prompts)[0], expected)
-    # and as policy.path of this library's llamagen kind, from the .pt alone (its args carry the sizes)
+    # and as policy.path of this library's llamagen kind, from the .pt alone: its args carry the sizes, the heads
+    # of a size gpt.py does not name included (no policy.options.heads, no image_size)
     from tests.models.test_llamagen import pcfg
 
-    again = load_bundle(pcfg(mode, t5_dir, path=str(tmp_path / "out" / "model.pt"),
-                             options={"heads": 4, **({"text_encoder": str(t5_dir)} if mode == "t2i" else {})}),
-                        "cpu").policy
-    assert close(image_logits(again, prompts)[0], expected)
+    assert (saved["args"]["n_head"], saved["args"]["n_layer"]) == (4, 2) and "gpt_model" not in saved["args"]
+    for file in ("model.pt", "model.safetensors"):
+        again = load_bundle(pcfg(mode, t5_dir, path=str(tmp_path / "out" / file),
+                                 options={"text_encoder": str(t5_dir)} if mode == "t2i" else {}), "cpu").policy
+        assert close(image_logits(again, prompts)[0], expected)

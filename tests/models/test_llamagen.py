@@ -431,11 +431,12 @@ def test_export_writes_llamagens_layout_that_loads_back(mode, tmp_path, c2i, t2i
     assert saved.keys() == {"model", "args"}
     assert {k: v.shape for k, v in saved["model"].items()} == {k: v.shape for k, v in golden.items()}
     assert all(torch.equal(saved["model"][k], v.float()) for k, v in golden.items())  # float16 values, held as float32
-    # the arguments worked out by hand: 64 codes, 8 px images over a 4x4 grid (a 2x VQ), no gpt.py size name
+    # the arguments worked out by hand: 64 codes, 8 px images over a 4x4 grid (a 2x VQ), no gpt.py size name, so
+    # the size itself (2 layers of width 32, 4 heads)
     extra = {"num_classes": 10} if mode == "c2i" else {"t5_feature_dim": 24, "t5_feature_max_len": 120}
     assert saved["args"] == {"gpt_type": mode, "vocab_size": 64, "codebook_size": 64,
                              "cls_token_num": 1 if mode == "c2i" else 120, "image_size": 8, "downsample_size": 2,
-                             **extra}
+                             "n_layer": 2, "n_head": 4, "dim": 32, **extra}
     tensors = load_file(out / "model.safetensors")
     assert tensors.keys() == golden.keys() and all(torch.equal(tensors[k], v) for k, v in saved["model"].items())
     LlamaGenPolicy(policy.cfg).load_state_dict(saved["model"], strict=True)
