@@ -177,7 +177,8 @@ def decode_mode(policy: ImagePolicy, requested: str, device: torch.device) -> st
     return requested
 
 
-def draw(logits: torch.Tensor, u: torch.Tensor, col: torch.Tensor, out: Rollout, params: SamplingParams) -> torch.Tensor:
+def draw(logits: torch.Tensor, u: torch.Tensor, col: torch.Tensor, out: Rollout,
+         params: SamplingParams) -> torch.Tensor:
     """Token `col` of every row from `logits` `[B or 2B, K]` (CFG's null rows after the B conditional ones) with
     uniforms `u` `[B, N]`, written into `out`; returns the rows to decode next `[B or 2B]`."""
     B = u.shape[0]

@@ -62,6 +62,9 @@ def run_folder_of(path: str | Path) -> tuple[Path, int | None] | None:
     return None
 
 
+WEIGHT_OPTIONS = ("image_size",)  # policy.options that describe the trained weights: a run folder's own wins
+
+
 def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
     """The Bundle of the run folder in `pcfg.path`: its own policy kind, tokenizer and options (those that
     `pcfg.options` gives replaced), with the checkpoint's weights (an adapter merged into them) in `pcfg.dtype`;
@@ -83,6 +86,11 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
                           "it empty")
     # the run's own options, each that policy.options gives replaced: a setting of this run rather than of the
     # model (ShapesWorld's world_train_split), or a file that moved since (llamagen's text_encoder)
+    for key in WEIGHT_OPTIONS:  # what the trained weights are, not a setting of the new run
+        if key in own.options and key in pcfg.options and own.options[key] != pcfg.options[key]:
+            raise ConfigError(f"policy.options.{key} is {pcfg.options[key]}, but the run folder {run_dir} trained at "
+                              f"{own.options[key]}: remove policy.options.{key} (the run's own is used) or set it to "
+                              f"{own.options[key]}")
     own = dataclasses.replace(own, options={**own.options, **pcfg.options})
     bundle = load_bundle(own, device)  # the run's own base (itself a run folder, for a chain of runs)
     policy, t = bundle.policy, cfg.train

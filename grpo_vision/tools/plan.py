@@ -117,7 +117,8 @@ def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> t
         trainable = sum(n for i, n in params.items() if i not in frozen)
         trainable_bytes, copies, weight_bytes = trainable * dtype_bytes, 0, total * dtype_bytes
     shape = PolicyShape(total, trainable, dtype_bytes, tokens, 3 * image_size ** 2, **arch, weight_bytes=weight_bytes,
-                        trainable_bytes=trainable_bytes, extra_bytes=extra, adapter_bytes=copies, adapter=mode == "lora")
+                        trainable_bytes=trainable_bytes, extra_bytes=extra, adapter_bytes=copies,
+                        adapter=mode == "lora")
     return shape, adapted
 
 
@@ -175,8 +176,8 @@ def plan(name: str, budgets_gib: list[float]) -> dict:
 def markdown(report: dict) -> str:
     lines = [f"{report['preset']}: the largest setting whose estimated peak is at most {report['fraction']:.0%} of the "
              "GPU's memory (one prompt's group a step on the GPU, the model's CFG, bf16 weights)", "",
-             "| GPU memory | mode | G | micro-batch | rank | checkpointing | reference | merged sampling | estimate GiB "
-             "| images/s (measured, G 16) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPU memory | mode | G | micro-batch | rank | checkpointing | reference | merged sampling "
+             "| estimate GiB | images/s (measured, G 16) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if not r["fits"]:
             lines.append(f"| {r['gpu_memory_gib']:g} GB | {r['mode']} | does not fit | | | | | | | |")

@@ -202,12 +202,26 @@ def with_args(tmp_path: Path, name: str, args) -> Path:
     return save_as(tmp_path, name, {"model": state, "steps": 5, **({} if args is None else {"args": args})})
 
 
+def test_a_files_own_image_size_wins_and_a_conflicting_option_is_one_line(tmp_path, t5_dir):
+    """The shipped configs' image_size 256 silently overrode an export's own 8 px: a 16-token model sampled 4096
+    tokens an image, 249 s a step."""
+    recorded = with_args(tmp_path, "own.pt", {"image_size": 8})
+    config = pcfg("t2i", t5_dir, path=str(recorded), options={"heads": 4, "text_encoder": str(t5_dir)})
+    assert load_bundle(config, "cpu").policy.num_image_tokens == 16  # no option: the file's own size
+    config.options["image_size"] = 256
+    with pytest.raises(ConfigError) as err:
+        load_bundle(config, "cpu")
+    assert str(err.value) == (f"policy.options.image_size is 256, but {recorded} was trained at 8 (its "
+                              "args.image_size): remove policy.options.image_size (the file's own size is used) or "
+                              "set it to 8")
+
+
 def test_caption_length_comes_from_options_then_the_checkpoints_args_then_120(tmp_path, t5_dir):
     def length(path, **options):
         config = pcfg("t2i", t5_dir, path=str(path), options={**OPTIONS, "text_encoder": str(t5_dir), **options})
         return load_bundle(config, "cpu").policy.cfg.cls_token_num
 
-    namespace = with_args(tmp_path, "ns.pt", argparse.Namespace(gpt_model="GPT-B", cls_token_num=7, image_size=256))
+    namespace = with_args(tmp_path, "ns.pt", argparse.Namespace(gpt_model="GPT-B", cls_token_num=7, image_size=8))
     plain = with_args(tmp_path, "dict.pt", {"cls_token_num": 7})
     bare = with_args(tmp_path, "none.pt", None)
     assert [length(namespace), length(plain), length(bare), length(plain, cls_token_num=9)] == [7, 7, 120, 9]
@@ -585,3 +599,18 @@ def test_token_weighting_hooks_are_what_the_model_embeds_and_decodes(c2i):
     assert torch.equal(vectors, vq.codebook()[tokens])  # codebook_l2_norm: decode_raw's zq
     torch.testing.assert_close(vectors.norm(dim=-1), torch.ones(2, 4))
     assert torch.equal(vectors[0, 1], vectors[0, 3])
+
+
+def test_a_run_folders_own_image_size_wins_over_the_config_continuing_it(tmp_path, t5_dir):
+    from grpo_vision.config import load_config, save_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    own = pcfg("c2i")  # trained at 8 px (OPTIONS)
+    save_config(load_config(None, ["policy.kind=llamagen", f"policy.path={own.path}",
+                                   f"policy.tokenizer={own.tokenizer}", f"policy.options={json.dumps(own.options)}"]),
+                run / "config.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_bundle(PolicyConfig("llamagen", str(run), options={"image_size": 256}), "cpu")
+    assert str(err.value) == (f"policy.options.image_size is 256, but the run folder {run} trained at 8: remove "
+                              "policy.options.image_size (the run's own is used) or set it to 8")
