@@ -171,6 +171,7 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
     own = dict(policy.named_parameters()) | persistent_buffers(policy)  # a checkpoint before issue 50 has no buffers
     missing = [n for n, p in own.items() if p.requires_grad and n not in weights]  # saved: the trainable ones
     _check_fits(path / "policy.safetensors", weights, own, missing)
+    _check_finite(path / "policy.safetensors", weights, path)
     with torch.no_grad():
         for name, value in weights.items():
             own[name].copy_(value)
@@ -185,7 +186,18 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
     ref_state = _read(ref, load_file) if ref.is_file() else None
     if ref_state is not None:  # the reference is the policy's own network (or a copy of it): its names and shapes
         _check_fits(ref, ref_state, policy.state_dict())
+        _check_finite(ref, ref_state, path)
     return state, ref_state
+
+
+def _check_finite(file: Path, weights: dict, path: Path) -> None:
+    """CheckpointError naming `file` and the tensor when a weight is NaN or infinite: loaded, every log-prob
+    would be NaN (a resume would stop at its first step, eval would return NaN results)."""
+    from grpo_vision.run.load_checks import non_finite
+
+    if bad := non_finite(weights):
+        raise CheckpointError(f"checkpoint {file} holds {bad}: these weights cannot be trained on or sampled; use "
+                              f"an earlier checkpoint (delete {path}, or --step N)")
 
 
 def _check_fits(file: Path, weights: dict, own: dict, missing: list[str] = ()) -> None:

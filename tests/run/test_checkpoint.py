@@ -312,3 +312,31 @@ def test_integer_tensors_for_float_weights_are_refused(tmp_path):
     save_file({k: (v * 100).to(torch.int32) for k, v in weights.items()}, path / "policy.safetensors")
     with pytest.raises(CheckpointError, match="integer tensors for the float weights"):
         load_checkpoint(path, tiny()[0])
+
+
+def test_a_checkpoint_holding_a_nan_is_refused_at_load_by_resume_and_eval(micro_world, tmp_path):
+    """A resume from it said "the last checkpoint ... holds finite weights" after a NaN step, and eval returned NaN
+    results with exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    from grpo_vision.config import load_config
+    from grpo_vision.evaluation.evaluate import evaluate_run
+    from grpo_vision.run.checkpoint import CheckpointError
+    from grpo_vision.train import train
+    from tests.helpers import micro_cfg
+
+    run = train(micro_cfg(micro_world, tmp_path, "train.steps=2", "log.report=false"), progress=False)
+    ckpt = run / "checkpoints" / "step_000002"
+    weights = load_file(ckpt / "policy.safetensors")
+    name = sorted(weights)[0]
+    weights[name].view(-1)[0] = float("nan")
+    save_file(weights, ckpt / "policy.safetensors")
+    says = (f"checkpoint {ckpt / 'policy.safetensors'} holds 1 NaN or infinite values in {name}: these weights "
+            f"cannot be trained on or sampled; use an earlier checkpoint (delete {ckpt}, or --step N)")
+    with pytest.raises(CheckpointError) as err:
+        train(load_config(run / "config.yaml", ["train.steps=3"]), resume=run, progress=False)
+    assert str(err.value) == says
+    with pytest.raises(CheckpointError) as err:
+        evaluate_run(run, n=1, device="cpu")
+    assert str(err.value) == says
+    assert evaluate_run(run, step=1, n=1, device="cpu")["step"] == 1  # an earlier step still evaluates
