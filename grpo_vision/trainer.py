@@ -84,6 +84,7 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: str | Path | bool | None = None) -> Path:
         """Train, and return the run folder. `resume_from_checkpoint`: True continues this trainer's run folder,
         a path continues that run folder (TRL's argument name)."""
+        from grpo_vision.run.health import say_done
         from grpo_vision.train import train
 
         if resume_from_checkpoint:
@@ -93,6 +94,7 @@ class GRPOTrainer:
         else:
             given = self.prompts if self.prompts["train"] is not None else None
             self.run_dir = train(self.cfg, bundle=self.bundle, prompts=given)
+        say_done(self.run_dir, self.cfg)  # the CLI's last line and warnings (a reward NaN everywhere), here too
         return self.run_dir
 
     def evaluate(self, step: int | None = None, n: int = 4, seed: int = EVAL_SEED, prompts=None,

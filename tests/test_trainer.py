@@ -214,3 +214,23 @@ def test_a_function_named_as_a_built_in_reward_is_refused_not_swapped_in(clean_r
     assert REGISTRY["clip"] is built_in
     GRPOTrainer(MICRO, rewards={"brightness": brightness})  # a script's own name: registered, and again when re-run
     GRPOTrainer(MICRO, rewards={"brightness": brightness})
+
+
+def nowhere(images, prompts, metadata):
+    return torch.full((len(prompts),), float("nan"))
+
+
+def test_train_from_a_script_ends_with_the_clis_done_line_and_warnings(micro_world, tmp_path, capsys):
+    """A reward NaN everywhere was said by `grpo-vision train` and not by GRPOTrainer.train(), which printed no
+    "done" line either."""
+    REGISTRY.pop("nowhere", None)
+    trainer = GRPOTrainer(MICRO, rewards={"nowhere": nowhere},
+                          overrides=[f"policy.path={micro_world}", f"run.out_dir={tmp_path}", "train.steps=1",
+                                     "log.report=false", "log.sample_every=0", "reward.monitor=[]"])
+    try:
+        run = trainer.train()
+    finally:
+        REGISTRY.pop("nowhere", None)
+    out = capsys.readouterr()
+    assert f"[train] done: {run} (0 of 2 updates skipped)" in out.out
+    assert "1 of 1 steps had no trained reward for any image (NaN, or weight 0): nothing to learn from" in out.err

@@ -106,8 +106,7 @@ def cmd_score(args) -> None:
 
 
 def cmd_train(args) -> None:
-    from grpo_vision.run.health import run_summary, warn
-    from grpo_vision.run.metrics import load_metrics
+    from grpo_vision.run.health import say_done
     from grpo_vision.splits import run_prompt_sets
     from grpo_vision.rewards import check_options, check_rewards
     from grpo_vision.run.folder import refuse_code
@@ -132,12 +131,7 @@ def cmd_train(args) -> None:
         run_dir = train(cfg, resume=args.resume or None, allow_other_base=args.allow_other_base)
     except KeyboardInterrupt as e:  # 130 after Ctrl-C, 143 after SIGTERM: what a shell reports for a killed command
         sys.exit(128 + getattr(e, "signum", signal.SIGINT))
-    skipped, updates, warnings = run_summary(load_metrics(run_dir),
-                                             cfg.train.num_iterations * cfg.train.minibatches_per_pass)
-    done = run_dir / "report.md" if cfg.log.report else run_dir
-    print(f"[train] done: {done} ({skipped} of {updates} updates skipped)")
-    for message in warnings:  # exit 0 (the run finished), but not a silent success
-        warn(message)
+    say_done(run_dir, cfg)
 
 
 def cmd_matrix(args) -> None:

@@ -149,3 +149,18 @@ def learning_warnings(last: dict, updates_per_step: int) -> list[str]:
     elif no_spread > no_signal:  # steps without signal have no spread either; they are named above
         out.append(f"{no_spread - no_signal} of {steps} steps had no reward spread in any group: every advantage 0")
     return out
+
+
+def say_done(run_dir, cfg) -> None:
+    """The line a finished `train` ends with, and the warnings of `learning_warnings` after it (exit 0: the run
+    finished, but not a silent success): the CLI's and GRPOTrainer.train()'s alike."""
+    from pathlib import Path
+
+    from grpo_vision.run.metrics import load_metrics
+
+    skipped, updates, warnings = run_summary(load_metrics(run_dir),
+                                             cfg.train.num_iterations * cfg.train.minibatches_per_pass)
+    done = Path(run_dir) / "report.md" if cfg.log.report else run_dir
+    print(f"[train] done: {done} ({skipped} of {updates} updates skipped)", flush=True)
+    for message in warnings:
+        warn(message)
