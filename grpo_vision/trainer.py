@@ -71,6 +71,11 @@ class GRPOTrainer:
         if prompt_column:
             self.cfg.data.prompt_column = prompt_column
         self.prompts = {"train": self._prompts(train_prompts, "train"), "eval": self._prompts(eval_prompts, "eval")}
+        for which, given in self.prompts.items():  # prompts in memory take the place of a config's file, said once
+            if given is not None and getattr(self.cfg.data, f"{which}_prompts"):
+                print(f"[trainer] the {len(given)} {which} prompts given replace data.{which}_prompts "
+                      f"({getattr(self.cfg.data, f'{which}_prompts')})", flush=True)
+                setattr(self.cfg.data, f"{which}_prompts", "")
         if rewards is not None:
             self._rewards(rewards, reward_weights)
         elif reward_weights is not None:

@@ -234,3 +234,14 @@ def test_train_from_a_script_ends_with_the_clis_done_line_and_warnings(micro_wor
     out = capsys.readouterr()
     assert f"[train] done: {run} (0 of 2 updates skipped)" in out.out
     assert "1 of 1 steps had no trained reward for any image (NaN, or weight 0): nothing to learn from" in out.err
+
+
+def test_prompts_in_memory_take_the_place_of_a_shipped_configs_files(capsys):
+    """With configs/janus_pro_1b.yaml (data.train_prompts and data.eval_prompts set) prompts in memory were a
+    traceback from the prompt split."""
+    trainer = GRPOTrainer("configs/janus_pro_1b.yaml", train_prompts=["a red cat", "a blue dog", "a green bird"],
+                          eval_prompts=["a cat"])
+    assert (trainer.cfg.data.train_prompts, trainer.cfg.data.eval_prompts) == ("", "")
+    out = capsys.readouterr().out
+    assert "[trainer] the 3 train prompts given replace data.train_prompts (data/t2i_train.txt)" in out
+    assert "[trainer] the 1 eval prompts given replace data.eval_prompts (data/t2i_eval.txt)" in out
