@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -197,19 +198,15 @@ def decode_step(policy: ImagePolicy, cache, logits: torch.Tensor, u: torch.Tenso
     return logits.copy_(policy.decode(draw(logits, u, col, out, params), cache))
 
 
-_COMPILED: list = []  # decode_step under torch.compile, made at the first compiled rollout of the process
-
-
+@lru_cache(maxsize=1)  # made at the first compiled rollout of the process
 def compiled_decode_step():
     """`decode_step` compiled by inductor, once per process: torch.compile caches the code per dtype and setting
     (guards), so a later rollout runs it without compiling again. Shapes are left to its automatic dynamic mode:
     a Janus cache is as long as the batch's longest prompt, and the second length seen compiles a version for
     any length, not one a step."""
-    if not _COMPILED:
-        # a recompile per group size, dtype and setting; the default limit of 8 would fall back to eager silently
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _COMPILED.append(torch.compile(decode_step))
-    return _COMPILED[0]
+    # a recompile per group size, dtype and setting; the default limit of 8 would fall back to eager silently
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(decode_step)
 
 
 @torch.no_grad()  # not inference_mode: rollout tensors are reused by autograd in training

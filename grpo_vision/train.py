@@ -34,7 +34,7 @@ from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes,
 from grpo_vision.credit import stage_entropy_reward
 from grpo_vision.grpo import frac_zero_std, group_advantages, group_std, informative_groups, normalize_then_sum
 from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
-from grpo_vision.models.adapters import add_adapter, merge_problem, merged_adapter, merged_bytes
+from grpo_vision.models.adapters import add_adapter, merge_setting, merged_adapter, merged_bytes
 from grpo_vision.policy import Bundle, check_weighting_hooks, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.reference import Reference
@@ -515,24 +515,6 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
             record_other_base(run_dir, resumed.step, resumed.other_base)
     return RunState(acc, run_dir, params, plan, bundle, policy, learner, reference, rewards, prompts,
                     resumed.step if resumed else 0, buffer, base, memory_estimate, merge)
-
-
-def merge_setting(cfg: Config, policy, acc) -> bool:
-    """sample.merge_adapter resolved for this run: True when rollouts sample with the adapter merged. `on` where
-    it cannot merge exactly, or under FSDP (each process holds a shard of the weights it would fold into), is a
-    ConfigError naming why; `auto` is then off."""
-    setting = cfg.sample.merge_adapter
-    if setting == "off" or cfg.train.adapter == "none":
-        return False
-    if str(acc.distributed_type).endswith("FSDP"):
-        if setting == "on":
-            raise ConfigError("sample.merge_adapter=on folds the adapter into whole weights, and FSDP shards them "
-                              "across processes: set sample.merge_adapter to auto or off under FSDP")
-        return False
-    problem = merge_problem(policy, lora_only=setting == "auto")
-    if problem and setting == "on":
-        raise ConfigError(f"sample.merge_adapter=on cannot merge exactly: {problem}; set sample.merge_adapter=off")
-    return problem is None
 
 
 def record_other_base(run_dir: Path, step: int, change: str) -> None:

@@ -108,6 +108,25 @@ def merged_bytes(policy) -> int:
     return sum(m.base_layer.weight.numel() * m.base_layer.weight.element_size() for m in modules)
 
 
+def merge_setting(cfg, policy, acc) -> bool:
+    """sample.merge_adapter resolved for this run: True when rollouts sample with the adapter merged. `on` where
+    it cannot merge exactly, or under FSDP (each process holds a shard of the weights it would fold into), is a
+    ConfigError naming why; `auto` is then off."""
+    setting = cfg.sample.merge_adapter
+    if setting == "off" or cfg.train.adapter == "none":
+        return False
+    if str(acc.distributed_type).endswith("FSDP"):
+        if setting == "on":
+            raise ConfigError("sample.merge_adapter=on folds the adapter into whole weights, and FSDP shards them "
+                              "across processes: set sample.merge_adapter to auto or off under FSDP")
+        return False
+    problem = merge_problem(policy, lora_only=setting == "auto")
+    if problem and setting == "on":
+        raise ConfigError(f"sample.merge_adapter=on cannot merge exactly: {problem}; set sample.merge_adapter=off")
+    return problem is None
+
+
+
 @contextmanager
 def merged_adapter(policy):
     """Sample with each adapter folded into its base weight, and the adapter layers bypassed: a rollout then runs

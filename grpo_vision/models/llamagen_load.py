@@ -232,16 +232,16 @@ def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, 
     if "cls_embedding.embedding_table.weight" not in state and "cls_embedding.uncond_embedding" not in state:
         raise CheckpointError(f"policy.path {path} has neither a class embedding (c2i) nor a caption embedder's "
                               "uncond_embedding (t2i): it is not a LlamaGen GPT checkpoint")
-    recorded, where = arg_int(args, "image_size", path), f"its args.image_size"
+    recorded, where, source = arg_int(args, "image_size", path), "args.image_size", f"args.image_size of {path.name}"
     if not recorded:
-        recorded, where = released_image_size(path), "its name"
+        recorded, where, source = released_image_size(path), "name", f"the name {path.name}"
     if options.image_size and recorded and options.image_size != recorded:  # a 16-token model sampled 4096 tokens
         raise ConfigError(f"policy.options.image_size is {options.image_size}, but {path} was trained at {recorded} "
-                          f"({where}): remove policy.options.image_size (the file's own size is used) or set it to "
-                          f"{recorded}")
-    size, source = options.image_size, "policy.options.image_size"
-    if not size:
-        size, source = recorded, f"{where.replace('its ', '')} of {path.name}"
+                          f"(its {where}): remove policy.options.image_size (the file's own size is used) or set it "
+                          f"to {recorded}")
+    size = options.image_size or recorded
+    if options.image_size:
+        source = "policy.options.image_size"
     if not size:
         raise ConfigError(f"policy.options.image_size is not set and neither {path.name} nor its args say it: set "
                           "it to the size the checkpoint was trained at (256, 384 or 512)")

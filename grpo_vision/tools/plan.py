@@ -103,10 +103,10 @@ def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> t
     params = {id(q): q.numel() for q in model.parameters()}
     total = sum(params.values())
     d, kv, f = arch["dim"], arch["kv_heads"] * (arch["dim"] // arch["heads"]), arch["ffn_dim"]
-    if p.kind == "janus":
-        block = [Linear(d, d), Linear(d, kv), Linear(d, kv), Linear(d, d), Linear(d, f), Linear(d, f), Linear(f, d)]
-    else:
-        block = [Linear(d, d + 2 * kv), Linear(d, d), Linear(d, f), Linear(f, d), Linear(d, f)]
+    widths = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d), "gate_proj": (d, f),
+              "up_proj": (d, f), "down_proj": (f, d),  # transformers' Llama (Janus)
+              "wqkv": (d, d + 2 * kv), "wo": (d, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}  # LlamaGen's gpt.py
+    block = [Linear(*widths[name]) for name in (JANUS_TARGETS if p.kind == "janus" else LLAMAGEN_TARGETS)]
     adapted = arch["layers"] * sum(x.fan_in * x.fan_out for x in block) * dtype_bytes
     if mode == "lora":  # peft keeps the adapters in float32, and a bf16 layer's input is copied to float32 for them
         trainable = arch["layers"] * rank * sum(x.fan_in + x.fan_out for x in block)

@@ -271,7 +271,7 @@ def test_merge_adapter_resolves_per_adapter_and_refuses_what_cannot_merge_in_one
     from types import SimpleNamespace
 
     from grpo_vision.config import ConfigError
-    from grpo_vision.train import merge_setting
+    from grpo_vision.models.adapters import merge_setting
 
     def resolve(policy, setting, adapter="lora", distributed="NO"):
         cfg = load_config(None, [f"train.adapter={adapter}", "train.reference=adapter",
