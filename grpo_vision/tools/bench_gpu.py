@@ -210,6 +210,12 @@ def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | N
             items.append((name, "sampler", lambda name=name: bench_preset_sampler(name, preset_dir / name, groups,
                                                                                   dtype=dtype, generate=generate)))
     if only:
+        known = {"sampler"} | {label for n in names for label, *_ in STEPS.get(n.removesuffix("-tiny"), [])}
+        if unknown := [w for w in only if w not in known]:  # a misspelt label would run nothing, silently
+            from grpo_vision.config import ConfigError
+
+            raise ConfigError(f"--only names {', '.join(map(repr, unknown))}, which none of these presets has: "
+                              f"choose among {'; '.join(sorted(known))}")
         items = [i for i in items if i[1] in only or i[1].removeprefix("step: ") in only]
     for name, what, fn in items:
         left = deadline - time.monotonic()

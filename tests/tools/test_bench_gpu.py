@@ -79,6 +79,14 @@ def test_the_budget_and_failures_are_reported_not_fatal(tmp_path, monkeypatch):
     assert "janus-pro-1b-tiny sampler: out of memory" in table and "No module named 'flash_attn'" in table
 
 
+def test_an_unknown_only_label_is_one_line_naming_the_labels(tmp_path):
+    from grpo_vision.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^--only names 'LoRA, merged', which none of these presets has: choose "
+                                          r"among LoRA, reference = adapter off; .*; sampler$"):
+        bench.bench_gpu(tmp_path, budget_s=0, tiny=True, presets=["janus-pro-1b"], only=["sampler", "LoRA, merged"])
+
+
 def test_rates_keep_their_significant_digits():
     assert bench.sig(2 / 1020) == 0.00196 and bench.sig(1234.5678) == 1230.0 and bench.sig(0.5) == 0.5
 
