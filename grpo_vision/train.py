@@ -31,13 +31,13 @@ import torch
 from tqdm import tqdm
 
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes, save_config
-from grpo_vision.credit import stage_entropy_reward
+from grpo_vision.step.credit import stage_entropy_reward
 from grpo_vision.grpo import frac_zero_std, group_advantages, group_std, informative_groups, normalize_then_sum
-from grpo_vision.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
+from grpo_vision.step.iterative import ReplayBuffer, iteration_of, starts_iteration, update_rewards
 from grpo_vision.models.adapters import add_adapter, merge_setting, merged_adapter, merged_bytes
 from grpo_vision.policy import Bundle, check_weighting_hooks, load_bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
-from grpo_vision.reference import Reference
+from grpo_vision.step.reference import Reference
 from grpo_vision.rollouts import Samples, Scored, decode_images, repeat, sample_rows, score, take_groups
 from grpo_vision.rewards import CompositeReward, RewardError, save_reward_origins
 from grpo_vision.run.alerts import RunAlerts, watcher_for
@@ -59,7 +59,7 @@ from grpo_vision.run.trackers import Trackers, accelerator_options, grid_text
 from grpo_vision.sampling import SamplingParams, batched_logprobs, decode_mode
 from grpo_vision.seeds import IMAGE, REFILL, REFILL_IMAGE, REPLAY, step_rng, step_seed
 from grpo_vision.splits import PromptSets, checked_prompt_sets
-from grpo_vision.update import (
+from grpo_vision.step.update import (
     LOSS_KEYS, EntropyControl, Learner, Measured, UpdateBatch, UpdatePlan, contrast_logprobs, old_logprobs,
     policy_tokens, reference_logprobs, token_weights, update,
 )

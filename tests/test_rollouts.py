@@ -11,8 +11,8 @@ from grpo_vision.grpo import LossParams
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.rollouts import Samples, eval_seeds, kl_to, repeat, sample_rows
 from grpo_vision.sampling import SamplingParams, batched_logprobs
-from grpo_vision.update import UpdateBatch, UpdatePlan, update
-from tests.test_update import learner_of
+from grpo_vision.step.update import UpdateBatch, UpdatePlan, update
+from tests.step.test_update import learner_of
 
 
 def test_eval_seeds_give_image_j_of_prompt_i_seed_plus_1000_i_plus_j():

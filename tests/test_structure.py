@@ -25,12 +25,11 @@ PLUGIN = "grpo_vision.shapes"  # ShapesWorld: may import anything; nothing outsi
 LAYERS = [
     ("core", ["grpo_vision", "grpo_vision.config", "grpo_vision.files", "grpo_vision.reading", "grpo_vision.plugins",
               "grpo_vision.policy", "grpo_vision.prompts", "grpo_vision.splits", "grpo_vision.sampling",
-              "grpo_vision.grpo", "grpo_vision.credit", "grpo_vision.images", "grpo_vision.iterative",
-              "grpo_vision.seeds",
+              "grpo_vision.grpo", "grpo_vision.images", "grpo_vision.seeds",
               "grpo_vision.rollouts"]),  # contracts and math; the step's first half, shared by every measurement
     ("run", ["grpo_vision.run"]),  # checkpoints, safe state, distributed, health, memory, metrics, lock, ...
     ("models and rewards", ["grpo_vision.models", "grpo_vision.rewards"]),  # which must not import each other
-    ("the step", ["grpo_vision.reference", "grpo_vision.update"]),
+    ("the step", ["grpo_vision.step"]),  # set-up, the phases, the update, the reference, credit, iterative RL
     ("evaluation", ["grpo_vision.evaluation"]),
     ("train", ["grpo_vision.train", "grpo_vision.trainer"]),
     ("tools", ["grpo_vision.tools"]),  # demo, matrix, benches

@@ -255,7 +255,7 @@ def nan_loss(*args, **kwargs):  # grpo_loss, poisoned: as an fp16 overflow would
 
 
 def test_a_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp_path, monkeypatch):
-    monkeypatch.setattr("grpo_vision.update.grpo_loss", nan_loss)
+    monkeypatch.setattr("grpo_vision.step.update.grpo_loss", nan_loss)
     run = train(micro_cfg(micro_world, tmp_path, "run.name=nanloss", "train.max_skipped_updates=0"), progress=False)
     lines = load_metrics(run)
     assert lines[-1]["step"] == 2 and lines[-1]["train/skipped_updates"] == 4  # 2 steps x 2 passes
@@ -269,7 +269,7 @@ def test_a_non_finite_loss_skips_the_update_and_the_run_goes_on(micro_world, tmp
 
 
 def test_skipped_updates_in_a_row_stop_the_run_with_a_checkpoint(micro_world, tmp_path, monkeypatch):
-    monkeypatch.setattr("grpo_vision.update.grpo_loss", nan_loss)
+    monkeypatch.setattr("grpo_vision.step.update.grpo_loss", nan_loss)
     cfg = micro_cfg(micro_world, tmp_path, "run.name=stuck", "train.steps=5", "train.max_skipped_updates=3",
                     "log.checkpoint_every=0")
     # two updates a step: the third skipped update in a row falls in step 2, checked when step 2 ends
@@ -282,7 +282,7 @@ def test_skipped_updates_in_a_row_stop_the_run_with_a_checkpoint(micro_world, tm
 
 
 def test_non_finite_weights_stop_the_run_and_name_the_last_finite_checkpoint(micro_world, tmp_path, monkeypatch):
-    import grpo_vision.update as update_module
+    import grpo_vision.step.update as update_module
 
     calls = []
 
@@ -506,7 +506,7 @@ def test_a_sampler_and_a_scorer_that_disagree_are_warned_about_once(micro_world,
     def off_by_a_tenth(*args):  # as a scorer at another temperature than the sampler's would be
         return sequence_logprobs(*args) - 0.1
 
-    monkeypatch.setattr("grpo_vision.update.sequence_logprobs", off_by_a_tenth)
+    monkeypatch.setattr("grpo_vision.step.update.sequence_logprobs", off_by_a_tenth)
     run = train(micro_cfg(micro_world, tmp_path, "run.name=drift", "log.report=false"), progress=False)
     drifts = [m["rollout/logp_drift"] for m in load_metrics(run)]
     assert drifts == pytest.approx([0.1, 0.1], abs=1e-5)  # logged every step
@@ -612,7 +612,7 @@ def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once
 
 
 def test_the_reference_sampler_loads_the_base_once_on_the_policys_device(tiny_policy):
-    from grpo_vision.reference import Reference
+    from grpo_vision.step.reference import Reference
 
     loads = []
 

@@ -31,7 +31,7 @@ from grpo_vision.policy import Bundle, load_bundle
 from grpo_vision.splits import prompt_lists
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.prompts import PromptEntry, load_prompts
-from grpo_vision.reference import Reference
+from grpo_vision.step.reference import Reference
 from grpo_vision.models.adapters import add_adapter
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.files import write_file

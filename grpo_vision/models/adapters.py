@@ -1,6 +1,6 @@
 """peft adapters on a policy (LoRA, and LoHa / LoKr of the LyCORIS family): adding one, finding its
 layers, telling its weights apart, and merging them into the base weights while a rollout samples
-(`merged_adapter`). The reference (grpo_vision/reference.py) folds them into the base weights."""
+(`merged_adapter`). The reference (grpo_vision/step/reference.py) folds them into the base weights."""
 
 from __future__ import annotations
 

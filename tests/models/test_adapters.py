@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from grpo_vision.config import load_config
 from grpo_vision.models.adapters import ADAPTERS, add_adapter, is_adapter_weight
-from grpo_vision.reference import Reference
+from grpo_vision.step.reference import Reference
 from grpo_vision.run.metrics import load_metrics
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 from grpo_vision.train import train

@@ -3,7 +3,7 @@
 `train.iterations = K` splits the run's `train.steps` into K equal iterations. At each boundary:
 
 1. the reference becomes the current policy (a frozen copy is overwritten; an adapter is folded
-   into the base weights and starts again from zero: grpo_vision/reference.py), so the KL term anchors the
+   into the base weights and starts again from zero: grpo_vision/step/reference.py), so the KL term anchors the
    next iteration to where this one ended;
 2. every reward that can learn (`update`, rewards/composite.py) is updated on the policy's own
    samples of the iteration just ended, plus earlier samples replayed as `reward.replay_fraction`

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from grpo_vision.run.checkpoint import load_iterative_state
 from grpo_vision.config import ConfigError, load_config
-from grpo_vision.iterative import ReplayBuffer, replay_count, starts_iteration
+from grpo_vision.step.iterative import ReplayBuffer, replay_count, starts_iteration
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, make_reward
 from grpo_vision.rewards.refit import pairwise_loss
@@ -76,7 +76,7 @@ def test_replay_is_its_fraction_of_the_update_set_and_the_buffer_is_capped(tmp_p
 
 
 class Learner:
-    """python:tests.test_iterative:learner, a reward that counts its updates and fails on request."""
+    """python:tests.step.test_iterative:learner, a reward that counts its updates and fails on request."""
 
     def __init__(self):
         self.updates, self.fail, self.seen = 0, False, []
@@ -99,7 +99,7 @@ class Learner:
 
 
 class Brittle(Learner):
-    """python:tests.test_iterative:brittle, a reward whose scoring fails once it has learned, on request."""
+    """python:tests.step.test_iterative:brittle, a reward whose scoring fails once it has learned, on request."""
 
     def __init__(self):
         super().__init__()
@@ -126,14 +126,14 @@ no_state.update = lambda *args: {}
 
 def test_a_learning_reward_must_be_able_to_save_what_it_learned_and_a_failed_update_is_undone():
     with pytest.raises(ConfigError, match="has no state_dict\\(\\) and load_state_dict\\(\\)"):
-        CompositeReward({"python:tests.test_iterative:no_state": 1.0}, [], RewardContext())
-    rewards = CompositeReward({"python:tests.test_iterative:learner": 1.0, "placebo": 1.0}, [], RewardContext())
-    assert rewards.learners == ["python:tests.test_iterative:learner"]
-    learner = rewards.fns["python:tests.test_iterative:learner"]  # the imported module's instance
+        CompositeReward({"python:tests.step.test_iterative:no_state": 1.0}, [], RewardContext())
+    rewards = CompositeReward({"python:tests.step.test_iterative:learner": 1.0, "placebo": 1.0}, [], RewardContext())
+    assert rewards.learners == ["python:tests.step.test_iterative:learner"]
+    learner = rewards.fns["python:tests.step.test_iterative:learner"]  # the imported module's instance
     learner.__init__()
     images = torch.rand(2, 3, 8, 8)
     assert rewards.update(images, ["a", "b"], [{}, {}], [None, None]) == {
-        "reward_update/python:tests.test_iterative:learner/updates": 1.0}
+        "reward_update/python:tests.step.test_iterative:learner/updates": 1.0}
     learner.fail = True
     with pytest.raises(RewardError, match="learner' failed: its update failed: RuntimeError: out of patience"):
         rewards.update(images, ["a", "b"], [{}, {}], [None, None])
@@ -234,7 +234,7 @@ def test_a_run_resumed_at_a_boundary_continues_exactly(micro_world, tmp_path):
 
 def test_a_failing_reward_update_stops_the_run_with_a_checkpoint_that_resumes_into_the_boundary(micro_world, tmp_path):
     cfg = micro_cfg(micro_world, tmp_path, NO_REPORT, "train.steps=4", "train.iterations=2",
-                    "reward.weights={placebo: 1.0}", "reward.monitor=[python:tests.test_iterative:failing]")
+                    "reward.weights={placebo: 1.0}", "reward.monitor=[python:tests.step.test_iterative:failing]")
     with pytest.raises(RewardError, match=r"failing' failed: its update failed: RuntimeError: out of patience "
                                           r"\(checkpoint saved at step 2 in "):
         train(cfg, progress=False)
@@ -242,13 +242,13 @@ def test_a_failing_reward_update_stops_the_run_with_a_checkpoint_that_resumes_in
     assert (run / "checkpoints" / "latest").read_text() == "step_000002"
     learned = load_iterative_state(run / "checkpoints" / "step_000002")
     assert len(learned["buffer"]["entries"]) == 16  # the iteration's samples, still there for the retry
-    assert int(learned["rewards"]["python:tests.test_iterative:failing"]["updates"]) == 0  # put back
+    assert int(learned["rewards"]["python:tests.step.test_iterative:failing"]["updates"]) == 0  # put back
 
 
 def test_a_reward_failing_after_the_boundary_resumes_without_updating_twice(micro_world, tmp_path):
     import importlib
 
-    name = "python:tests.test_iterative:brittle"
+    name = "python:tests.step.test_iterative:brittle"
     cfg = micro_cfg(micro_world, tmp_path, NO_REPORT, "train.steps=4", "train.iterations=2",
                     "reward.weights={placebo: 1.0}", f"reward.monitor=[{name}]")
     with pytest.raises(RewardError, match="scored after learning"):  # step 3: the boundary ran, then scoring failed
@@ -256,7 +256,7 @@ def test_a_reward_failing_after_the_boundary_resumes_without_updating_twice(micr
     run = tmp_path / "shapes_micro"
     saved = load_iterative_state(run / "checkpoints" / "step_000002")
     assert int(saved["rewards"][name]["updates"]) == 1 and int(saved["buffer"]["iteration"]) == 1
-    importlib.import_module("tests.test_iterative").brittle.fail_call = False  # the instance the run imported
+    importlib.import_module("tests.step.test_iterative").brittle.fail_call = False  # the instance the run imported
     train(load_config(run / "config.yaml"), resume=run, progress=False)
     final = load_iterative_state(run / "checkpoints" / "step_000004")
     assert int(final["rewards"][name]["updates"]) == 1  # the boundary was not run a second time

@@ -1,11 +1,11 @@
-"""The update phase in process on a tiny policy (grpo_vision/update.py): what it logs, on a batch built by hand."""
+"""The update phase in process on a tiny policy (grpo_vision/step/update.py): what it logs, on a batch built by hand."""
 
 import torch
 
 from grpo_vision.grpo import LossParams
 from grpo_vision.run.health import RunHealth
 from grpo_vision.sampling import SamplingParams, sample_batched
-from grpo_vision.update import Learner, UpdateBatch, UpdatePlan, update
+from grpo_vision.step.update import Learner, UpdateBatch, UpdatePlan, update
 
 
 def learner_of(policy, lr=0.0):

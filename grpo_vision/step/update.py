@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_vision import credit
+from grpo_vision.step import credit
 from grpo_vision.grpo import (
     LossParams, adaptive_entropy_coef, entropy_coef_to_apply, grpo_loss, high_entropy_mask, k3_kl,
 )

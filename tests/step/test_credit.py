@@ -10,7 +10,7 @@ import torch
 from torch.testing import assert_close
 
 from grpo_vision.config import ConfigError
-from grpo_vision.credit import (
+from grpo_vision.step.credit import (
     average_rank, causal_smooth, critical_tokens, critical_weights, dynamic_advantage_weight, group_similarity,
     guidance_contrast, guidance_contrastive_weights, spatial_gradient, stage_entropy_reward, stage_similarity,
     stage_weights,
