@@ -61,12 +61,15 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     logprob_mode: str = "guided"  # "guided" | "conditional", see module docstring
     decode: str = "eager"  # how a rollout runs, not what it draws: auto | eager | static | graph | compiled (docstring)
+    mixed_precision: str = "no"  # "bf16": the rollout runs under bf16 autocast (sample.mixed_precision)
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:
             raise ValueError(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
         if self.decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
+        if self.mixed_precision not in ("no", "bf16"):
+            raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
@@ -79,7 +82,8 @@ class SamplingParams:
         """The settings of a config's `sample` section; `temperature` replaces sample.temperature
         (evaluation at other temperatures; training always samples at the configured one)."""
         s = sample_cfg
-        return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode, s.decode)
+        return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode, s.decode,
+                   s.mixed_precision)
 
 
 @dataclass

@@ -120,8 +120,8 @@ def flat_for_cats(images, prompts, metadata):  # python:tests.test_algorithms:fl
 
 def test_resample_joins_janus_prompts_of_other_widths(tmp_path, monkeypatch):
     # Janus pads each batch of prompts to its longest: a refill's condition ids are another width than the
-    # step's, and the joined batch is encoded again (rollouts.take_groups), not concatenated (a crash)
-    import grpo_vision.train as train_module
+    # step's, and the joined batch is encoded again (step/phases.take_groups), not concatenated (a crash)
+    import grpo_vision.step.phases as phases
     from grpo_vision.tools.presets import preset_overrides
     from tests.helpers import ROOT
 
@@ -131,8 +131,8 @@ def test_resample_joins_janus_prompts_of_other_widths(tmp_path, monkeypatch):
         widths.append(sorted({p[0].cond.shape[1] for p in parts}))
         return take_groups(parts, picks, group_size, encode)
 
-    take_groups = train_module.take_groups
-    monkeypatch.setattr(train_module, "take_groups", spy)
+    take_groups = phases.take_groups
+    monkeypatch.setattr(phases, "take_groups", spy)
     overrides = [*preset_overrides("janus-pro-1b-tiny", tmp_path / "preset", "float32"), "sample.prompts_per_step=2",
                  "sample.group_size=2", "sample.batch_size=4", "train.micro_batch_size=2", "train.minibatches_per_pass=1",
                  "train.steps=2", "train.zero_std_groups=resample", "reward.options={}", "reward.monitor=[]",
@@ -166,7 +166,7 @@ def test_the_token_weights_reach_the_update(micro_world, tmp_path, monkeypatch):
         seen.append(plan.token_weighting)
         return torch.zeros_like(batch.old_logprobs), torch.ones_like(batch.old_logprobs)
 
-    monkeypatch.setattr("grpo_vision.train.token_weights", nothing)
+    monkeypatch.setattr("grpo_vision.step.phases.token_weights", nothing)
     run = train(micro_cfg(micro_world, tmp_path, "log.report=false", "train.steps=1", "train.beta=0",
                           "train.token_weighting=stage", "train.stage_entropy_reward_scale=0", "train.weight_decay=0"),
                 progress=False)

@@ -103,22 +103,29 @@ def assert_same_picture(path: Path, other: Path) -> None:
     assert not (a != b).any(), f"{int((a != b).any(-1).sum())} pixels of {other} differ"
 
 
-def test_the_last_grid_is_drawn_by_the_weights_the_last_checkpoint_holds(micro_run, tmp_path):
-    # samples/step_000002.png was drawn by the policy in memory after step 2: drawn again from the step-2
-    # checkpoint on the same prompts and seeds (train.py's sample_grid), it is the same picture, pixel for pixel
+def test_the_grids_show_the_images_eval_scores_drawn_by_the_last_checkpoint(micro_run, tmp_path):
+    # samples/step_000002.png was drawn by the policy in memory after step 2 with rollouts.compare on the eval
+    # seeds (prompt i's image j: EVAL_SEED + 1000 i + j, the images `eval` scores): drawn again from the step-2
+    # checkpoint on the same prompts, it is the same picture, pixel for pixel
     from PIL import Image
 
+    from grpo_vision.config import EVAL_SEED
     from grpo_vision.evaluation.evaluate import load_run, save_sample_grid
     from grpo_vision.prompts import load_prompts
+    from grpo_vision.rollouts import compare
     from grpo_vision.sampling import SamplingParams
 
     run = load_run(micro_run, device="cpu")
     assert run.step == 2
-    entries = [*load_prompts(micro_run / "prompts" / "test.jsonl")[:4],
-               *load_prompts(micro_run / "prompts" / "train.jsonl")[:4]]
-    params = SamplingParams.from_config(run.cfg.sample)  # the rollout's, as train.py's set_up makes them
-    save_sample_grid(run.policy, run.reference, run.bundle.tokenizer, entries, params, tmp_path / "again.png",
-                     judge=run.bundle.judge)
+    trained = micro_run / "prompts" / "train_sample.jsonl"
+    sets = [load_prompts(micro_run / "prompts" / "test.jsonl")[:4],
+            load_prompts(trained if trained.exists() else micro_run / "prompts" / "train.jsonl")[:4]]
+    params = SamplingParams.from_config(run.cfg.sample)  # the rollout's, as set-up makes them
+    parts = [compare(run.policy, run.reference, run.bundle.tokenizer, entries, 2, params, EVAL_SEED, None,
+                     run.bundle.judge) for entries in sets]
+    grid = save_sample_grid(parts, tmp_path / "again.png", run.bundle.judge)
+    assert grid["seeds"] == [EVAL_SEED + 1000 * i + j for i in range(4) for j in range(2)] * 2
+    assert grid["prompts"][::2] == [e.prompt for entries in sets for e in entries]
     assert_same_picture(tmp_path / "again.png", micro_run / "samples" / "step_000002.png")
     assert Image.open(micro_run / "samples" / "step_000001.png").size == Image.open(tmp_path / "again.png").size
 
@@ -159,8 +166,10 @@ def test_the_report_tells_the_story_then_tables_test_prompts_then_held_out_compo
 def test_the_final_sample_sheet_has_a_row_per_test_prompt_and_the_ground_truth(micro_run):
     from PIL import Image
 
-    sheet = Image.open(micro_run / "final_samples.png")  # 8 test prompts, one row each, 128 px tiles and verdicts
-    assert sheet.height >= 8 * 128 and sheet.width >= 4 * 128 + 128  # policy x2, reference x2, ground truth
+    # 8 test prompts, one row each, 128 px tiles and verdicts; the images eval.json scored: up to 2 of each prompt
+    sheet = Image.open(micro_run / "final_samples.png")
+    k = min(2, json.loads((micro_run / "eval.json").read_text())["images_per_prompt"])
+    assert sheet.height >= 8 * 128 and sheet.width >= 2 * k * 128 + 128  # policy x k, reference x k, ground truth
 
 
 def test_a_run_never_trains_on_its_eval_prompts_and_eval_scores_its_own_sets(micro_run):
@@ -591,7 +600,7 @@ def test_training_runs_on_the_device(micro_world, tmp_path, device):
 def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once(micro_world, tmp_path, monkeypatch):
     # train.reference=none: sample grids at every step and the report still compare with the base
     # policy, which is loaded once (not once a grid), on the run's device (not a hard-coded CPU).
-    import grpo_vision.train as train_module
+    import grpo_vision.step.setup as setup_module
     from grpo_vision.policy import load_bundle
     from grpo_vision.run.machine import resolve_device
 
@@ -601,7 +610,7 @@ def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once
         loads.append(str(device))
         return load_bundle(pcfg, device)
 
-    monkeypatch.setattr(train_module, "load_bundle", counting)
+    monkeypatch.setattr(setup_module, "load_bundle", counting)
     device = resolve_device("auto")
     run = train(micro_cfg(micro_world, tmp_path, "run.device=auto", "train.reference=none", "train.beta=0",
                           "train.steps=2", "log.sample_every=1"), progress=False)

@@ -109,8 +109,8 @@ def cmd_train(args) -> None:
     from grpo_vision.run.health import say_done
     from grpo_vision.splits import run_prompt_sets
     from grpo_vision.rewards import check_options, check_rewards
-    from grpo_vision.run.folder import refuse_code
-    from grpo_vision.train import resume_config, train
+    from grpo_vision.run.folder import refuse_code, resume_config
+    from grpo_vision.train import train
 
     overrides = list(args.overrides)
     if args.resume:

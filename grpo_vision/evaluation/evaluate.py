@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -35,7 +34,7 @@ from grpo_vision.step.reference import Reference
 from grpo_vision.models.adapters import add_adapter
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.files import write_file
-from grpo_vision.rollouts import EVAL_SEED, compare, draw
+from grpo_vision.rollouts import EVAL_SEED, Paired, compare, draw
 from grpo_vision.sampling import SamplingParams
 
 
@@ -161,10 +160,14 @@ def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[Pro
              params: SamplingParams, judge: Judge | None = None, seed: int = EVAL_SEED) -> dict:
     """Each reward's mean and interval for `policy` and `reference` on `n` images of each entry (the same seeds,
     rollouts.compare), the judge's tables, and the paired changes with intervals over captions."""
-    paired = compare(policy, reference, tokenizer, entries, n, params, seed, rewards, judge)
-    prompts = paired.prompts
+    return summarize(compare(policy, reference, tokenizer, entries, n, params, seed, rewards, judge), judge)
+
+
+def summarize(paired: Paired, judge: Judge | None = None) -> dict:
+    """`evaluate`'s result of a paired draw (rollouts.compare)."""
+    prompts, entries = paired.prompts, paired.entries[::paired.n]
     strata = [judge.form(p) for p in prompts] if judge is not None else None  # the sets are balanced by form
-    result = {"prompts": len(entries), "captions": len({e.prompt for e in entries}), "images_per_prompt": n,
+    result = {"prompts": len(entries), "captions": len({e.prompt for e in entries}), "images_per_prompt": paired.n,
               "models": {}}
     sides = {"policy": paired.policy, "reference": paired.reference}
     for name, scored in sides.items():
@@ -214,37 +217,36 @@ def _diff(result: dict, table: str, key: str):
     return None if p is None or r is None else round(p - r, 5)
 
 
-@torch.no_grad()
-def save_sample_grid(policy, reference: Reference, tokenizer, entries: list[PromptEntry], params: SamplingParams,
-                     path: Path, seeds_per_prompt: int = 2, judge: Judge | None = None, scale: int = 2,
-                     root: Path | None = None) -> dict:
-    """A PNG: one row per prompt, policy samples on the left, reference samples (same seeds) right,
-    each image `scale` times its size; under each, the judge's verdict per attribute (✓ / ✗) where
-    the policy kind has a judge, and the judge's own rendering of the prompt (ground truth) last,
-    where the judge can draw one (ShapesWorld). `root`: the run folder when `path` lies in a sub-folder
-    of it (written as files.write_file writes). Returns what it drew, for the trackers: the sheet (PIL),
-    each image's prompt and seed, the images and the verdicts per side (policy, reference)."""
-    prompts = [e.prompt for e in entries for _ in range(seeds_per_prompt)]
-    seeds = [j for _ in entries for j in range(seeds_per_prompt)]
-    images = {"policy": generate(policy, tokenizer, prompts, seeds, params)}
-    model, context = reference.sampler(policy)
-    with context:
-        images["reference"] = generate(model, tokenizer, prompts, seeds, params)
-    verdicts = {side: judge.verdicts(batch, prompts) if judge else [None] * len(prompts)
-                for side, batch in images.items()}
-    marks = {side: verdict_lines(judge, batch, prompts, verdicts[side]) for side, batch in images.items()}
-    cells = {side: [Cell(img, marks[side][i]) for i, img in enumerate(to_uint8(batch))] for side, batch in images.items()}
+def save_sample_grid(parts: Sequence[Paired], path: Path, judge: Judge | None = None, per_prompt: int = 2,
+                     prompts: int = 8, scale: int = 2, root: Path | None = None) -> dict:
+    """A PNG of paired draws (rollouts.compare, on the eval seeds: the images `eval` scores): a row for each of
+    the first `prompts` entries of each part, the policy's first `per_prompt` images on the left, the reference's
+    on the same seeds on the right, each image `scale` times its size; under each, the judge's verdict per attribute (✓ / ✗) where the policy kind
+    has a judge, and the judge's own rendering of the prompt (ground truth) last, where the judge can draw one
+    (ShapesWorld). `root`: the run folder when `path` lies in a sub-folder of it (written as files.write_file
+    writes). Returns what it shows, for the trackers: the sheet (PIL), each image's prompt and seed, and per side
+    (policy, reference) the images, the verdicts and each reward's values."""
+    k = min(per_prompt, *(p.n for p in parts))
+    rows = [(p, e * p.n + j) for p in parts for e in range(min(prompts, len(p.entries) // p.n)) for j in range(k)]
+    entries = [p.entries[r] for p, r in rows[::k]]
+    texts, seeds = [p.entries[r].prompt for p, r in rows], [p.seeds[r] for p, r in rows]
+    shown = {side: {"images": torch.stack([p.images[side][r] for p, r in rows]),
+                    "verdicts": [getattr(p, side).verdicts[r] for p, r in rows],
+                    "rewards": {name: torch.stack([getattr(p, side).raw[name][r] for p, r in rows])
+                                for name in getattr(parts[0], side).raw}} for side in ("policy", "reference")}
+    cells = {side: [Cell(img, marks) for img, marks in zip(to_uint8(v["images"]), verdict_lines(
+        judge, v["images"], texts, v["verdicts"]))] for side, v in shown.items()}
     draw = getattr(judge, "render", None)
     truth = [draw(e.prompt, 0) if draw else None for e in entries]
-    k = seeds_per_prompt
-    rows = [[*cells["policy"][r * k:(r + 1) * k], *cells["reference"][r * k:(r + 1) * k],
+    grid = [[*cells["policy"][r * k:(r + 1) * k], *cells["reference"][r * k:(r + 1) * k],
              *([Cell(truth[r], ["ground truth"])] if truth[r] is not None else [])] for r in range(len(entries))]
     headings = [(0, "policy"), (k, "reference")] + ([(2 * k, "what the prompt\ndescribes")] if any(
         t is not None for t in truth) else [])
-    sheet = paint_grid(rows, headings=headings, row_labels=[textwrap.fill(e.prompt, 26) for e in entries],
+    sheet = paint_grid(grid, headings=headings, row_labels=[textwrap.fill(e.prompt, 26) for e in entries],
                        label_width=180, split=k, scale=scale, line=13)
     write_file(path, lambda f: sheet.save(f, format="PNG"), root)
-    return {"sheet": sheet, "prompts": prompts, "seeds": seeds, "images": images, "verdicts": verdicts}
+    return {"sheet": sheet, "prompts": texts, "seeds": seeds, **{
+        key: {side: v[key] for side, v in shown.items()} for key in ("images", "verdicts", "rewards")}}
 
 
 def verdict_lines(judge: Judge | None, images: torch.Tensor, prompts: list[str],

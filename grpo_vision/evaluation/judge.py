@@ -47,11 +47,3 @@ def paired_differences(policy: list[Verdict | None], reference: list[Verdict | N
     return {key: torch.tensor([float(p[key]) - float(r[key]) if p is not None and r is not None and
                                p.get(key) is not None and r.get(key) is not None else float("nan")
                                for p, r in zip(policy, reference)], dtype=torch.float64) for key in keys}
-
-
-def verdict_rates(verdicts: list[Verdict | None], keys: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Per key ("correct" and each attribute): [n] 1 / 0 per image, NaN where the attribute does not
-    apply or the judge cannot read the prompt; the judge's rates on the training rollouts
-    (`judge/<key>` in the metrics) are their means."""
-    return {k: torch.tensor([float("nan") if v is None or v.get(k) is None else float(v[k]) for v in verdicts])
-            for k in keys}

@@ -6,8 +6,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from grpo_vision.rollouts import EVAL_SEED
-from grpo_vision.evaluation.evaluate import eval_temperatures, evaluate, save_sample_grid
+from grpo_vision.rollouts import EVAL_SEED, compare
+from grpo_vision.evaluation.evaluate import eval_temperatures, save_sample_grid, summarize
 from grpo_vision.run.alerts import load_alerts, report_lines as alert_lines
 from grpo_vision.run.health import run_summary
 from grpo_vision.run.metrics import load_metrics
@@ -122,9 +122,13 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     temperatures = eval_temperatures(cfg)
     n, seed = cfg.log.eval_images, EVAL_SEED  # the images `eval RUN` and the matrix score (rollouts.eval_seeds)
 
+    drawn = {}  # temperature -> the test set's paired draw: final_samples.png shows the images eval.json scored
+
     def run_eval(entries, t, what):
         print(f"[report] evaluating on {len(entries)} {what} x {n} images at temperature {t}", flush=True)
-        return evaluate(policy, reference, tokenizer, rewards, entries, n, replace(params, temperature=t), judge, seed)
+        paired = compare(policy, reference, tokenizer, entries, n, replace(params, temperature=t), seed, rewards, judge)
+        drawn.setdefault(t, paired)
+        return summarize(paired, judge)
 
     by_temperature = {t: run_eval(sets.test, t, "test prompts") for t in temperatures}  # same prompts and seeds
     result = {**by_temperature[temperatures[0]], "eval_set": "test", "temperature": temperatures[0],
@@ -139,8 +143,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     metrics = load_metrics(run_dir)
     twin = duplicate_of_judge(result)
     save_figure(curves_figure(metrics), run_dir / "curves.png")
-    save_sample_grid(policy, reference, tokenizer, sets.test[:8], replace(params, temperature=temperatures[0]),
-                     run_dir / "final_samples.png", judge=judge)
+    save_sample_grid([drawn[temperatures[0]]], run_dir / "final_samples.png", judge, prompts=8)
     last = metrics[-1] if metrics else {}
     skipped, updates, warnings = run_summary(metrics, cfg.train.num_iterations * cfg.train.minibatches_per_pass)
     kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]

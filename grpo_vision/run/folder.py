@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 from grpo_vision.config import Config, ConfigError, apply_override, from_dict, read_yaml, validate
-from grpo_vision.files import write_file
+from grpo_vision.files import open_kept, write_file
 
 ORIGIN = "origin.json"  # where `train` ran: {"cwd": absolute, "cwd_from_run": relative to the run folder}
 PATH_KEYS = (("policy", "path"), ("policy", "tokenizer"), ("data", "train_prompts"), ("data", "eval_prompts"),
@@ -55,6 +57,21 @@ def read_run_config(run_dir: str | Path, overrides: list[str] | tuple = (), devi
         apply_override(cfg, item)
     validate(cfg)
     return cfg
+
+
+def resume_config(run_dir: str | Path, overrides: list[str]) -> Config:
+    """The config `train --resume RUN` continues with: the run's own, then `overrides`."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"cannot resume: {path} not found (is {run_dir} a run directory?)")
+    return read_run_config(run_dir, overrides)  # its relative paths resolved, from any directory
+
+
+def record_other_base(run_dir: Path, step: int, change: str) -> None:
+    """A resume onto other base files (--allow-other-base), said and kept in the run's base_changes.jsonl."""
+    print(f"[train] --allow-other-base: from step {step}, {change}", file=sys.stderr, flush=True)
+    with open_kept(run_dir / "base_changes.jsonl", root=run_dir) as f:
+        f.write(json.dumps({"step": step, "time": time.time(), "change": change}) + "\n")
 
 
 def _available(name: str) -> bool:

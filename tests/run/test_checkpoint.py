@@ -232,7 +232,8 @@ def two_step_run(micro_world, tmp_path_factory):
 
 
 def test_a_resume_asking_for_fewer_steps_than_the_run_holds_is_refused_and_overwrites_nothing(two_step_run):
-    from grpo_vision.train import resume_config, train
+    from grpo_vision.run.folder import resume_config
+    from grpo_vision.train import train
 
     step1 = two_step_run / "checkpoints" / "step_000001" / "policy.safetensors"
     before = step1.read_bytes()
@@ -243,7 +244,8 @@ def test_a_resume_asking_for_fewer_steps_than_the_run_holds_is_refused_and_overw
 
 
 def test_a_finished_run_resumed_keeps_its_last_checkpoint_as_it_is(two_step_run):
-    from grpo_vision.train import resume_config, train
+    from grpo_vision.run.folder import resume_config
+    from grpo_vision.train import train
 
     last = two_step_run / "checkpoints" / "step_000002"
     stamp = (last / "policy.safetensors").stat().st_mtime_ns
@@ -256,7 +258,8 @@ def test_a_pointer_behind_a_complete_later_step_is_passed_by_and_nothing_is_over
     # from the complete later step (before: from the pointer's, writing over the later one)
     import shutil
 
-    from grpo_vision.train import resume_config, train
+    from grpo_vision.run.folder import resume_config
+    from grpo_vision.train import train
 
     run = tmp_path / "copy"
     shutil.copytree(two_step_run, run)
@@ -274,7 +277,8 @@ def test_a_run_refuses_other_base_files_unless_allowed_and_then_says_so(two_step
     import shutil
 
     from grpo_vision.evaluation.evaluate import load_run
-    from grpo_vision.train import resume_config, train
+    from grpo_vision.run.folder import resume_config
+    from grpo_vision.train import train
 
     run, world = tmp_path / "run", tmp_path / "other_world"
     shutil.copytree(two_step_run, run)

@@ -91,7 +91,8 @@ def test_mlflow_file_store_gets_the_scalars_and_grids_and_a_resume_continues_its
                                                                                      monkeypatch, one_thread):
     from mlflow.tracking import MlflowClient
 
-    from grpo_vision.train import resume_config, train
+    from grpo_vision.run.folder import resume_config
+    from grpo_vision.train import train
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

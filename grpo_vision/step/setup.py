@@ -1,0 +1,200 @@
+"""Set-up: everything a run loads before its first step, on this process, in `RunState`. A bad input stops here,
+named in one line, before the run folder is written (the config, the policy kind's files, the prompts, the
+rewards, a resume's checkpoint); the memory estimate refuses a batch that cannot fit."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes
+from grpo_vision.models.adapters import add_adapter, merge_setting, merged_bytes
+from grpo_vision.policy import Bundle, check_weighting_hooks, load_bundle
+from grpo_vision.rewards import CompositeReward
+from grpo_vision.run.checkpoint import Resumed, base_identity, latest_checkpoint, load_training_state, resume_weights
+from grpo_vision.run.distributed import load_optimizer_state, prepare
+from grpo_vision.run.folder import record_other_base
+from grpo_vision.run.health import DRIFT_WARN, RunHealth
+from grpo_vision.run.lock import check_run_dir
+from grpo_vision.run.machine import check_load, resolve_device, set_threads
+from grpo_vision.run.memory import report_memory, resident_bytes
+from grpo_vision.run.trackers import accelerator_options
+from grpo_vision.sampling import SamplingParams, decode_mode
+from grpo_vision.splits import PromptSets, checked_prompt_sets
+from grpo_vision.step.iterative import ReplayBuffer
+from grpo_vision.step.reference import Reference
+from grpo_vision.step.update import EntropyControl, Learner, UpdatePlan
+
+
+@dataclass
+class RunState:  # everything set-up builds before the first step, on this process
+    acc: object  # accelerate.Accelerator
+    run_dir: Path
+    params: SamplingParams  # the rollout's sampling settings
+    plan: UpdatePlan  # the update's loss, passes, minibatches and reference, fixed for the run
+    bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
+    policy: torch.nn.Module  # the bundle's policy, peft-wrapped when train.adapter is set
+    learner: Learner  # the prepared model, its optimizer and schedule, the health checks
+    reference: Reference
+    rewards: CompositeReward
+    prompts: PromptSets  # train, and the two eval sets
+    start: int  # the first step to run (0, or the resumed checkpoint's step)
+    buffer: ReplayBuffer | None  # iterative RL with a learning reward: the samples it updates on
+    base: dict  # the identity of the base files (run/checkpoint.py base_identity), kept in every checkpoint
+    memory_estimate: int = 0  # bytes: run/memory.py's estimated peak, logged beside the measured one
+    merge: bool = False  # sample.merge_adapter resolved: rollouts sample with the adapter folded into the weights
+
+
+def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None = None,
+           given_prompts: dict | None = None, allow_other_base: bool = False) -> RunState:
+    """Load everything a run needs, or fail naming the problem before the run directory is written."""
+    acc, run_dir, sizes = open_run(cfg, resume)  # the processes; a folder in use (or already a run) refused
+    params, plan = SamplingParams.from_config(cfg.sample), UpdatePlan.from_config(cfg)
+    before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
+    bundle, policy = load_policy(cfg, acc, params, given_bundle)  # the kind's files, its adapter
+    check_weighting_hooks(cfg.train.token_weighting, cfg.policy.kind, bundle.policy, bundle.tokenizer)
+    if plan.drop_flat_groups and acc.num_processes > 1:  # each process would make a different number of updates
+        raise ConfigError(f"train.zero_std_groups={cfg.train.zero_std_groups} runs on one process, and this run has "
+                          f"{acc.num_processes}: use train.zero_std_groups=keep, or one process")
+    reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    merge = merge_setting(cfg, policy, acc)
+    # before any sampling: a batch that cannot fit stops here, naming the knob to lower (auto's merge falls back to
+    # unmerged sampling where only its copy of the weights does not fit)
+    memory_estimate, merge = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
+                                           params.guided, acc.device, acc.is_main_process, before_load,
+                                           merged_bytes(policy) if merge else 0, cfg.sample.merge_adapter == "auto")
+    prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
+    if cfg.train.zero_std_groups == "resample" and len(prompts.train) <= cfg.sample.prompts_per_step:
+        raise ConfigError(f"train.zero_std_groups=resample replaces flat groups by prompts the step has not drawn, and "
+                          f"the {len(prompts.train)} training prompts leave none beside sample.prompts_per_step="
+                          f"{cfg.sample.prompts_per_step}: give more training prompts, or use train.zero_std_groups=drop")
+    rewards = load_rewards(cfg, acc, bundle, prompts)  # a missing model or a set it cannot score stops here
+    buffer = replay_buffer(cfg, bundle, rewards, reference)
+    # a resume's checkpoint, checked against this run (train.steps, its base files, what it must hold), and its
+    # weights loaded before accelerate shards them (FSDP); the optimizer's state after
+    ckpt, base = latest_checkpoint(run_dir) if resume else None, base_identity(cfg.policy)
+    resumed = resume_weights(ckpt, policy, cfg.train.steps, base, rewards.learners, allow_other_base) if ckpt else None
+    learner = make_learner(cfg, acc, policy, trainable, sizes, resumed, ckpt)
+    if resumed is not None:
+        if resumed.reference is not None:
+            reference.load_state_dict(policy, resumed.reference)
+        if resumed.learned is not None:
+            rewards.load_state_dict(resumed.learned["rewards"])
+            if buffer is not None:
+                buffer.load_state_dict(resumed.learned["buffer"])
+    if resume and acc.is_main_process:
+        print(f"[train] resuming from {ckpt}" if ckpt else f"[train] {run_dir} has no checkpoint yet: "
+              "starting at step 0", flush=True)
+        if resumed is not None and resumed.other_base:  # said with --allow-other-base: the run's log keeps it
+            record_other_base(run_dir, resumed.step, resumed.other_base)
+    return RunState(acc, run_dir, params, plan, bundle, policy, learner, reference, rewards, prompts,
+                    resumed.step if resumed else 0, buffer, base, memory_estimate, merge)
+
+
+
+def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict]:
+    """The accelerator, the run folder (one in use, or on a fresh start already a run, refused before any model
+    loads) and the batch sizes per process; the threads set."""
+    from accelerate import Accelerator
+
+    device = resolve_device(cfg.run.device)
+    run_dir = Path(resume) if resume else Path(cfg.run.out_dir) / cfg.run.name
+    acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision,
+                      **accelerator_options(cfg, run_dir))  # log.trackers: started by train() once the folder is ours
+    sizes = derived_sizes(cfg, acc.num_processes)
+    check_run_dir(run_dir, fresh=not resume)
+    acc.wait_for_everyone()  # every process has looked before the main one writes anything there
+    threads = set_threads(cfg.run.threads, acc.num_processes)
+    if acc.is_main_process:
+        print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}  threads={threads}", flush=True)
+        if busy := check_load():
+            warnings.warn(busy, stacklevel=3)
+    return acc, run_dir, sizes
+
+
+def load_policy(cfg: Config, acc, params: SamplingParams, given: Bundle | None) -> tuple[Bundle, torch.nn.Module]:
+    """The policy kind's bundle (or a script's, moved to this process's device) and the policy to train: its
+    decode path checked, activations recomputed, an adapter added as train.* says."""
+    t = cfg.train
+    bundle = given or load_bundle(cfg.policy, acc.device)
+    if given is not None:  # a script's policy, loaded wherever it was: onto this process's device
+        for part in (bundle.policy, bundle.tokenizer):
+            if isinstance(part, torch.nn.Module):
+                part.to(acc.device)
+    policy = bundle.policy
+    try:  # a decode path this policy or device cannot run: refused here, before the run folder is written
+        decode_mode(policy, params.decode, acc.device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if t.gradient_checkpointing:
+        if not hasattr(policy, "gradient_checkpointing_enable"):
+            raise ConfigError(f"policy kind {cfg.policy.kind!r} cannot recompute activations: set "
+                              "train.gradient_checkpointing=false")
+        policy.gradient_checkpointing_enable()
+    if t.adapter != "none":  # its random factors drawn from run.seed: two runs of one script start alike
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+            torch.manual_seed(cfg.run.seed)
+            policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
+    return bundle, policy
+
+
+def load_rewards(cfg: Config, acc, bundle: Bundle, prompts: PromptSets) -> CompositeReward:
+    """The run's rewards with their models loaded, checked against every prompt set they will score."""
+    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
+    rewards.load()
+    rewards.check({"training": prompts.train, **prompts.named()})
+    return rewards
+
+
+def replay_buffer(cfg: Config, bundle: Bundle, rewards: CompositeReward, reference: Reference) -> ReplayBuffer | None:
+    """Iterative RL with a reward that learns: the buffer of samples it learns from between iterations."""
+    t = cfg.train
+    if t.iterations > 1 and rewards.learners:
+        needs = [n for n in rewards.learners if getattr(rewards.fns[n], "needs_judge", False)]
+        if needs and bundle.judge is None:
+            raise ConfigError(f"reward {needs[0]!r} learns from a judge's verdicts between iterations, and policy "
+                              f"kind {cfg.policy.kind!r} has no judge: train on another reward, or set "
+                              "train.iterations=1 (it then scores without learning)")
+        return ReplayBuffer(cfg.reward.replay_capacity)
+    if t.iterations > 1 and reference.mode == "none":
+        warnings.warn(f"train.iterations={t.iterations} does nothing here: there is no reference to reset "
+                      "(train.reference: none) and no reward that learns", stacklevel=3)
+    return None
+
+
+def make_learner(cfg: Config, acc, policy, trainable: list, sizes: dict, resumed: Resumed | None,
+                 ckpt: Path | None) -> Learner:
+    """The policy prepared by accelerate (DDP / FSDP), its AdamW and schedule (a resume's states loaded into
+    them) and the health checks (a resume's counters)."""
+    t = cfg.train
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.adam_betas), weight_decay=t.weight_decay)
+    model, optimizer = prepare(acc, policy, optimizer, t.adapter)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: lr_factor(u, cfg, sizes["total_updates"]))
+    if resumed is not None:
+        load_training_state(ckpt, optimizer, scheduler,
+                            lambda opt_state: load_optimizer_state(model, optimizer, opt_state))
+    low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
+    health = RunHealth(resumed.counters if resumed else None, t.max_skipped_updates, loud=acc.is_main_process,
+                       drift_limit=DRIFT_WARN["low_precision" if low_precision else "float32"])
+    entropy = None
+    if t.use_adaptive_entropy:
+        entropy = EntropyControl(t.entropy_coef, t.entropy_target, t.entropy_coef_delta, t.entropy_coef_min,
+                                 t.entropy_coef_max)
+        if resumed is not None and resumed.entropy is not None:
+            entropy.load(resumed.entropy)
+    return Learner(model, trainable, optimizer, scheduler, acc, health, entropy)
+
+
+def lr_factor(update: int, cfg: Config, total_updates: int) -> float:
+    """Warmup then constant / cosine / linear decay, in optimizer updates."""
+    t = cfg.train
+    if update < t.warmup_steps:
+        return (update + 1) / t.warmup_steps
+    frac = (update - t.warmup_steps) / max(1, total_updates - t.warmup_steps)
+    return {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * frac)), "linear": 1 - frac}[t.lr_schedule]
