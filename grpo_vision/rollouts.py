@@ -40,9 +40,11 @@ def repeat(entries: Sequence[PromptEntry], n: int) -> list[PromptEntry]:
 
 
 @torch.no_grad()
-def decode_images(tokenizer, tokens: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Images `[n, 3, H, W]` in [0, 1] of image tokens `[n, N]`, `batch_size` rows a tokenizer call."""
-    return torch.cat([tokenizer.decode(tokens[i:i + batch_size]) for i in range(0, len(tokens), batch_size)])
+def decode_images(tokenizer, tokens: torch.Tensor, batch_size: int, device=None) -> torch.Tensor:
+    """Images `[n, 3, H, W]` in [0, 1] of image tokens `[n, N]`, `batch_size` rows a tokenizer call, each call on
+    `device` (default: the tokens'); the images come back on the tokens' device (a replay buffer's on the CPU)."""
+    return torch.cat([tokenizer.decode(tokens[i:i + batch_size].to(device or tokens.device)).to(tokens.device)
+                      for i in range(0, len(tokens), batch_size)])
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Scored:  # every reward and the judge on a set of images (training: every 
     weights: dict[str, torch.Tensor]  # reward name -> [n] its weight for each image
     reasons: dict[str, list] = field(default_factory=dict)  # reward name -> per image [(kind, text)], if it gives any
     verdicts: list = field(default_factory=list)  # [n] the judge's verdicts (None each without a judge)
+    notes: dict[str, str] = field(default_factory=dict)  # `score(tolerant=True)`: reward name -> why it has no score
 
 
 def draw(policy, tokenizer, entries: Sequence[PromptEntry], seeds: Sequence[int], params: SamplingParams,
@@ -78,15 +81,17 @@ def draw(policy, tokenizer, entries: Sequence[PromptEntry], seeds: Sequence[int]
     return Samples(list(entries), list(seeds), cond, rollout, images)
 
 
-def score(rewards, images: torch.Tensor, entries: Sequence[PromptEntry], judge: Judge | None = None) -> Scored:
+def score(rewards, images: torch.Tensor, entries: Sequence[PromptEntry], judge: Judge | None = None,
+          tolerant: bool = False) -> Scored:
     """Every reward of `rewards` (a CompositeReward; None: no reward) on `images` of `entries` (their own
-    reward weights included), and `judge`'s verdicts when given."""
+    reward weights included), and `judge`'s verdicts when given. `tolerant` (the demo): a reward that fails
+    scores NaN, with a note saying why, instead of stopping everything."""
     prompts = [e.prompt for e in entries]
     verdicts = judge.verdicts(images, prompts) if judge is not None else [None] * len(prompts)
     if rewards is None:
         return Scored(torch.full((len(prompts),), float("nan")), {}, {}, {}, verdicts)
-    out = rewards(images, prompts, [e.metadata for e in entries], [e.rewards for e in entries])
-    return Scored(out.total, out.raw, out.weights, out.reasons, verdicts)
+    out = rewards(images, prompts, [e.metadata for e in entries], [e.rewards for e in entries], tolerant=tolerant)
+    return Scored(out.total, out.raw, out.weights, out.reasons, verdicts, out.notes)
 
 
 def verdict_rates(verdicts: Sequence[dict | None], keys: Sequence[str]) -> dict[str, torch.Tensor]:

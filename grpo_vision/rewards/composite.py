@@ -20,6 +20,7 @@ class RewardOutput:
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B] its weight for each sample
     # name -> per image, the (kind, text) of each point it lost, for the rewards that say (`last_reasons`)
     reasons: dict[str, list[list[tuple[str, str]]]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # tolerant: name -> why it has no score (it failed)
 
 
 class CompositeReward:
@@ -141,8 +142,18 @@ class CompositeReward:
         return bool(self.weights.get(name)) or name in self.monitor
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict],
-                 entry_weights: Sequence[dict[str, float] | None] | None = None) -> RewardOutput:
-        raw = {name: self.score(name, images, prompts, metadata) for name in self.fns}
+                 entry_weights: Sequence[dict[str, float] | None] | None = None,
+                 tolerant: bool = False) -> RewardOutput:
+        """Every reward's values and the weighted total. `tolerant` (a demo, not training): a reward that fails
+        scores NaN and its RewardError's message goes to `notes`, where training stops on it."""
+        raw, notes = {}, {}
+        for name in self.fns:
+            try:
+                raw[name] = self.score(name, images, prompts, metadata)
+            except RewardError as e:
+                if not tolerant:
+                    raise
+                raw[name], notes[name] = torch.full((len(prompts),), math.nan), e.message
         B = len(prompts)
         w = torch.zeros(B, len(self.names))  # [B, R]
         for i in range(B):
@@ -153,7 +164,8 @@ class CompositeReward:
         applies = ~values.isnan() & (w != 0)  # [B, R]
         total = torch.where(applies, values * w, torch.zeros_like(values)).sum(1)  # [B]
         total = torch.where(applies.any(1), total, torch.full_like(total, math.nan))
-        return RewardOutput(total, raw, {n: w[:, j] for j, n in enumerate(self.names)}, self.reasons(len(prompts)))
+        reasons = {k: v for k, v in self.reasons(len(prompts)).items() if k not in notes}
+        return RewardOutput(total, raw, {n: w[:, j] for j, n in enumerate(self.names)}, reasons, notes)
 
     def score(self, name: str, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
         """Reward `name`'s raw values `[B]` (NaN = does not apply); RewardError naming it when it fails or

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from grpo_vision.prompts import PromptEntry
+from grpo_vision.rollouts import decode_images
 
 
 def iteration_of(step: int, steps: int, iterations: int) -> int:
@@ -108,8 +109,7 @@ def update_rewards(rewards, buffer: ReplayBuffer, tokenizer, judge, fraction: fl
     the next iteration; their metrics. A failing update leaves the buffer (and, CompositeReward.update,
     every reward) as it was, so the checkpoint saved on the failure resumes into the same boundary."""
     tokens, entries, replayed = buffer.update_set(fraction, rng)
-    images = torch.cat([tokenizer.decode(tokens[i:i + batch_size].to(device)).cpu()
-                        for i in range(0, len(entries), batch_size)])  # [n, 3, H, W]
+    images = decode_images(tokenizer, tokens.cpu(), batch_size, device)  # [n, 3, H, W] on the CPU
     prompts = [e.prompt for e in entries]
     labels = judge.verdicts(images, prompts) if judge is not None else [None] * len(entries)
     metrics = rewards.update(images, prompts, [e.metadata for e in entries], labels)

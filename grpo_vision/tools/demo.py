@@ -29,14 +29,15 @@ import torch
 
 from grpo_vision.run.checkpoint import checkpoint_steps, find_checkpoint
 from grpo_vision.config import MAX_SEED, ConfigError, brief
-from grpo_vision.evaluation.evaluate import LoadedRun, generate, load_run
+from grpo_vision.evaluation.evaluate import LoadedRun, load_run
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.run.metrics import nanmean
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.policy import unknown_words
-from grpo_vision.prompts import PromptsError
-from grpo_vision.rewards import CompositeReward, RewardError, check_rewards
+from grpo_vision.prompts import PromptEntry, PromptsError
+from grpo_vision.rewards import CompositeReward, check_rewards
 from grpo_vision.run.folder import read_run_config, refuse_code
+from grpo_vision.rollouts import Scored, draw, score
 from grpo_vision.sampling import SamplingParams
 
 MAX_IMAGES = 16  # images per side
@@ -134,13 +135,13 @@ class DemoRun:
         return self.load(int(step)).policy, nullcontext(), choice
 
     def side(self, choice: str, prompt: str, seeds: list[int], params: SamplingParams) -> Side:
-        prompts = [prompt] * len(seeds)
+        entries = [PromptEntry(prompt, metadata=self.metadata_for(prompt))] * len(seeds)
         with self.lock:
             model, ctx, label = self.sampler(choice)
-            with ctx:
-                images = generate(model, self.bundle.tokenizer, prompts, seeds, params)
-            raw, reasons, notes = score_each(self.rewards, images, prompts, [self.metadata_for(prompt)] * len(seeds))
-        return Side(label, images, raw, verdicts(self.bundle.judge, images, prompt), reasons, notes)
+            with ctx, torch.no_grad():
+                images = draw(model, self.bundle.tokenizer, entries, seeds, params, 64).images
+            scored = score(self.rewards, images, entries, self.bundle.judge, tolerant=True)
+        return Side(label, images, scored.raw, scored.verdicts, scored.reasons, scored.notes | not_applying(scored))
 
     def metadata_for(self, prompt: str) -> dict:
         """The prompt's metadata: its entry's in the run's prompt sets, else GenEval's clauses where it is
@@ -180,22 +181,11 @@ def run_metadata(run_dir: Path) -> dict[str, dict]:
     return out
 
 
-def score_each(rewards: CompositeReward, images: torch.Tensor, prompts: list[str], metadata: list[dict]
-               ) -> tuple[dict[str, torch.Tensor], dict[str, list], dict[str, str]]:
-    """Each reward's values `[n]`, the reasons of those that give them, and why a reward has no score: it
-    failed on these prompts, or does not apply to them (the geneval reward on a prompt without clauses)."""
-    raw, notes = {}, {}
-    for name in rewards.fns:
-        try:
-            raw[name] = rewards.score(name, images, prompts, metadata)
-        except RewardError as e:
-            raw[name], notes[name] = torch.full((len(prompts),), math.nan), e.message
-            continue
-        if raw[name].isnan().all():
-            notes[name] = ("does not apply to this prompt (no score: a reward that reads a prompt's metadata, "
-                           "such as GenEval's clauses, found none for it)")
-    reasons = {k: v for k, v in rewards.reasons(len(prompts)).items() if k not in notes}
-    return raw, reasons, notes
+def not_applying(scored: Scored) -> dict[str, str]:
+    """Why each reward that scored none of the images, without failing, has no score."""
+    return {name: "does not apply to this prompt (no score: a reward that reads a prompt's metadata, such as "
+                  "GenEval's clauses, found none for it)"
+            for name, values in scored.raw.items() if name not in scored.notes and values.isnan().all()}
 
 
 def run_examples(cfg, bundle) -> dict[str, list[str]]:
@@ -261,13 +251,6 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
 
 
 # ---------------------------------------------------------------------------- scores and pictures
-
-
-def verdicts(judge, images: torch.Tensor, prompt: str) -> list[dict | None]:
-    """The judge's per-attribute verdicts for each image (None: no judge, or a prompt it cannot read)."""
-    if judge is None:
-        return [None] * len(images)
-    return judge.verdicts(images, [prompt] * len(images))
 
 
 def caption(side: Side, i: int) -> str:

@@ -33,7 +33,7 @@ from grpo_vision.policy import load_bundle
 from grpo_vision.splits import prompt_lists
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.rewards import CompositeReward
-from grpo_vision.rollouts import EVAL_SEED, decode_images, draw, eval_seeds, kl_to, repeat, score
+from grpo_vision.rollouts import EVAL_SEED, decode_images, draw, eval_seeds, kl_to, repeat, score, verdict_rates
 STRIP_PROMPTS = 8  # prompts in a run's sample strip: image 0 of each of the first test prompts
 
 
@@ -92,9 +92,9 @@ class Scorer:
             sampled[set_name] = samples.rollout.tokens.cpu()
             emb = self.embed(samples.images).reshape(len(entries), self.n, -1)
             verdicts = scored.verdicts if self.bundle.judge else []
+            keys = ["correct", *self.bundle.judge.attributes] if verdicts else []
             judge = {} if not verdicts or any(v is None for v in verdicts) else {
-                a: [None if v.get(a) is None else float(v[a]) for v in verdicts]
-                for a in ("correct", *self.bundle.judge.attributes)}
+                a: _floats(rates) for a, rates in verdict_rates(verdicts, keys).items()}
             out[set_name] = {"rewards": {k: _floats(v) for k, v in scored.raw.items()}, "judge": judge,
                              "entropy": _floats(samples.rollout.entropy.mean(1)), "kl": _floats(kl),
                              "diversity": _floats(pairwise_distance(emb))}

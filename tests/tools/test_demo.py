@@ -91,17 +91,26 @@ def test_captions_and_json_carry_each_failing_clause_and_why_a_reward_said_n_a()
     assert side_json(s, [0, 1])["not_scored"] == {"vlm": "no question"}
 
 
-def test_score_each_gives_n_a_and_the_reason_for_a_reward_that_cannot_score_the_prompt():
-    from grpo_vision.rewards import CompositeReward, RewardContext
-    from grpo_vision.tools.demo import score_each
+def test_the_demo_scores_through_rollouts_score_and_a_failing_reward_is_a_note():
+    # rollouts.score(tolerant=True): a reward that fails scores NaN with its message, the others score; a reward
+    # that applies to none of the images is said so; training's score (not tolerant) stops on the failure
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.rewards import CompositeReward, RewardContext, RewardError
+    from grpo_vision.rollouts import score
+    from grpo_vision.tools.demo import not_applying
 
-    rewards = CompositeReward({"python:tests.rewards.test_rewards:EXPLAINS": 1.0, "python:tests.rewards.test_rewards:broken": 1.0},
-                              [], RewardContext())
-    raw, reasons, notes = score_each(rewards, torch.zeros(2, 3, 8, 8), ["a", "b"], [{}, {}])
-    assert raw["python:tests.rewards.test_rewards:EXPLAINS"].tolist() == [1.0, 0.0]
-    assert raw["python:tests.rewards.test_rewards:broken"].isnan().all()
-    assert notes == {"python:tests.rewards.test_rewards:broken": "RuntimeError: model exploded"}
-    assert reasons == {"python:tests.rewards.test_rewards:EXPLAINS": [[], [("count", "too few in b")]]}
+    explains, broken = "python:tests.rewards.test_rewards:EXPLAINS", "python:tests.rewards.test_rewards:broken"
+    rewards = CompositeReward({explains: 1.0, broken: 1.0, "placebo": 0.0}, [], RewardContext())
+    images, entries = torch.zeros(2, 3, 8, 8), [PromptEntry("a"), PromptEntry("b")]
+    scored = score(rewards, images, entries, tolerant=True)
+    assert scored.raw[explains].tolist() == [1.0, 0.0] and scored.raw[broken].isnan().all()
+    assert scored.notes == {broken: "RuntimeError: model exploded"}
+    assert scored.reasons == {explains: [[], [("count", "too few in b")]]}
+    assert scored.total.tolist() == [1.0, 0.0]  # the failed reward leaves the total, as one that does not apply
+    scored.raw["placebo"] = torch.full((2,), float("nan"))
+    assert list(not_applying(scored)) == ["placebo"]
+    with pytest.raises(RewardError, match="model exploded"):
+        score(rewards, images, entries)
 
 
 def test_grid_png_places_each_image_upscaled_under_its_side(tmp_path):

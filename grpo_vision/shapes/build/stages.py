@@ -131,7 +131,9 @@ def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
     """Rows: renders, their VQ reconstructions, base-policy samples for the same captions."""
     from grpo_vision.images import Cell, paint_grid
     from grpo_vision.models.llama import LlamaImagePolicy
-    from grpo_vision.sampling import SamplingParams, sample
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.rollouts import draw
+    from grpo_vision.sampling import SamplingParams
     from grpo_vision.shapes.data import render_batch, to_tensor, to_uint8
     from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING
     from grpo_vision.models.tokenizer import VQTokenizer
@@ -141,8 +143,8 @@ def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
     batch = render_batch(np.random.default_rng(seed + 2 * EVAL_SEED_OFFSET), n, split="all")
     x = to_tensor(batch.images)
     recon = to_uint8(tok.decode(tok.encode(x)))
-    rollout = sample(policy, policy.encode_prompts(batch.captions), list(range(n)), SamplingParams(**DEFAULT_SAMPLING))
-    samples = to_uint8(tok.decode(rollout.tokens))
+    samples = to_uint8(draw(policy, tok, [PromptEntry(c) for c in batch.captions], range(n),
+                            SamplingParams(**DEFAULT_SAMPLING), n).images)
     rows = [[Cell(img) for img in images] for images in (batch.images, recon, samples)]
     headings = [(i, " ".join(c.split()[:4]) + "\n" + " ".join(c.split()[4:])) for i, c in enumerate(batch.captions)]
     sheet = paint_grid(rows, headings=headings, row_labels=["render", "VQ recon.", "base policy"], label_width=70,

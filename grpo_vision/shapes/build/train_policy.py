@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.sampling import SamplingParams, sample_batched
+from grpo_vision.prompts import PromptEntry
+from grpo_vision.rollouts import draw
+from grpo_vision.sampling import SamplingParams
 from grpo_vision.shapes.data import render_batch, to_tensor
 from grpo_vision.shapes.scene import all_words, prompt_list
 from grpo_vision.models.tokenizer import VQTokenizer
@@ -127,8 +129,7 @@ def evaluate_policy(policy: LlamaImagePolicy, tok: VQTokenizer, n_prompts: int =
     out = {}
     for split, tag in (("train", "seen"), ("heldout", "heldout")):
         prompts = [pr for pr in prompt_list(split, n_prompts, seed) for _ in range(per_prompt)]
-        rollout = sample_batched(policy, policy.encode_prompts(prompts), list(range(len(prompts))), params, 64)
-        images = torch.cat([tok.decode(rollout.tokens[i:i + 64]) for i in range(0, len(prompts), 64)])
+        images = draw(policy, tok, [PromptEntry(p) for p in prompts], range(len(prompts)), params, 64).images
         results = [check(img, pr) for img, pr in zip(images, prompts)]
         out[f"policy_acc_{tag}"] = round(float(np.mean([r.correct for r in results])), 4)
         for a in ATTRIBUTES:
