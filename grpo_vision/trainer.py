@@ -114,7 +114,7 @@ class GRPOTrainer:
 
     def export(self, out: str | Path, step: int | None = None, merge: bool = False) -> Path:
         """The trained policy in its model's own format (`grpo-vision export`); returns `out`."""
-        from grpo_vision.evaluation.weights import export_run
+        from grpo_vision.export import export_run
 
         return export_run(self._run(), out, step, merge).directory
 

@@ -30,7 +30,7 @@ LAYERS = [
     ("run", ["grpo_vision.run"]),  # checkpoints, safe state, distributed, health, memory, metrics, lock, ...
     ("models and rewards", ["grpo_vision.models", "grpo_vision.rewards"]),  # which must not import each other
     ("the step", ["grpo_vision.step"]),  # set-up, the phases, the update, the reference, credit, iterative RL
-    ("evaluation", ["grpo_vision.evaluation"]),
+    ("evaluation", ["grpo_vision.evaluation", "grpo_vision.export"]),  # export: a run loaded as evaluation loads it
     ("train", ["grpo_vision.train", "grpo_vision.trainer"]),
     ("tools", ["grpo_vision.tools"]),  # demo, matrix, benches
     ("cli", ["grpo_vision.cli"]),

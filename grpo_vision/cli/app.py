@@ -179,7 +179,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_export(args) -> None:
-    from grpo_vision.evaluation.weights import export_run
+    from grpo_vision.export import export_run
 
     done = export_run(args.run, args.out, args.step, args.merge, args.allow_other_base)
     what = {"adapter": "a peft adapter folder for", "model": "the whole model, for"}[done.form]

@@ -60,7 +60,7 @@ class JanusImagePolicy(nn.Module):
 
     lora_scope = "model.model.language_model"  # module prefix that LoRA adapters are confined to
     static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
-    adapter_root = "model"  # where the JanusForConditionalGeneration a peft adapter export targets sits (evaluation/weights.py)
+    adapter_root = "model"  # where the JanusForConditionalGeneration a peft adapter export targets sits (export.py)
 
     def __init__(self, model, processor):
         super().__init__()
@@ -228,7 +228,7 @@ class JanusImagePolicy(nn.Module):
         self.processor.save_pretrained(str(directory))
 
     def export(self, directory: str | Path) -> list[Path]:
-        """The whole model as transformers' own Janus folder (evaluation/weights.py): `save_pretrained`'s files."""
+        """The whole model as transformers' own Janus folder (export.py): `save_pretrained`'s files."""
         self.save_pretrained(directory)
         return sorted(Path(directory).iterdir())
 

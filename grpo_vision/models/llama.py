@@ -177,7 +177,7 @@ class LlamaImagePolicy(nn.Module):
     """Caption-conditioned image-token transformer; implements `policy.ImagePolicy`."""
 
     static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
-    adapter_root = ""  # a peft adapter export targets the policy's own module names: LlamaForCausalLM's (evaluation/weights.py)
+    adapter_root = ""  # a peft adapter export targets the policy's own module names: LlamaForCausalLM's (export.py)
 
     def __init__(self, cfg: LlamaPolicyConfig):
         super().__init__()
@@ -342,7 +342,7 @@ class LlamaImagePolicy(nn.Module):
 
     def export(self, directory: str | Path) -> list[Path]:
         """The policy as a transformers `LlamaForCausalLM` folder with its word-level tokenizer (models/llama_hf.py)
-        and policy_config.json, from which `from_pretrained` reads it back (evaluation/weights.py)."""
+        and policy_config.json, from which `from_pretrained` reads it back (export.py)."""
         from grpo_vision.models.llama_hf import hf_tokenizer, to_hf_llama
 
         directory = Path(directory)

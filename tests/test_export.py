@@ -15,7 +15,7 @@ from grpo_vision.cli import main
 from grpo_vision.config import ConfigError, PolicyConfig, load_config
 from grpo_vision.evaluation.evaluate import load_run
 from grpo_vision.policy import load_bundle
-from grpo_vision.evaluation.weights import export_run
+from grpo_vision.export import export_run
 from grpo_vision.train import train
 from tests.models.test_janus import PROMPTS as JANUS_PROMPTS, build_tiny_janus, write_config as janus_config
 from tests.models.test_llamagen import LLAMAGEN_PROMPTS
