@@ -110,7 +110,7 @@ def check_seeds(first: int, span: int) -> None:
 
 
 def cmd_sample(args) -> None:
-    from grpo_vision.evaluation import export
+    from grpo_vision.evaluation import image_layouts
     from grpo_vision.evaluation.evaluate import eval_params, load_run
     from grpo_vision.policy import check_prompts
     from grpo_vision.prompts import load_prompts
@@ -132,12 +132,12 @@ def cmd_sample(args) -> None:
     params, tokenizer = eval_params(run.cfg, args.temperature), run.bundle.tokenizer
     with ctx:
         if args.layout == "geneval":
-            count = export.write_geneval(model, tokenizer, entries, args.out, args.n, args.seed, params)
+            count = image_layouts.write_geneval(model, tokenizer, entries, args.out, args.n, args.seed, params)
         elif args.layout == "flat":
-            count = export.write_flat(model, tokenizer, prompts, args.out, args.n, args.seed, params)
+            count = image_layouts.write_flat(model, tokenizer, prompts, args.out, args.n, args.seed, params)
         else:
-            count = export.write_index(model, tokenizer, prompts, args.out, args.n, args.seed, params,
-                                       "reference" if args.reference else "policy", run.step)
+            count = image_layouts.write_index(model, tokenizer, prompts, args.out, args.n, args.seed, params,
+                                              "reference" if args.reference else "policy", run.step)
     print(f"wrote {count} images to {args.out} ({args.layout} layout)")
 
 

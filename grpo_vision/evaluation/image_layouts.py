@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from grpo_vision.evaluation.evaluate import generate
+from grpo_vision.files import write_file
 from grpo_vision.images import to_uint8
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.rewards.geneval_prompts import flat
@@ -43,17 +44,8 @@ def _images(model, tokenizer, prompts: list[str], n: int, seed: int, params):
 def write_index(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params, which: str,
                 step: int) -> int:
     """Numbered PNGs and `index.jsonl` (prompt, file, seed, model, step); returns the number of images."""
-    from PIL import Image
-
-    out, index = Path(out), []
-    out.mkdir(parents=True, exist_ok=True)
-    for i, (prompt, images) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
-        for j, img in enumerate(images):
-            name = f"{i:05d}_{j:02d}_{which}.png"
-            Image.fromarray(img).save(out / name)
-            index.append({"prompt": prompt, "file": name, "seed": seed + j, "model": which, "step": step})
-    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
-    return len(index)
+    return _write_folder(model, tokenizer, prompts, out, n, seed, params,
+                         lambda i, j, prompt: f"{i:05d}_{j:02d}_{which}.png", {"model": which, "step": step})
 
 
 def write_geneval(model, tokenizer, entries: list[PromptEntry], out: str | Path, n: int, seed: int, params) -> int:
@@ -66,7 +58,7 @@ def write_geneval(model, tokenizer, entries: list[PromptEntry], out: str | Path,
         samples = out / f"{index:05d}" / "samples"
         samples.mkdir(parents=True, exist_ok=True)
         # one line, GenEval's flat shape, as its generation script writes it: its scorer reads metadata["tag"]
-        (samples.parent / "metadata.jsonl").write_text(json.dumps(flat(entry)))
+        write_file(samples.parent / "metadata.jsonl", json.dumps(flat(entry)))
         for j, img in enumerate(images):
             Image.fromarray(img).save(samples / f"{j:05d}.png")
         count += len(images)
@@ -88,14 +80,24 @@ def flat_name(prompt: str, k: int) -> str:
 
 def write_flat(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params) -> int:
     """Prompt-named PNGs in one folder and `index.jsonl`; returns the number of images."""
+    return _write_folder(model, tokenizer, prompts, out, n, seed, params,
+                         lambda i, j, prompt: flat_name(prompt, i * n + j))
+
+
+def _write_folder(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params, name,
+                  fields: dict | None = None) -> int:
+    """The PNGs of one folder, image j of prompt i named `name(i, j, prompt)`, and `index.jsonl` (prompt, file,
+    seed, then `fields`); returns the number of images."""
     from PIL import Image
 
     out, index = Path(out), []
     out.mkdir(parents=True, exist_ok=True)
     for i, (prompt, images) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
         for j, img in enumerate(images):
-            name = flat_name(prompt, i * n + j)
-            Image.fromarray(img).save(out / name)
-            index.append({"prompt": prompt, "file": name, "seed": seed + j})
-    (out / "index.jsonl").write_text("".join(json.dumps(r) + "\n" for r in index))
+            file = name(i, j, prompt)
+            # Image.save, not write_file: a flat name may take all 255 bytes, and write_file's temporary name
+            # is longer than the name it replaces
+            Image.fromarray(img).save(out / file)
+            index.append({"prompt": prompt, "file": file, "seed": seed + j, **(fields or {})})
+    write_file(out / "index.jsonl", "".join(json.dumps(r) + "\n" for r in index))
     return len(index)

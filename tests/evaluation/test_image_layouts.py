@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from grpo_vision.evaluation.evaluate import generate
-from grpo_vision.evaluation.export import flat_name, write_flat, write_geneval
+from grpo_vision.evaluation.image_layouts import flat_name, write_flat, write_geneval, write_index
 from grpo_vision.images import to_uint8
 from grpo_vision.rewards.geneval_prompts import read
 from grpo_vision.sampling import SamplingParams
@@ -61,6 +61,19 @@ def test_flat_layout_names_files_by_prompt_and_keeps_an_index(tiny_policy, tmp_p
     got = pngs([tmp_path / "flat" / r["file"] for r in index[2:]])
     assert all(np.array_equal(a, b) for a, b in zip(got, expected))
     assert flat_name("a/b", 3) == "a_b_000003.png"
+
+
+def test_index_layout_numbers_files_and_records_model_and_step(tiny_policy, tmp_path):
+    prompts = [r["prompt"] for r in ROWS]
+    assert write_index(tiny_policy, CodesAsPixels(), prompts, tmp_path / "idx", 2, 5, PARAMS, "reference", 3) == 4
+    index = [json.loads(ln) for ln in (tmp_path / "idx" / "index.jsonl").read_text().splitlines()]
+    assert index[3] == {"prompt": prompts[1], "file": "00001_01_reference.png", "seed": 6, "model": "reference",
+                        "step": 3}
+    assert [r["file"] for r in index[:3]] == ["00000_00_reference.png", "00000_01_reference.png",
+                                              "00001_00_reference.png"]
+    expected = to_uint8(generate(tiny_policy, CodesAsPixels(), [prompts[1]] * 2, [5, 6], PARAMS))
+    got = pngs([tmp_path / "idx" / r["file"] for r in index[2:]])
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
 
 
 def test_flat_names_of_long_prompts_fit_a_file_name_and_stay_apart(tiny_policy, tmp_path):
