@@ -19,7 +19,7 @@ Sampling prefills the condition with transformers' language model, then decodes 
 own over the same modules (`decode`): the keys and values in a cache preallocated at condition + image
 tokens, attention computed directly (in float32 on a CPU, where transformers' bf16 attention kernel took a
 quarter of a Janus-Pro-1B-sized decode step, docs/benchmarks.md) and, with `new_cache(static=True)`, a
-step of fixed shapes a CUDA graph can record (models/decode.py). Its logits equal `generate`'s (a test
+step of fixed shapes a CUDA graph can record (models/kv_cache.py). Its logits equal `generate`'s (a test
 compares them step by step in float32). Only the generation path trains: the understanding-only modules (SigLIP `vision_model`,
 `aligner`), the VQ model and the text embedding table (tied to the text `lm_head`) are frozen, which
 also keeps them out of checkpoints and the optimizer. `lora_scope` confines LoRA adapters to the
@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from grpo_vision.config import ConfigError
-from grpo_vision.models.decode import future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
 from grpo_vision.run.load_checks import dtype_argument
 
 NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
@@ -46,7 +46,7 @@ SFT_FORMAT = "<|User|>: {}\n\n<|Assistant|>:"  # Janus's "deepseek" SFT template
 
 @dataclass
 class JanusCache:
-    static: bool = False  # a decode step of fixed shapes (models/decode.py)
+    static: bool = False  # a decode step of fixed shapes (models/kv_cache.py)
     k: torch.Tensor | None = None  # [layers, B, kv_heads, L + N, head_dim], allocated by `prefill` (it needs L)
     v: torch.Tensor | None = None
     valid: torch.Tensor | None = None  # [B, L + N] True where a key may be attended (False at left padding)
@@ -59,7 +59,7 @@ class JanusImagePolicy(nn.Module):
     `policy.ImagePolicy`."""
 
     lora_scope = "model.model.language_model"  # module prefix that LoRA adapters are confined to
-    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
+    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/kv_cache.py)
     adapter_root = "model"  # where the JanusForConditionalGeneration a peft adapter export targets sits (export.py)
 
     def __init__(self, model, processor):

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.config.load import brief
-from grpo_vision.models.decode import future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
 from grpo_vision.run.load_checks import integer_weights, non_finite, shape_mismatch
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
@@ -71,7 +71,7 @@ class KVCache:
     v: torch.Tensor  # [layers, B, kv_heads, max_len, head_dim]
     fused: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: W_qkv [(H+2Hkv)*hd, dim], W_gate_up [2F, dim]
     pos: int = 0  # number of positions already written
-    position: torch.Tensor | None = None  # a static cache's next position, on the device (models/decode.py)
+    position: torch.Tensor | None = None  # a static cache's next position, on the device (models/kv_cache.py)
 
 
 def rope_tables(cfg: LlamaPolicyConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +176,7 @@ class Backbone(nn.Module):  # named like transformers' LlamaModel so state-dict 
 class LlamaImagePolicy(nn.Module):
     """Caption-conditioned image-token transformer; implements `policy.ImagePolicy`."""
 
-    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
+    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/kv_cache.py)
     adapter_root = ""  # a peft adapter export targets the policy's own module names: LlamaForCausalLM's (export.py)
 
     def __init__(self, cfg: LlamaPolicyConfig):
@@ -241,7 +241,7 @@ class LlamaImagePolicy(nn.Module):
 
     def new_cache(self, batch_size: int, static: bool = False) -> KVCache:
         """Preallocated keys/values, plus fused projection weights for `decode`; `static`: zeros, and the
-        position a tensor (models/decode.py).
+        position a tensor (models/kv_cache.py).
 
         Weights do not change during a rollout, so q/k/v and gate/up are concatenated once here and
         each decode step runs 4 matmuls per layer instead of 7.

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.config.load import ConfigError, brief
-from grpo_vision.models.decode import future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
 
 # gpt.py's CaptionEmbedder holds `uncond_embedding` of token_num=120 rows (gpt.py:93, 96), and Transformer never
 # passes its cls_token_num there (gpt.py:273): the buffer has 120 rows whatever caption length the model was
@@ -88,7 +88,7 @@ class LlamaGenCache:
     v: torch.Tensor  # [layers, B, kv_heads, L + N, head_dim]
     valid: torch.Tensor | None = None  # [B, L + N] False at caption padding; None: nothing padded
     pos: int = 0  # positions written
-    position: torch.Tensor | None = None  # a static cache's next position, on the device (models/decode.py)
+    position: torch.Tensor | None = None  # a static cache's next position, on the device (models/kv_cache.py)
 
 
 def rope_table(cfg: LlamaGenConfig) -> torch.Tensor:
@@ -194,7 +194,7 @@ class CaptionEmbedder(nn.Module):
 class LlamaGenPolicy(nn.Module):
     """LlamaGen's GPT (c2i or t2i); implements `policy.ImagePolicy`. `captions` (t2i) encodes prompts."""
 
-    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/decode.py)
+    static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/kv_cache.py)
 
     def __init__(self, cfg: LlamaGenConfig, captions=None):
         super().__init__()
