@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from grpo_vision.config import EVAL_SEED
+from grpo_vision.config import EVAL_SEED, MAX_SEED, ConfigError
 from grpo_vision.grpo import k3_kl
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.sampling import Rollout, SamplingParams, batched_logprobs, sample_batched
@@ -32,6 +32,15 @@ def eval_seeds(prompts: int, n: int, seed: int = EVAL_SEED) -> list[int]:
     """The seeds of `n` images of each of `prompts` prompts: image j of prompt i uses seed + 1000 i + j, the
     same for every model scored, so a repeated prompt gets fresh images and each pair is comparable."""
     return [seed + 1000 * i + j for i in range(prompts) for j in range(n)]
+
+
+def check_seeds(seed: int, prompts: int, n: int) -> None:
+    """ConfigError naming --seed when the last of `eval_seeds(prompts, n, seed)` is past MAX_SEED (`sample`
+    and the benchmark folders draw `eval_seeds(1, n, seed)` for every prompt: image j, seed + j)."""
+    span = 1000 * (max(prompts, 1) - 1) + n - 1
+    if seed + span > MAX_SEED:
+        raise ConfigError(f"--seed {seed}: the last image would get seed {seed + span}, past the largest seed, "
+                          f"{MAX_SEED}; use --seed {max(0, MAX_SEED - span)} or less")
 
 
 def repeat(entries: Sequence[PromptEntry], n: int) -> list[PromptEntry]:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from grpo_vision.cli.args import MAX_SEED, device, positive_float, positive_int, seed
+from grpo_vision.cli.args import device, positive_float, positive_int, seed
 from grpo_vision.config import EVAL_SEED, ConfigError
 
 
@@ -102,13 +102,6 @@ def cmd_alerts(args) -> None:
         print(json.dumps(asdict(alert)), flush=True)
 
 
-def check_seeds(first: int, span: int) -> None:
-    """ConfigError when the last image's seed, `first + span`, is past MAX_SEED."""
-    if first + span > MAX_SEED:
-        raise ConfigError(f"--seed {first}: the last image would get seed {first + span}, past the largest seed, "
-                          f"{MAX_SEED}; use --seed {max(0, MAX_SEED - span)} or less")
-
-
 def cmd_sample(args) -> None:
     from grpo_vision.evaluation import image_layouts
     from grpo_vision.evaluation.evaluate import eval_params, load_run
@@ -116,6 +109,7 @@ def cmd_sample(args) -> None:
     from grpo_vision.prompts import load_prompts
     from grpo_vision.files import check_writable
     from grpo_vision.rewards import geneval_prompts
+    from grpo_vision.rollouts import check_seeds
 
     # read the prompts and look at --out before loading the model: a bad file or folder is named at once
     if args.layout == "geneval":
@@ -124,7 +118,7 @@ def cmd_sample(args) -> None:
     else:
         entries = load_prompts(args.prompts, column=args.prompt_column)
     prompts, where = [e.prompt for e in entries], [f"{args.prompts}, line {e.line}" for e in entries]
-    check_seeds(args.seed, args.n - 1)
+    check_seeds(args.seed, 1, args.n)
     check_writable(args.out, "make it writable, or choose another --out")
     run = load_run(args.run, args.step, args.device, args.allow_other_base)
     check_prompts(run.policy, zip(where, prompts))
@@ -170,12 +164,13 @@ def cmd_benchmark(args) -> None:
     from grpo_vision.policy import check_prompts
     from grpo_vision.rewards import CompositeReward
     from grpo_vision.rewards.geneval_prompts import evaluation_entries, read
+    from grpo_vision.rollouts import check_seeds
 
     if args.draw != 1:
         raise ConfigError("--draw draws the run's own eval sets again; --benchmark geneval scores GenEval's prompts")
     no_prompt_column(args, "--benchmark geneval")
     entries = read(args.prompts) if args.prompts else evaluation_entries()  # either of GenEval's shapes
-    check_seeds(args.seed, 1000 * (len(entries) - 1) + args.n - 1)
+    check_seeds(args.seed, len(entries), args.n)
     if args.verdicts:
         check_output_file(args.verdicts, "--verdicts")  # before the model loads, not after the sampling
     run = load_run(args.run, args.step, args.device, args.allow_other_base)

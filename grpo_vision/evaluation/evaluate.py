@@ -34,7 +34,7 @@ from grpo_vision.step.reference import Reference
 from grpo_vision.models.adapters import add_adapter
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.files import write_file
-from grpo_vision.rollouts import EVAL_SEED, Paired, compare, draw
+from grpo_vision.rollouts import EVAL_SEED, Paired, check_seeds, compare, draw
 from grpo_vision.sampling import SamplingParams
 
 
@@ -83,7 +83,6 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed:
     run's own eval sets by default, `draw` 2, 3, ... drawn again), `n` images per prompt. `trust`: load python:
     rewards the run folder names; `rewards`: NAME=python:module:function for rewards only the run's script had;
     `source(name)`: where set `name` was read, for error messages; `allow_other_base`: as load_run."""
-    from grpo_vision.config import MAX_SEED
     from grpo_vision.policy import check_prompts
     from grpo_vision.rewards import CompositeReward, check_rewards
     from grpo_vision.run.folder import refuse_code
@@ -96,10 +95,7 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed:
     # the run's own prompts are the run folder's, and may name rewards too; prompts given here are the user's own
     refuse_code(cfg, entries if own else [], run_dir, trust)
     check_rewards(cfg, run_dir, entries, rewards)
-    span = 1000 * (max(map(len, sets.values()), default=1) - 1) + n - 1  # eval_seeds: prompt i, image j
-    if seed + span > MAX_SEED:
-        raise ConfigError(f"--seed {seed}: the last image would get seed {seed + span}, past the largest seed, "
-                          f"{MAX_SEED}; use --seed {max(0, MAX_SEED - span)} or less")
+    check_seeds(seed, max(map(len, sets.values()), default=1), n)
     run = load_run(run_dir, step, device, allow_other_base)
     where = source or (lambda name: name)
     check_prompts(run.policy, ((f"{where(name)}, line {e.line}", e.prompt) for name, v in sets.items() for e in v))

@@ -24,6 +24,7 @@ from grpo_vision.files import write_file
 from grpo_vision.images import to_uint8
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.rewards.geneval_prompts import flat
+from grpo_vision.rollouts import eval_seeds
 
 LAYOUTS = ("index", "geneval", "flat")
 IMAGES_PER_CALL = 64  # images generated per sampler call, whatever the number of prompts
@@ -36,7 +37,7 @@ def _images(model, tokenizer, prompts: list[str], n: int, seed: int, params):
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start:start + per_call]
         images = to_uint8(generate(model, tokenizer, [p for p in chunk for _ in range(n)],
-                                   [seed + j for _ in chunk for j in range(n)], params))
+                                   eval_seeds(1, n, seed) * len(chunk), params))
         for i in range(len(chunk)):
             yield images[i * n:(i + 1) * n]
 
@@ -93,11 +94,11 @@ def _write_folder(model, tokenizer, prompts: list[str], out: str | Path, n: int,
     out, index = Path(out), []
     out.mkdir(parents=True, exist_ok=True)
     for i, (prompt, images) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
-        for j, img in enumerate(images):
+        for j, (img, image_seed) in enumerate(zip(images, eval_seeds(1, n, seed))):
             file = name(i, j, prompt)
             # Image.save, not write_file: a flat name may take all 255 bytes, and write_file's temporary name
             # is longer than the name it replaces
             Image.fromarray(img).save(out / file)
-            index.append({"prompt": prompt, "file": file, "seed": seed + j, **(fields or {})})
+            index.append({"prompt": prompt, "file": file, "seed": image_seed, **(fields or {})})
     write_file(out / "index.jsonl", "".join(json.dumps(r) + "\n" for r in index))
     return len(index)

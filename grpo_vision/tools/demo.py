@@ -37,7 +37,7 @@ from grpo_vision.policy import unknown_words
 from grpo_vision.prompts import PromptEntry, PromptsError
 from grpo_vision.rewards import CompositeReward, check_rewards
 from grpo_vision.run.folder import read_run_config, refuse_code
-from grpo_vision.rollouts import Scored, draw, score
+from grpo_vision.rollouts import Scored, draw, eval_seeds, score
 from grpo_vision.sampling import SamplingParams
 
 MAX_IMAGES = 16  # images per side
@@ -246,7 +246,7 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
         if not (math.isfinite(number) and lo <= number <= hi):
             raise DemoInputError(f"{name} must be a number from {lo:g} to {hi:g}, got {brief(value)}.")
-    return [seed + i for i in range(n)], SamplingParams(float(cfg_scale), float(temperature), top_k, base.top_p,
+    return eval_seeds(1, n, seed), SamplingParams(float(cfg_scale), float(temperature), top_k, base.top_p,
                                                         base.logprob_mode)
 
 
