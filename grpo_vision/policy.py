@@ -213,7 +213,7 @@ def policy_kind(name: str) -> PolicyKind:
     load_built_in()
     if name not in REGISTRY:
         load_plugins()
-    if not name:  # the core names no model: a config says which (issue 51)
+    if not name:  # the core names no model: a config says which
         raise ConfigError(f"policy.kind is required: set it to one of {', '.join(sorted(REGISTRY))}")
     if name not in REGISTRY:
         raise ConfigError(f"unknown policy.kind {brief(name)}; registered kinds: {', '.join(sorted(REGISTRY))} "

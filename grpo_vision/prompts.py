@@ -7,7 +7,7 @@ per entry (in a CSV cell, as JSON text):
 
 The suffix decides: `.csv` / `.tsv` (a header row), `.parquet`, a folder (`Dataset.save_to_disk`),
 `.jsonl` / `.json`; a file of another suffix is text, unless it looks like a table or binary (an
-error: read as lines, a CSV's header was trained on, issue 50). The prompt column (a JSONL key) is
+error: read as lines, a CSV's header would be trained on). The prompt column (a JSONL key) is
 `column`: "" = 'prompt', else the one of 'caption' and 'text' a table has. A table's other columns are
 ignored (datasets carry images and ids); a JSONL line's other keys are an error (a misspelt `rewards`
 would train with the config's weights). In a text file blank lines and lines starting with `#` are
@@ -32,7 +32,7 @@ from grpo_vision.reading import MAX_DEPTH, depth, json_value, read_text, what_is
 
 AUTO_COLUMNS = ("caption", "text")  # what datasets name their captions; taken when 'prompt' is absent
 DELIMITERS = {".csv": ",", ".tsv": "\t"}
-# Never captions one per line: read as text, a table's header became a training prompt (issue 50)
+# Never captions one per line: read as text, a table's header would become a training prompt
 STRUCTURED = (".arrow", ".feather", ".ipc", ".orc", ".avro", ".xlsx", ".xls", ".ods", ".pkl", ".pickle", ".npy",
               ".npz", ".h5", ".hdf5", ".zip", ".gz", ".bz2", ".xz", ".zst", ".tar", ".db", ".sqlite", ".yaml", ".yml",
               ".toml", ".xml", ".html")
@@ -316,7 +316,7 @@ def _need(module: str, path: Path):
 
 def _refuse_structured(path: Path, suffix: str) -> None:
     """PromptsError for a file of another suffix that holds a table, an archive or binary data: read as
-    lines, its header or bytes would be trained on as captions (issue 50)."""
+    lines, its header or bytes would be trained on as captions."""
     with path.open("rb") as f:
         head = f.read(4096)
     if head.startswith(b"PAR1"):

@@ -1,5 +1,5 @@
 """Reading the files a user, a run folder or another model's output hands us: refused in one line, never
-waited on forever or crashed by (issue 53).
+waited on forever or crashed by.
 
 Any path may be something other than the file it names: a FIFO (open() waits for a writer that never
 comes), a folder, a device; a JSON line nested 100,000 deep (Python's parser: RecursionError), bytes that

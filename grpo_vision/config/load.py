@@ -4,7 +4,7 @@ Generic over dataclasses: config/schema.py defines the sections and calls these.
 unknown key, a value of the wrong type or a malformed YAML file raises `ConfigError` that names the
 key and what was expected, so a typo never silently falls back to a default.
 
-One rule empties a value (docs/usage.md, "Overrides"; issue 50): null means not set. `key:` or `key: null` in a
+One rule empties a value (docs/usage.md, "Overrides"): null means not set. `key:` or `key: null` in a
 file and `key=`, `key=null` or `key=~` on the command line give a field its default and remove an entry of a
 mapping (so whatever reads the mapping, e.g. a kind's options dataclass, uses its own default). The empty string
 is a value like any other, written quoted: `key: ""`, or `'key=""'` past the shell.
@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 
 def brief(value: Any, limit: int = 80) -> str:
     """`repr(value)` for an error message, cut after `limit` characters with the full length noted:
-    a rejected 10 MB prompt line was echoed whole to stderr (issue 33). Every error quotes user text
+    a rejected 10 MB prompt line would be echoed whole to stderr. Every error quotes user text
     through this. A value that is not text is walked for its first BRIEF_WORK characters only: a list
     holding itself 10 times over 9 levels (YAML aliases) has a repr of 10^10 items."""
     if isinstance(value, str):

@@ -324,7 +324,7 @@ def validate(cfg: Config) -> None:
         (all(math.isfinite(w) for w in cfg.reward.weights.values()),
          f"reward.weights must be finite numbers, got {cfg.reward.weights}"),
         (cfg.reward.batch_size >= 1, "reward.batch_size must be >= 1"),
-        # printable only: a newline in it printed as a line of its own, e.g. a forged "[train] done:" (issue 53)
+        # printable only: a newline in it printed as a line of its own, e.g. a forged "[train] done:"
         (bool(cfg.run.name) and cfg.run.name not in (".", "..") and not set("/\\") & set(cfg.run.name)
          and cfg.run.name.isprintable(),
          f"run.name must be a plain folder name (no '/' or '\\', no newline or other control character), got "

@@ -113,8 +113,8 @@ class LayoutError(ValueError):
 
 def read_folder(folder: str | Path) -> list[tuple[dict, list[Path]]]:
     """GenEval's layout (`sample --layout geneval`, or GenEval's own generation scripts): per prompt, its
-    metadata (`<folder>/<i:05d>/metadata.jsonl`, one JSON line, as GenEval's flat line: a nested one that
-    `sample` wrote before issue 50 is flattened) and its images (`samples/*.png`, sorted), in the folders'
+    metadata (`<folder>/<i:05d>/metadata.jsonl`, one JSON line, as GenEval's flat line: a nested one, as
+    older `sample` versions wrote it, is flattened) and its images (`samples/*.png`, sorted), in the folders'
     order; LayoutError naming the first thing that is not so. Each image's header is read, not its pixels:
     one that declares more pixels than reading.max_pixels() is refused before anything is scored."""
     folder = Path(folder)

@@ -130,7 +130,7 @@ def check_options(cfg) -> None:
     """Check the config's `reward.options.<name>` and `policy.options` against the options dataclasses that the
     rewards and the policy kind registered (plugins loaded on demand, as every lookup does): a misspelt key
     is a ConfigError naming it, with a did-you-mean, when a command loads the config rather than when the
-    model loads (issue 51). A config without policy.kind (`score` needs none) has no policy options to check."""
+    model loads. A config without policy.kind (`score` needs none) has no policy options to check."""
     check_option_names(cfg.reward.options)
     for name, options in cfg.reward.options.items():
         reward_options(name, options)

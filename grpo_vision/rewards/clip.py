@@ -156,8 +156,8 @@ CLIP_PARTS = ("visual", "transformer", "token_embedding", "positional_embedding"
 
 
 def not_openai_clip(state: dict) -> str:
-    """The first of CLIP_PARTS that `state` lacks ('' when it has them all). Before (issue 53) any TorchScript
-    archive was converted, and the file only failed later, as weights that do not fit the reward's CLIP."""
+    """The first of CLIP_PARTS that `state` lacks ('' when it has them all). Without it any TorchScript
+    archive would be converted, and the file only fail later, as weights that do not fit the reward's CLIP."""
     tops = {key.split(".")[0] for key in state}
     return next((part for part in CLIP_PARTS if part not in tops), "")
 

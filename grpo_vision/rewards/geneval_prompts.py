@@ -14,8 +14,7 @@ line, the clauses beside the prompt (`{"tag", "include", "exclude"?, "prompt"}`,
 evaluation_metadata.jsonl and each folder's metadata.jsonl hold it), and this tool's prompts-file entry,
 the clauses under `metadata` (`{"prompt", "metadata": {"tag", "include", "exclude"?}}`, what `write` and
 `prompts geneval --out` write, and what training reads). What leaves the tool for GenEval's scorer is its
-own shape (`flat`), since its `evaluation/evaluate_images.py` reads `metadata["tag"]` at the top level
-(issue 50).
+own shape (`flat`), since its `evaluation/evaluate_images.py` reads `metadata["tag"]` at the top level.
 """
 
 from __future__ import annotations

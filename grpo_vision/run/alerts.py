@@ -1,5 +1,5 @@
 """Alerts while training: four ways a run goes wrong, told at the step they start rather than in the
-report at the end (issue 38). Each is a pure check over the run's metrics rows (metrics.jsonl), so the
+report at the end. Each is a pure check over the run's metrics rows (metrics.jsonl), so the
 same code watches a live run, rebuilds its state on resume, and replays a finished run's metrics
 (`grpo-vision alerts RUN_DIR`).
 

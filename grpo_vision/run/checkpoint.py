@@ -41,7 +41,7 @@ from grpo_vision.run.safe_state import load_state, save_state
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters that train (the adapter only, when the run trains one) and the persistent buffers, detached
     and contiguous. A buffer never trains, but a model may need it to be rebuilt from the checkpoint alone
-    (LlamaGen's null caption, `cls_embedding.uncond_embedding`, issue 50): buffers are small, so all are kept."""
+    (LlamaGen's null caption, `cls_embedding.uncond_embedding`): buffers are small, so all are kept."""
     kept = {n: p for n, p in model.named_parameters() if p.requires_grad} | persistent_buffers(model)
     return {n: v.detach().contiguous().cpu() for n, v in kept.items()}
 
@@ -168,7 +168,7 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
     """Load weights (and optimizer state when given); returns (trainer_state, reference_state or None)."""
     path = Path(path)
     weights = _read(path / "policy.safetensors", load_file)
-    own = dict(policy.named_parameters()) | persistent_buffers(policy)  # a checkpoint before issue 50 has no buffers
+    own = dict(policy.named_parameters()) | persistent_buffers(policy)  # an older checkpoint may have no buffers
     missing = [n for n, p in own.items() if p.requires_grad and n not in weights]  # saved: the trainable ones
     _check_fits(path / "policy.safetensors", weights, own, missing)
     _check_finite(path / "policy.safetensors", weights, path)
@@ -204,7 +204,7 @@ def _check_fits(file: Path, weights: dict, own: dict, missing: list[str] = ()) -
     """CheckpointError naming `file` when its tensors are not `own`'s names and shapes."""
     unknown = sorted(set(weights) - set(own))
     wrong = sorted(n for n, v in weights.items() if n in own and v.shape != own[n].shape)
-    # an integer tensor copied into a float weight is silently cut to whole numbers (issue 53)
+    # an integer tensor copied into a float weight is silently cut to whole numbers
     integer = sorted(n for n, v in weights.items() if n in own and own[n].is_floating_point()
                      and not v.is_floating_point())
     for problem, names in (("weights this policy does not have", unknown), ("no weights for", sorted(missing)),
@@ -252,7 +252,7 @@ class Resumed:  # what a resumed run takes from its checkpoint besides the weigh
 def resume_weights(ckpt: Path, policy, steps: int, base: dict, learners: Sequence[str] = (),
                    allow_other_base: bool = False) -> Resumed:
     """Load `ckpt`'s weights into `policy` and check that the run can go on from it: train.steps at or past its
-    step (a resume never writes a checkpoint at or below a step the run holds: issue 53; `latest_checkpoint` is
+    step (a resume never writes a checkpoint at or below a step the run holds; `latest_checkpoint` is
     the highest complete step), the same base files (`base`, from `base_identity`) unless `allow_other_base`, the counters, and
     the iterative state that `learners` (the run's learning rewards) need to continue exactly."""
     from grpo_vision.run.health import COUNTERS

@@ -28,7 +28,7 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> str:
 def integer_weights(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> str:
     """'' when no tensor of `state` is an integer (or bool) one where `model` holds a float; else the first, as
     'tok_embeddings.weight is torch.int32 (and 20 more)'. `load_state_dict` copies such a tensor in silently,
-    every weight truncated to a whole number, and the run trains on that (issue 53)."""
+    every weight truncated to a whole number, and the run would train on that."""
     expected = model.state_dict()
     wrong = [f"{k} is {v.dtype}" for k, v in state.items()
              if k in expected and expected[k].is_floating_point() and not (v.is_floating_point() or v.is_complex())]

@@ -1,10 +1,10 @@
 """What the machine gives a run: CPU threads, and a warning when other jobs share it.
 
-On a shared 2-core machine the main job took 91 minutes instead of 10 with no word why (issue 25):
-torch's threads fought other processes for the cores. `run.threads` sets the threads; a 1-minute
+On a shared 2-core machine the main job can take 91 minutes instead of 10 with no word why: torch's
+threads fight other processes for the cores. `run.threads` sets the threads; a 1-minute
 load average well above the cores at start-up is reported in one line, so a slow run says why.
-More threads than usable cores never speed torch up, and a huge number (100000) made OpenMP exhaust
-the memory and crash (issue 33): it is refused.
+More threads than usable cores never speed torch up, and a huge number (100000) makes OpenMP exhaust
+the memory and crash: it is refused.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ groups contiguous, N image tokens in raster order). The loss then reads (grpo.py
     loss = -sum(w * a * l) / (sum(w) + 1e-6) + beta * aggregate(m * k3)
 
 Every function is pure (tensors in, tensors out, no gradient unless stated). The constants the papers fix
-are keyword arguments with the papers' values. Sources (survey `anchors-2026-11-26.md` section 2):
+are keyword arguments with the papers' values. Sources, each at the commit and lines read:
 
 * STAGE (arXiv 2509.25027; krennic999/STAGE@579e5cf `src/grpo/src/open_r1/trainer/grpo_trainer.py`): a
   token is credited where its VQ code differs from the codes at the same cell in the group's images of the

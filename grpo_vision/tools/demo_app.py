@@ -34,7 +34,7 @@ COLUMNS = ["score", "left", "right", "left - right"]
 # The app takes no file, yet Gradio serves an upload route to every page: a cap keeps it from filling the disk
 MAX_UPLOAD = "1mb"
 # Request bodies: a click is a prompt of at most 200 characters and seven small values, well under 64 KiB; Gradio
-# took 50 MB into its queue (issue 53). The upload route's files are capped by MAX_UPLOAD, its body here.
+# would take 50 MB into its queue. The upload route's files are capped by MAX_UPLOAD, its body here.
 MAX_BODY, MAX_UPLOAD_BODY = 64 << 10, 4 << 20
 # Gradio keeps a copy of every gallery image and grid it serves: swept every 10 min once an hour old, all at exit
 CACHE_SWEEP = (600, 3600)

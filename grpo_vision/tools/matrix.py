@@ -39,7 +39,7 @@ class RunSpec:
     weights: tuple[tuple[str, float], ...]  # (reward name, weight) it trains on
     beta: float
     seed: int
-    variant: str = ""  # --variant NAME: a row of training options besides the reward (issue 52's sweeps)
+    variant: str = ""  # --variant NAME: a row of training options besides the reward (the credit-assignment sweeps)
     options: tuple[str, ...] = ()  # its key=value overrides
 
     @property

@@ -1,7 +1,7 @@
 """`grpo-vision plan`: what fits in a GPU's memory and how fast it runs, before any weight is loaded.
 
 Users ask "will it fit in 24 / 48 / 80 GB, and how long will it take" more than anything but "how do I train at
-all" (shared/research/anchors-2026-11-28.md, Q4: Janus #41, T2I-R1 #9 and #14, STAGE #3). For a released model size
+all" (deepseek-ai/Janus issue #41, CaraJ7/T2I-R1 issues #9 and #14, krennic999/STAGE issue #3). For a released model size
 (tools/presets.py) the architecture is built on PyTorch's meta device, so its parameters are counted without a
 byte of weights, and run/memory.py's estimate (the one `train` prints and refuses by, checked against measured
 peaks in docs/benchmarks.md) is computed for each candidate setting. For each memory budget the largest setting

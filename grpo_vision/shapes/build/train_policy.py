@@ -45,7 +45,7 @@ POLICY_PRESETS = {
     "micro": PolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20, amp=False),  # float32: see VQ_PRESETS["micro"]
     # 3.0M params: 2,400 steps take about 22 minutes on 2 CPU cores; against the 1.39M preset
     # (192, 3, 6, 2, 512) GRPO's main job gains +14.6 points on test captions instead of +10.3 (six seeds)
-    # (issue 39, docs/experiments/recipe_ablations.md)
+    # (docs/experiments/recipe_ablations.md)
     "default": PolicyPreset(256, 4, 8, 2, 672, 30000, 32, 1e-3, 2400),
 }
 
