@@ -15,8 +15,9 @@ checkpoint, then writes it as the model's ecosystem reads it:
               loads it back as policy.path); an adapter run gives a peft adapter folder for that
               LlamaForCausalLM (module names are one to one), or with merge=True the merged model.
 
-A policy class opts in with `export(directory) -> list[Path]` (the whole model) and, where a peft adapter maps
-onto the ecosystem's own model, `adapter_root`: the module path of that model inside the policy ("model" for
+A policy class opts in with `export(directory) -> list[Path]` (the whole model; the built-in Llama's and
+LlamaGen's are functions beside their loaders, found by models/kinds.py's `exporter`) and, where a peft adapter
+maps onto the ecosystem's own model, `adapter_root`: the module path of that model inside the policy ("model" for
 Janus, "" for the built-in Llama). `export.json` beside the files says which run and step they came from.
 
 The other way out needs no export: a run folder (or one of its step folders) given as `policy.path` loads as
@@ -49,6 +50,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     `merge`: an adapter run's adapter folded into the weights, the whole model written; `allow_other_base`: as
     evaluate.load_run."""
     from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.models.kinds import exporter
 
     run_dir, out = Path(run_dir), Path(out)
     check_export_target(out)  # before the run loads: a bad --out is one line, not minutes later
@@ -56,7 +58,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     kind, policy = run.cfg.policy.kind, run.policy
     adapter = run.cfg.train.adapter != "none"
     base = policy.get_base_model() if adapter else policy
-    if not hasattr(base, "export"):
+    if exporter(base) is None:
         raise ConfigError(f"policy kind {kind!r} ({type(base).__name__}) has no export(directory): its weights are "
                           f"the run's checkpoints; load them with grpo_vision.evaluation.evaluate.load_run({str(run_dir)!r})")
     with staging(out) as folder:  # written whole into a sibling, then renamed: no half export under --out's name
@@ -65,7 +67,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
                                         base_path=run.cfg.policy.path), "adapter"
         else:
             model = policy.merge_and_unload() if adapter else policy  # peft folds LoRA, LoHa and LoKr alike
-            files, form = model.export(folder), "model"
+            files, form = exporter(model)(folder), "model"
         record = {"run": str(run_dir), "step": run.step, "kind": kind, "form": form, "base": run.cfg.policy.path,
                   "adapter": run.cfg.train.adapter, "merged": adapter and form == "model",
                   "dtype": run.cfg.policy.dtype}

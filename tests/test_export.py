@@ -237,13 +237,11 @@ def test_export_refuses_a_place_inside_a_run_folder_and_bad_paths_before_loading
 
 
 def test_a_failed_export_leaves_nothing_under_its_name(llama_runs, tmp_path, monkeypatch):
-    from grpo_vision.models.llama import LlamaImagePolicy
-
-    def full_disk(self, directory):
+    def full_disk(policy, directory):
         (directory / "model.safetensors").write_bytes(b"half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(LlamaImagePolicy, "export", full_disk)
+    monkeypatch.setattr("grpo_vision.models.llama_hf.export", full_disk)
     with pytest.raises(ConfigError, match=r"^--out .*out: writing the export failed \(No space left on device\); "
                                           r"nothing was left there$"):
         export_run(llama_runs[False], tmp_path / "out")

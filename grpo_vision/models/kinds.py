@@ -1,12 +1,14 @@
 """The built-in policy kinds: `llama` (LlamaImagePolicy with a diffusers VQ tokenizer), `janus`
 (Janus-Pro through transformers) and `llamagen` (LlamaGen's released GPT and VQ checkpoints). They
-register like any plugin's kinds (plugins.py, policy.py)."""
+register like any plugin's kinds (plugins.py, policy.py); `exporter` finds how a policy is written out."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,6 +47,23 @@ def load_llamagen(pcfg: PolicyConfig, device) -> Bundle:
     from grpo_vision.models.llamagen_load import load_llamagen as load
 
     return load(pcfg, device)
+
+
+def exporter(policy) -> Callable[[str | Path], list[Path]] | None:
+    """`write(directory) -> files`: `policy` whole, in the format its model's own code loads (export.py), or None.
+    A policy class opts in with an `export(directory)` method (Janus's, a plugin's); the built-in Llama's and
+    LlamaGen's exporters sit beside their loaders (llama_hf.py, llamagen_load.py), which import the policy modules:
+    as methods, they would import them back."""
+    if callable(getattr(policy, "export", None)):
+        return policy.export
+    from grpo_vision.models import llama_hf, llamagen_load
+    from grpo_vision.models.llama import LlamaImagePolicy
+    from grpo_vision.models.llamagen import LlamaGenPolicy
+
+    for cls, write in ((LlamaImagePolicy, llama_hf.export), (LlamaGenPolicy, llamagen_load.export)):
+        if isinstance(policy, cls):
+            return functools.partial(write, policy)
+    return None
 
 
 # A run folder as policy.path: a new run continues from a trained one (issue 50)

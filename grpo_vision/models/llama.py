@@ -333,23 +333,12 @@ class LlamaImagePolicy(nn.Module):
         off = self.cfg.image_offset
         return F.linear(h, self.lm_head.weight[off:off + self.cfg.codebook_size])  # [..., K]
 
-    # ------------------------------------------------------------------ save / load / export
+    # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "policy_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
         save_file({k: v.contiguous() for k, v in self.state_dict().items()}, directory / "policy.safetensors")
-
-    def export(self, directory: str | Path) -> list[Path]:
-        """The policy as a transformers `LlamaForCausalLM` folder with its word-level tokenizer (models/llama_hf.py)
-        and policy_config.json, from which `from_pretrained` reads it back (export.py)."""
-        from grpo_vision.models.llama_hf import hf_tokenizer, to_hf_llama
-
-        directory = Path(directory)
-        to_hf_llama(self).save_pretrained(str(directory))
-        hf_tokenizer(self.cfg).save_pretrained(str(directory))
-        (directory / "policy_config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
-        return sorted(directory.iterdir())
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "LlamaImagePolicy":

@@ -1,5 +1,5 @@
 """The built-in policy as transformers objects: the same weights as a `LlamaForCausalLM`, and a
-tokenizer that reads captions into the policy's condition ids.
+tokenizer that reads captions into the policy's condition ids; `export` writes both as one folder.
 
 Module names match one-to-one (models/llama.py), so the export is a state-dict copy. The sampler
 benchmark compares `generate()` on the export with the KV-cache sampler; the TRL benchmark trains the
@@ -8,6 +8,10 @@ as the words whose ids are `encode_prompts`'s row (the padding, `<bos>` and `<bo
 """
 
 from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
 
 from grpo_vision.models.llama import BOI, BOS, PAD, SPECIALS, UNK, LlamaImagePolicy, LlamaPolicyConfig
 
@@ -54,3 +58,13 @@ def hf_tokenizer(cfg: LlamaPolicyConfig):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[PAD], bos_token=SPECIALS[BOS],
                                    unk_token=SPECIALS[UNK], padding_side="left")
+
+
+def export(policy: LlamaImagePolicy, directory: str | Path) -> list[Path]:
+    """`policy` as a transformers `LlamaForCausalLM` folder with its word-level tokenizer and policy_config.json,
+    from which `LlamaImagePolicy.from_pretrained` reads it back (export.py)."""
+    directory = Path(directory)
+    to_hf_llama(policy).save_pretrained(str(directory))
+    hf_tokenizer(policy.cfg).save_pretrained(str(directory))
+    (directory / "policy_config.json").write_text(json.dumps(asdict(policy.cfg), indent=2))
+    return sorted(directory.iterdir())

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -297,13 +296,6 @@ class LlamaGenPolicy(nn.Module):
             valid = torch.cat([valid, valid.new_ones(tokens[:, :-1].shape)], 1)  # [B, L+N-1]
         h = self._forward(x, valid)  # [B, L+N-1, dim]
         return self._logits(h[:, self.cfg.cls_token_num - 1:])  # [B, N, K]
-
-    def export(self, directory: str | Path) -> list[Path]:
-        """The whole model in LlamaGen's layout: `directory/model.pt` ({"model": state_dict, "args": {...}}) and
-        `directory/model.safetensors`, in this policy's dtype (models/llamagen_load.py, `export`)."""
-        from grpo_vision.models.llamagen_load import export
-
-        return export(self, directory)
 
     # ------------------------------------------------------------------ internals
     def _check_condition(self, cond: torch.Tensor) -> None:

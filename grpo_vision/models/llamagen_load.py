@@ -1,7 +1,8 @@
 """Loading LlamaGen's released files as they are: its `.pt` checkpoints (a state dict under "model",
 "module" or "state_dict", or bare; the training scripts' "args" beside it) read with
 `torch.load(weights_only=True)` only, and their safetensors conversions, in LlamaGen's key names or
-transformers-Llama ones; the llamagen policy kind's loader. `export` writes a policy back in that layout.
+transformers-Llama ones, and its VQ checkpoints; the llamagen policy kind's loader. `export` writes a policy back
+in that layout.
 
     policy:
       kind: llamagen
@@ -189,20 +190,40 @@ def head_count(state: dict, gpt: str, heads: int, path: Path) -> int:
 
 def load_llamagen(pcfg, device):
     """The llamagen kind's Bundle: the GPT in `policy.path`, the VQ in `policy.tokenizer`, `policy.options`."""
-    from grpo_vision.models.llamagen_vq import LlamaGenVQ
     from grpo_vision.policy import Bundle, kind_options
 
     options = kind_options(pcfg)  # a LlamaGenOptions, the class the kind registered (models/kinds.py)
     if not pcfg.tokenizer:
         raise ConfigError("policy.kind 'llamagen' needs policy.tokenizer: LlamaGen's VQ checkpoint (vq_ds16_t2i.pt "
                           "for text-to-image, vq_ds16_c2i.pt for class-conditional)")
-    vq = LlamaGenVQ.from_checkpoint(pcfg.tokenizer, device)
+    vq = load_vq(pcfg.tokenizer, device)
     policy = load_policy(pcfg.path, options, device, pcfg.dtype, vq.downsample)
     if vq.codebook_size != policy.codebook_size:
         raise ConfigError(f"policy.tokenizer {pcfg.tokenizer} has {vq.codebook_size} codes, policy.path "
                           f"{pcfg.path} predicts {policy.codebook_size}: use the VQ the GPT was trained with")
     vq.grid = policy.image_grid
     return Bundle(policy, vq, source=Path(pcfg.path).parent)
+
+
+def load_vq(path: str | Path, device="cpu"):
+    """A LlamaGenVQ from LlamaGen's VQ checkpoint (vq_ds16_t2i.pt, vq_ds16_c2i.pt), every size read from the
+    weights' shapes, in float32 and frozen."""
+    from grpo_vision.models.llamagen_vq import IGNORED, LlamaGenVQ
+
+    state = read_state_dict(path, "policy.tokenizer")
+    try:
+        levels = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("encoder.conv_blocks."))
+        blocks = 1 + max(int(k.split(".")[4]) for k in state if k.startswith("encoder.conv_blocks.0.res."))
+        ch = state["encoder.conv_in.weight"].shape[0]
+        mult = [state[f"encoder.conv_blocks.{i}.res.0.conv1.weight"].shape[0] // ch for i in range(levels)]
+        z = state["encoder.conv_out.weight"].shape[0]
+        codebook_size, code_dim = state["quantize.embedding.weight"].shape
+    except (KeyError, ValueError, IndexError):  # ValueError: max() of no keys; IndexError: a tensor of too few dims
+        raise CheckpointError(f"policy.tokenizer {path} is not a LlamaGen VQ checkpoint (no encoder.conv_in, "
+                              "encoder.conv_blocks or quantize.embedding weights)") from None
+    vq = LlamaGenVQ(ch, mult, blocks, z, codebook_size, code_dim)
+    vq.load_state_dict(check_keys(vq, state, Path(path), "policy.tokenizer", IGNORED))
+    return vq.to(device=device, dtype=torch.float32).eval().requires_grad_(False)
 
 
 def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, vq_downsample: int) -> LlamaGenPolicy:

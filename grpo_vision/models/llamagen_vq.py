@@ -1,5 +1,5 @@
 """LlamaGen's VQ tokenizer (`tokenizer/tokenizer_image/vq_model.py` at ce98ec4; our code, its module names) as
-an `ImageTokenizer`, loading `vq_ds16_t2i.pt` / `vq_ds16_c2i.pt` as they are.
+an `ImageTokenizer`; `vq_ds16_t2i.pt` / `vq_ds16_c2i.pt` load as they are (models/llamagen_load.py, `load_vq`).
 
     image [-1, 1] --encoder--> [B, z, h, w] --quant_conv--> [B, 8, h, w] --nearest l2-normalised code--> ids
     ids --normalised codebook--> [B, 8, h, w] --post_quant_conv--> decoder --> image [-1, 1]
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -174,23 +173,3 @@ class LlamaGenVQ(nn.Module):
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         return ((self.decode_raw(codes).float() + 1) / 2).clamp(0, 1)  # [B, 3, H, W]
-
-    @classmethod
-    def from_checkpoint(cls, path: str | Path, device="cpu") -> "LlamaGenVQ":
-        from grpo_vision.models.llamagen_load import check_keys, read_state_dict
-        from grpo_vision.run.checkpoint import CheckpointError
-
-        state = read_state_dict(path, "policy.tokenizer")
-        try:
-            levels = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("encoder.conv_blocks."))
-            blocks = 1 + max(int(k.split(".")[4]) for k in state if k.startswith("encoder.conv_blocks.0.res."))
-            ch = state["encoder.conv_in.weight"].shape[0]
-            mult = [state[f"encoder.conv_blocks.{i}.res.0.conv1.weight"].shape[0] // ch for i in range(levels)]
-            z = state["encoder.conv_out.weight"].shape[0]
-            codebook_size, code_dim = state["quantize.embedding.weight"].shape
-        except (KeyError, ValueError, IndexError):  # ValueError: max() of no keys; IndexError: a tensor of too few dims
-            raise CheckpointError(f"policy.tokenizer {path} is not a LlamaGen VQ checkpoint (no encoder.conv_in, "
-                                  "encoder.conv_blocks or quantize.embedding weights)") from None
-        vq = cls(ch, mult, blocks, z, codebook_size, code_dim)
-        vq.load_state_dict(check_keys(vq, state, Path(path), "policy.tokenizer", IGNORED))
-        return vq.to(device=device, dtype=torch.float32).eval().requires_grad_(False)

@@ -219,3 +219,28 @@ def test_run_folders_whose_policy_path_leads_back_are_one_line_naming_the_cycle(
     save_config(load_config(micro_run / "config.yaml", [f"policy.path={a}"]), a / "config.yaml")  # itself
     with pytest.raises(ConfigError, match=r"run folders \(.*a -> .*a\)"):
         load_bundle(PolicyConfig("shapes", str(a)), "cpu")
+
+
+def test_each_policy_class_finds_its_exporter(bundle):
+    """The built-in Llama's and LlamaGen's exporters are functions beside their loaders; a class with an
+    `export(directory)` method (Janus's, a plugin's) is written by it; a class with neither has none."""
+    from grpo_vision.models import llama_hf, llamagen_load
+    from grpo_vision.models.janus import JanusImagePolicy
+    from grpo_vision.models.kinds import exporter
+    from grpo_vision.models.llamagen import LlamaGenConfig, LlamaGenPolicy
+
+    write = exporter(bundle.policy)
+    assert write.func is llama_hf.export and write.args == (bundle.policy,)
+    with torch.device("meta"):
+        llamagen = LlamaGenPolicy(LlamaGenConfig("c2i", dim=32, n_layer=1, n_head=4, n_kv_head=4, ffn_dim=64,
+                                                 codebook_size=16, grid=2, cls_token_num=1, num_classes=3))
+    write = exporter(llamagen)
+    assert write.func is llamagen_load.export and write.args == (llamagen,)
+
+    class Plugin(torch.nn.Module):
+        def export(self, directory):
+            return []
+
+    plugin = Plugin()
+    assert exporter(plugin) == plugin.export and callable(JanusImagePolicy.export)
+    assert exporter(torch.nn.Linear(1, 1)) is None

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from grpo_vision.config import ConfigError, PolicyConfig
 from grpo_vision.models.adapters import add_adapter
 from grpo_vision.models.llamagen import LlamaGenPolicy, class_index, left_pad
+from grpo_vision.models.llamagen_load import export
 from grpo_vision.models.llamagen_vq import LlamaGenVQ
 from grpo_vision.policy import load_bundle, prompt_problem
 from grpo_vision.run.checkpoint import CheckpointError
@@ -439,7 +440,7 @@ def test_a_crafted_pickle_named_like_a_llamagen_checkpoint_runs_no_code(tmp_path
 def test_export_writes_llamagens_layout_that_loads_back(mode, tmp_path, c2i, t2i, t5_dir):
     policy = c2i if mode == "c2i" else t2i
     out = tmp_path / "export"
-    assert policy.export(out) == [out / "model.pt", out / "model.safetensors"]
+    assert export(policy, out) == [out / "model.pt", out / "model.safetensors"]
     saved = torch.load(out / "model.pt", weights_only=True)  # torch's default since 2.6, and LlamaGen's loading
     golden = torch.load(DATA / f"{mode}_tiny.pt", weights_only=True)["model"]  # the keys gpt.py's Transformer saves
     assert saved.keys() == {"model", "args"}
@@ -470,7 +471,7 @@ def test_export_keeps_the_dtype_and_the_caption_length(tmp_path, t5_dir):
     seven = load_bundle(pcfg("t2i", t5_dir, path=str(with_args(tmp_path, "seven.pt", {"cls_token_num": 7}))),
                         "cpu").policy
     half = copy.deepcopy(seven).to(torch.bfloat16)
-    half.export(tmp_path / "out")
+    export(half, tmp_path / "out")
     saved = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
     assert {v.dtype for v in saved["model"].values()} == {torch.bfloat16} and saved["args"]["cls_token_num"] == 7
     assert {v.dtype for v in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.bfloat16}
@@ -484,12 +485,12 @@ def test_export_refuses_an_unmerged_adapter_and_non_finite_weights(tmp_path, c2i
 
     wrapped = add_adapter(copy.deepcopy(c2i), "lora", 4, 8.0, ["wqkv"])
     with pytest.raises(ValueError, match="has layers.0.attention.wqkv.base_layer.weight, .*merge_and_unload"):
-        wrapped.get_base_model().export(tmp_path / "lora")
+        export(wrapped.get_base_model(), tmp_path / "lora")
     broken = copy.deepcopy(c2i)
     with torch.no_grad():
         broken.norm.weight[0] = float("nan")
     with pytest.raises(CheckpointError, match="holds 1 NaN or infinite values in norm.weight: not exported"):
-        broken.export(tmp_path / "nan")
+        export(broken, tmp_path / "nan")
     assert not (tmp_path / "nan" / "model.pt").exists()
 
 
