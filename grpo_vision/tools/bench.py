@@ -11,22 +11,16 @@ the median of `repeats` is reported. Speed targets are checked here, never in ti
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from grpo_vision.models.llama_hf import to_hf_llama
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
 from grpo_vision.sampling import SamplingParams, sample
+from grpo_vision.tools.timing import interleaved, seconds
 
 BENCH_WORDS = "a an on of left right above below small large red green blue yellow purple orange " \
               "circle square triangle white black gray background".split()
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repeats: int = 3,
@@ -59,13 +53,8 @@ def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repea
 
     runs = {f"{name}_{tag}": make(scale) for tag, scale in (("cfg_off", 1.0), ("cfg_on", cfg_scale))
             for name, make in (("ours", ours), ("generate", theirs), ("teacher_forced", ceiling))}
-    times = {name: [] for name in runs}
     with torch.no_grad():
-        for fn in runs.values():  # warm-up
-            fn()
-        for _ in range(repeats):
-            for name, fn in runs.items():
-                times[name].append(_timed(fn))
+        times = interleaved(runs, repeats)
     tps = {name: batch * N / statistics.median(t) for name, t in times.items()}
     result = {
         "batch": batch, "image_tokens": N, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "dtype": dtype,
@@ -112,7 +101,7 @@ def bench_demo(run_dir: str, n: int = 4, repeats: int = 4, prompt: str = "", tar
             return compare(prompt, seed, n, s.cfg_scale, s.temperature, s.top_k, policy_side, "reference")
 
         click(0)  # warm-up
-        times = [_timed(lambda: click(seed)) for seed in range(1, repeats + 1)]
+        times = [seconds(lambda: click(seed)) for seed in range(1, repeats + 1)]
     median = statistics.median(times)
     return {"run": str(run_dir), "prompt": prompt, "images_per_side": n, "repeats": repeats,
             "threads": torch.get_num_threads(), "seconds": [round(t, 3) for t in times],

@@ -23,7 +23,6 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import json
-import statistics
 import time
 import traceback
 from dataclasses import replace
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from grpo_vision.tools.presets import preset, preset_overrides, prompts_for
+from grpo_vision.tools.timing import median_seconds, sig
 
 # The step settings of every preset (one prompt's group of G images; rewards without model files).
 STEP_COMMON = ["sample.prompts_per_step=1", "sample.batch_size={G}", "sample.group_size={G}",
@@ -60,11 +60,6 @@ ORDER = ["janus-pro-7b", "janus-pro-1b", "llamagen-t2i-xl", "llamagen-c2i-xl"]
 OPTIONAL = ["diffusers", "open_clip_torch", "gradio", "peft", "transformers", "accelerate"]
 
 
-def sig(x: float, digits: int = 3) -> float:
-    """`x` to `digits` significant digits: 0.00203 images/s stays readable (not 0.0)."""
-    return float(f"{x:.{digits}g}")
-
-
 def machine() -> dict:
     """What the figures were measured on: the device, torch and CUDA, and the optional packages present."""
     out = {"torch": torch.__version__, "cuda": torch.version.cuda, "cpu_threads": torch.get_num_threads()}
@@ -80,28 +75,6 @@ def machine() -> dict:
         except importlib.metadata.PackageNotFoundError:
             packages[name] = "missing"
     return out | {"packages": packages}
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn, repeats: int, first: bool = False):
-    """Median seconds of `repeats` calls after one warm-up call (`first`: and the warm-up's own seconds)."""
-    _sync()
-    start = time.perf_counter()
-    fn()
-    _sync()
-    warm = time.perf_counter() - start
-    times = []
-    for _ in range(repeats):
-        _sync()
-        start = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return (statistics.median(times), warm) if first else statistics.median(times)
 
 
 @torch.no_grad()
@@ -136,7 +109,7 @@ def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repea
         seconds, failed, first = {}, {}, {}
         for k, fn in runs.items():
             try:
-                seconds[k], first[k] = _timed(fn, repeats, first=True)
+                seconds[k], first[k] = median_seconds(fn, repeats, first=True)
             except Exception as e:  # transformers' generate breaks between releases, a compiler may fail: one path
                 if k not in ("generate", "compiled"):
                     raise

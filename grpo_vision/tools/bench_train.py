@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from grpo_vision.tools.timing import sig
+
 PHASES = ("sample", "decode", "reward", "logprobs", "update")  # perf/<phase>_s of train.py's metrics
 
 
@@ -88,8 +90,6 @@ def _peak_memory_gib() -> dict:
 
 def bench_step(config: str, overrides: list[str], steps: int = 4, warmup: int = 1) -> dict:
     """Median seconds per phase of a training step, images per second, peak memory and the run's estimate."""
-    from grpo_vision.tools.bench_gpu import sig
-
     before = {}
     if torch.cuda.is_available():  # the peak of this run, not of what the process ran before
         torch.cuda.reset_peak_memory_stats()
