@@ -314,3 +314,19 @@ print(json.dumps({{
 }}))
 """
     assert _fresh(code) == {"module": [True] * 4, "function": True, "exports": []}
+
+
+def test_every_pointer_to_a_docs_section_names_one_that_exists():
+    # an error or docstring that sends a user to (docs/usage.md, "Title") or (README, "Title") must name a heading
+    # of that file; a renamed section left pointers to nowhere
+    import re
+
+    pointer = re.compile(r'(docs/[a-z_]+\.md|README), \\?"([^"\\]{2,80})\\?"')
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for doc, title in pointer.findall(path.read_text()):
+            target = ROOT / ("README.md" if doc == "README" else doc)
+            headings = [line.lstrip("#").strip() for line in target.read_text().splitlines() if line.startswith("#")]
+            if not any(h.startswith(title) for h in headings):
+                missing.append(f"{path.relative_to(ROOT)}: {doc}, {title!r}")
+    assert missing == [], "pointers to sections that do not exist:\n" + "\n".join(missing)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,6 +84,11 @@ def test_prompts_in_memory_replace_the_files():
         prompt_lists(cfg, {"train": train})
 
 
+def import_root(module: str):
+    """The sys.path folder this test module was imported from: tests/.. or tests/, as pytest imported it."""
+    return Path(__file__).resolve().parents[module.count(".")]
+
+
 def test_a_missing_script_reward_is_named_with_its_fix(clean_registry, tmp_path):
     from grpo_vision.config import load_config
     from grpo_vision.rewards import register_callable
@@ -90,7 +96,7 @@ def test_a_missing_script_reward_is_named_with_its_fix(clean_registry, tmp_path)
     register_callable("brightness", brightness)
     here = brightness.__module__  # test_trainer or tests.test_trainer, as pytest imported this file
     assert reward_origin("brightness") == {"module": here, "function": "brightness",
-                                           "spec": f"python:{here}:brightness"}
+                                           "spec": f"python:{here}:brightness", "path": str(import_root(here))}
     cfg = load_config(MICRO, ["reward.weights={brightness: 1.0}"])
     check_rewards(cfg, tmp_path)  # registered: nothing to say
     (tmp_path / "rewards.json").write_text(json.dumps({"brightness": {"module": "__main__", "function": "brightness",
@@ -101,7 +107,7 @@ def test_a_missing_script_reward_is_named_with_its_fix(clean_registry, tmp_path)
     assert str(e.value) == (f"run folder {tmp_path} names reward 'brightness' (made by brightness in __main__, script "
                             "train_bright.py), which is not registered here: give it with --reward "
                             "brightness=python:MODULE:FUNCTION (a function (images, prompts, metadata) -> scores), or "
-                            "register it in a plugin (docs/usage.md, \"Bring your own\")")
+                            "register it in a plugin (README, \"Bring your own policy, tokenizer and reward\")")
     check_rewards(cfg, tmp_path, given=[f"brightness=python:{here}:brightness"])  # supplied: it loads
     assert REGISTRY["brightness"].factory(None) is brightness
     with pytest.raises(ConfigError, match="must look like NAME=python:package.module:function"):
@@ -142,7 +148,8 @@ def test_a_fifteen_line_script_trains_exports_and_its_folder_opens_in_eval(micro
     assert "num_generations=4 -> sample.group_size=4" in done.stdout
     run = tmp_path / "run"
     assert json.loads((run / "rewards.json").read_text())["bright"] == {
-        "module": "__main__", "function": "bright", "script": "train_bright.py"}
+        "module": "__main__", "function": "bright", "script": "train_bright.py", "code": "code/train_bright.py"}
+    assert (run / "code" / "train_bright.py").read_text() == SCRIPT  # the script as it trained
     assert [e["prompt"] for e in map(json.loads, (run / "prompts" / "train.jsonl").read_text().splitlines())]
     assert (tmp_path / "exported" / "model.safetensors").is_file()
 
@@ -150,6 +157,11 @@ def test_a_fifteen_line_script_trains_exports_and_its_folder_opens_in_eval(micro
     missing = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr[-2000:]
     assert "names reward 'bright' (made by bright in __main__, script train_bright.py)" in missing.stderr
+    assert "or pass --trust-run to import it as the run recorded it" in missing.stderr
+    (tmp_path / "train_bright.py").unlink()  # gone or edited since: the run's copy is what --trust-run reads
+    trusted = subprocess.run([*args, "--trust-run"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert trusted.returncode == 0, trusted.stderr[-3000:]
+    assert json.loads(trusted.stdout)["sets"]["test"]["models"]["policy"]["rewards"]["bright"]["mean"] > 0
     (tmp_path / "bright_reward.py").write_text(textwrap.dedent('''
         def bright(images, prompts, metadata):
             return images.mean(dim=(1, 2, 3))

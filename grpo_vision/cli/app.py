@@ -121,7 +121,7 @@ def cmd_train(args) -> None:
         # a run folder may be someone else's: the code its rewards name runs only when the user says so
         entries = run_prompt_sets(cfg, args.resume).all()
         refuse_code(cfg, entries, args.resume, args.trust_run)
-        check_rewards(cfg, args.resume, entries, args.reward)
+        check_rewards(cfg, args.resume, entries, args.reward, args.trust_run)
     else:
         if not args.config:
             raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")

@@ -4,7 +4,7 @@ Generic over dataclasses: config/schema.py defines the sections and calls these.
 unknown key, a value of the wrong type or a malformed YAML file raises `ConfigError` that names the
 key and what was expected, so a typo never silently falls back to a default.
 
-One rule empties a value (docs/usage.md, "Overrides"): null means not set. `key:` or `key: null` in a
+One rule empties a value (docs/usage.md, "Configuration"): null means not set. `key:` or `key: null` in a
 file and `key=`, `key=null` or `key=~` on the command line give a field its default and remove an entry of a
 mapping (so whatever reads the mapping, e.g. a kind's options dataclass, uses its own default). The empty string
 is a value like any other, written quoted: `key: ""`, or `'key=""'` past the shell.

@@ -200,7 +200,7 @@ class DataConfig:
     eval_draw: int = 1
 
 
-# The alerts a run watches for while it trains (run/alerts.py; docs/usage.md, "Alerts")
+# The alerts a run watches for while it trains (run/alerts.py; docs/usage.md, "Watching a run")
 ALERT_NAMES = ("flat_reward", "hacking_onset", "variance_collapse", "ratio_drift")
 TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")  # log.trackers: through accelerate's tracker API (run/trackers.py)
 

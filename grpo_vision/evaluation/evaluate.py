@@ -94,7 +94,7 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed:
     entries = [e for v in sets.values() for e in v]
     # the run's own prompts are the run folder's, and may name rewards too; prompts given here are the user's own
     refuse_code(cfg, entries if own else [], run_dir, trust)
-    check_rewards(cfg, run_dir, entries, rewards)
+    check_rewards(cfg, run_dir, entries, rewards, trust)
     check_seeds(seed, max(map(len, sets.values()), default=1), n)
     run = load_run(run_dir, step, device, allow_other_base)
     where = source or (lambda name: name)

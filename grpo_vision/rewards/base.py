@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import json
 import sys
 from dataclasses import dataclass, field
@@ -177,22 +178,86 @@ def supply_rewards(given: Sequence[str]) -> None:
 
 
 def reward_origin(name: str) -> dict[str, str]:
-    """Where reward `name` comes from, for a run folder's rewards.json: a python: spec, or the module (and
-    script) a registered reward was made in; what a command that misses the reward later tells its user."""
-    if name.startswith("python:"):
-        return {"spec": name}
-    entry = REGISTRY.get(name)
+    """Where reward `name` comes from, for a run folder's rewards.json: a python: spec (and the folder its module
+    was imported from), or the module (and script) a registered reward was made in; what a command that misses
+    the reward later tells its user, and what `--trust-run` imports again (`check_rewards`)."""
+    entry = None if name.startswith("python:") else REGISTRY.get(name)
+    if entry is not None and (recorded := getattr(entry.factory, "origin", None)):
+        return dict(recorded)  # imported again from a run folder's record: the record stays as the run made it
+    spec = name if name.startswith("python:") else getattr(getattr(entry, "factory", None), "spec", None)
+    if spec:  # a python: name, or supplied on a command line
+        return {"spec": spec, **_import_root(spec.split(":")[1])}
     if entry is None:
         return {}
-    if spec := getattr(entry.factory, "spec", None):  # supplied on a command line
-        return {"spec": spec}
     fn = getattr(entry.factory, "reward", entry.factory)  # the function itself, or the factory that makes it
     origin = {"module": getattr(fn, "__module__", None) or "?", "function": getattr(fn, "__qualname__", "?")}
     if origin["module"] == "__main__":
         origin["script"] = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "?"
+        try:  # save_reward_origins keeps a copy of the script in the run folder, for --trust-run
+            origin["source"] = str(Path(inspect.getsourcefile(fn)).resolve())
+        except (TypeError, OSError):  # made in a REPL or a notebook: no file to keep
+            pass
     elif hasattr(entry.factory, "reward") and "<" not in origin["function"]:  # importable by that name
-        origin["spec"] = f"python:{origin['module']}:{origin['function']}"
+        origin |= {"spec": f"python:{origin['module']}:{origin['function']}", **_import_root(origin["module"])}
     return origin
+
+
+def _import_root(module: str) -> dict[str, str]:
+    """{"path": the sys.path folder `module` was imported from} where it was imported from a file, else {}."""
+    loaded = sys.modules.get(module)
+    file = getattr(loaded, "__file__", None)
+    if not file:
+        return {}
+    root = Path(file).resolve().parent
+    for _ in range(module.count(".") + (Path(file).name == "__init__.py")):
+        root = root.parent
+    return {"path": str(root)}
+
+
+def restore_reward(name: str, origin: dict, run_dir: Path) -> None:
+    """Register reward `name` as the run folder recorded it (`--trust-run`: this runs the code it names): its spec
+    imported with the recorded folder on sys.path, or a script's function from the copy the run folder keeps,
+    whose imports and definitions are run and nothing else (a script that trains at its top level would train)."""
+    if origin.get("path") and origin["path"] not in sys.path:
+        sys.path.append(origin["path"])  # after the installed packages: the recorded folder shadows none of them
+    if name.startswith("python:"):
+        return  # imported by its name where the run builds it
+    if origin.get("spec"):
+        fn = _import_callable(origin["spec"])
+    elif origin.get("code") and origin.get("function"):
+        fn = _script_function(Path(run_dir) / origin["code"], origin["function"], name)
+    else:
+        return
+
+    def factory(ctx, fn=fn):
+        return fn
+    factory.origin = origin
+    REGISTRY[name] = Registered(factory)
+
+
+def _script_function(path: Path, function: str, name: str) -> RewardFn:
+    """Function `function` of the script at `path`, defined by running the script's top-level imports, function
+    and class definitions only."""
+    import ast
+    import types
+
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, SyntaxError, ValueError) as e:
+        raise ConfigError(f"reward {name!r}: the run folder's copy of its script, {path}, cannot be read "
+                          f"({type(e).__name__}: {e})") from None
+    kinds = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    tree.body = [node for node in tree.body if isinstance(node, kinds)]
+    module = types.ModuleType(f"grpo_vision_run_script_{path.stem}")
+    module.__file__ = str(path)
+    try:
+        exec(compile(tree, str(path), "exec"), module.__dict__)  # noqa: S102 (--trust-run: the user trusts it)
+    except Exception as e:  # an import the script needs is missing here
+        raise ConfigError(f"reward {name!r}: defining it from {path} failed ({type(e).__name__}: {e})") from None
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise ConfigError(f"reward {name!r}: {path} defines no function {function!r} at its top level")
+    return fn
 
 
 def _import_callable(spec: str) -> RewardFn:
@@ -234,28 +299,47 @@ def reward_names(cfg, entries=()) -> list[str]:
 
 def save_reward_origins(run_dir: str | Path, cfg, entries=()) -> None:
     """Record where each reward of the run came from (rewards.json), so that a command on the folder that
-    misses one (a reward made in a script) can say which, and how to supply it (`check_rewards`)."""
+    misses one (a reward made in a script) can say which and how to supply it, or import it again when the user
+    trusts the folder (`check_rewards`). A script's reward keeps a copy of its script in code/."""
     origins = {name: reward_origin(name) for name in reward_names(cfg, entries)}
+    for origin in origins.values():
+        if source := origin.pop("source", None):
+            code = f"code/{Path(source).name}"
+            try:
+                write_file(Path(run_dir) / code, Path(source).read_bytes(), root=run_dir)
+                origin["code"] = code
+            except OSError:  # the script went away meanwhile: the run then names the reward only
+                pass
     write_file(Path(run_dir) / REWARDS, json.dumps(origins, indent=2) + "\n")
 
 
-def check_rewards(cfg, run_dir: str | Path, entries=(), given=()) -> None:
-    """Register the `given` --reward NAME=python:module:function, then ConfigError naming the first reward of
-    the run that this process does not have, where it was made and how to supply it, instead of "unknown reward"."""
+def check_rewards(cfg, run_dir: str | Path, entries=(), given=(), trust: bool = False) -> None:
+    """Register the `given` --reward NAME=python:module:function and, with `trust` (--trust-run), the rewards the
+    run folder recorded (rewards.json: `restore_reward`); then ConfigError naming the first reward of the run that
+    this process does not have, where it was made and how to supply it, instead of "unknown reward"."""
     supply_rewards(given)
-    missing = [n for n in reward_names(cfg, entries) if not is_registered(n)]
+    file = Path(run_dir) / REWARDS
+    try:
+        records = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    except ValueError:  # not what train writes: the messages go without it
+        records = {}
+    records = {k: v for k, v in records.items() if isinstance(v, dict)} if isinstance(records, dict) else {}
+    names = reward_names(cfg, entries)
+    if trust:
+        for name in names:
+            if (name.startswith("python:") or not is_registered(name)) and name in records:
+                restore_reward(name, records[name], run_dir)
+    missing = [n for n in names if not is_registered(n)]
     if not missing:
         return
-    name, file = missing[0], Path(run_dir) / REWARDS
-    try:
-        origin = json.loads(file.read_text(encoding="utf-8")).get(name) or {} if file.is_file() else {}
-    except (ValueError, AttributeError):  # not what train writes: the message goes without it
-        origin = {}
+    name, origin = missing[0], records.get(missing[0]) or {}
     made = ""
     if origin.get("module"):
         made = f" (made by {origin.get('function', '?')} in {origin['module']}" + (
             f", script {origin['script']})" if origin.get("script") else ")")
     spec = origin.get("spec") or "python:MODULE:FUNCTION"
+    again = ", or pass --trust-run to import it as the run recorded it" if (
+        origin.get("spec") or origin.get("code")) and not trust else ""
     raise ConfigError(f"run folder {run_dir} names reward {name!r}{made}, which is not registered here: give it with "
-                      f"--reward {name}={spec} (a function (images, prompts, metadata) -> scores), or register it in "
-                      "a plugin (docs/usage.md, \"Bring your own\")")
+                      f"--reward {name}={spec} (a function (images, prompts, metadata) -> scores){again}, or register "
+                      "it in a plugin (README, \"Bring your own policy, tokenizer and reward\")")

@@ -300,7 +300,7 @@ def report_lines(alerts: list[dict]) -> list[str]:
     if not alerts:
         return []
     return ["## Alerts during training", "",
-            "Raised while the run trained (alerts.jsonl; docs/usage.md, \"Alerts\"): each at the step its "
+            "Raised while the run trained (alerts.jsonl; docs/usage.md, \"Watching a run\"): each at the step its "
             "condition first held.", "",
             *[f"- step {a['step']}, **{a['name']}**: {a['message']}. Try: {a['advice']}" for a in alerts], ""]
 

@@ -1,4 +1,4 @@
-"""Scene sampling: a caption spec to a random layout that satisfies it (docs/shapes_world.md, "Scenes").
+"""Scene sampling: a caption spec to a random layout that satisfies it (docs/shapes_world.md, "Aesthetic factors").
 
 Rejection sampling over object positions and sizes, with the aesthetic factors (noise, clipped,
 cornered) drawn first, so a scene's flags and its geometry always agree.

@@ -95,7 +95,7 @@ class DemoRun:
         self.run_dir = check_run_dir(run_dir)
         cfg = read_run_config(self.run_dir, device=device)
         refuse_code(cfg, (), self.run_dir, trust)  # before anything loads
-        check_rewards(cfg, self.run_dir, (), rewards)
+        check_rewards(cfg, self.run_dir, (), rewards, trust)
         self.device = cfg.run.device
         self._runs: dict[int, LoadedRun] = {}
         self.lock = threading.Lock()  # one generation at a time: an adapter reference toggles shared weights

@@ -179,3 +179,50 @@ def test_an_unknown_per_entry_reward_names_the_prompts_line():
                PromptEntry("a blue square", {"clp": 1.0}, line=2)]
     with pytest.raises(ConfigError, match=r"line 2 \('a blue square'\): unknown reward 'clp'; registered"):
         CompositeReward.from_config(cfg.reward, "cpu", None, entries)
+
+
+def test_a_trusted_run_imports_its_recorded_rewards_again(tmp_path, monkeypatch):
+    # a script's reward: the run folder keeps the script, and --trust-run defines the function from that copy by
+    # running the script's imports and definitions only (its top-level training line does not run again); a
+    # module's reward: imported again from the folder recorded beside its spec, which is no longer on sys.path
+    import json
+    import runpy
+    import sys
+
+    from grpo_vision.config import load_config
+    from grpo_vision.rewards import REGISTRY, check_rewards, register_callable, reward_origin, save_reward_origins
+    from tests.helpers import MICRO
+
+    script, mods, run = tmp_path / "train_it.py", tmp_path / "mods", tmp_path / "run"
+    script.write_text("import torch\n\n\ndef glow(images, prompts, metadata):\n    return images.mean(dim=(1, 2, 3)) + 1"
+                      "\n\n\nopen(__file__ + '.ran', 'a').write('trained once')\n")
+    mods.mkdir()
+    (mods / "my_rewards.py").write_text("def shine(images, prompts, metadata):\n    return images.mean(dim=(1, 2, 3))\n")
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    monkeypatch.syspath_prepend(str(mods))
+    cfg = load_config(MICRO, ["reward.weights={glow: 1.0, shine: 1.0}", "reward.monitor=[]"])
+    try:
+        register_callable("glow", runpy.run_path(str(script), run_name="__main__")["glow"])  # the script trains
+        register_callable("shine", __import__("my_rewards").shine)
+        save_reward_origins(run, cfg)
+        records = json.loads((run / "rewards.json").read_text())
+        assert records == {"glow": {"module": "__main__", "function": "glow", "script": "train_it.py",
+                                    "code": "code/train_it.py"},
+                           "shine": {"module": "my_rewards", "function": "shine", "spec": "python:my_rewards:shine",
+                                     "path": str(mods.resolve())}}
+        # a later process: neither the script nor the module's folder is there
+        script.unlink()
+        monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(mods)])
+        sys.modules.pop("my_rewards")
+        del REGISTRY["glow"], REGISTRY["shine"]
+        with pytest.raises(ConfigError, match="names reward 'glow' .*or pass --trust-run to import it as the run"):
+            check_rewards(cfg, run)
+        check_rewards(cfg, run, trust=True)
+        images = torch.full((2, 3, 4, 4), 0.25)
+        assert REGISTRY["glow"].factory(None)(images, ["a", "b"], [{}, {}]).tolist() == [1.25, 1.25]
+        assert REGISTRY["shine"].factory(None)(images, ["a", "b"], [{}, {}]).tolist() == [0.25, 0.25]
+        assert (tmp_path / "train_it.py.ran").read_text() == "trained once"  # defined, not run again
+        assert reward_origin("glow") == records["glow"]  # a resume records it as the run first did
+    finally:
+        REGISTRY.pop("glow", None), REGISTRY.pop("shine", None)
+        sys.modules.pop("my_rewards", None)
