@@ -249,7 +249,7 @@ def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, 
         # a random null caption without a word
         raise CheckpointError(f"policy.path {path} is a text-to-image LlamaGen without cls_embedding.uncond_embedding"
                               ", the null caption CFG needs: add it from the checkpoint it was trained from, or "
-                              "write the model whole (LlamaGenPolicy.export)")
+                              "write the model whole (grpo_vision.models.llamagen_load.export)")
     if "cls_embedding.embedding_table.weight" not in state and "cls_embedding.uncond_embedding" not in state:
         raise CheckpointError(f"policy.path {path} has neither a class embedding (c2i) nor a caption embedder's "
                               "uncond_embedding (t2i): it is not a LlamaGen GPT checkpoint")
