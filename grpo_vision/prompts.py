@@ -141,7 +141,8 @@ def choose_column(columns: Iterable[str], column: str, where: str) -> str:
     which = f"no column {column!r}" if column else (
         "both 'caption' and 'text', and no 'prompt'" if found else "no column 'prompt', 'caption' or 'text'")
     raise PromptsError(f"{where} has {which} (its columns: {_names(columns) if columns else 'none'}); name the "
-                       "prompt column with data.prompt_column or --prompt-column")
+                       "prompt column with data.prompt_column (data.eval_prompt_column, data.heldout_prompt_column for those "
+                       "sources) or --prompt-column")
 
 
 def _names(columns) -> str:

@@ -60,20 +60,19 @@ def prompt_lists(cfg: Config, given: dict[str, list[PromptEntry]] | None = None)
         raise ConfigError(f"data.train_prompts is required: policy.kind {cfg.policy.kind!r} brings no prompts "
                           "of its own")
     own = splits(cfg) if not d.train_prompts else None
-    column = d.prompt_column  # the prompt column of every table or JSONL file named here
-    train = load_prompts(d.train_prompts, column=column) if d.train_prompts else own.train
-    test = load_prompts(d.eval_prompts, column=column) if d.eval_prompts else given.get("eval")
+    train = load_prompts(d.train_prompts, column=d.column("train")) if d.train_prompts else own.train
+    test = load_prompts(d.eval_prompts, column=d.column("eval")) if d.eval_prompts else given.get("eval")
     return _sets(cfg, train, test, d.train_prompts, own)
 
 
 def _sets(cfg: Config, train: list[PromptEntry], test: list[PromptEntry] | None, source: str, own) -> PromptSets:
     """The sets from the training prompts, the test prompts (None: the kind's own, else held back from
     `train`, read from `source`) and the kind's own sets `own` (None without)."""
-    d, column = cfg.data, cfg.data.prompt_column
+    d = cfg.data
     test_given = test is not None  # else the kind's own, or drawn from the training prompts themselves by design
     if test is None:
         test = own.test if own else _hold_back(train, d.test_prompts, source)
-    heldout = load_prompts(d.heldout_prompts, column=column) if d.heldout_prompts else (own.heldout if own else [])
+    heldout = load_prompts(d.heldout_prompts, column=d.column("heldout")) if d.heldout_prompts else (own.heldout if own else [])
     unseen = {e.prompt for e in (*test, *heldout)}
     sets = PromptSets([e for e in train if e.prompt not in unseen], test, heldout)
     if not sets.train:  # else the first step fails deep in numpy, after the run folder is written

@@ -133,7 +133,7 @@ class GRPOTrainer:
         if isinstance(source, (str, Path)) and which != "prompts":
             setattr(self.cfg.data, f"{which}_prompts", str(source))
             return None
-        return prompt_entries(source, column=self.cfg.data.prompt_column)
+        return prompt_entries(source, column=self.cfg.data.column(which))
 
     def _rewards(self, rewards, weights) -> None:
         """reward.weights from `rewards`: functions registered under their names, names and specs checked."""

@@ -193,10 +193,12 @@ def test_a_tsv_needs_no_quotes_and_its_caption_column_is_found(tmp_path):
 
 @pytest.mark.parametrize("text, column, message", [
     ("id,caption,text\n1,a,b\n", "", "has both 'caption' and 'text', and no 'prompt' (its columns: 'id', "
-                                     "'caption', 'text'); name the prompt column with data.prompt_column or "
+                                     "'caption', 'text'); name the prompt column with data.prompt_column "
+                                     "(data.eval_prompt_column, data.heldout_prompt_column for those sources) or "
                                      "--prompt-column"),
     ("id,caption\n1,a\n", "txt", "has no column 'txt' (its columns: 'id', 'caption'); name the prompt column with "
-                                 "data.prompt_column or --prompt-column"),
+                                 "data.prompt_column (data.eval_prompt_column, data.heldout_prompt_column for those "
+                                 "sources) or --prompt-column"),
     ("url,tags\nx,y\n", "", "has no column 'prompt', 'caption' or 'text' (its columns: 'url', 'tags'); name"),
     ("prompt\na red circle, big\n", "", ", line 2: 2 cells, the header has 1: quote a cell that holds a comma in "
                                         "double quotes"),
@@ -225,7 +227,8 @@ def test_jsonl_takes_the_prompt_column_as_its_key(tmp_path):
     with pytest.raises(PromptsError) as err:
         load_prompts(path, column="prompt")
     assert str(err.value) == (f"{path} has no column 'prompt' (its columns: 'caption', 'metadata'); name the prompt "
-                              "column with data.prompt_column or --prompt-column")
+                              "column with data.prompt_column (data.eval_prompt_column, data.heldout_prompt_column "
+                              "for those sources) or --prompt-column")
     mixed = write(tmp_path, "m.jsonl", '{"prompt": "a"}\n{"caption": "b"}\n')  # 'prompt' wins; line 2 lacks it
     with pytest.raises(PromptsError, match="m.jsonl, line 2: each JSONL line must be an object with a non-empty "
                                            "string 'prompt'"):

@@ -191,13 +191,21 @@ class DataConfig:
     # none with train_prompts. Removed from training like eval_prompts
     heldout_prompts: str = ""
     # The column of a table (.csv, .tsv, .parquet, a datasets folder) or the key of a JSONL file that holds
-    # the prompts; "" = 'prompt', else 'caption' or 'text' where the table has one of them and not both
+    # the prompts; "" = 'prompt', else 'caption' or 'text' where the table has one of them and not both. It is
+    # data.train_prompts' column, and the other two sources' unless they name their own just below
     prompt_column: str = ""
+    eval_prompt_column: str = ""  # data.eval_prompts' column; "" = data.prompt_column
+    heldout_prompt_column: str = ""  # data.heldout_prompts' column; "" = data.prompt_column
     # Captions in each of the kind's eval sets (test, held-out, and the sample of training captions the
     # report also scores), for a kind that draws them; eval_draw 2, 3, ... draws other test and held-out
     # captions from the same pools (a check that the headline is not the draw's)
     eval_size: int = 128
     eval_draw: int = 1
+
+    def column(self, source: str) -> str:
+        """The prompt column of source "train", "eval" or "heldout" (its own, else data.prompt_column)."""
+        return {"eval": self.eval_prompt_column, "heldout": self.heldout_prompt_column}.get(source) or \
+            self.prompt_column
 
 
 # The alerts a run watches for while it trains (run/alerts.py; docs/usage.md, "Watching a run")
