@@ -269,6 +269,30 @@ def layout(root, prompts: int = 1, images: int = 1):
     return root
 
 
+@pytest.mark.parametrize("case, needle", [
+    ("missing", r"missing is not a folder; give one written by `grpo-vision sample --layout geneval`"),
+    ("empty", r"empty holds no prompt folders \(00000, 00001, ...\)"),
+    ("no_metadata", r"00000/metadata.jsonl: not one JSON line of GenEval metadata"),
+    ("no_images", r"00000/samples holds no PNG images"),
+    ("not_png", r"00000/samples/00000.png: not a readable image"),
+])
+def test_a_folder_not_in_genevals_layout_is_named(tmp_path, case, needle):
+    # read_folder reads each image's header, so an unreadable PNG is named before any model loads
+    from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder
+
+    folder = tmp_path / case
+    if case == "empty":
+        folder.mkdir()
+    elif case != "missing":
+        (folder / "00000" / "samples").mkdir(parents=True)
+    if case in ("no_images", "not_png"):
+        (folder / "00000" / "metadata.jsonl").write_text(json.dumps(LINE))
+    if case == "not_png":
+        (folder / "00000" / "samples" / "00000.png").write_text("not an image")
+    with pytest.raises(LayoutError, match=needle):
+        read_folder(folder)
+
+
 @pytest.mark.parametrize("name", ["00000/metadata.jsonl", "00000/samples/00000.png"])
 def test_a_fifo_in_a_geneval_folder_is_refused_unopened(tmp_path, name):
     # before (issue 53): reading metadata.jsonl waited for a writer for ever; a PNG one, once scoring began
