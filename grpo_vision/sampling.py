@@ -26,7 +26,7 @@ batch. That is what lets the demo show policy and reference for the same seed.
 
 How a rollout runs (`decode`, not part of the distribution): ``eager`` attends over the keys written so
 far, a shape that grows every step; ``static`` uses a cache preallocated at its full length, the
-position a tensor on the device and the attention masked (`models/decode.py`), so every tensor keeps
+position a tensor on the device and the attention masked (`models/kv_cache.py`), so every tensor keeps
 its shape and address; ``graph`` records that step, the token draw included, once as a CUDA graph and
 replays it for every token (no per-token Python or kernel-launch cost; PyTorch's CUDA graphs docs, the
 gpt-fast / LlamaGen `reduce-overhead` decode); ``compiled`` is the same static step compiled by
