@@ -1,11 +1,12 @@
-"""The built-in Llama policy: KV-cache decoding, transformers interop, save/load."""
+"""The policy contract (policy.py: the ImagePolicy protocol, prompt_problem) on the built-in Llama policy, and
+that policy's KV-cache decoding, transformers interop, save/load."""
 
 import pytest
 import torch
 
 from grpo_vision.models.llama_hf import condition_text, from_hf_llama, hf_tokenizer, to_hf_llama
 from grpo_vision.models.llama import BOI, BOS, NULL, PAD, UNK, LlamaImagePolicy
-from grpo_vision.policy import ImagePolicy
+from grpo_vision.policy import ImagePolicy, prompt_problem
 
 
 def decode_all(policy, cond, tokens):
@@ -21,6 +22,19 @@ def test_satisfies_the_protocol(tiny_policy):
     assert isinstance(tiny_policy, ImagePolicy)
     assert tiny_policy.num_image_tokens == 12 and tiny_policy.codebook_size == 32
     assert tiny_policy.image_grid == (3, 4)
+
+
+def test_words_the_policy_does_not_know_are_named_with_its_vocabulary(tiny_policy):
+    assert prompt_problem(tiny_policy, "A Red  circle") is None  # read as the policy reads it: lower case
+    assert prompt_problem(tiny_policy, "a teal hexagon left of a teal circle") == (
+        "words the policy does not know: 'teal', 'hexagon' (its vocabulary: a red blue circle square left of)")
+    assert "at most 8" in prompt_problem(tiny_policy, "a red circle left of a blue square now")
+
+    class ReadsAnything:  # like Janus: no unknown_words, so nothing is unknown
+        def encode_prompts(self, prompts):
+            return None
+
+    assert prompt_problem(ReadsAnything(), "a teal hexagon") is None
 
 
 def test_kv_cache_decode_equals_full_forward(tiny_policy):

@@ -75,19 +75,6 @@ def test_a_json_line_in_a_plain_text_file_is_refused(tmp_path):
         load_prompts(path)
 
 
-def test_words_the_policy_does_not_know_are_named_with_its_vocabulary(tiny_policy):
-    assert prompt_problem(tiny_policy, "A Red  circle") is None  # read as the policy reads it: lower case
-    assert prompt_problem(tiny_policy, "a teal hexagon left of a teal circle") == (
-        "words the policy does not know: 'teal', 'hexagon' (its vocabulary: a red blue circle square left of)")
-    assert "at most 8" in prompt_problem(tiny_policy, "a red circle left of a blue square now")
-
-    class ReadsAnything:  # like Janus: no unknown_words, so nothing is unknown
-        def encode_prompts(self, prompts):
-            return None
-
-    assert prompt_problem(ReadsAnything(), "a teal hexagon") is None
-
-
 def test_training_prompts_the_policy_cannot_read_are_refused_at_start(tmp_path, tiny_policy):
     train = write(tmp_path, "train.txt", "# shapes\na red circle\na teal hexagon\n")
     evals = write(tmp_path, "eval.txt", "a blue square\n")
