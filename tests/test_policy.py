@@ -19,9 +19,26 @@ def decode_all(policy, cond, tokens):
 
 
 def test_satisfies_the_protocol(tiny_policy):
-    assert isinstance(tiny_policy, ImagePolicy)
-    assert tiny_policy.num_image_tokens == 12 and tiny_policy.codebook_size == 32
-    assert tiny_policy.image_grid == (3, 4)
+    # each method called as the sampler and the trainer call it, its shape and meaning as ImagePolicy states them
+    assert isinstance(tiny_policy, ImagePolicy) and not isinstance(torch.nn.Linear(2, 2), ImagePolicy)
+    h, w = tiny_policy.image_grid
+    assert (h, w) == (3, 4) and tiny_policy.num_image_tokens == h * w and tiny_policy.codebook_size == 32
+    cond = tiny_policy.encode_prompts(["a red circle", "a blue square left of a red circle"])  # [2, L], one L
+    assert cond.ndim == 2 and cond.shape[0] == 2 and not cond.is_floating_point()
+    null = tiny_policy.null_condition(cond)
+    assert null.shape == cond.shape and not torch.equal(null, cond)
+    tokens = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))  # codebook ids
+    with torch.no_grad():
+        full = tiny_policy.image_logits(cond, tokens)  # [2, 12, 32]: the codebook only, not the vocabulary
+        assert torch.equal(tiny_policy(cond, tokens), full)  # forward is image_logits
+        unconditional = tiny_policy.image_logits(null, tokens)
+        cache = tiny_policy.new_cache(2)
+        first = tiny_policy.prefill(cond, cache)  # [2, 32]: image token 0's logits
+        second = tiny_policy.decode(tokens[:, 0], cache)  # [2, 32]: token 1's, token 0 appended
+    assert full.shape == (2, 12, 32) and first.shape == second.shape == (2, 32)
+    torch.testing.assert_close(first, full[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(second, full[:, 1], atol=1e-5, rtol=0)
+    assert (unconditional - full).abs().max() > 1e-3  # CFG contrasts two different predictions
 
 
 def test_words_the_policy_does_not_know_are_named_with_its_vocabulary(tiny_policy):
