@@ -23,7 +23,7 @@ from grpo_vision.rewards import geneval_reward as gr
 from grpo_vision.rewards.detectors import (
     COLOUR_TEMPLATES, GREY, ColourClassifier, Mask2FormerDetector, Owlv2Detector, mask_box,
 )
-from grpo_vision.rewards.geneval import COLORS, Detection, GenEvalRules, judge, kept
+from grpo_vision.rewards.geneval import COLORS, Detection, judge, kept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -409,23 +409,55 @@ def test_a_folder_in_genevals_layout_is_scored_with_the_same_rules_and_against_a
 
 
 @pytest.mark.parametrize("kind", ["mask2former", "owlv2"])
-def test_the_reward_on_a_real_detector_is_judge_on_its_detections(models, kind):
-    metadata = [{"tag": "two_object", "include": [{"class": "dog", "count": 1}, {"class": "person", "count": 1}]},
-                {"tag": "counting", "include": [{"class": "dog", "count": 2}], "exclude": [{"class": "dog", "count": 3}]},
+def test_the_reward_on_a_real_detector_follows_genevals_rules_on_its_finds(models, kind):
+    """GenEval's rules (djghosh13/geneval, evaluation/evaluate_images.py: evaluate_image and evaluate) written
+    out for three prompts, on what the real detector finds in each image alone: a find counts when it scores
+    strictly above the threshold (counting_threshold for a counting prompt); an include clause needs that many
+    counted finds, an exclude fails at its count, a colour clause reads the colour classifier's name of the most
+    confident find. The reasons are GenEval's words; a colour's tail, "(1 blue)", is this reward's."""
+    metadata = [{"tag": "two_object",
+                 "include": [{"class": "person", "count": 1}, {"class": "teddy bear", "count": 1}]},
+                {"tag": "counting", "include": [{"class": "person", "count": 2}],
+                 "exclude": [{"class": "person", "count": 3}]},
                 {"tag": "color_attr", "include": [{"class": "teddy bear", "count": 1, "color": "red"}]}]
     opts = {"detector": kind, "detector_path": str(models[kind]), "clip_model": models["clip_model"],
-            "clip_checkpoint": models["clip_checkpoint"], "partial": True, "threshold": 0.01}
-    reward = make_reward("geneval", RewardContext(batch_size=2), opts)
+            "clip_checkpoint": models["clip_checkpoint"], "partial": True, "threshold": 0.01,
+            "counting_threshold": 0.05}
+    reward = make_reward("geneval", RewardContext(batch_size=2), opts)  # chunks of 2 images and 1
     images = _images(3, 64, seed=4)
-    got = reward(images, ["a", "b", "c"], metadata)
+    got = reward(images, ["a", "b", "c"], metadata).tolist()
     detector, colours = reward.detector(), reward.colours()
-    ref = []
-    for i, meta in enumerate(metadata):
-        names = list(dict.fromkeys(c["class"] for c in [*meta["include"], *meta.get("exclude", [])]))
-        found = detector.detect(images[i:i + 1], [names])[0]
-        rules = GenEvalRules(threshold=0.01)
-        ref.append(judge(kept(found, meta["tag"], rules), meta, lambda n, b: colours(images[i], n, b), rules).partial)
-    assert got.tolist() == pytest.approx(ref) and all(0 <= x <= 1 for x in ref)
+
+    def finds(i, name, above):  # image i's finds of `name` scoring above `above`, most confident first
+        asked = list(dict.fromkeys(c["class"] for c in [*metadata[i]["include"], *metadata[i].get("exclude", [])]))
+        found = detector.detect(images[i:i + 1], [asked])[0][name]
+        return sorted((d for d in found if d.score > above), key=lambda d: -d.score)[:16]  # max_objects
+
+    def at_least(name, count, found):  # an include clause without colour or position: (met, GenEval's reason)
+        return (True, None) if len(found) >= count else (False, f"expected {name}>={count}, found {len(found)}")
+
+    # image 0, two_object: a person and a teddy bear above 0.01
+    person, bear = finds(0, "person", 0.01), finds(0, "teddy bear", 0.01)
+    two = [at_least("person", 1, person), at_least("teddy bear", 1, bear)]
+    # image 1, counting: persons above 0.05; at least 2 (include), fewer than 3 (exclude)
+    people = finds(1, "person", 0.05)
+    counting = [at_least("person", 2, people),
+                (True, None) if len(people) < 3 else (False, f"expected person<3, found {len(people)}")]
+    # image 2, color_attr: the most confident teddy bear above 0.01 named red
+    bears = finds(2, "teddy bear", 0.01)
+    colour = at_least("teddy bear", 1, bears)
+    if bears:
+        named = colours(images[2], "teddy bear", bears[:1])[0]
+        colour = (True, None) if named == "red" else (False, f"expected red teddy bear>=1, found 0 (1 {named})")
+    expected = [two, counting, [colour]]
+    assert got == [sum(met for met, _ in clauses) / len(clauses) for clauses in expected]
+    assert [v.reasons for v in reward.last_verdicts] == [[r for _, r in clauses if r] for clauses in expected]
+
+    # a counting threshold equal to the second person's score leaves one person: GenEval keeps scores strictly above
+    assert len(people) >= 2 and people[0].score > people[1].score
+    strict = make_reward("geneval", RewardContext(batch_size=2), {**opts, "counting_threshold": people[1].score})
+    assert strict(images[1:2], ["b"], metadata[1:2]).tolist() == [0.5]  # the include fails, the exclude holds
+    assert strict.last_verdicts[0].reasons == ["expected person>=2, found 1"]
 
 
 # ---------------------------------------------------------------- bad input: one line each
