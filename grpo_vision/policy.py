@@ -171,10 +171,25 @@ PromptSplits = Callable[[Config], "PromptSets"]
 @dataclass
 class Bundle:
     policy: torch.nn.Module  # an ImagePolicy
-    tokenizer: torch.nn.Module  # an ImageTokenizer
+    tokenizer: torch.nn.Module  # an ImageTokenizer (or a Deferred one, made when first read)
     judge: Judge | None = None  # exact per-attribute verdicts, when the kind has a judge
     reward_defaults: dict[str, dict] = field(default_factory=dict)  # reward name -> default options
     source: Path | None = None  # the directory the kind loaded from, when it has one
+
+    def __getattribute__(self, name: str):
+        value = object.__getattribute__(self, name)
+        if type(value) is Deferred:  # made once, on the first read, and kept
+            value = value.make()
+            object.__setattr__(self, name, value)
+        return value
+
+
+class Deferred:
+    """A part of a Bundle that a kind makes only when it is first read: a VQ tokenizer, whose diffusers import
+    alone takes seconds on a CPU, is never read by `export` or by a script that samples tokens only."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
 
 
 @dataclass

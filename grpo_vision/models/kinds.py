@@ -14,7 +14,7 @@ import torch
 
 from grpo_vision.config import ConfigError, PolicyConfig
 from grpo_vision.models.llamagen_load import LlamaGenOptions
-from grpo_vision.policy import Bundle, register_path_loader, register_policy_kind
+from grpo_vision.policy import Bundle, Deferred, register_path_loader, register_policy_kind
 
 
 @register_policy_kind("llama")
@@ -25,8 +25,10 @@ def load_llama(pcfg: PolicyConfig, device) -> Bundle:
 
     if not pcfg.tokenizer:
         raise ConfigError("policy.kind 'llama' needs policy.tokenizer: the directory of its VQ tokenizer")
+    vq = VQTokenizer.check_dir(pcfg.tokenizer)
     policy = LlamaImagePolicy.from_pretrained(pcfg.path, device).to(getattr(torch, pcfg.dtype))
-    return Bundle(policy, VQTokenizer.from_pretrained(pcfg.tokenizer, device), source=Path(pcfg.path))
+    # made when first read: diffusers' import alone takes seconds, and `export` never decodes
+    return Bundle(policy, Deferred(lambda: VQTokenizer.from_pretrained(vq, device)), source=Path(pcfg.path))
 
 
 @register_policy_kind("janus")

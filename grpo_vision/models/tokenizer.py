@@ -117,14 +117,21 @@ class VQTokenizer(nn.Module):
         if raw.pop("_name_or_path", None) is not None:
             config.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
-    @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "VQTokenizer":
-        from diffusers import VQModel
-
+    @staticmethod
+    def check_dir(directory: str | Path) -> Path:
+        """`directory` when it holds a VQModel's config.json (FileNotFoundError naming it otherwise): the check a
+        kind makes at load, before diffusers is imported."""
         directory = Path(directory)
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(f"VQ tokenizer {directory} has no config.json; expected a diffusers VQModel "
                                     "folder written by save_pretrained")
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str | torch.device = "cpu") -> "VQTokenizer":
+        from diffusers import VQModel
+
+        directory = cls.check_dir(directory)
         vq = VQModel.from_pretrained(str(directory))
         if bad := non_finite(vq.state_dict()):  # damaged under an intact header: it loads, and decodes NaN
             from grpo_vision.run.checkpoint import CheckpointError

@@ -113,6 +113,6 @@ def load_shapes(pcfg, device) -> Bundle:
     from grpo_vision.shapes.judge import ShapesJudge
     from grpo_vision.shapes.world import load_world
 
-    world = load_world(pcfg.path, device)
+    world = load_world(pcfg.path, device, defer_tokenizer=True)  # `export` never decodes
     return Bundle(world.policy.to(getattr(torch, pcfg.dtype)), world.tokenizer, judge=ShapesJudge(),
                   reward_defaults=world_reward_defaults(world.path), source=world.path)

@@ -129,9 +129,12 @@ def check_world_dir(path: str | Path) -> dict:
                          "(finished stages are kept)") from e
 
 
-def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
+def load_world(path: str | Path, device: str | torch.device = "cpu", defer_tokenizer: bool = False) -> World:
+    """A world directory's tokenizer and base policy, every file checked against world.json first.
+    `defer_tokenizer`: the tokenizer is a policy.Deferred, made when a bundle first reads it."""
     from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.models.tokenizer import VQTokenizer
+    from grpo_vision.policy import Deferred
 
     info = check_world_dir(path)
     world = Path(path)
@@ -144,6 +147,7 @@ def load_world(path: str | Path, device: str | torch.device = "cpu") -> World:
         problem = stage_problem(world, name) or checksum_problem(world, recorded, name)
         if problem:
             raise WorldError(f"world file {problem}; {rebuild_command(world, info, name)}")
-    tokenizer = VQTokenizer.from_pretrained(world / "vq", device=device)
+    tokenizer = Deferred(lambda: VQTokenizer.from_pretrained(world / "vq", device=device)) if defer_tokenizer else \
+        VQTokenizer.from_pretrained(world / "vq", device=device)
     policy = LlamaImagePolicy.from_pretrained(world / "policy", device=device).float().eval()
     return World(world, tokenizer, policy)

@@ -244,3 +244,31 @@ def test_each_policy_class_finds_its_exporter(bundle):
     plugin = Plugin()
     assert exporter(plugin) == plugin.export and callable(JanusImagePolicy.export)
     assert exporter(torch.nn.Linear(1, 1)) is None
+
+
+def test_the_vq_tokenizer_is_made_when_first_read_and_export_never_imports_diffusers(micro_world, tmp_path):
+    # diffusers' import alone takes seconds on a CPU: the shapes and llama kinds defer their VQ (policy.Deferred),
+    # so `export`, which never decodes, starts without it; the first read makes it once; a missing tokenizer
+    # folder is still named at load
+    import json
+    import subprocess
+    import sys
+
+    code = f"""
+import json, sys
+from grpo_vision.config import load_config
+from grpo_vision.policy import load_bundle
+cfg = load_config({str(ROOT / "configs" / "shapes_micro.yaml")!r}, ["policy.path={micro_world}"])
+bundle = load_bundle(cfg.policy, "cpu")
+before = "diffusers" in sys.modules
+first = bundle.tokenizer
+print(json.dumps({{"before": before, "after": "diffusers" in sys.modules, "kind": type(first).__name__,
+                  "same": bundle.tokenizer is first}}))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen == {"before": False, "after": True, "kind": "VQTokenizer", "same": True}
+    with pytest.raises(FileNotFoundError, match="VQ tokenizer .* has no config.json"):
+        load_bundle(load_config(overrides=["policy.kind=llama", f"policy.path={micro_world / 'policy'}",
+                                           f"policy.tokenizer={tmp_path}"]).policy, "cpu")
