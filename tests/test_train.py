@@ -137,32 +137,6 @@ def test_the_curves_are_the_runs_metrics_plotted(micro_run, tmp_path):
     assert_same_picture(tmp_path / "curves.png", micro_run / "curves.png")
 
 
-def test_the_report_tables_the_checker_by_prompt_form(micro_run):
-    report = (micro_run / "report.md").read_text()
-    assert "Exact checker" in report and "All attributes right, by prompt form" in report
-    by_form = json.loads((micro_run / "eval.json").read_text())["models"]["policy"]["judge_by_form"]
-    assert by_form and set(by_form) <= {"plain", "size", "background", "relation"}
-
-
-def test_the_headline_is_the_first_eval_temperature_and_every_temperature_is_tabled(micro_run):
-    result = json.loads((micro_run / "eval.json").read_text())
-    assert (result["temperature"], result["train_temperature"]) == (0.7, 1.0)
-    assert list(result["by_temperature"]) == ["0.7", "1.0"]
-    assert result["by_temperature"]["0.7"]["models"] == result["models"]
-    report = (micro_run / "report.md").read_text()
-    assert "sampled at temperature 0.7 (training sampled at 1.0)" in report
-    assert "## By sampling temperature" in report and "| 1.0 |" in report
-
-
-def test_the_report_tells_the_story_then_tables_test_prompts_then_held_out_compositions(micro_run):
-    # two eval sets: test prompts (the headline) and held-out compositions (transfer), fixed in the run
-    result = json.loads((micro_run / "eval.json").read_text())
-    assert result["eval_set"] == "test" and result["heldout"]["prompts"] == result["prompts"]
-    report = (micro_run / "report.md").read_text()
-    assert report.index("## What changed") < report.index("## Test prompts") < \
-        report.index("## Transfer: held-out compositions")
-
-
 def test_the_final_sample_sheet_has_a_row_per_test_prompt_and_the_ground_truth(micro_run):
     from PIL import Image
 
