@@ -1,0 +1,22 @@
+"""Reading a run folder (run/folder.py): its config from here, on the device this machine has."""
+
+import torch
+
+from grpo_vision.config import load_config, save_config
+from grpo_vision.run.folder import read_run_config
+from tests.helpers import MICRO
+
+
+def test_by_default_a_run_samples_where_it_trained_if_this_machine_has_that_device(tmp_path, monkeypatch):
+    # a CPU run evaluated on a GPU box samples on the CPU (CUDA's random streams differ, so its report would
+    # not reproduce); `auto` asks for the best device here, and a device this machine lacks falls back to it
+    run = tmp_path / "cpu_run"
+    run.mkdir()
+    config = run / "config.yaml"  # all read_run_config reads of a run folder (no origin.json: paths from here)
+    save_config(load_config(MICRO, ["run.device=cpu"]), config)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert read_run_config(run, device="run").run.device == "cpu"
+    assert read_run_config(run, device="auto").run.device == "auto"
+    config.write_text(config.read_text().replace("device: cpu", "device: cuda:3"))  # trained on a bigger box
+    assert read_run_config(run, device="run").run.device == "auto"
