@@ -167,6 +167,24 @@ def test_save_and_reload_round_trip(tmp_path):
     assert load_config(tmp_path / "resolved.yaml") == cfg
 
 
+def test_a_folder_that_turns_read_only_is_named_when_the_config_is_saved(tmp_path, monkeypatch):
+    """The OS refuses a write (root passes permission checks, so the refusal is simulated where it happens)."""
+    import errno
+    import os
+
+    from grpo_vision.files import FolderError
+
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(FolderError, match=f"^cannot write in {run} \\(Read-only file system\\): make it writable"):
+        save_config(Config(), run / "config.yaml")
+
+
 @pytest.mark.parametrize("text, needle", [
     ("train:\n  lrr: 1.0\n", "unknown key 'train.lrr' (did you mean 'train.lr'?)"),
     ("trian:\n  lr: 1.0\n", "unknown key 'trian' (did you mean 'train'?)"),

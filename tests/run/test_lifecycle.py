@@ -218,22 +218,3 @@ def test_a_run_file_that_is_a_fifo_or_a_folder_is_refused_before_anything_loads(
     with pytest.raises(FolderError, match=rf"^{run / 'metrics.jsonl'} is a folder, not a file: a run's metrics.jsonl "
                                           "is the per-step log train writes; move this one away and run again$"):
         load_metrics(run)  # the report, the demo's curves and `alerts` read it too
-
-
-def test_a_folder_that_turns_read_only_is_named_when_written(tmp_path, monkeypatch):
-    """The OS refuses a write (root passes permission checks, so the refusal is simulated where it happens)."""
-    import errno
-
-    from grpo_vision.config import Config, save_config
-    from grpo_vision.files import FolderError
-
-    run = tmp_path / "run"
-    run.mkdir()
-
-    def read_only(*args, **kwargs):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
-
-    monkeypatch.setattr(os, "open", read_only)
-    for write in (lambda: RunLock(run, fresh=False), lambda: save_config(Config(), run / "config.yaml")):
-        with pytest.raises(FolderError, match=f"^cannot write in {run} \\(Read-only file system\\): make it writable"):
-            write()
