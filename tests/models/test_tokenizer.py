@@ -68,6 +68,20 @@ def test_errors_name_the_problem(tok, tmp_path):
         VQTokenizer.from_pretrained(tmp_path / "nowhere")
 
 
+def test_code_vectors_are_the_unit_codebook_directions(tok):
+    # the tokenizer hook train.token_weighting=stage reads (step/credit.py: STAGE's e)
+    from grpo_vision.policy import check_weighting_hooks
+
+    assert isinstance(tok, VQTokenizer)
+    codes = torch.tensor([[0, 5, 5], [7, 0, 1]])
+    vectors = tok.code_vectors(codes)  # [2, 3, D], unit length, the codebook's directions
+    assert vectors.shape == (2, 3, tok.codebook.shape[1])
+    torch.testing.assert_close(vectors.norm(dim=-1), torch.ones(2, 3))
+    torch.testing.assert_close(vectors[0, 1], torch.nn.functional.normalize(tok.codebook[5], dim=0))
+    assert torch.equal(vectors[0, 1], vectors[0, 2])
+    check_weighting_hooks("stage", "llama", None, tok)  # stage reads the tokenizer alone
+
+
 def test_kmeans_finds_separated_clusters():
     g = torch.Generator().manual_seed(0)
     centres = torch.tensor([[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]])

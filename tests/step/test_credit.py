@@ -268,27 +268,6 @@ def test_a_zero_policy_weight_gives_no_policy_gradient():
 # ---------------------------------------------------------------- hooks
 
 
-def test_the_llama_kind_has_both_hooks(tiny_policy):
-    from grpo_vision.models.tokenizer import VQTokenizer
-    from grpo_vision.shapes.build.train_vq import VQ_PRESETS, build_vq
-
-    torch.manual_seed(0)
-    tok = build_vq(VQ_PRESETS["micro"]).eval()
-    assert isinstance(tok, VQTokenizer)
-    codes = torch.tensor([[0, 5, 5], [7, 0, 1]])
-    vectors = tok.code_vectors(codes)  # [2, 3, D], unit length, the codebook's directions
-    assert vectors.shape == (2, 3, tok.codebook.shape[1])
-    assert_close(vectors.norm(dim=-1), torch.ones(2, 3))
-    assert_close(vectors[0, 1], torch.nn.functional.normalize(tok.codebook[5], dim=0))
-    assert torch.equal(vectors[0, 1], vectors[0, 2])
-    tokens = torch.tensor([[0, 3, 31], [1, 1, 2]])
-    emb = tiny_policy.token_embeddings(tokens)  # what image_logits feeds the model for these tokens
-    assert emb.shape == (2, 3, tiny_policy.cfg.dim) and not emb.requires_grad
-    assert torch.equal(emb, tiny_policy.model.embed_tokens.weight[tokens + tiny_policy.cfg.image_offset])
-    check_weighting_hooks("stage", "llama", tiny_policy, tok)
-    check_weighting_hooks("critical", "llama", tiny_policy, tok)
-
-
 def test_a_missing_hook_is_refused_naming_the_kind_and_the_weighting():
     class Bare:  # neither hook
         pass
