@@ -4,7 +4,8 @@
       policy.safetensors      trainable policy weights (the full policy, or only its adapter) and its buffers
       reference.safetensors   the reference's weights when it was synced from the policy
       optimizer.safetensors   AdamW and LR-scheduler state
-      trainer_state.json      step, counters, and the base the policy was trained from (run/config.yaml: the config)
+      trainer_state.json      step, counters, the base the policy was trained from (run/config.yaml: the config)
+                              and the sha256 of each weights file, checked when it is read
       rng.safetensors         torch / numpy / python RNG states
       iterative.safetensors   iterative RL only: the replay buffer and what the learning rewards learned
     run/checkpoints/latest    name of the newest complete step directory
@@ -73,7 +74,10 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
                    tmp / "rng.safetensors")
         if iterative is not None:
             save_state(iterative, tmp / "iterative.safetensors")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+        # a flipped bit in a weights file loads without a word (safetensors checks the header only): each weights
+        # file's sha256 is kept beside the step and checked when it is read (`_verified`)
+        hashes = {n: file_sha256(tmp / n) for n in WEIGHT_FILES if (tmp / n).is_file()}
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state, "sha256": hashes}, indent=2))
         _fsync_dir(tmp)
     except Exception as e:
         _remove(tmp)  # never leave a partial step behind
@@ -167,7 +171,9 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path:
 def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple[dict, dict | None]:
     """Load weights (and optimizer state when given); returns (trainer_state, reference_state or None)."""
     path = Path(path)
-    weights = _read(path / "policy.safetensors", load_file)
+    state = _holding(_read(path / "trainer_state.json", lambda f: json.loads(f.read_text())), ("step", "counters"),
+                     path / "trainer_state.json")
+    weights = _read(_verified(path / "policy.safetensors", state), load_file)
     own = dict(policy.named_parameters()) | persistent_buffers(policy)  # an older checkpoint may have no buffers
     missing = [n for n, p in own.items() if p.requires_grad and n not in weights]  # saved: the trainable ones
     _check_fits(path / "policy.safetensors", weights, own, missing)
@@ -177,17 +183,37 @@ def load_checkpoint(path: Path, policy, optimizer=None, scheduler=None) -> tuple
             own[name].copy_(value)
     if optimizer is not None:
         load_training_state(path, optimizer, scheduler)
-    state = _holding(_read(path / "trainer_state.json", lambda f: json.loads(f.read_text())), ("step", "counters"),
-                     path / "trainer_state.json")
     if path.name.startswith("step_") and path.name[5:].isdigit() and state["step"] != int(path.name[5:]):
         raise CheckpointError(f"checkpoint file {path / 'trainer_state.json'} says step {state['step']} in "
                               f"{path.name} (copied from another step?); delete {path} and resume from an earlier step")
     ref = path / "reference.safetensors"
-    ref_state = _read(ref, load_file) if ref.is_file() else None
+    ref_state = _read(_verified(ref, state), load_file) if ref.is_file() else None
     if ref_state is not None:  # the reference is the policy's own network (or a copy of it): its names and shapes
         _check_fits(ref, ref_state, policy.state_dict())
         _check_finite(ref, ref_state, path)
     return state, ref_state
+
+
+WEIGHT_FILES = ("policy.safetensors", "reference.safetensors")  # a checkpoint's weights, each with its sha256
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _verified(file: Path, state: dict) -> Path:
+    """`file` when its sha256 is the one trainer_state.json recorded when the step was written (a checkpoint
+    written without them is not checked); else CheckpointError naming the file and both hashes."""
+    recorded = state.get("sha256")
+    expected = recorded.get(file.name) if isinstance(recorded, dict) else None
+    if expected is None or not file.is_file():
+        return file
+    if (found := file_sha256(file)) != expected:
+        raise CheckpointError(f"checkpoint file {file} has changed since it was written (sha256 {found[:16]}..., "
+                              f"recorded {expected[:16]}...): a damaged copy or disk; copy it again, or delete "
+                              f"{file.parent} and use an earlier step")
+    return file
 
 
 def _check_finite(file: Path, weights: dict, path: Path) -> None:

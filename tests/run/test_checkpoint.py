@@ -82,7 +82,9 @@ def test_an_unreadable_file_is_named(tmp_path, name):
     path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
     data = (path / name).read_bytes()
     (path / name).write_bytes(data[:len(data) // 2])  # cut short
-    with pytest.raises(CheckpointError, match=f"{name} is unreadable .*delete .*step_000001"):
+    # a weights file's recorded sha256 names it first; the other files are read as they are
+    what = "has changed since it was written" if name == "policy.safetensors" else "is unreadable"
+    with pytest.raises(CheckpointError, match=f"{name} {what} .*delete .*step_000001"):
         load_checkpoint(path, model, opt, sched)
 
 
@@ -154,7 +156,7 @@ def test_a_full_disk_through_the_real_writers(tmp_path):
     ("rng.safetensors", "optimizer.safetensors", "holds 'torch', 'numpy', 'python', not 'optimizer', 'scheduler'"),
     ("optimizer.safetensors", "rng.safetensors", "holds 'optimizer', 'scheduler', not 'torch', 'numpy', 'python'"),
     ("rng.safetensors", "iterative.safetensors", "not 'buffer', 'rewards'"),
-    ("rng.safetensors", "reference.safetensors", "does not match this run's policy: weights this policy does not have"),
+    ("rng.safetensors", "reference.safetensors", "has changed since it was written"),  # its sha256, recorded
     ("step_000001/trainer_state.json", "trainer_state.json", "says step 1 in step_000002 \\(copied from another step"),
 ])
 def test_another_valid_file_copied_over_a_state_file_is_named(tmp_path, source, target, lacks):
@@ -165,8 +167,8 @@ def test_another_valid_file_copied_over_a_state_file_is_named(tmp_path, source, 
         path = save_checkpoint(tmp_path, step, model, opt, sched, reference, {"counters": {}},
                                iterative={"buffer": {}, "rewards": {}})
     (path / target).write_bytes((path.parent / source if "/" in source else path / source).read_bytes())
-    with pytest.raises(CheckpointError, match=f"{path / target}.* {lacks}.*(delete {path} and resume from an earlier "
-                                              "step|another policy)"):
+    with pytest.raises(CheckpointError, match=f"{path / target}.* {lacks}.*(delete {path} and (resume from|use) an "
+                                              "earlier step|another policy)"):
         load_checkpoint(path, model, opt, sched)
         load_iterative_state(path)
 
@@ -307,13 +309,55 @@ def test_a_run_refuses_other_base_files_unless_allowed_and_then_says_so(two_step
     train(resume_config(run, ["train.steps=4"]), resume=run, progress=False)
 
 
+def rewrite(file, weights: dict) -> None:
+    """`weights` saved as `file` of a checkpoint with its sha256 recorded, as if the step had written them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from grpo_vision.run.checkpoint import file_sha256
+
+    save_file(weights, file)
+    state_file = file.parent / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["sha256"][file.name] = file_sha256(file)
+    state_file.write_text(json.dumps(state))
+
+
+def test_a_flipped_bit_in_a_weights_file_is_named_with_both_hashes(tmp_path):
+    # safetensors reads a damaged tensor without a word (it checks the header only): the sha256 that
+    # trainer_state.json recorded when the step was written names the file; a checkpoint without them loads
+    import hashlib
+    import json
+
+    model, opt, sched = tiny()
+    path = save_checkpoint(tmp_path, 1, model, opt, sched, {k: v.clone() for k, v in model.state_dict().items()},
+                           {"counters": {}})
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert set(state["sha256"]) == {"policy.safetensors", "reference.safetensors"}
+    for name, digest in state["sha256"].items():
+        assert digest == hashlib.sha256((path / name).read_bytes()).hexdigest()
+    data = bytearray((path / "policy.safetensors").read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor: the header still reads
+    (path / "policy.safetensors").write_bytes(bytes(data))
+    found, recorded = hashlib.sha256(data).hexdigest(), state["sha256"]["policy.safetensors"]
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, tiny()[0])
+    assert str(err.value) == (f"checkpoint file {path / 'policy.safetensors'} has changed since it was written (sha256 "
+                              f"{found[:16]}..., recorded {recorded[:16]}...): a damaged copy or disk; copy it again, "
+                              f"or delete {path} and use an earlier step")
+    del state["sha256"]  # written before checkpoints recorded them: loaded as it is
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    load_checkpoint(path, tiny()[0])
+
+
 def test_integer_tensors_for_float_weights_are_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 
     model, opt, sched = tiny()
     path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
     weights = load_file(path / "policy.safetensors")
-    save_file({k: (v * 100).to(torch.int32) for k, v in weights.items()}, path / "policy.safetensors")
+    rewrite(path / "policy.safetensors", {k: (v * 100).to(torch.int32) for k, v in weights.items()})
     with pytest.raises(CheckpointError, match="integer tensors for the float weights"):
         load_checkpoint(path, tiny()[0])
 
@@ -334,7 +378,7 @@ def test_a_checkpoint_holding_a_nan_is_refused_at_load_by_resume_and_eval(micro_
     weights = load_file(ckpt / "policy.safetensors")
     name = sorted(weights)[0]
     weights[name].view(-1)[0] = float("nan")
-    save_file(weights, ckpt / "policy.safetensors")
+    rewrite(ckpt / "policy.safetensors", weights)  # as a step that went NaN writes it: its sha256 recorded
     says = (f"checkpoint {ckpt / 'policy.safetensors'} holds 1 NaN or infinite values in {name}: these weights "
             f"cannot be trained on or sampled; use an earlier checkpoint (delete {ckpt}, or --step N)")
     with pytest.raises(CheckpointError) as err:
