@@ -17,11 +17,13 @@ Loss (PPO-clip applied per token, with the sequence's advantage on every token):
     loss = -aggregate(l)
 
 `eps_high > eps_low` is DAPO's clip-higher (arXiv 2503.14476). The aggregation is TRL's
-`loss_type`: "grpo" averages each sequence's tokens then the sequences; "bnpo" averages all
-unmasked tokens in the batch (DAPO's token-level loss); "dr_grpo" divides the token sum by a
-constant, sequences * max_tokens (Dr. GRPO), so no sequence's length re-weights its tokens;
-"dapo" divides the token sum by `num_items`, the active tokens of the whole global batch (all
-micro-batches and processes of one optimizer update), TRL's default.
+`loss_type`: "grpo" averages each sequence's tokens then the sequences; "bnpo" averages the
+batch's tokens (DAPO's token-level loss); "dr_grpo" divides the token sum by the constant
+sequences * N (Dr. GRPO); "dapo" divides the token sum by the tokens of the whole global batch
+(all micro-batches and processes of one optimizer update), TRL's default. TRL's types differ in how
+sequences of different lengths weigh their tokens; every image here has the same N tokens, so within
+one call the first three are one value up to float rounding. "dapo" differs from "bnpo" across calls,
+where an update's micro-batches (or processes) hold unequal row counts: groups dropped.
 
 Variants (names and formulas as in TRL's GRPOTrainer, `grpo_trainer.py` `_compute_loss`):
 
@@ -33,14 +35,14 @@ Variants (names and formulas as in TRL's GRPOTrainer, `grpo_trainer.py` `_comput
 * delta (INTELLECT-2, arXiv 2505.07291): r_t is also capped at delta in the unclipped term, so a
   token with A < 0 and a huge ratio cannot dominate (two-sided clipping; delta > 1 + eps_high).
 * policy_mask (top_entropy_quantile, "Beyond the 80/20 rule", arXiv 2506.01939): only the tokens it
-  keeps carry the policy term; the KL and the normalisation still count every unmasked token.
+  keeps carry the policy term; the KL and the normalisation still count every token.
 
 Per-token weights (credit assignment, `credit.py`: STAGE, GCPO, guidance-contrastive; None = off). With a
 policy weight w the policy term is the weighted mean the sources use instead of the loss type's normaliser,
 and with a KL weight m the KL term is aggregated as the loss type says, of m * k3:
 
     s_t = min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A)      (the policy term of l_t)
-    loss = -sum_t(w_t a_t s_t) / (sum_t w_t + 1e-6) + beta * aggregate(m_t * k3_t)
+    loss = -sum_t(w_t a_t s_t) / W + beta * aggregate(m_t * k3_t),   W = sum_t w_t + 1e-6 (or the update's)
 
 `a_t` (advantage_weight) multiplies the token's surrogate outside the normaliser: GCPO's dynamic advantage
 weight, which may carry a gradient (a_t > 0, so a_t min(r A, clip(r) A) = min(r A a_t, clip(r) A a_t)).
@@ -79,7 +81,7 @@ class LossParams:
     delta: float | None = None  # INTELLECT-2's cap on the unclipped ratio; None = off
     use_bias_correction_kl: bool = False  # k3 times the (differentiable) ratio; TRL 1.16 defaults to True
     off_policy_mask_threshold: float | None = None  # drop A < 0 sequences drifted past it; None = off
-    entropy_coef: float = 0.0  # entropy bonus weight (the starting value of an adaptive one); 0 = off
+    entropy_coef: float = 0.0  # entropy bonus weight (an adaptive controller's current value); 0 = off
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -214,46 +216,48 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.expm1(d) - d  # same shape as inputs
 
 
-def _aggregate(x: Tensor, mask: Tensor, loss_type: str, max_tokens: int | None,
-               num_items: float | Tensor | None = None) -> Tensor:
-    """Reduce per-token values `[B*G, N]` to a scalar the way TRL's `loss_type` does."""
-    x = torch.where(mask, x, torch.zeros_like(x))  # [B*G, N]
+def _token_mean(x: Tensor, dim: int | None = None) -> Tensor:
+    """Mean over tokens as `masked_mean` computes it, the sum divided by the count (torch.mean on CUDA
+    multiplies by 1/n instead, another rounding)."""
+    n = x.numel() if dim is None else x.shape[dim]
+    return (x.sum() if dim is None else x.sum(dim)) / x.new_full((), n)  # [] or [B*G]
+
+
+def _aggregate(x: Tensor, loss_type: str, rows: Tensor | float | None = None) -> Tensor:
+    """Reduce per-token values `[B*G, N]` to a scalar the way TRL's `loss_type` does, every sequence N tokens.
+    "dapo" / "cispo" divide the token sum by `rows` * N (default: this batch's B*G sequences)."""
     if loss_type == "grpo":
-        per_seq = x.sum(dim=1) / mask.sum(dim=1).clamp(min=1)  # [B*G]
-        return per_seq.mean()
-    if loss_type == "bnpo":
-        return x.sum() / mask.sum().clamp(min=1)
-    if loss_type in ("dapo", "cispo"):  # the global batch's token count, given by the caller
-        items = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=x.dtype)
-        return x.sum() / items.clamp(min=1)
-    n_max = x.shape[1] if max_tokens is None else max_tokens
-    return x.sum() / (x.shape[0] * n_max)  # dr_grpo
+        return _token_mean(x, dim=1).mean()
+    if loss_type == "dr_grpo":
+        return x.sum() / x.numel()  # Dr. GRPO's constant, sequences * N
+    if loss_type == "bnpo" or rows is None:
+        return _token_mean(x)
+    return x.sum() / (torch.as_tensor(rows, dtype=x.dtype, device=x.device) * x.shape[1])  # dapo, cispo
 
 
-def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
-    """Tokens `[B*G, N]` whose entropy is in the top `quantile` of the unmasked ones (1.0: all).
+def high_entropy_mask(entropy: Tensor, quantile: float) -> Tensor:
+    """Tokens `[B*G, N]` whose entropy is in the top `quantile` of them all (1.0: all).
 
-    The threshold is the (1 - quantile) quantile of the unmasked entropies, ties kept, as TRL's
+    The threshold is the (1 - quantile) quantile of the entropies, ties kept, as TRL's
     `get_high_entropy_mask` (top_entropy_quantile; the paper keeps the top 20%). Pass the whole
     global batch's entropies so every process uses one threshold.
     """
-    mask = mask.bool()
-    if quantile >= 1.0 or not mask.any():
-        return mask
-    threshold = torch.quantile(entropy[mask].float(), 1.0 - quantile)  # []
-    return mask & (entropy >= threshold.to(entropy.dtype))  # [B*G, N]
+    if quantile >= 1.0 or not entropy.numel():
+        return torch.ones_like(entropy, dtype=torch.bool)
+    threshold = torch.quantile(entropy.flatten().float(), 1.0 - quantile)  # []
+    return entropy >= threshold.to(entropy.dtype)  # [B*G, N]
 
 
-def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, p: LossParams) -> tuple[Tensor, Tensor]:
+def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, p: LossParams) -> tuple[Tensor, Tensor]:
     """Per-token policy terms l_t `[B*G, N]` (to maximise) and the ratios `[B*G, N]` they used.
 
-    logp, old: `[B*G, N]` with masked entries already zeroed; adv: `[B*G, 1]`.
+    logp, old: `[B*G, N]`; adv: `[B*G, 1]`.
     """
     # old is detached, so at logp == old the ratio is 1 with d ratio / d logp = 1: the
     # exp(x - x.detach()) identity, giving the plain policy-gradient A * grad(logp).
     log_ratio = logp - old  # [B*G, N]
     if p.importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
-        log_ratio = masked_mean(log_ratio, mask, dim=1)[:, None].expand_as(logp)  # [B*G, N], one value a row
+        log_ratio = _token_mean(log_ratio, dim=1)[:, None].expand_as(logp)  # [B*G, N], one value a row
     ratio = log_ratio.exp()  # [B*G, N]
     if p.loss_type == "cispo":
         weight = ratio.clamp(max=p.epsilon_high).detach()  # [B*G, N] the clipped IS weight, a constant
@@ -263,16 +267,15 @@ def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, mask: Tensor, p: Los
     return torch.minimum(capped * adv, clipped), ratio  # [B*G, N]
 
 
-def off_policy_mask(advantages: Tensor, logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor,
-                    threshold: float) -> Tensor:
+def off_policy_mask(advantages: Tensor, logprobs: Tensor, sampling_logprobs: Tensor, threshold: float) -> Tensor:
     """`[B*G, 1]` bool, False for the sequences to drop: A < 0 and mean_t(sampling_t - logp_t) > threshold.
 
     TRL's `get_off_policy_mask` (DeepSeek-V3.2 eq. 9, arXiv 2512.02556): the detached forward-KL estimate of the
-    sampling policy to the current one, averaged over the sequence's unmasked tokens; a NaN token counts 0.
+    sampling policy to the current one, averaged over the sequence's tokens; a NaN token counts 0.
     Sequences that gain (A >= 0) are always kept: only pushing down drifted samples is what destabilises.
     """
     kl = torch.nan_to_num(sampling_logprobs - logprobs.detach(), nan=0.0)  # [B*G, N]
-    drift = masked_mean(kl, mask.bool(), dim=1)  # [B*G]
+    drift = _token_mean(kl, dim=1)  # [B*G]
     return ((advantages >= 0) | (drift <= threshold))[:, None]  # [B*G, 1]
 
 
@@ -312,123 +315,84 @@ def mixup_state_dict(policy: dict[str, Tensor], ref: dict[str, Tensor], alpha: f
     return out
 
 
-def _check(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor, mask: Tensor,
+def _check(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
            beta: float) -> None:
     if beta > 0 and ref_logprobs is None:
         raise ValueError("beta > 0 needs ref_logprobs (the KL term is measured against the reference)")
-    if old_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} and "
-            f"mask {tuple(mask.shape)} must have the same shape [B*G, N]"
-        )
+    if old_logprobs.shape != logprobs.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and old_logprobs {tuple(old_logprobs.shape)} "
+                         f"must have the same shape [B*G, N]")
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages must be [B*G]={logprobs.shape[0]}, got {tuple(advantages.shape)}")
 
 
-def _weighted_policy_term(surrogate: Tensor, weight: Tensor, mask: Tensor,
-                          weight_total: float | Tensor | None) -> Tensor:
+@dataclass(frozen=True)
+class TokenWeights:
+    """Which tokens carry the policy term and how much each token counts (module docstring), `[B*G, N]` each;
+    None: every token alike (the plain loss, bit for bit)."""
+    policy_mask: Tensor | None = None  # bool, the tokens that carry the policy term (top_entropy_quantile)
+    policy_weight: Tensor | None = None  # w, a constant: the policy term becomes sum(w l) / policy_total
+    kl_weight: Tensor | None = None  # m: each token's KL counts m times
+    advantage_weight: Tensor | None = None  # a_t > 0 (may carry grad): GCPO's dynamic weight on the surrogate
+    # W, the weighted mean's divisor: the update's sum(w) over processes where micro-batch losses are summed
+    # (dapo / cispo: one weighted mean over the update, not one per micro-batch); None: this call's sum(w) + 1e-6
+    policy_total: Tensor | float | None = None
+
+
+def _weighted_policy_term(surrogate: Tensor, weight: Tensor, total: Tensor | float | None) -> Tensor:
     """sum_t(w_t l_t) / W, the sources' weighted mean (STAGE `grpo_trainer.py` L1039-1070; jacklishufan/gcpo
-    `grpo_trainer.py` L1084); W = this call's sum_t w_t + 1e-6 unless the caller gives the global one."""
-    w = torch.where(mask, weight.detach().to(surrogate.dtype), torch.zeros_like(surrogate))  # [B*G, N]
-    total = w.sum() + 1e-6 if weight_total is None else torch.as_tensor(weight_total, dtype=surrogate.dtype)
+    `grpo_trainer.py` L1084)."""
+    w = weight.detach().to(surrogate.dtype)  # [B*G, N]
+    total = w.sum() + 1e-6 if total is None else torch.as_tensor(total, dtype=surrogate.dtype)
     return (w * surrogate).sum() / total
 
 
-def grpo_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    ref_logprobs: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    p: LossParams = LossParams(),
-    *,
-    max_tokens: int | None = None,
-    policy_mask: Tensor | None = None,
-    num_items: float | Tensor | None = None,
-    policy_weight: Tensor | None = None,
-    kl_weight: Tensor | None = None,
-    advantage_weight: Tensor | None = None,
-    weight_total: float | Tensor | None = None,
-    entropy: Tensor | None = None,
-    entropy_coef: float | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+              p: LossParams = LossParams(), weights: TokenWeights = TokenWeights(), entropy: Tensor | None = None,
+              rows: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO loss (scalar, to minimise) and detached 0-d metrics.
 
-    logprobs/old_logprobs/ref_logprobs/mask/policy_mask: `[B*G, N]`; advantages: `[B*G]`. Masked
-    tokens never reach the loss or its gradient, even when their inputs are NaN/inf. old_logprobs and
-    ref_logprobs are constants; ref_logprobs may be None only when beta == 0. `num_items` is the
-    "dapo" / "cispo" normaliser (default: this batch's unmasked tokens); `max_tokens` the "dr_grpo" one.
-
-    Token weights `[B*G, N]` (module docstring; all None: the plain loss, bit for bit): `policy_weight` w
-    (a constant) makes the policy term sum(w l) / W, W = `weight_total` or this call's sum(w) + 1e-6 (give
-    the update's global sum, divided as the losses are averaged, for one weighted mean over micro-batches);
-    `kl_weight` m weights each token's KL; `advantage_weight` (> 0, may carry grad) scales each token's
-    surrogate. `entropy` `[B*G, N]` (with grad) adds the bonus -coef * mean(H) over the policy-term tokens,
-    coef = `entropy_coef` (an adaptive controller's current value) or `p.entropy_coef`.
+    logprobs/old_logprobs/ref_logprobs: `[B*G, N]`, every sequence N tokens; advantages: `[B*G]`. old_logprobs and
+    ref_logprobs are constants; ref_logprobs may be None only when beta == 0. `rows`: the "dapo" / "cispo" divisor
+    in sequences, the update's over the processes (default: B*G). `entropy` `[B*G, N]` (with grad) adds the bonus
+    -p.entropy_coef * mean(H) over the tokens with a policy term.
     """
-    _check(logprobs, old_logprobs, ref_logprobs, advantages, mask, p.beta)
-    mask = mask.bool()  # [B*G, N]
-    pg_mask = mask if policy_mask is None else mask & policy_mask.bool()  # [B*G, N] tokens with a policy term
-    bonus_mask = pg_mask  # [B*G, N] TRL's entropy bonus covers mask * entropy_mask, not the off-policy mask
-    zeros = torch.zeros_like(logprobs)  # [B*G, N]
-    # Replace masked entries before any arithmetic: where() sends them no gradient and no NaN.
-    logp = torch.where(mask, logprobs, zeros)  # [B*G, N]
-    old = torch.where(mask, old_logprobs.detach(), zeros)  # [B*G, N]
-    adv = advantages.detach().to(logp.dtype)[:, None]  # [B*G, 1]
-    surrogate, ratio = surrogate_terms(logp, old, adv, mask, p)  # [B*G, N] each
-    if advantage_weight is not None:  # GCPO's dynamic advantage weight (credit.dynamic_advantage_weight)
-        surrogate = surrogate * torch.where(mask, advantage_weight.to(logp.dtype), torch.ones_like(logp))  # [B*G, N]
+    _check(logprobs, old_logprobs, ref_logprobs, advantages, p.beta)
+    old, zeros = old_logprobs.detach(), torch.zeros_like(logprobs)  # [B*G, N] each
+    adv = advantages.detach().to(logprobs.dtype)[:, None]  # [B*G, 1]
+    surrogate, ratio = surrogate_terms(logprobs, old, adv, p)  # [B*G, N] each
+    if weights.advantage_weight is not None:  # GCPO's dynamic advantage weight (credit.dynamic_advantage_weight)
+        surrogate = surrogate * weights.advantage_weight.to(logprobs.dtype)  # [B*G, N]
+    # the tokens with a policy term; TRL's entropy bonus covers the entropy mask's, not the off-policy mask's
+    every = torch.ones_like(zeros, dtype=torch.bool)  # [B*G, N]
+    keep = bonus = every if weights.policy_mask is None else weights.policy_mask.bool()  # [B*G, N]
     if p.off_policy_mask_threshold is not None:
-        kept = off_policy_mask(advantages.detach(), logp, old, mask, p.off_policy_mask_threshold)  # [B*G, 1]
-        pg_mask = pg_mask & kept  # [B*G, N]
-    surrogate = torch.where(pg_mask, surrogate, zeros)  # [B*G, N]
-
-    if ref_logprobs is not None:
-        ref = torch.where(mask, ref_logprobs.detach(), zeros)  # [B*G, N]
-        kl = k3_kl(logp, ref)  # [B*G, N]
+        kept = off_policy_mask(advantages.detach(), logprobs, old, p.off_policy_mask_threshold)  # [B*G, 1]
+        keep = keep & kept  # [B*G, N]
+    surrogate = torch.where(keep, surrogate, zeros)  # [B*G, N]
+    kl = zeros if ref_logprobs is None else k3_kl(logprobs, ref_logprobs.detach())  # [B*G, N]
+    kl = kl * ratio if p.use_bias_correction_kl else kl  # [B*G, N] TRL: per_token_kl * coef_1, not detached
+    if weights.kl_weight is not None:
+        kl = kl * weights.kl_weight.detach().to(logprobs.dtype)  # [B*G, N]
+    if weights.policy_weight is None:
+        policy = -_aggregate(surrogate, p.loss_type, rows)
+        loss = -_aggregate(surrogate - p.beta * kl, p.loss_type, rows)
     else:
-        kl = zeros  # [B*G, N]
-    kl_term = kl * ratio if p.use_bias_correction_kl else kl  # [B*G, N] TRL: per_token_kl * coef_1, not detached
-    if kl_weight is not None:
-        kl_term = kl_term * torch.where(mask, kl_weight.detach().to(logp.dtype), zeros)  # [B*G, N]
-    if policy_weight is None:
-        per_token = surrogate - p.beta * kl_term  # [B*G, N]
-        loss = -_aggregate(per_token, mask, p.loss_type, max_tokens, num_items)
-    else:
-        policy_term = _weighted_policy_term(surrogate, policy_weight, mask, weight_total)
-        loss = -policy_term + p.beta * _aggregate(kl_term, mask, p.loss_type, max_tokens, num_items)
-    coef = p.entropy_coef if entropy_coef is None else entropy_coef
-    if entropy is not None and coef != 0:
-        loss = loss - coef * masked_mean(entropy, bonus_mask)
-
+        policy = -_weighted_policy_term(surrogate, weights.policy_weight, weights.policy_total)
+        loss = policy + p.beta * _aggregate(kl, p.loss_type, rows)
+    metrics = {"policy_loss": policy} | ({} if entropy is None else {"entropy": masked_mean(entropy, bonus)})
+    if entropy is not None and p.entropy_coef != 0:
+        loss = loss - p.entropy_coef * metrics["entropy"]
     with torch.no_grad():
-        if p.loss_type == "cispo":  # only the weight's cap clips, counted on either sign of A (TRL: A > 0 only)
-            clip_low, clip_high = torch.zeros_like(mask), ratio > p.epsilon_high  # [B*G, N]
-        else:
-            # The min picks the clipped (constant, zero-gradient) term only on one side per sign of A:
-            # A > 0 and r > 1 + eps_high, or A < 0 and r < 1 - eps_low. Elsewhere r*A is the min.
-            clip_low = (adv < 0) & (ratio < 1 - p.epsilon_low)  # [B*G, N]
-            clip_high = (adv > 0) & (ratio > 1 + p.epsilon_high)  # [B*G, N]
-        capped_by_delta = (adv < 0) & (ratio > p.delta) if p.delta is not None else torch.zeros_like(mask)  # [B*G, N]
-        any_token = mask.any()
-        inf = torch.full_like(ratio, torch.inf)  # [B*G, N]
-        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
-        metrics = {
-            "kl": masked_mean(kl, mask),
-            "clip_frac_low": masked_mean(clip_low.to(ratio.dtype), mask),
-            "clip_frac_high": masked_mean(clip_high.to(ratio.dtype), mask),
-            "clip_frac": masked_mean((clip_low | clip_high).to(ratio.dtype), mask),
-            "delta_frac": masked_mean(capped_by_delta.to(ratio.dtype), mask),
-            "ratio_mean": masked_mean(ratio, mask),
-            # With no unmasked token at all, report the neutral ratio 1 rather than +-inf.
-            "ratio_max": torch.where(any_token, torch.where(mask, ratio, -inf).amax(), one),
-            "ratio_min": torch.where(any_token, torch.where(mask, ratio, inf).amin(), one),
-            "policy_loss": (-_aggregate(surrogate, mask, p.loss_type, max_tokens, num_items) if policy_weight is None
-                            else -policy_term),
-            "policy_token_frac": masked_mean(pg_mask.to(ratio.dtype), mask),
-        }
+        # PPO-clip's min picks the clipped (zero-gradient) term on one side per sign of A: A > 0 and
+        # r > 1 + eps_high, or A < 0 and r < 1 - eps_low; cispo counts its weight's cap on either sign
+        cispo = p.loss_type == "cispo"
+        low = ~every if cispo else (adv < 0) & (ratio < 1 - p.epsilon_low)  # [B*G, N]
+        high = ratio > p.epsilon_high if cispo else (adv > 0) & (ratio > 1 + p.epsilon_high)  # [B*G, N]
+        capped = ~every if p.delta is None else (adv < 0) & (ratio > p.delta)  # [B*G, N] INTELLECT-2's cap
+        for key, x in (("clip_frac_low", low), ("clip_frac_high", high), ("delta_frac", capped),
+                       ("ratio_mean", ratio), ("policy_token_frac", keep)):
+            metrics[key] = _token_mean(x.to(ratio.dtype))
         if p.off_policy_mask_threshold is not None:  # sequences whose policy term the drift dropped
             metrics["off_policy_frac"] = (~kept[:, 0]).to(ratio.dtype).mean()
-        if entropy is not None:
-            metrics["entropy"] = masked_mean(entropy, bonus_mask)
     return loss, {k: v.detach() for k, v in metrics.items()}

@@ -7,8 +7,9 @@ import torch
 from torch.testing import assert_close
 
 from grpo_vision.grpo import (
-    LossParams, adaptive_entropy_coef, entropy_coef_to_apply, frac_zero_std, group_advantages, grpo_loss,
-    high_entropy_mask, informative_groups, k3_kl, masked_mean, mixup_state_dict, normalize_then_sum, off_policy_mask,
+    LossParams, TokenWeights, adaptive_entropy_coef, entropy_coef_to_apply, frac_zero_std, group_advantages,
+    grpo_loss, high_entropy_mask, informative_groups, k3_kl, masked_mean, mixup_state_dict, normalize_then_sum,
+    off_policy_mask,
 )
 
 EPS = 1e-4
@@ -97,61 +98,58 @@ def ratios_to_logprobs(ratios):
 
 
 def hand_batch():
-    # seq 0: r = [1.0, 1.5, 0.5], A = +1 -> terms 1 (r=1), min(1.5,1.2)=1.2, min(0.5,0.8)=0.5
-    # seq 1: r = [0.5, 1.5, (masked)], A = -1 -> min(-0.5,-0.8)=-0.8, min(-1.5,-1.2)=-1.5
-    logp, old = ratios_to_logprobs([[1.0, 1.5, 0.5], [0.5, 1.5, 100.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
-    return logp, old, t([1.0, -1.0]), mask
+    # five sequences of one token (N = 1), rows 0-4:
+    # r = 1.0, 1.5, 0.5 with A = +1 -> terms 1 (r=1), min(1.5,1.2)=1.2, min(0.5,0.8)=0.5
+    # r = 0.5, 1.5 with A = -1 -> min(-0.5,-0.8)=-0.8, min(-1.5,-1.2)=-1.5
+    logp, old = ratios_to_logprobs([[1.0], [1.5], [0.5], [0.5], [1.5]])
+    return logp, old, t([1.0, 1.0, 1.0, -1.0, -1.0])
+
+
+def two_images():
+    # two sequences of N = 3 tokens:
+    # seq 0: r = [1.0, 1.5, 0.5], A = +1 -> terms 1 (r=1), min(1.5,1.2)=1.2, min(0.5,0.8)=0.5; mean 0.9
+    # seq 1: r = [0.5, 1.5, 1.0], A = -1 -> min(-0.5,-0.8)=-0.8, min(-1.5,-1.2)=-1.5, -1; mean -1.1
+    logp, old = ratios_to_logprobs([[1.0, 1.5, 0.5], [0.5, 1.5, 1.0]])
+    return logp, old, t([1.0, -1.0])
 
 
 # ---------------------------------------------------------------- loss values
 
 
-@pytest.mark.parametrize(
-    "loss_type, kwargs, expected",
-    [
-        # per-seq means 2.7/3 = 0.9 and -2.3/2 = -1.15; mean -0.125; loss = +0.125
-        ("grpo", {}, 0.125),
-        # token sum 2.7 - 2.3 = 0.4 over 5 unmasked tokens = 0.08; loss = -0.08
-        ("bnpo", {}, -0.08),
-        # 0.4 / (2 seqs * N=3) = 1/15; loss = -1/15
-        ("dr_grpo", {}, -1 / 15),
-        # 0.4 / (2 seqs * 4) = 0.05; loss = -0.05
-        ("dr_grpo", {"max_tokens": 4}, -0.05),
-    ],
-)
-def test_loss_types_hand_example(loss_type, kwargs, expected):
-    logp, old, adv, mask = hand_batch()
-    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type=loss_type), **kwargs)
-    assert_close(loss, t(expected))
-    assert_close(m["policy_loss"], t(expected))  # beta = 0: no KL term
-    # clipped: seq0 tok1 (A>0, r=1.5>1.2) high; seq1 tok0 (A<0, r=0.5<0.8) low; 1 of 5 each.
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_loss_types_hand_example(loss_type):
+    # token sum 2.7 - 2.3 = 0.4 over 5 tokens = 0.08; loss = -0.08. With one token a sequence the mean of the
+    # sequences' means (grpo), the token mean (bnpo, dapo on one call) and sum / (S * N) (dr_grpo) are one number.
+    logp, old, adv = hand_batch()
+    loss, m = grpo_loss(logp, old, None, adv, LossParams(loss_type=loss_type))
+    assert_close(loss, t(-0.08))
+    assert_close(m["policy_loss"], t(-0.08))  # beta = 0: no KL term
+    # clipped: row 1 (A>0, r=1.5>1.2) high; row 3 (A<0, r=0.5<0.8) low; 1 of 5 each.
     assert_close(m["clip_frac_high"], t(0.2))
     assert_close(m["clip_frac_low"], t(0.2))
-    assert_close(m["clip_frac"], t(0.4))
-    # (1 + 1.5 + 0.5 + 0.5 + 1.5) / 5 = 1; the masked r = 100 is ignored by max.
+    # (1 + 1.5 + 0.5 + 0.5 + 1.5) / 5 = 1
     assert_close(m["ratio_mean"], t(1.0))
-    assert_close(m["ratio_max"], t(1.5))
-    assert_close(m["ratio_min"], t(0.5))
-    assert m["kl"].item() == 0.0
     assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
 
 
-def test_grpo_gradient_hand_example():
-    # dl/dlogp = A*r where the unclipped term is the min, 0 where the clipped one is.
-    # grpo weight 1/(n_i * S): seq0 1/(3*2) = 1/6, seq1 1/(2*2) = 1/4; loss is -l.
+def test_every_image_has_n_tokens_so_grpo_bnpo_and_dr_grpo_agree():
+    # two_images: sequence means 0.9 and -1.1 -> grpo -(-0.1) = 0.1; token sum 2.7 - 3.3 = -0.6 over
+    # 2 * 3 tokens -> bnpo and dr_grpo 0.1 too. Gradient: every token weighs 1/(S * N) = 1/6, dl/dlogp = A*r
+    # where the unclipped term is the min, 0 where the clipped one is; loss is -l.
     # seq0: A*r = [1, (clipped) 0, 0.5] -> [-1/6, 0, -1/12]
-    # seq1: [(clipped) 0, A*r = -1.5, masked] -> [0, 1.5/4 = 0.375, 0]
-    logp, old, adv, mask = hand_batch()
-    loss, _ = grpo_loss(logp, old, None, adv, mask)
-    loss.backward()
-    assert_close(logp.grad, t([[-1 / 6, 0, -1 / 12], [0, 0.375, 0]]))
+    # seq1: [(clipped) 0, A*r = -1.5, A*r = -1] -> [0, 1.5/6 = 0.25, 1/6]
+    for loss_type in ("grpo", "bnpo", "dr_grpo"):
+        logp, old, adv = two_images()
+        loss, _ = grpo_loss(logp, old, None, adv, LossParams(loss_type=loss_type))
+        loss.backward()
+        assert_close(loss.detach(), t(0.1))
+        assert_close(logp.grad, t([[-1 / 6, 0, -1 / 12], [0, 0.25, 1 / 6]]))
 
 
 def one_token(r, a, **params):
     """Surrogate term l for a single token with ratio r and advantage a, plus metrics and grad."""
     logp, old = ratios_to_logprobs([[r]])
-    loss, m = grpo_loss(logp, old, None, t([a]), torch.ones(1, 1, dtype=torch.bool), LossParams(**params))
+    loss, m = grpo_loss(logp, old, None, t([a]), LossParams(**params))
     loss.backward()
     return -loss.item(), m, logp.grad.item()
 
@@ -203,10 +201,9 @@ def test_k3_hand_value_and_in_loss():
     k3 = 1 - math.log(2)
     logp = torch.zeros(1, 2, dtype=F64, requires_grad=True)
     ref = torch.full((1, 2), math.log(2), dtype=F64)
-    loss, m = grpo_loss(logp, logp.detach(), ref, t([0.5]), torch.ones(1, 2), LossParams(beta=0.1))
+    loss, m = grpo_loss(logp, logp.detach(), ref, t([0.5]), LossParams(beta=0.1))
     loss.backward()
     assert_close(loss, t(-(0.5 - 0.1 * k3)))
-    assert_close(m["kl"], t(k3))
     assert_close(m["policy_loss"], t(-0.5))
     assert_close(logp.grad, t([[-0.3, -0.3]]))
     assert_close(k3_kl(torch.zeros(1, dtype=F64), t([math.log(2)])), t([k3]))
@@ -220,72 +217,37 @@ def test_k3_nonnegative_and_zero_at_ref():
     assert torch.equal(k3_kl(logp, logp), torch.zeros(1000))
 
 
-# ---------------------------------------------------------------- masking and gradients
+# ---------------------------------------------------------------- gradients
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
-def test_masked_tokens_change_nothing(loss_type):
-    g = torch.Generator().manual_seed(1)
-    base = torch.randn(3, 4, generator=g)
-    old, ref, adv = base + 0.1 * torch.randn(3, 4, generator=g), base - 0.2, torch.randn(3, generator=g)
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [0, 0, 0, 0]], dtype=torch.bool)
-
-    def run(fill_logp, fill_old, fill_ref):
-        logp = torch.where(mask, base, fill_logp).requires_grad_()
-        loss, m = grpo_loss(logp, torch.where(mask, old, fill_old), torch.where(mask, ref, fill_ref), adv, mask,
-                            LossParams(beta=0.05, loss_type=loss_type))
-        loss.backward()
-        return loss, m, logp.grad
-
-    loss0, m0, g0 = run(0.0, 0.0, 0.0)
-    loss1, m1, g1 = run(NAN, math.inf, -math.inf)
-    assert torch.isfinite(loss0) and torch.isfinite(g0).all()
-    assert torch.equal(loss0, loss1) and torch.equal(g0, g1)
-    assert torch.equal(g1[~mask], torch.zeros(int((~mask).sum())))
-    for k in m0:
-        assert torch.equal(m0[k], m1[k]), k
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
-def test_gradient_at_ratio_one_is_weighted_advantage(loss_type):
-    # r = 1: d loss / d logp_ij = -A_i * w_ij with w = 1/(n_i*S) (grpo), 1/sum(n) (bnpo),
-    # 1/(S*N) (dr_grpo). Here S = 3, N = 4, n = [4, 2, 1], sum(n) = 7.
+@pytest.mark.parametrize("loss_type, rows", [("grpo", None), ("bnpo", None), ("dr_grpo", None), ("dapo", None),
+                                             ("dapo", 6.0)])
+def test_gradient_at_ratio_one_is_weighted_advantage(loss_type, rows):
+    # r = 1: d loss / d logp_ij = -A_i * w with w = 1/(S*N) = 1/12 (S = 3 sequences, N = 4 tokens) for every
+    # type, or 1/(rows*N) = 1/24 for dapo given the update's 6 rows
     logp = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(2)).requires_grad_()
     adv = t([0.5, -2.0, 1.5])
-    mask = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 0], [0, 0, 1, 0]], dtype=torch.bool)
-    loss, m = grpo_loss(logp, logp.detach(), None, adv, mask, LossParams(loss_type=loss_type))
+    loss, m = grpo_loss(logp, logp.detach(), None, adv, LossParams(loss_type=loss_type), rows=rows)
     loss.backward()
-    w = {"grpo": 1 / (t([4, 2, 1]) * 3), "bnpo": t([1 / 7] * 3), "dr_grpo": t([1 / 12] * 3)}[loss_type]
-    expected = torch.where(mask, (-adv * w)[:, None].expand(3, 4), t(0.0))
-    assert_close(logp.grad, expected)
-    assert m["ratio_mean"].item() == 1.0 and m["clip_frac"].item() == 0.0
+    assert_close(logp.grad, (-adv / (12 if rows is None else 24))[:, None].expand(3, 4))
+    assert m["ratio_mean"].item() == 1.0 and m["clip_frac_low"].item() == m["clip_frac_high"].item() == 0.0
 
 
 def test_equal_reward_groups_give_zero_loss_and_gradient():
     adv = group_advantages(t([5, 5, 5, 1, 1, 1]), group_size=3)  # [0]*6
     logp = torch.randn(6, 5, dtype=F64, generator=torch.Generator().manual_seed(3)).requires_grad_()
     old = logp.detach() + 0.3  # r != 1, so only A = 0 makes it vanish
-    loss, _ = grpo_loss(logp, old, None, adv, torch.ones(6, 5))
+    loss, _ = grpo_loss(logp, old, None, adv)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.equal(logp.grad, torch.zeros(6, 5, dtype=F64))
-
-
-def test_empty_sequences_do_not_nan():
-    logp = torch.zeros(2, 3, requires_grad=True)
-    mask = torch.zeros(2, 3, dtype=torch.bool)
-    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
-        loss, m = grpo_loss(logp, logp.detach(), logp.detach(), torch.ones(2), mask,
-                            LossParams(beta=0.1, loss_type=loss_type))
-        assert loss.item() == 0.0
-        assert all(torch.isfinite(v) for v in m.values())
 
 
 def test_constants_are_detached_and_masked_mean():
     logp = torch.zeros(1, 2, requires_grad=True)
     old = torch.zeros(1, 2, requires_grad=True)
     ref = torch.zeros(1, 2, requires_grad=True)
-    loss, _ = grpo_loss(logp, old, ref, torch.ones(1), torch.ones(1, 2), LossParams(beta=0.1))
+    loss, _ = grpo_loss(logp, old, ref, torch.ones(1), LossParams(beta=0.1))
     loss.backward()
     assert old.grad is None and ref.grad is None and logp.grad is not None
     # (1 + 3) / 2 = 2 over the unmasked entries; the NaN is masked out.
@@ -293,13 +255,13 @@ def test_constants_are_detached_and_masked_mean():
 
 
 def test_loss_errors():
-    logp, old, adv, mask = hand_batch()
+    logp, old, adv = hand_batch()
     with pytest.raises(ValueError, match="grpo.*bnpo.*dr_grpo.*dapo.*cispo"):
         LossParams(loss_type="ppo")
     with pytest.raises(ValueError, match="token.*sequence"):
         LossParams(importance_sampling_level="batch")
     with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(logp, old, None, adv, mask, LossParams(beta=0.04))
+        grpo_loss(logp, old, None, adv, LossParams(beta=0.04))
 
 
 def test_normalize_then_sum_z_scores_each_reward_within_its_group_then_weighs():
@@ -323,18 +285,18 @@ def test_normalize_then_sum_z_scores_each_reward_within_its_group_then_weighs():
 def test_dapo_is_bnpo_on_one_process_and_the_global_token_mean_across_two():
     # TRL: dapo divides the token sum by the global batch's active tokens over num_processes, and
     # DDP then averages the processes' gradients; bnpo averages each process's own token mean.
-    logp, old, adv, mask = hand_batch()  # token sum 0.4 over 5 tokens (see hand_batch)
-    bnpo, _ = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo"))
-    dapo, _ = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="dapo"))
+    logp, old, adv = hand_batch()  # token sum 0.4 over 5 tokens (see hand_batch)
+    bnpo, _ = grpo_loss(logp, old, None, adv, LossParams(loss_type="bnpo"))
+    dapo, _ = grpo_loss(logp, old, None, adv, LossParams(loss_type="dapo"))
     assert_close(dapo, bnpo)
     assert_close(dapo, t(-0.08))
-    # A second process holds one token, r = 1 and A = +1: token sum 1 over 1 token.
-    logp2, old2 = ratios_to_logprobs([[1.0, 1.0]])
-    mask2, adv2 = torch.tensor([[1, 0]], dtype=torch.bool), t([1.0])
-    # bnpo: mean(-0.4/5, -1/1) = -0.54. dapo: global 6 tokens, each process divides by 6/2 = 3:
+    # A second process holds one sequence of one token, r = 1 and A = +1: token sum 1 over 1 token.
+    logp2, old2 = ratios_to_logprobs([[1.0]])
+    adv2 = t([1.0])
+    # bnpo: mean(-0.4/5, -1/1) = -0.54. dapo: global 6 rows of N = 1, each process divides by 6/2 = 3:
     # mean(-0.4/3, -1/3) = -1.4/6, the token mean of the whole global batch.
-    per_proc = [grpo_loss(lp, o, None, a, m, LossParams(loss_type=lt), num_items=6 / 2 if lt == "dapo" else None)[0]
-                for lt in ("bnpo", "dapo") for lp, o, a, m in ((logp, old, adv, mask), (logp2, old2, adv2, mask2))]
+    per_proc = [grpo_loss(lp, o, None, a, LossParams(loss_type=lt), rows=6 / 2 if lt == "dapo" else None)[0]
+                for lt in ("bnpo", "dapo") for lp, o, a in ((logp, old, adv), (logp2, old2, adv2))]
     assert_close((per_proc[0] + per_proc[1]) / 2, t(-0.54))
     assert_close((per_proc[2] + per_proc[3]) / 2, t(-1.4 / 6))
 
@@ -359,8 +321,7 @@ def test_cispo_multiplies_the_log_prob_itself_and_counts_a_capped_weight_on_eith
     # TRL's per-token loss is -w * A * logp with the absolute log-prob: logp = -0.5, old = -1.5 -> r = e,
     # w = min(e, 2) = 2; A = -1: l = 2 * -1 * -0.5 = 1, loss -1 (one token); d loss / d logp = -w * A = 2
     logp = t([[-0.5]]).requires_grad_()
-    loss, m = grpo_loss(logp, t([[-1.5]]), None, t([-1.0]), torch.ones(1, 1, dtype=torch.bool),
-                        LossParams(loss_type="cispo", epsilon_high=2.0))
+    loss, m = grpo_loss(logp, t([[-1.5]]), None, t([-1.0]), LossParams(loss_type="cispo", epsilon_high=2.0))
     loss.backward()
     assert_close(loss, t(-1.0))
     assert_close(logp.grad, t([[2.0]]))
@@ -371,19 +332,18 @@ def test_sequence_level_ratio_is_the_exponent_of_the_mean_token_log_ratio():
     # token log-ratios [0.1, 0.3]: s = exp(0.2) = 1.2214 (inside [0.8, 1.28]), A = +1, grpo over 2 tokens:
     # loss = -(s + s) / 2 = -s; d loss / d logp_t = -s * (1/2): the sequence ratio moves with each token.
     logp = t([[0.1, 0.3]]).requires_grad_()
-    loss, m = grpo_loss(logp, torch.zeros(1, 2, dtype=F64), None, t([1.0]), torch.ones(1, 2, dtype=torch.bool),
+    loss, m = grpo_loss(logp, torch.zeros(1, 2, dtype=F64), None, t([1.0]),
                         LossParams(epsilon_high=0.28, importance_sampling_level="sequence"))
     loss.backward()
     s = math.exp(0.2)
     assert_close(loss, t(-s))
     assert_close(logp.grad, t([[-s / 2, -s / 2]]))
-    assert m["ratio_max"].item() == pytest.approx(s) and m["ratio_min"].item() == pytest.approx(s)
+    assert m["ratio_mean"].item() == pytest.approx(s)  # both tokens' ratio is s
     # token ratios [4, 1] (geometric mean 2 > 1.28): the whole sequence is clipped, no gradient; token
     # level clips only the first token and keeps the second's gradient
     for level, grad in (("sequence", [0.0, 0.0]), ("token", [0.0, -0.5])):
         logp, old = ratios_to_logprobs([[4.0, 1.0]])
-        loss, m = grpo_loss(logp, old, None, t([1.0]), torch.ones(1, 2, dtype=torch.bool),
-                            LossParams(epsilon_high=0.28, importance_sampling_level=level))
+        loss, m = grpo_loss(logp, old, None, t([1.0]), LossParams(epsilon_high=0.28, importance_sampling_level=level))
         loss.backward()
         assert_close(logp.grad, t([grad]))
     assert m["clip_frac_high"].item() == 0.5  # token level: one of two tokens
@@ -393,11 +353,11 @@ def test_sequence_level_equals_token_level_on_policy():
     # at r = 1 (the first update) both levels give the same loss and gradient
     g = torch.Generator().manual_seed(4)
     logp0 = torch.randn(3, 5, dtype=F64, generator=g)
-    adv, mask = torch.randn(3, dtype=F64, generator=g), torch.rand(3, 5, generator=g) > 0.3
+    adv = torch.randn(3, dtype=F64, generator=g)
     grads = []
     for level in ("token", "sequence"):
         logp = logp0.clone().requires_grad_()
-        loss, _ = grpo_loss(logp, logp0, None, adv, mask, LossParams(loss_type="grpo", importance_sampling_level=level))
+        loss, _ = grpo_loss(logp, logp0, None, adv, LossParams(loss_type="grpo", importance_sampling_level=level))
         loss.backward()
         grads.append((loss.detach(), logp.grad))
     assert_close(grads[0][0], grads[1][0])
@@ -420,28 +380,27 @@ def test_delta_caps_the_ratio_of_negative_advantage_tokens(r, a, delta, term, gr
 
 
 def test_high_entropy_mask_by_hand():
-    # unmasked entropies 0.1 0.3 0.5 0.7 0.9; top 40% -> the 0.6 quantile = 0.5 + 0.4 * (0.7 - 0.5) = 0.58
-    entropy = t([[0.1, 0.5, 0.9], [0.3, 0.7, 5.0]])
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)  # the masked 5.0 neither counts nor is kept
-    assert high_entropy_mask(entropy, mask, 0.4).tolist() == [[False, False, True], [False, True, False]]
-    assert torch.equal(high_entropy_mask(entropy, mask, 1.0), mask)
-    assert high_entropy_mask(t([[1.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool), 0.2).all()  # ties are kept
+    # entropies 0.1 0.3 0.5 0.7 0.9; top 40% -> the 0.6 quantile = 0.5 + 0.4 * (0.7 - 0.5) = 0.58
+    entropy = t([[0.1, 0.5, 0.9, 0.3, 0.7]])
+    assert high_entropy_mask(entropy, 0.4).tolist() == [[False, False, True, False, True]]
+    assert high_entropy_mask(entropy, 1.0).all()
+    assert high_entropy_mask(t([[1.0, 1.0]]), 0.2).all()  # ties are kept
 
 
 def test_policy_mask_keeps_the_policy_term_only_where_it_says():
-    logp, old, adv, mask = hand_batch()
-    # keep seq0 tok0 (term 1) and seq1 tok1 (term -1.5): bnpo still divides by all 5 tokens -> -(-0.5 / 5)
-    keep = torch.tensor([[1, 0, 0], [0, 1, 0]], dtype=torch.bool)
-    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo"), policy_mask=keep)
+    logp, old, adv = hand_batch()
+    # keep row 0 (term 1) and row 4 (term -1.5): bnpo still divides by all 5 tokens -> -(-0.5 / 5)
+    keep = torch.tensor([[1], [0], [0], [0], [1]], dtype=torch.bool)
+    loss, m = grpo_loss(logp, old, None, adv, LossParams(loss_type="bnpo"), TokenWeights(policy_mask=keep))
     assert_close(loss, t(0.1))
     assert_close(m["policy_token_frac"], t(0.4))
-    loss.backward()  # bnpo weight 1/5: seq0 tok0 -A*r/5 = -0.2; seq1 tok1 -A*r/5 = 1.5/5 = 0.3
-    assert_close(logp.grad, t([[-0.2, 0, 0], [0, 0.3, 0]]))
+    loss.backward()  # bnpo weight 1/5: row 0 -A*r/5 = -0.2; row 4 -A*r/5 = 1.5/5 = 0.3
+    assert_close(logp.grad, t([[-0.2], [0], [0], [0], [0.3]]))
     # the KL term is not masked: at ref - logp = ln 2 every token adds beta * (1 - ln 2)
     logp2 = torch.zeros(1, 2, dtype=F64)
     ref = torch.full((1, 2), math.log(2), dtype=F64)
     none_kept = torch.zeros(1, 2, dtype=torch.bool)
-    loss, _ = grpo_loss(logp2, logp2, ref, t([1.0]), torch.ones(1, 2), LossParams(beta=0.1), policy_mask=none_kept)
+    loss, _ = grpo_loss(logp2, logp2, ref, t([1.0]), LossParams(beta=0.1), TokenWeights(policy_mask=none_kept))
     assert_close(loss, t(0.1 * (1 - math.log(2))))
 
 
@@ -457,19 +416,19 @@ def test_loss_params_from_a_train_config():
 
 
 def test_policy_weight_makes_the_policy_term_a_weighted_mean():
-    # hand_batch's terms: seq0 [1, 1.2 (clipped), 0.5], seq1 [-0.8 (clipped), -1.5, masked].
-    # w = [[1, 0, 2], [0.5, 1, 7 (masked: not counted)]]: sum w = 4.5, sum w l = 1 + 0 + 1 - 0.4 - 1.5 = 0.1
-    # -> loss = -0.1 / (4.5 + 1e-6). d loss / d logp = -w A r / 4.5 where unclipped: (0,0) -1/4.5,
-    # (0,2) -2 * 0.5 / 4.5, (1,1) -1 * -1.5 / 4.5 = +1/3; the clipped tokens and w = 0 get 0.
-    logp, old, adv, mask = hand_batch()
-    w = t([[1.0, 0.0, 2.0], [0.5, 1.0, 7.0]])
-    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo"), policy_weight=w)
+    # hand_batch's terms: [1, 1.2 (clipped), 0.5, -0.8 (clipped), -1.5].
+    # w = [1, 0, 2, 0.5, 1]: sum w = 4.5, sum w l = 1 + 0 + 1 - 0.4 - 1.5 = 0.1
+    # -> loss = -0.1 / (4.5 + 1e-6). d loss / d logp = -w A r / 4.5 where unclipped: row 0 -1/4.5,
+    # row 2 -2 * 0.5 / 4.5, row 4 -1 * -1.5 / 4.5 = +1/3; the clipped tokens and w = 0 get 0.
+    logp, old, adv = hand_batch()
+    w = t([[1.0], [0.0], [2.0], [0.5], [1.0]])
+    loss, m = grpo_loss(logp, old, None, adv, LossParams(loss_type="bnpo"), TokenWeights(policy_weight=w))
     loss.backward()
     assert_close(loss, t(-0.1 / (4.5 + 1e-6)))
     assert_close(m["policy_loss"], loss.detach())
-    assert_close(logp.grad, t([[-1 / 4.5, 0, -1 / 4.5], [0, 1.5 / 4.5, 0]]), rtol=1e-5, atol=0)
+    assert_close(logp.grad, t([[-1 / 4.5], [0], [-1 / 4.5], [0], [1.5 / 4.5]]), rtol=1e-5, atol=0)
     # a global weight total (an update's micro-batches): the same sum, a different divisor
-    loss, _ = grpo_loss(logp.detach(), old, None, adv, mask, policy_weight=w, weight_total=10.0)
+    loss, _ = grpo_loss(logp.detach(), old, None, adv, weights=TokenWeights(policy_weight=w, policy_total=10.0))
     assert_close(loss, t(-0.01))
 
 
@@ -477,9 +436,8 @@ def test_kl_weight_scales_each_tokens_kl():
     # ref - logp = ln 2 on both tokens, A = 0: loss = beta * mean(m k3) = 0.1 * (1 - ln 2) * (0.5 + 1) / 2
     logp = torch.zeros(1, 2, dtype=F64)
     ref = torch.full((1, 2), math.log(2), dtype=F64)
-    loss, m = grpo_loss(logp, logp, ref, t([0.0]), torch.ones(1, 2), LossParams(beta=0.1), kl_weight=t([[0.5, 1.0]]))
+    loss, _ = grpo_loss(logp, logp, ref, t([0.0]), LossParams(beta=0.1), TokenWeights(kl_weight=t([[0.5, 1.0]])))
     assert_close(loss, t(0.1 * (1 - math.log(2)) * 0.75))
-    assert_close(m["kl"], t(1 - math.log(2)))  # the metric stays the plain KL
 
 
 def test_bias_corrected_kl_multiplies_k3_by_the_ratio_with_its_gradient():
@@ -489,13 +447,13 @@ def test_bias_corrected_kl_multiplies_k3_by_the_ratio_with_its_gradient():
     ref = torch.full((1, 1), math.log(2), dtype=F64)
     for corrected, grad in ((True, -0.1 * math.log(2)), (False, -0.1)):
         logp = torch.zeros(1, 1, dtype=F64, requires_grad=True)
-        loss, _ = grpo_loss(logp, torch.zeros(1, 1, dtype=F64), ref, t([0.0]), torch.ones(1, 1),
+        loss, _ = grpo_loss(logp, torch.zeros(1, 1, dtype=F64), ref, t([0.0]),
                             LossParams(beta=0.1, use_bias_correction_kl=corrected))
         loss.backward()
         assert_close(loss.detach(), t(0.1 * (1 - math.log(2))))
         assert_close(logp.grad, t([[grad]]))
     # off the policy (old = -ln 2, r = 2): the value doubles
-    loss, _ = grpo_loss(torch.zeros(1, 1, dtype=F64), t([[-math.log(2)]]), ref, t([0.0]), torch.ones(1, 1),
+    loss, _ = grpo_loss(torch.zeros(1, 1, dtype=F64), t([[-math.log(2)]]), ref, t([0.0]),
                         LossParams(beta=0.1, use_bias_correction_kl=True))
     assert_close(loss, t(0.2 * (1 - math.log(2))))
 
@@ -503,19 +461,19 @@ def test_bias_corrected_kl_multiplies_k3_by_the_ratio_with_its_gradient():
 def test_entropy_bonus_is_the_mean_entropy_of_the_policy_term_tokens():
     # test_policy_mask_...'s batch (loss 0.1) with entropies; the kept tokens hold 1 and 5: bonus mean 3,
     # coef 0.01 -> loss 0.1 - 0.03 = 0.07; d loss / d H = -0.01 / 2 on the kept tokens, 0 elsewhere
-    logp, old, adv, mask = hand_batch()
-    keep = torch.tensor([[1, 0, 0], [0, 1, 0]], dtype=torch.bool)
-    entropy = t([[1.0, 2.0, 3.0], [4.0, 5.0, NAN]]).requires_grad_()
-    loss, m = grpo_loss(logp, old, None, adv, mask, LossParams(loss_type="bnpo", entropy_coef=0.01),
-                        policy_mask=keep, entropy=entropy)
+    logp, old, adv = hand_batch()
+    keep = TokenWeights(policy_mask=torch.tensor([[1], [0], [0], [0], [1]], dtype=torch.bool))
+    entropy = t([[1.0], [2.0], [3.0], [4.0], [5.0]]).requires_grad_()
+    loss, m = grpo_loss(logp, old, None, adv, LossParams(loss_type="bnpo", entropy_coef=0.01), keep, entropy)
     loss.backward()
     assert_close(loss, t(0.07))
     assert_close(m["entropy"], t(3.0))
-    assert_close(entropy.grad, t([[-0.005, 0, 0], [0, -0.005, 0]]))
-    # the adaptive controller's current coefficient overrides the configured one; 0 adds nothing
-    loss, _ = grpo_loss(logp.detach(), old, None, adv, mask, LossParams(loss_type="bnpo", entropy_coef=0.01),
-                        policy_mask=keep, entropy=entropy.detach(), entropy_coef=0.0)
+    assert_close(entropy.grad, t([[-0.005], [0], [0], [0], [-0.005]]))
+    # a coefficient of 0 (the adaptive controller's, while entropy is high) adds nothing; the mean is still measured
+    loss, m = grpo_loss(logp.detach(), old, None, adv, LossParams(loss_type="bnpo", entropy_coef=0.0), keep,
+                        entropy.detach())
     assert_close(loss, t(0.1))
+    assert_close(m["entropy"], t(3.0))
 
 
 def test_adaptive_entropy_coefficient_steps_toward_the_target():
@@ -530,15 +488,15 @@ def test_adaptive_entropy_coefficient_steps_toward_the_target():
 
 
 def test_off_policy_mask_drops_drifted_negative_advantage_sequences():
-    # hand_batch seq1 (A = -1): r = [0.5, 1.5] -> old - logp = [ln 2, -ln 1.5], mean 0.143841.
-    # threshold 0.1: dropped -> bnpo policy sum 2.7 (seq0 only) over the 5 tokens -> loss -0.54.
-    # threshold 0.2: kept -> -0.08 as without the mask. seq0 (A > 0) is kept whatever its drift.
-    logp, old, adv, mask = hand_batch()
-    kept = off_policy_mask(adv, logp, old, mask, 0.1)
+    # two_images seq1 (A = -1): r = [0.5, 1.5, 1] -> old - logp = [ln 2, -ln 1.5, 0], mean 0.0958940.
+    # threshold 0.09: dropped -> bnpo policy sum 2.7 (seq0 only) over the 6 tokens -> loss -0.45.
+    # threshold 0.1: kept -> 0.1 as without the mask. seq0 (A > 0) is kept whatever its drift.
+    logp, old, adv = two_images()
+    kept = off_policy_mask(adv, logp, old, 0.09)
     assert kept.tolist() == [[True], [False]]
-    for threshold, expected, frac in ((0.1, -0.54, 0.5), (0.2, -0.08, 0.0), (0.14, -0.54, 0.5), (0.15, -0.08, 0.0)):
+    for threshold, expected, frac in ((0.09, -0.45, 0.5), (0.1, 0.1, 0.0), (0.0958, -0.45, 0.5), (0.0960, 0.1, 0.0)):
         p = LossParams(loss_type="bnpo", off_policy_mask_threshold=threshold)
-        loss, m = grpo_loss(logp, old, None, adv, mask, p)
+        loss, m = grpo_loss(logp, old, None, adv, p)
         assert_close(loss, t(expected))
         assert m["off_policy_frac"].item() == frac
 

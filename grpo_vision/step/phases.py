@@ -209,9 +209,8 @@ def update_batch(st: RunState, samples: StepSamples, measured: Measured, advanta
     """The update's inputs: the tokens that carry the policy term and each token's policy and KL weights
     (train.token_weighting), without the groups train.zero_std_groups=drop leaves out; and how many it left out."""
     plan, acc, tokens = st.plan, st.acc, samples.rollout.tokens
-    mask = torch.ones_like(tokens, dtype=torch.bool)  # image sequences have a fixed length
-    keep = policy_tokens(samples.rollout.entropy, mask, plan.policy_quantile, acc)
-    batch = UpdateBatch(samples.cond, tokens, mask, samples.rollout.logprobs, measured.old, measured.ref,
+    keep = policy_tokens(samples.rollout.entropy, plan.policy_quantile, acc)
+    batch = UpdateBatch(samples.cond, tokens, samples.rollout.logprobs, measured.old, measured.ref,
                         advantages.to(acc.device), keep, dynamic_weight=plan.token_weighting == "critical")
     with torch.no_grad():
         batch.policy_weight, batch.kl_weight = token_weights(plan, st.policy, st.bundle.tokenizer, batch,

@@ -25,7 +25,7 @@ import torch
 
 from grpo_vision.step import credit
 from grpo_vision.grpo import (
-    LossParams, adaptive_entropy_coef, entropy_coef_to_apply, grpo_loss, high_entropy_mask, k3_kl,
+    LossParams, TokenWeights, adaptive_entropy_coef, entropy_coef_to_apply, grpo_loss, high_entropy_mask, k3_kl,
 )
 from grpo_vision.run.distributed import as_float, process_slice
 from grpo_vision.run.health import NonFiniteWeightsError, RunHealth, weights_finite
@@ -100,7 +100,6 @@ class Measured:  # a step's teacher-forced passes, on this process's rows
 class UpdateBatch:  # what the update trains on, on this process: n sequences of N tokens
     cond: torch.Tensor  # [n, L] condition ids
     tokens: torch.Tensor  # [n, N] sampled image tokens
-    mask: torch.Tensor  # [n, N] bool, the tokens of each sequence (all of them for fixed-length images)
     sample_logprobs: torch.Tensor  # [n, N] the sampler's own log-probs (the on-policy gauge reads them)
     old_logprobs: torch.Tensor  # [n, N] log-probs the ratio divides by (cached for every pass)
     ref_logprobs: torch.Tensor | None  # [n, N] reference log-probs, NaN where not measured (None: no reference)
@@ -204,13 +203,12 @@ def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams,
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
 
 
-def policy_tokens(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, acc) -> torch.Tensor:
+def policy_tokens(entropy: torch.Tensor, quantile: float, acc) -> torch.Tensor:
     """The tokens that carry the policy term `[n, N]`: top_entropy_quantile's high-entropy tokens,
     with one threshold over the whole step (every process's entropies), or every token."""
     if quantile >= 1.0:
-        return mask
-    keep = high_entropy_mask(acc.gather(entropy.contiguous()), acc.gather(mask.to(torch.uint8)).bool(),
-                             quantile)  # [B*G, N] global, in process order
+        return torch.ones_like(entropy, dtype=torch.bool)
+    keep = high_entropy_mask(acc.gather(entropy.contiguous()), quantile)  # [B*G, N] global, in process order
     return keep[process_slice(keep.shape[0], acc)]  # [n, N] this process's rows
 
 
@@ -239,49 +237,48 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
              stats: UpdateStats, gauge: bool) -> float:
     """Accumulate the gradient of one minibatch (`rows` of the batch) over its micro-batches. `gauge`:
     the first minibatch of the step, before any optimizer update, where the on-policy drift is read."""
-    acc, p, chunks = learner.acc, plan.loss, micro_batches(rows, plan.micro_batch)
+    acc, chunks = learner.acc, micro_batches(rows, plan.micro_batch)
     entropies = []  # each micro-batch's mean token entropy (the entropy bonus's)
-    # dapo / cispo: the token sum over the global minibatch's tokens; gradients are then averaged
-    # over processes, so each divides by its share (TRL: num_items_in_batch / num_processes)
-    num_items = (acc.reduce(batch.mask[rows].sum().float(), "sum") / acc.num_processes
-                 if p.loss_type in ("dapo", "cispo") else None)
-    # with token weights under dapo / cispo: the minibatch's global weight sum, shared as num_items is, so that
-    # the summed micro-batch losses make one weighted mean (not one per micro-batch, added up)
-    weight_total = None
-    if batch.policy_weight is not None and num_items is not None:
-        weight_total = (acc.reduce((batch.policy_weight[rows] * batch.mask[rows]).sum().float(), "sum")
-                        / acc.num_processes + 1e-6)
+    # the adaptive controller's coefficient for this update, in place of the configured one
+    p = plan.loss if learner.entropy is None else dataclasses.replace(plan.loss, entropy_coef=learner.entropy.applied())
+    # dapo / cispo: each micro-batch's token sum over the global minibatch's tokens (N times its rows over every
+    # process), and with token weights its weight sum, so that the summed micro-batch losses make one mean; DDP
+    # then averages the processes' gradients, so each divides by its share (TRL: num_items_in_batch / num_processes)
+    summed, seqs, total = p.loss_type in ("dapo", "cispo"), None, None
+    if summed:
+        seqs = acc.reduce(torch.full((), float(len(rows)), device=acc.device), "sum") / acc.num_processes
+        if batch.policy_weight is not None:
+            total = acc.reduce(batch.policy_weight[rows].sum().float(), "sum") / acc.num_processes + 1e-6
     for j, idx in enumerate(chunks):
         # DDP averages gradients in the last micro-batch's backward only; its forward must be inside
         # no_sync too, since that is where DDP arms the reduction
         with nullcontext() if j == len(chunks) - 1 else acc.no_sync(learner.model):
             entropy = None
             with acc.autocast():
-                if p.entropy_coef > 0 or learner.entropy is not None:  # the entropy bonus: entropies with gradient
+                if plan.loss.entropy_coef > 0 or learner.entropy is not None:  # the bonus: entropies with gradient
                     logp, entropy = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params,
                                                       with_entropy=True)  # [m, N] each
                 else:
                     logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
-            ref, mask = (batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None), batch.mask[idx]
-            weights = {"policy_weight": None if batch.policy_weight is None else batch.policy_weight[idx],
-                       "kl_weight": None if batch.kl_weight is None else batch.kl_weight[idx],
-                       "advantage_weight": credit.dynamic_advantage_weight(logp.float(), ref) if batch.dynamic_weight
-                       else None}
+            ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
+            dynamic = credit.dynamic_advantage_weight(logp.float(), ref) if batch.dynamic_weight else None  # [m, N]
+            weights = TokenWeights(batch.policy_mask[idx], _pick(batch.policy_weight, idx),
+                                   _pick(batch.kl_weight, idx), dynamic, total)
             loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if plan.kl_in_loss else None,
-                                batch.advantages[idx], mask, p, max_tokens=batch.tokens.shape[1],
-                                policy_mask=batch.policy_mask[idx], num_items=num_items, entropy=entropy,
-                                weight_total=weight_total,
-                                entropy_coef=learner.entropy.applied() if learner.entropy is not None else None,
-                                **weights)
+                                batch.advantages[idx], p, weights, entropy, seqs)
             if entropy is not None:
                 entropies.append(m["entropy"])
-            stats.add_tokens(logp.detach().float(), ref, batch.sample_logprobs[idx] if gauge else None, mask)
-            acc.backward(loss if num_items is not None else loss / len(chunks))
+            stats.add_tokens(logp.detach().float(), ref, batch.sample_logprobs[idx] if gauge else None)
+            acc.backward(loss if summed else loss / len(chunks))
         # a dapo / cispo micro-batch holds its share of the minibatch's loss: log the whole
-        stats.add_losses({"loss": loss, **m}, share=len(chunks) if num_items is not None else 1)
+        stats.add_losses({"loss": loss, **m}, share=len(chunks) if summed else 1)
     if not entropies:
         return math.nan
     return acc.reduce(torch.stack(entropies).mean().to(acc.device), "mean").item()  # every process's mean
+
+
+def _pick(x: torch.Tensor | None, idx: torch.Tensor) -> torch.Tensor | None:
+    return None if x is None else x[idx]
 
 
 def optimizer_step(learner: Learner, max_grad_norm: float, step: int) -> float:
@@ -316,18 +313,17 @@ class UpdateStats:
         self.grad_norm = 0.0  # the last optimizer update's
         self.kl_measured = False  # the batch had reference log-probs
 
-    def add_tokens(self, logp: torch.Tensor, ref: torch.Tensor | None, sampled: torch.Tensor | None,
-                   mask: torch.Tensor) -> None:
+    def add_tokens(self, logp: torch.Tensor, ref: torch.Tensor | None, sampled: torch.Tensor | None) -> None:
         """A micro-batch's detached log-probs `[m, N]`: the KL where the reference was measured, and
         the drift from the sampler's log-probs `sampled` when given."""
         if ref is not None:
             self.kl_measured = True
-            seen = mask & ~ref.isnan()  # [m, N]
+            seen = ~ref.isnan()  # [m, N]
             self.kl_sum += (k3_kl(logp, ref.nan_to_num()) * seen).sum()
             self.kl_tokens += seen.sum()
         if sampled is not None:
-            self.drift_sum += (logp - sampled).abs()[mask].sum()
-            self.drift_tokens += mask.sum()
+            self.drift_sum += (logp - sampled).abs().sum()
+            self.drift_tokens += logp.numel()
 
     def add_losses(self, values: dict[str, torch.Tensor], share: int) -> None:
         for k, v in values.items():
