@@ -303,11 +303,14 @@ def optimizer_step(learner: Learner, max_grad_norm: float, step: int) -> float:
 
 class UpdateStats:
     """What one step's update logs: the micro-batch mean of each loss metric, and the KL and the
-    on-policy drift as token sums kept on the device (read once, at the end: one sync a step)."""
+    on-policy drift as token sums, all kept on the device (read once, at the end: one sync a step)."""
 
     def __init__(self, device):
-        self.sums: dict[str, float] = {}
+        # each loss metric's sum over the micro-batches, [] on the device: float32 values summed in float64, the
+        # mean rounded to float32 once (for the collective), so the step's micro-batch count adds no rounding
+        self.sums: dict[str, torch.Tensor] = {}
         self.count = 0  # micro-batches
+        self.zero64 = torch.zeros((), dtype=torch.float64, device=device)
         zero = torch.zeros((), device=device)
         self.kl_sum, self.kl_tokens, self.drift_sum, self.drift_tokens = zero.clone(), zero.clone(), zero.clone(), zero
         self.grad_norm = 0.0  # the last optimizer update's
@@ -326,20 +329,23 @@ class UpdateStats:
             self.drift_tokens += logp.numel()
 
     def add_losses(self, values: dict[str, torch.Tensor], share: int) -> None:
+        """A micro-batch's loss metrics (0-d), added on the device without reading them; its loss and policy loss
+        count `share` times (a dapo / cispo micro-batch's loss is its share of the minibatch's)."""
         for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + float(v.detach()) * (share if k in ("loss", "policy_loss") else 1)
+            v = v.detach().to(self.zero64.device, torch.float64) * (share if k in ("loss", "policy_loss") else 1)
+            self.sums[k] = self.sums.get(k, self.zero64) + v  # []
         self.count += 1
 
     def metrics(self, learner: Learner, plan: UpdatePlan, step: int) -> dict:
         acc = learner.acc
-        means = {k: acc.reduce(torch.tensor(v / self.count, device=acc.device), "mean").item()
-                 for k, v in self.sums.items()}
-        kl = 0.0
-        if self.kl_measured:
-            kl = (acc.reduce(self.kl_sum.to(acc.device), "sum")
-                  / acc.reduce(self.kl_tokens.to(acc.device), "sum")).item()
-        drift = (acc.reduce(self.drift_sum.to(acc.device), "sum")
-                 / acc.reduce(self.drift_tokens.to(acc.device), "sum")).item()
+        keys = list(self.sums)
+        means = acc.reduce((torch.stack([self.sums[k] for k in keys]) / self.count).float().to(acc.device),
+                           "mean")  # [K] every process's mean of its micro-batch means
+        totals = acc.reduce(torch.stack([self.kl_sum, self.kl_tokens, self.drift_sum, self.drift_tokens])
+                            .to(acc.device), "sum")  # [4]
+        values = torch.cat([means, totals[0::2] / totals[1::2]]).tolist()  # the step's one host sync
+        means, (kl, drift) = dict(zip(keys, values)), values[len(keys):]
+        kl = kl if self.kl_measured else 0.0
         learner.health.after_drift(step, drift)
         out = dict(zip(LOSS_KEYS, (means["loss"], means["policy_loss"], kl, means["clip_frac_low"],
                                    means["clip_frac_high"], means["ratio_mean"], drift, self.grad_norm)))
