@@ -41,6 +41,29 @@ def test_the_first_update_is_on_policy_and_the_kl_is_read_from_the_batch(tiny_po
             assert out["loss/kl"] == 0.0
 
 
+def test_dapo_is_the_minibatch_token_mean_and_bnpo_the_mean_of_micro_batch_means(tiny_policy, one_thread):
+    # lr 0, on the policy (r = 1 up to float order): each token's policy term is its sequence's A, so the logged
+    # loss/policy is minus a mean of the advantages A = [1, -1, 0.5, 2] (sum 2.5). One minibatch of 4 rows in
+    # micro-batches of 3 and 1 (the drawn order decides which row is alone): dapo divides every micro-batch's
+    # token sum by the minibatch's 4 rows * N and logs -2.5/4 = -0.625, as with one micro-batch of 4. bnpo
+    # averages the two micro-batch means, -((2.5 - a)/3 + a)/2 = -(2.5 + 2a)/6 for the lone row's a: -0.75,
+    # -1/12, -7/12 or -13/12, never -0.625 (that needs a = 0.625); with one micro-batch of 4 it is -0.625 too.
+    # Two minibatches of 2 rows: dapo divides by each minibatch's own rows, and the mean of the two minibatch
+    # means is again -2.5/4 (the whole step's 4 rows as divisor would halve it).
+    batch, params = batch_of(tiny_policy, ref=False)
+    batch.advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    logged = {(loss_type, micro, mbs): update(learner_of(tiny_policy), batch, params,
+                                              UpdatePlan(LossParams(loss_type=loss_type), minibatches=mbs,
+                                                         micro_batch=micro), 0, 0)
+              for loss_type, micro, mbs in (("dapo", 3, 1), ("dapo", 4, 1), ("dapo", 2, 2), ("bnpo", 3, 1),
+                                            ("bnpo", 4, 1))}
+    for key in (("dapo", 3, 1), ("dapo", 4, 1), ("dapo", 2, 2), ("bnpo", 4, 1)):
+        assert abs(logged[key]["loss/policy"] - -0.625) < 1e-5, key
+    bnpo = logged["bnpo", 3, 1]["loss/policy"]
+    assert min(abs(bnpo - v) for v in (-0.75, -1 / 12, -7 / 12, -13 / 12)) < 1e-5, bnpo
+    assert logged["dapo", 3, 1]["loss/total"] == logged["dapo", 3, 1]["loss/policy"]  # beta 0
+
+
 def test_an_update_moves_the_weights_and_the_pass_order_comes_from_seed_and_step(tiny_policy, one_thread):
     import copy
 
