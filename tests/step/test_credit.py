@@ -15,7 +15,7 @@ from grpo_vision.step.credit import (
     guidance_contrast, guidance_contrastive_weights, spatial_gradient, stage_entropy_reward, stage_similarity,
     stage_weights,
 )
-from grpo_vision.grpo import LossParams, grpo_loss
+from grpo_vision.grpo import LossParams, TokenWeights, grpo_loss
 from grpo_vision.policy import check_weighting_hooks
 
 F64 = torch.float64
@@ -26,13 +26,13 @@ def t(x):
     return torch.tensor(x, dtype=F64)
 
 
-def loss_and_grad(weights=None, adv=(1.0, -1.0), ref=None, beta=0.0, **kwargs):
+def loss_and_grad(weights=None, adv=(1.0, -1.0), ref=None, beta=0.0, advantage_weight=None):
     """grpo_loss at r = 1 (logp = old = 0) for two images of 4 tokens, and d loss / d logp."""
     logp = torch.zeros(2, 4, dtype=F64, requires_grad=True)
     policy_weight, kl_weight = weights if weights is not None else (None, None)
-    loss, m = grpo_loss(logp, torch.zeros(2, 4, dtype=F64), ref, t(list(adv)), torch.ones(2, 4, dtype=torch.bool),
-                        LossParams(beta=beta, loss_type="bnpo"), policy_weight=policy_weight, kl_weight=kl_weight,
-                        **kwargs)
+    loss, m = grpo_loss(logp, torch.zeros(2, 4, dtype=F64), ref, t(list(adv)), LossParams(beta=beta, loss_type="bnpo"),
+                        TokenWeights(policy_weight=policy_weight, kl_weight=kl_weight,
+                                     advantage_weight=advantage_weight))
     loss.backward()
     return loss.detach(), logp.grad, m
 
@@ -178,8 +178,8 @@ def test_critical_weights_reach_the_loss():
     # but the dynamic weight of t2 averages over it, and the source does not detach that weight.
     logp = torch.zeros(2, 4, dtype=F64, requires_grad=True)
     daw = dynamic_advantage_weight(logp, torch.zeros(2, 4, dtype=F64))
-    loss, _ = grpo_loss(logp, torch.zeros(2, 4, dtype=F64), None, t([1.0, -1.0]), torch.ones(2, 4, dtype=torch.bool),
-                        LossParams(loss_type="bnpo"), policy_weight=w, kl_weight=m, advantage_weight=daw)
+    loss, _ = grpo_loss(logp, torch.zeros(2, 4, dtype=F64), None, t([1.0, -1.0]), LossParams(loss_type="bnpo"),
+                        TokenWeights(policy_weight=w, kl_weight=m, advantage_weight=daw))
     loss.backward()
     total = 5 + 1e-6
     assert_close(loss.detach(), t(-1 / total))
