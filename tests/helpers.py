@@ -71,3 +71,15 @@ def png_declaring(path: Path, width: int, height: int) -> Path:
     data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
     path.write_bytes(bytes(data))
     return path
+
+
+def refuse_writes(monkeypatch) -> None:
+    """Every os.open fails with EROFS, as on a folder that turned read-only (root passes permission checks, so the
+    refusal is simulated where it happens)."""
+    import errno
+    import os
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
+
+    monkeypatch.setattr(os, "open", read_only)

@@ -237,7 +237,7 @@ def _whole(value, name: str, lo: int, hi: int) -> int:
 
 
 def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParams) -> tuple[list[int], SamplingParams]:
-    """Seeds `[seed, seed + n)` and the sampling parameters (top-p and log-prob mode from the run)."""
+    """Seeds `[seed, seed + n)` and the sampling parameters (top-p, log-prob mode and precision from the run)."""
     n = _whole(n, "The number of images", 1, MAX_IMAGES)
     seed = _whole(seed, "The seed", 0, MAX_SEED - n)
     top_k = _whole(top_k, "Top-k", 0, 1 << 20)
@@ -247,7 +247,7 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
         if not (math.isfinite(number) and lo <= number <= hi):
             raise DemoInputError(f"{name} must be a number from {lo:g} to {hi:g}, got {brief(value)}.")
     return eval_seeds(1, n, seed), SamplingParams(float(cfg_scale), float(temperature), top_k, base.top_p,
-                                                        base.logprob_mode)
+                                                  base.logprob_mode, mixed_precision=base.mixed_precision)
 
 
 # ---------------------------------------------------------------------------- scores and pictures

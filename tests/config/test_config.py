@@ -168,19 +168,12 @@ def test_save_and_reload_round_trip(tmp_path):
 
 
 def test_a_folder_that_turns_read_only_is_named_when_the_config_is_saved(tmp_path, monkeypatch):
-    """The OS refuses a write (root passes permission checks, so the refusal is simulated where it happens)."""
-    import errno
-    import os
-
     from grpo_vision.files import FolderError
+    from tests.helpers import refuse_writes
 
     run = tmp_path / "run"
     run.mkdir()
-
-    def read_only(*args, **kwargs):
-        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
-
-    monkeypatch.setattr(os, "open", read_only)
+    refuse_writes(monkeypatch)
     with pytest.raises(FolderError, match=f"^cannot write in {run} \\(Read-only file system\\): make it writable"):
         save_config(Config(), run / "config.yaml")
 
