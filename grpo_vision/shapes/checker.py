@@ -38,10 +38,19 @@ _OBJ_RGB = np.array([COLORS[c] for c in _OBJ_NAMES], np.float32)  # [6, 3]
 _BG_NAMES = tuple(BACKGROUNDS)
 _BG_RGB = np.array([BACKGROUNDS[b] for b in _BG_NAMES], np.float64)  # [3, 3]
 
-try:  # scipy's C labeller is ~50x faster; the pure-python flood fill below is the fallback
-    from scipy import ndimage as _ndimage
-except ImportError:  # pragma: no cover - exercised by monkeypatching in the tests
-    _ndimage = None
+_ndimage = ...  # scipy.ndimage once the first check imports it; None without scipy (the flood fill below)
+
+
+def _scipy_ndimage():
+    """scipy's C labeller, ~50x faster than the pure-python flood fill below, imported at the first check: a
+    command that loads a world and judges nothing (export) does not pay for scipy's import."""
+    global _ndimage
+    if _ndimage is ...:
+        try:
+            from scipy import ndimage as _ndimage
+        except ImportError:  # pragma: no cover - exercised by monkeypatching in the tests
+            _ndimage = None
+    return _ndimage
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,8 @@ def _label_python(mask: np.ndarray) -> tuple[np.ndarray, int]:
 
 def label(mask: np.ndarray) -> tuple[np.ndarray, int]:
     """8-connected components of a bool mask: (labels [H, W] int, count)."""
-    if _ndimage is not None:
-        return _ndimage.label(mask, structure=np.ones((3, 3), bool))
+    if (ndimage := _scipy_ndimage()) is not None:
+        return ndimage.label(mask, structure=np.ones((3, 3), bool))
     return _label_python(mask)
 
 
