@@ -354,7 +354,8 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | Non
 
     logprobs/old_logprobs/ref_logprobs: `[B*G, N]`, every sequence N tokens; advantages: `[B*G]`. old_logprobs and
     ref_logprobs are constants; ref_logprobs may be None only when beta == 0. `rows`: the "dapo" / "cispo" divisor
-    in sequences, the update's over the processes (default: B*G). `entropy` `[B*G, N]` (with grad) adds the bonus
+    in sequences: this process's share of the update's sequences over every process (the update's count / P;
+    default: B*G). `entropy` `[B*G, N]` (with grad) adds the bonus
     -p.entropy_coef * mean(H) over the tokens with a policy term.
     """
     _check(logprobs, old_logprobs, ref_logprobs, advantages, p.beta)

@@ -136,7 +136,7 @@ def run_prompt_sets(cfg: Config, run_dir: str | Path | None = None, given: dict 
     # a link is never read as the run's own (files.py): such a folder falls back to its config's prompts
     if not files or not files[0].is_file() or any(f.is_symlink() for f in (folder, *files)):
         return prompt_lists(cfg, given)
-    # save_prompts wrote them with the key 'prompt', whatever data.prompt_column named in the sources
+    # save_prompts wrote them with the key 'prompt', whatever column each source named (data.*prompt_column)
     return PromptSets(*(load_prompts(f, column="prompt") if f.is_file() else [] for f in files))
 
 

@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-5 sample.group_size=16")
     p.add_argument("--resume", default="", metavar="RUN_DIR", help="continue a run exactly where it stopped")
     p.add_argument("--trust-run", action="store_true", help="with --resume: load python: rewards that the run "
-                                                            "folder names (they import and run its code)")
+                                                            "folder names and import again the rewards it recorded "
+                                                            "(rewards.json, code/): they run its code")
     add_reward_option(p)
     add_base_option(p)  # with --resume: continue on other base files, said in the run's base_changes.jsonl
     p.set_defaults(func=cmd_train)

@@ -24,8 +24,8 @@ def add_reader_options(p, rewards: bool) -> None:
     add_base_option(p)
     if rewards:
         p.add_argument("--trust-run", action="store_true",
-                       help="load python: rewards that the run folder names (they import and run its code); only "
-                            "for a run folder you trust")
+                       help="load python: rewards that the run folder names and import again the rewards it recorded "
+                            "(rewards.json, code/): they run its code; only for a run folder you trust")
         add_reward_option(p)
 
 

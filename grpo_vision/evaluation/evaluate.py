@@ -217,9 +217,9 @@ def save_sample_grid(parts: Sequence[Paired], path: Path, judge: Judge | None = 
                      prompts: int = 8, scale: int = 2, root: Path | None = None) -> dict:
     """A PNG of paired draws (rollouts.compare, on the eval seeds: the images `eval` scores): a row for each of
     the first `prompts` entries of each part, the policy's first `per_prompt` images on the left, the reference's
-    on the same seeds on the right, each image `scale` times its size; under each, the judge's verdict per attribute (✓ / ✗) where the policy kind
-    has a judge, and the judge's own rendering of the prompt (ground truth) last, where the judge can draw one
-    (ShapesWorld). `root`: the run folder when `path` lies in a sub-folder of it (written as files.write_file
+    on the same seeds on the right, each image `scale` times its size; under each, the judge's verdict per
+    attribute (✓ / ✗) where the policy kind has a judge, and the judge's own rendering of the prompt (ground truth)
+    last, where the judge can draw one (ShapesWorld). `root`: the run folder when `path` lies in a sub-folder of it (written as files.write_file
     writes). Returns what it shows, for the trackers: the sheet (PIL), each image's prompt and seed, and per side
     (policy, reference) the images, the verdicts and each reward's values."""
     k = min(per_prompt, *(p.n for p in parts))

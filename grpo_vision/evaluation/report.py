@@ -122,15 +122,15 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     temperatures = eval_temperatures(cfg)
     n, seed = cfg.log.eval_images, EVAL_SEED  # the images `eval RUN` and the matrix score (rollouts.eval_seeds)
 
-    drawn = {}  # temperature -> the test set's paired draw: final_samples.png shows the images eval.json scored
-
-    def run_eval(entries, t, what):
+    def run_eval(entries, t, what, grid: bool = False):
         print(f"[report] evaluating on {len(entries)} {what} x {n} images at temperature {t}", flush=True)
         paired = compare(policy, reference, tokenizer, entries, n, replace(params, temperature=t), seed, rewards, judge)
-        drawn.setdefault(t, paired)
+        if grid:  # final_samples.png shows images eval.json scores, painted before the next draw takes the memory
+            save_sample_grid([paired], run_dir / "final_samples.png", judge, prompts=8)
         return summarize(paired, judge)
 
-    by_temperature = {t: run_eval(sets.test, t, "test prompts") for t in temperatures}  # same prompts and seeds
+    # the same prompts and seeds at each temperature; the headline's grid
+    by_temperature = {t: run_eval(sets.test, t, "test prompts", grid=t == temperatures[0]) for t in temperatures}
     result = {**by_temperature[temperatures[0]], "eval_set": "test", "temperature": temperatures[0],
               "train_temperature": params.temperature}
     if len(temperatures) > 1:
@@ -143,7 +143,6 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     metrics = load_metrics(run_dir)
     twin = duplicate_of_judge(result)
     save_figure(curves_figure(metrics), run_dir / "curves.png")
-    save_sample_grid([drawn[temperatures[0]]], run_dir / "final_samples.png", judge, prompts=8)
     last = metrics[-1] if metrics else {}
     skipped, updates, warnings = run_summary(metrics, cfg.train.num_iterations * cfg.train.minibatches_per_pass)
     kl = [m["loss/kl"] for m in metrics if m.get("loss/kl") is not None]

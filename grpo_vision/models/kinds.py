@@ -68,7 +68,7 @@ def exporter(policy) -> Callable[[str | Path], list[Path]] | None:
     return None
 
 
-# A run folder as policy.path: a new run continues from a trained one (issue 50)
+# A run folder as policy.path: a new run continues from a trained one
 STEP_DIR = re.compile(r"step_\d+")
 
 

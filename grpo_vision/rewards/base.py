@@ -194,7 +194,8 @@ def reward_origin(name: str) -> dict[str, str]:
     if origin["module"] == "__main__":
         origin["script"] = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "?"
         try:  # save_reward_origins keeps a copy of the script in the run folder, for --trust-run
-            origin["source"] = str(Path(inspect.getsourcefile(fn)).resolve())
+            if origin["function"].isidentifier():  # a lambda or a nested function cannot be defined again
+                origin["source"] = str(Path(inspect.getsourcefile(fn)).resolve())
         except (TypeError, OSError):  # made in a REPL or a notebook: no file to keep
             pass
     elif hasattr(entry.factory, "reward") and "<" not in origin["function"]:  # importable by that name
@@ -222,11 +223,15 @@ def restore_reward(name: str, origin: dict, run_dir: Path) -> None:
         sys.path.append(origin["path"])  # after the installed packages: the recorded folder shadows none of them
     if name.startswith("python:"):
         return  # imported by its name where the run builds it
+    held = REGISTRY.get(name)
     if origin.get("spec"):
         fn = _import_callable(origin["spec"])
     elif origin.get("code") and origin.get("function"):
         fn = _script_function(Path(run_dir) / origin["code"], origin["function"], name)
     else:
+        return
+    if REGISTRY.get(name) is not held:  # the script registered it itself (@register_reward): its factory, options
+        REGISTRY[name].factory.origin = origin
         return
 
     def factory(ctx, fn=fn):
@@ -235,10 +240,16 @@ def restore_reward(name: str, origin: dict, run_dir: Path) -> None:
     REGISTRY[name] = Registered(factory)
 
 
-def _script_function(path: Path, function: str, name: str) -> RewardFn:
+SCRIPT_MODULE = "grpo_vision_run_script_"  # the module a run folder's copy of a script is defined in (--trust-run)
+
+
+def _script_function(path: Path, function: str, name: str) -> Callable:
     """Function `function` of the script at `path`, defined by running the script's top-level imports, function
-    and class definitions only."""
+    and class definitions and the assignments that call nothing (constants); a global the function reads that only
+    the script's other top-level code would make (a loaded model) is named in one line, not at the first score."""
     import ast
+    import builtins
+    import dis
     import types
 
     try:
@@ -247,9 +258,12 @@ def _script_function(path: Path, function: str, name: str) -> RewardFn:
         raise ConfigError(f"reward {name!r}: the run folder's copy of its script, {path}, cannot be read "
                           f"({type(e).__name__}: {e})") from None
     kinds = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    tree.body = [node for node in tree.body if isinstance(node, kinds)]
-    module = types.ModuleType(f"grpo_vision_run_script_{path.stem}")
+    constant = (ast.Assign, ast.AnnAssign)
+    tree.body = [node for node in tree.body if isinstance(node, kinds) or (
+        isinstance(node, constant) and not any(isinstance(n, ast.Call) for n in ast.walk(node)))]
+    module = types.ModuleType(f"{SCRIPT_MODULE}{path.stem}")
     module.__file__ = str(path)
+    sys.modules[module.__name__] = module  # dataclasses and pickle look their module up by name
     try:
         exec(compile(tree, str(path), "exec"), module.__dict__)  # noqa: S102 (--trust-run: the user trusts it)
     except Exception as e:  # an import the script needs is missing here
@@ -257,6 +271,16 @@ def _script_function(path: Path, function: str, name: str) -> RewardFn:
     fn = getattr(module, function, None)
     if not callable(fn):
         raise ConfigError(f"reward {name!r}: {path} defines no function {function!r} at its top level")
+    codes, used = [getattr(fn, "__code__", None)], set()
+    while codes:  # the globals it and its nested functions read
+        code = codes.pop()
+        if code is not None:
+            used |= {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    if missing := sorted(n for n in used if n not in module.__dict__ and not hasattr(builtins, n)):
+        raise ConfigError(f"reward {name!r}: {function} in {path} reads {', '.join(missing)}, which the script makes "
+                          "by running code at its top level (not run again under --trust-run): move the reward into a "
+                          f"module and give it with --reward {name}=python:MODULE:FUNCTION")
     return fn
 
 
@@ -329,6 +353,10 @@ def check_rewards(cfg, run_dir: str | Path, entries=(), given=(), trust: bool = 
         for name in names:
             if (name.startswith("python:") or not is_registered(name)) and name in records:
                 restore_reward(name, records[name], run_dir)
+        for name in names:  # registered by a script's @register_reward while another of its rewards was restored
+            factory = getattr(REGISTRY.get(name), "factory", None)
+            if getattr(factory, "__module__", "").startswith(SCRIPT_MODULE) and name in records:
+                factory.origin = records[name]
     missing = [n for n in names if not is_registered(n)]
     if not missing:
         return

@@ -198,8 +198,11 @@ WEIGHT_FILES = ("policy.safetensors", "reference.safetensors")  # a checkpoint's
 
 
 def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _verified(file: Path, state: dict) -> Path:

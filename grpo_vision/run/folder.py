@@ -138,8 +138,21 @@ def code_reward(cfg: Config, entries=()) -> str | None:
 
 def resume_command(run_dir: str | Path, cfg: Config, entries=()) -> str:
     """The command that continues a run: with --trust-run where the run's rewards run code, which a
-    resume refuses otherwise (whoever started the run chose them)."""
-    return f"grpo-vision train --resume {run_dir}" + (" --trust-run" if code_reward(cfg, entries) else "")
+    resume refuses otherwise (whoever started the run chose them), or were made in a script, which only
+    --trust-run imports again (rewards.json)."""
+    trust = code_reward(cfg, entries) or script_rewards(run_dir)
+    return f"grpo-vision train --resume {run_dir}" + (" --trust-run" if trust else "")
+
+
+def script_rewards(run_dir: str | Path) -> list[str]:
+    """The rewards a run folder's rewards.json records as made in a script or a module of the user's (a spec or a
+    copy of the script), which a later process has only with --reward or --trust-run."""
+    try:
+        records = json.loads((Path(run_dir) / "rewards.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    return [name for name, origin in records.items() if not name.startswith("python:") and isinstance(origin, dict)
+            and (origin.get("code") or origin.get("spec"))] if isinstance(records, dict) else []
 
 
 def refuse_code(cfg: Config, entries, run_dir: str | Path, trust: bool) -> None:

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-
 def _wide(x: Tensor) -> Tensor:
     """x in float32 at least (bf16 log-probs and embeddings are widened; float64 stays)."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()

@@ -310,7 +310,8 @@ class UpdateStats:
         # mean rounded to float32 once (for the collective), so the step's micro-batch count adds no rounding
         self.sums: dict[str, torch.Tensor] = {}
         self.count = 0  # micro-batches
-        self.zero64 = torch.zeros((), dtype=torch.float64, device=device)
+        wide = torch.float32 if torch.device(device).type == "mps" else torch.float64  # MPS has no float64
+        self.zero64 = torch.zeros((), dtype=wide, device=device)
         zero = torch.zeros((), device=device)
         self.kl_sum, self.kl_tokens, self.drift_sum, self.drift_tokens = zero.clone(), zero.clone(), zero.clone(), zero
         self.grad_norm = 0.0  # the last optimizer update's
@@ -332,7 +333,7 @@ class UpdateStats:
         """A micro-batch's loss metrics (0-d), added on the device without reading them; its loss and policy loss
         count `share` times (a dapo / cispo micro-batch's loss is its share of the minibatch's)."""
         for k, v in values.items():
-            v = v.detach().to(self.zero64.device, torch.float64) * (share if k in ("loss", "policy_loss") else 1)
+            v = v.detach().to(self.zero64.device, self.zero64.dtype) * (share if k in ("loss", "policy_loss") else 1)
             self.sums[k] = self.sums.get(k, self.zero64) + v  # []
         self.count += 1
 

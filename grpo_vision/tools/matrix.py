@@ -161,7 +161,8 @@ def run_state(run_dir: Path, log: Path, expected: Config) -> str:
     if not (run_dir / "config.yaml").is_file():
         return "new"
     # as `train --resume` will read it (its relative paths resolved through origin.json): the matrix
-    # passes --trust-run to that resume, so what it resolves to must be what this matrix gives the run
+    # passes --trust-run to that resume, so what it resolves to must be what this matrix gives the run (its rewards
+    # are the matrix's own, registered here, so the run's rewards.json restores none of them)
     if not _same_config(read_run_config(run_dir), expected):
         raise ConfigError(f"{run_dir} holds a run with another config than this matrix gives it; "
                           "choose another --out, or remove that directory to train it again")

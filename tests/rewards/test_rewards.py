@@ -181,10 +181,46 @@ def test_an_unknown_per_entry_reward_names_the_prompts_line():
         CompositeReward.from_config(cfg.reward, "cpu", None, entries)
 
 
+SCRIPT = """from __future__ import annotations
+from dataclasses import dataclass
+
+import torch
+
+from grpo_vision import register_reward
+
+SCALE = 2.0
+
+
+@dataclass
+class Offset:
+    value: float = 1.0
+
+
+def glow(images, prompts, metadata):
+    return images.mean(dim=(1, 2, 3)) * SCALE + Offset().value
+
+
+@register_reward("beam")
+def beam(ctx):
+    return lambda images, prompts, metadata: images.mean(dim=(1, 2, 3)) * 0
+
+
+MODEL = torch.nn.Linear(1, 1)  # made by a call: not run again
+
+
+def heavy(images, prompts, metadata):
+    return MODEL.weight.sum() * images.mean(dim=(1, 2, 3))
+
+
+open(__file__ + ".ran", "a").write("trained once")
+"""
+
+
 def test_a_trusted_run_imports_its_recorded_rewards_again(tmp_path, monkeypatch):
     # a script's reward: the run folder keeps the script, and --trust-run defines the function from that copy by
-    # running the script's imports and definitions only (its top-level training line does not run again); a
-    # module's reward: imported again from the folder recorded beside its spec, which is no longer on sys.path
+    # running the script's imports, definitions (a @register_reward factory registers itself again) and constants
+    # only: its top-level training line does not run again, and a global only that code makes is named in one
+    # line; a module's reward: imported again from the folder recorded beside its spec, no longer on sys.path
     import json
     import runpy
     import sys
@@ -194,35 +230,46 @@ def test_a_trusted_run_imports_its_recorded_rewards_again(tmp_path, monkeypatch)
     from tests.helpers import MICRO
 
     script, mods, run = tmp_path / "train_it.py", tmp_path / "mods", tmp_path / "run"
-    script.write_text("import torch\n\n\ndef glow(images, prompts, metadata):\n    return images.mean(dim=(1, 2, 3)) + 1"
-                      "\n\n\nopen(__file__ + '.ran', 'a').write('trained once')\n")
+    script.write_text(SCRIPT)
     mods.mkdir()
     (mods / "my_rewards.py").write_text("def shine(images, prompts, metadata):\n    return images.mean(dim=(1, 2, 3))\n")
     monkeypatch.setattr(sys, "argv", [str(script)])
     monkeypatch.syspath_prepend(str(mods))
-    cfg = load_config(MICRO, ["reward.weights={glow: 1.0, shine: 1.0}", "reward.monitor=[]"])
+    names = ["glow", "shine", "beam", "heavy"]
+    cfg = load_config(MICRO, ["reward.weights={glow: 1.0, shine: 1.0, beam: 1.0}", "reward.monitor=[heavy]"])
     try:
-        register_callable("glow", runpy.run_path(str(script), run_name="__main__")["glow"])  # the script trains
+        trained = runpy.run_path(str(script), run_name="__main__")  # the script trains: its rewards registered
+        register_callable("glow", trained["glow"])
+        register_callable("heavy", trained["heavy"])
         register_callable("shine", __import__("my_rewards").shine)
         save_reward_origins(run, cfg)
         records = json.loads((run / "rewards.json").read_text())
-        assert records == {"glow": {"module": "__main__", "function": "glow", "script": "train_it.py",
-                                    "code": "code/train_it.py"},
-                           "shine": {"module": "my_rewards", "function": "shine", "spec": "python:my_rewards:shine",
-                                     "path": str(mods.resolve())}}
+        assert records["glow"] == {"module": "__main__", "function": "glow", "script": "train_it.py",
+                                   "code": "code/train_it.py"}
+        assert records["beam"] == {**records["glow"], "function": "beam"}  # the factory the script registered
+        assert records["shine"] == {"module": "my_rewards", "function": "shine", "spec": "python:my_rewards:shine",
+                                    "path": str(mods.resolve())}
         # a later process: neither the script nor the module's folder is there
         script.unlink()
         monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(mods)])
         sys.modules.pop("my_rewards")
-        del REGISTRY["glow"], REGISTRY["shine"]
+        for name in names:
+            del REGISTRY[name]
         with pytest.raises(ConfigError, match="names reward 'glow' .*or pass --trust-run to import it as the run"):
             check_rewards(cfg, run)
-        check_rewards(cfg, run, trust=True)
+        with pytest.raises(ConfigError, match="heavy in .*train_it.py reads MODEL, which the script makes by running "
+                                              "code at its top level"):
+            check_rewards(cfg, run, trust=True)
+        del REGISTRY["glow"], REGISTRY["shine"], REGISTRY["beam"]
+        check_rewards(load_config(MICRO, ["reward.weights={glow: 1.0, shine: 1.0, beam: 1.0}",
+                                          "reward.monitor=[]"]), run, trust=True)
         images = torch.full((2, 3, 4, 4), 0.25)
-        assert REGISTRY["glow"].factory(None)(images, ["a", "b"], [{}, {}]).tolist() == [1.25, 1.25]
+        assert REGISTRY["glow"].factory(None)(images, ["a", "b"], [{}, {}]).tolist() == [1.5, 1.5]
         assert REGISTRY["shine"].factory(None)(images, ["a", "b"], [{}, {}]).tolist() == [0.25, 0.25]
+        assert REGISTRY["beam"].factory(None)(images, ["a", "b"], [{}, {}]).tolist() == [0.0, 0.0]
         assert (tmp_path / "train_it.py.ran").read_text() == "trained once"  # defined, not run again
-        assert reward_origin("glow") == records["glow"]  # a resume records it as the run first did
+        assert reward_origin("glow") == records["glow"] and reward_origin("beam") == records["beam"]
     finally:
-        REGISTRY.pop("glow", None), REGISTRY.pop("shine", None)
+        for name in names:
+            REGISTRY.pop(name, None)
         sys.modules.pop("my_rewards", None)

@@ -20,3 +20,19 @@ def test_by_default_a_run_samples_where_it_trained_if_this_machine_has_that_devi
     assert read_run_config(run, device="auto").run.device == "auto"
     config.write_text(config.read_text().replace("device: cpu", "device: cuda:3"))  # trained on a bigger box
     assert read_run_config(run, device="run").run.device == "auto"
+
+
+def test_the_resume_command_trusts_a_run_whose_rewards_were_made_in_a_script(tmp_path):
+    # a reward made in a script (a copy in code/) or in the user's module (a spec) is imported again only with
+    # --trust-run: the "continue with" line a signal or an alert prints must carry it; built-ins need nothing
+    import json
+
+    from grpo_vision.config import Config
+    from grpo_vision.run.folder import resume_command
+
+    built_in = {"clip": {"module": "grpo_vision.rewards.models", "function": "clip"}}
+    (tmp_path / "rewards.json").write_text(json.dumps(built_in))
+    assert resume_command(tmp_path, Config()) == f"grpo-vision train --resume {tmp_path}"
+    script = {"bright": {"module": "__main__", "function": "bright", "script": "t.py", "code": "code/t.py"}}
+    (tmp_path / "rewards.json").write_text(json.dumps(built_in | script))
+    assert resume_command(tmp_path, Config()) == f"grpo-vision train --resume {tmp_path} --trust-run"
