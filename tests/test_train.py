@@ -203,8 +203,10 @@ def test_two_processes_match_one(micro_world, tmp_path, options):
     # Both on the CPU (run.device=cpu: gloo), also where a GPU is present. `accelerate launch --cpu`
     # starts ONE process whatever --num_processes says; --multi_gpu is its torchrun launcher, which
     # starts two (the sizes line proves it). With dapo each process divides by its share of the global
-    # token count; the entropy threshold is global. Two micro-batches per update: DDP's no_sync on the first
-    options = [*options, "train.micro_batch_size=2"]
+    # token count; the entropy threshold is global. Two micro-batches per update: DDP's no_sync on the first.
+    # One thread in every process: a matmul split over two threads sums in another order (run alone, outside
+    # pytest-xdist's one-thread workers, 0.13% of the weights came out apart)
+    options = [*options, "train.micro_batch_size=2", "run.threads=1"]
     one = train(micro_cfg(micro_world, tmp_path, "run.name=one", "train.steps=1", "run.device=cpu", *options),
                 progress=False)
     out = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
