@@ -36,6 +36,7 @@ from grpo_vision.config import ConfigError, brief, from_dict
 from grpo_vision.files import write_file
 from grpo_vision.plugins import load_plugins, not_found_hint
 from grpo_vision.policy import kind_options
+from grpo_vision.run.folder import REWARDS, reward_records
 
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
 
@@ -312,7 +313,6 @@ def batched(fn: Callable[[torch.Tensor, Sequence[str]], torch.Tensor], batch_siz
 
 
 # ---------------------------------------------------------------------------- a run folder's rewards
-REWARDS = "rewards.json"  # in a run folder: where each reward came from, {name: reward_origin(name)}
 
 
 def reward_names(cfg, entries=()) -> list[str]:
@@ -342,12 +342,7 @@ def check_rewards(cfg, run_dir: str | Path, entries=(), given=(), trust: bool = 
     run folder recorded (rewards.json: `restore_reward`); then ConfigError naming the first reward of the run that
     this process does not have, where it was made and how to supply it, instead of "unknown reward"."""
     supply_rewards(given)
-    file = Path(run_dir) / REWARDS
-    try:
-        records = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
-    except ValueError:  # not what train writes: the messages go without it
-        records = {}
-    records = {k: v for k, v in records.items() if isinstance(v, dict)} if isinstance(records, dict) else {}
+    records = reward_records(run_dir)
     names = reward_names(cfg, entries)
     if trust:
         for name in names:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from grpo_vision.config import Config, ConfigError, apply_override, from_dict, read_yaml, validate
 from grpo_vision.files import open_kept, write_file
+from grpo_vision.reading import json_value, read_text
 
 ORIGIN = "origin.json"  # where `train` ran: {"cwd": absolute, "cwd_from_run": relative to the run folder}
 PATH_KEYS = (("policy", "path"), ("policy", "tokenizer"), ("data", "train_prompts"), ("data", "eval_prompts"),
@@ -144,15 +145,29 @@ def resume_command(run_dir: str | Path, cfg: Config, entries=()) -> str:
     return f"grpo-vision train --resume {run_dir}" + (" --trust-run" if trust else "")
 
 
+REWARDS = "rewards.json"  # in a run folder: where each reward came from, {name: rewards.reward_origin(name)}
+
+
+def reward_records(run_dir: str | Path) -> dict[str, dict]:
+    """A run folder's rewards.json, {reward name: where it came from}; {} where it has none, or not what `train`
+    writes (the messages that read it then go without it)."""
+    file = Path(run_dir) / REWARDS
+    try:  # a run folder may come from anyone: a FIFO or JSON nested 100,000 deep is read as none (reading.py)
+        records = json_value(read_text(file, _Unread, "none"), str(file), _Unread)
+    except _Unread:
+        return {}
+    return {k: v for k, v in records.items() if isinstance(v, dict)} if isinstance(records, dict) else {}
+
+
+class _Unread(Exception):
+    """rewards.json missing or not readable as JSON: `reward_records` reads it as none."""
+
+
 def script_rewards(run_dir: str | Path) -> list[str]:
     """The rewards a run folder's rewards.json records as made in a script or a module of the user's (a spec or a
     copy of the script), which a later process has only with --reward or --trust-run."""
-    try:
-        records = json.loads((Path(run_dir) / "rewards.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return []
-    return [name for name, origin in records.items() if not name.startswith("python:") and isinstance(origin, dict)
-            and (origin.get("code") or origin.get("spec"))] if isinstance(records, dict) else []
+    return [name for name, origin in reward_records(run_dir).items()
+            if not name.startswith("python:") and (origin.get("code") or origin.get("spec"))]
 
 
 def refuse_code(cfg: Config, entries, run_dir: str | Path, trust: bool) -> None:

@@ -36,3 +36,22 @@ def test_the_resume_command_trusts_a_run_whose_rewards_were_made_in_a_script(tmp
     script = {"bright": {"module": "__main__", "function": "bright", "script": "t.py", "code": "code/t.py"}}
     (tmp_path / "rewards.json").write_text(json.dumps(built_in | script))
     assert resume_command(tmp_path, Config()) == f"grpo-vision train --resume {tmp_path} --trust-run"
+
+
+def test_a_run_folders_rewards_json_that_is_no_json_object_reads_as_none(tmp_path):
+    # a run folder may come from anyone: a FIFO in rewards.json's place is never waited on, JSON nested past the
+    # parser's limit or of another shape is read as no record, and only object entries count
+    import json
+    import os
+
+    from grpo_vision.run.folder import reward_records
+
+    assert reward_records(tmp_path) == {}
+    os.mkfifo(tmp_path / "rewards.json")
+    assert reward_records(tmp_path) == {}
+    os.remove(tmp_path / "rewards.json")
+    for text in ("[" * 100_000, "[1, 2]", "not json"):
+        (tmp_path / "rewards.json").write_text(text)
+        assert reward_records(tmp_path) == {}
+    (tmp_path / "rewards.json").write_text(json.dumps({"a": {"spec": "python:m:f"}, "b": 3}))
+    assert reward_records(tmp_path) == {"a": {"spec": "python:m:f"}}
