@@ -19,7 +19,6 @@ stage files are marked -text in .gitattributes, so no checkout changes a line en
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +75,9 @@ def file_checksums(world: Path) -> dict[str, dict]:
 
 
 def _checksum(path: Path) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+    from grpo_vision.run.checkpoint import file_sha256
+
+    return {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def checksum_problem(world: Path, recorded: dict, name: str) -> str | None:
@@ -147,7 +144,8 @@ def load_world(path: str | Path, device: str | torch.device = "cpu", defer_token
         problem = stage_problem(world, name) or checksum_problem(world, recorded, name)
         if problem:
             raise WorldError(f"world file {problem}; {rebuild_command(world, info, name)}")
-    tokenizer = Deferred(lambda: VQTokenizer.from_pretrained(world / "vq", device=device)) if defer_tokenizer else \
-        VQTokenizer.from_pretrained(world / "vq", device=device)
+    def make_tokenizer():
+        return VQTokenizer.from_pretrained(world / "vq", device=device)
+    tokenizer = Deferred(make_tokenizer) if defer_tokenizer else make_tokenizer()
     policy = LlamaImagePolicy.from_pretrained(world / "policy", device=device).float().eval()
     return World(world, tokenizer, policy)
