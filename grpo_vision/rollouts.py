@@ -37,7 +37,7 @@ def eval_seeds(prompts: int, n: int, seed: int = EVAL_SEED) -> list[int]:
 def check_seeds(seed: int, prompts: int, n: int) -> None:
     """ConfigError naming --seed when the last of `eval_seeds(prompts, n, seed)` is past MAX_SEED (`sample`
     and the benchmark folders draw `eval_seeds(1, n, seed)` for every prompt: image j, seed + j)."""
-    span = 1000 * (max(prompts, 1) - 1) + n - 1
+    span = eval_seeds(max(prompts, 1), n, seed=0)[-1]  # the last image's offset: one seed rule, eval_seeds's
     if seed + span > MAX_SEED:
         raise ConfigError(f"--seed {seed}: the last image would get seed {seed + span}, past the largest seed, "
                           f"{MAX_SEED}; use --seed {max(0, MAX_SEED - span)} or less")

@@ -3,6 +3,7 @@ one KL estimator."""
 
 import copy
 
+import pytest
 import torch
 
 from grpo_vision.config import EVAL_SEED
@@ -46,3 +47,15 @@ def test_the_kl_a_measurement_reports_is_the_one_training_logs(tiny_policy, one_
                     seed=0, step=0)["loss/kl"]
     assert measured.mean().item() > 0.05
     assert abs(measured.mean().item() - logged) < 1e-5
+
+
+def test_the_seed_bound_is_the_last_eval_seeds_image():
+    # 2 prompts x 3 images: the last image is seed + 1000 + 2, which must stay within MAX_SEED
+    from grpo_vision.config import MAX_SEED, ConfigError
+    from grpo_vision.rollouts import check_seeds
+
+    check_seeds(MAX_SEED - 1002, 2, 3)
+    with pytest.raises(ConfigError, match=f"--seed {MAX_SEED - 1001}: the last image would get seed {MAX_SEED + 1}, "
+                                          f".*use --seed {MAX_SEED - 1002} or less"):
+        check_seeds(MAX_SEED - 1001, 2, 3)
+    check_seeds(MAX_SEED - 2, 1, 3)  # one prompt: seed + j
