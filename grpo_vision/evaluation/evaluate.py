@@ -230,8 +230,8 @@ def save_sample_grid(parts: Sequence[Paired], path: Path, judge: Judge | None = 
                     "verdicts": [getattr(p, side).verdicts[r] for p, r in rows],
                     "rewards": {name: torch.stack([getattr(p, side).raw[name][r] for p, r in rows])
                                 for name in getattr(parts[0], side).raw}} for side in ("policy", "reference")}
-    cells = {side: [Cell(img, marks) for img, marks in zip(to_uint8(v["images"]), verdict_lines(
-        judge, v["images"], texts, v["verdicts"]))] for side, v in shown.items()}
+    cells = {side: [Cell(img, marks) for img, marks in zip(to_uint8(v["images"]), verdict_lines(v["verdicts"]))]
+             for side, v in shown.items()}
     draw = getattr(judge, "render", None)
     truth = [draw(e.prompt, 0) if draw else None for e in entries]
     grid = [[*cells["policy"][r * k:(r + 1) * k], *cells["reference"][r * k:(r + 1) * k],
@@ -245,14 +245,11 @@ def save_sample_grid(parts: Sequence[Paired], path: Path, judge: Judge | None = 
         key: {side: v[key] for side, v in shown.items()} for key in ("images", "verdicts", "rewards")}}
 
 
-def verdict_lines(judge: Judge | None, images: torch.Tensor, prompts: list[str],
-                  verdicts: list | None = None) -> list[list[str]]:
-    """Per image, its verdicts as caption lines that fit under a 128 px tile ('✓ count  ✗ color'); none
-    without a judge. `verdicts`: the judge's, where already computed."""
-    if judge is None:
-        return [[] for _ in prompts]
+def verdict_lines(verdicts: list) -> list[list[str]]:
+    """Per image, its verdicts as caption lines that fit under a 128 px tile ('✓ count  ✗ color'); none for an
+    image without a verdict (no judge, or a prompt it cannot read)."""
     out = []
-    for verdict in judge.verdicts(images, prompts) if verdicts is None else verdicts:
+    for verdict in verdicts:
         lines = []
         for a, ok in (verdict or {}).items():
             if a == "correct" or ok is None:
