@@ -72,6 +72,62 @@ class ImagePolicy(Protocol):
         ...
 
 
+@runtime_checkable
+class PlanningPolicy(Protocol):
+    """Optional: a policy that writes a text plan before it draws (`sample.plan`, T2I-R1's two-stage rollout,
+    arXiv 2505.00703). The text stage reads the prompt through `sample.plan.template`, samples plan tokens with
+    its own cache until `plan_end_id`, and the image stage is conditioned on `plan_condition(prompts, plans)`.
+    Plan logits are over the kind's plan vocabulary only (`[..., plan_vocab_size]`), as image logits are over the
+    codebook. A kind without these methods refuses `sample.plan` by name (`check_planning`)."""
+
+    plan_vocab_size: int  # V: plan-token logits have this last dimension
+    plan_end_id: int  # the plan token (in 0..V-1) that ends a plan
+
+    def encode_plan_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        """The text stage's input ids `[B, L]` for prompts the template has already been applied to, left padded
+        (no pad after the last prompt token: the first plan token follows it)."""
+        ...
+
+    def new_plan_cache(self, batch_size: int, max_tokens: int) -> Any:
+        """An empty cache for the text stage of `batch_size` rows and up to `max_tokens` plan tokens."""
+        ...
+
+    def plan_prefill(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Run the text stage's input `[B, L]` into `cache`; return logits `[B, V]` of plan token 0."""
+        ...
+
+    def plan_decode(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Append plan tokens `[B]` (ids in 0..V-1) to `cache`; return logits `[B, V]` of the next."""
+        ...
+
+    def plan_logits(self, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits `[B, T, V]` of plan tokens `[B, T]` after input `ids` `[B, L]`, with grad (what
+        comes after a row's end token is never read)."""
+        ...
+
+    def plan_text(self, tokens: Sequence[int]) -> str:
+        """A plan's tokens (without its end token) as the text shown beside its image."""
+        ...
+
+    def plan_condition(self, prompts: Sequence[str], plans: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The image stage's condition ids `[B, L']` for each prompt and its plan (its tokens without the end
+        token), for `prefill`, `image_logits` and `null_condition` as `encode_prompts`'s are."""
+        ...
+
+    # and `forward(cond, tokens, plan=None)`: with a `sampling.Plan`, (image logits, plan logits), so that one call
+    # of the module (DDP's and FSDP's hooks) gives both segments of a training forward
+
+
+def check_planning(policy, kind: str) -> None:
+    """ConfigError naming the kind when `sample.plan.enabled` asks a policy for a text stage it cannot write."""
+    missing = [m for m in ("encode_plan_prompts", "new_plan_cache", "plan_prefill", "plan_decode", "plan_logits",
+                           "plan_text", "plan_condition") if not callable(getattr(policy, m, None))]
+    if missing or not getattr(policy, "plan_vocab_size", 0):
+        raise ConfigError(f"sample.plan.enabled: policy.kind {kind!r} ({type(policy).__name__}) cannot write a text "
+                          f"plan (it lacks {', '.join(missing) or 'a plan vocabulary'}); set sample.plan.enabled "
+                          "to false, or use a kind that plans (janus, or shapes with a world built with plans)")
+
+
 def unknown_words(policy, prompt: str) -> list[str]:
     """The words of `prompt` that `policy` cannot read; none for a policy that reads any text."""
     check = getattr(policy, "unknown_words", None)
