@@ -4,11 +4,11 @@ dotted overrides with strict checking (load.py). Importers use `grpo_vision.conf
 from grpo_vision.config.load import ConfigError, apply_override, brief, coerce, from_dict, read_yaml
 from grpo_vision.config.schema import (
     DEVICE_HINT, DEVICE_NAME, EVAL_SEED, MAX_SEED, Config, DataConfig, LogConfig, PolicyConfig, RewardConfig, RunConfig,
-    SampleConfig, TrainConfig, derived_sizes, format_sizes, load_config, save_config, to_dict, validate,
+    PlanConfig, SampleConfig, TrainConfig, derived_sizes, format_sizes, load_config, save_config, to_dict, validate,
 )
 
 __all__ = [
     "DEVICE_HINT", "DEVICE_NAME", "EVAL_SEED", "MAX_SEED", "Config", "ConfigError", "DataConfig", "LogConfig", "PolicyConfig",
-    "RewardConfig", "RunConfig", "SampleConfig", "TrainConfig", "apply_override", "brief", "coerce", "derived_sizes",
+    "PlanConfig", "RewardConfig", "RunConfig", "SampleConfig", "TrainConfig", "apply_override", "brief", "coerce", "derived_sizes",
     "format_sizes", "from_dict", "load_config", "read_yaml", "save_config", "to_dict", "validate",
 ]

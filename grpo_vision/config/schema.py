@@ -57,6 +57,22 @@ class PolicyConfig:
 
 
 @dataclass
+class PlanConfig:
+    """A text plan before each image (T2I-R1's two-stage rollout, arXiv 2505.00703): the policy writes a plan with its
+    language head, the image is drawn from the prompt and the plan, and both are trained under one advantage."""
+    enabled: bool = False  # the policy kind must be able to plan (policy.PlanningPolicy)
+    # the text stage's prompt, {prompt} the caption; a kind wraps it in its own chat format (Janus: T2I-R1's template
+    # in configs/janus_pro_t2i_r1.yaml). A closed-vocabulary kind (shapes) takes "{prompt}" only
+    template: str = "{prompt}"
+    max_tokens: int = 64  # the plan-length cap: a plan that has not ended by then is cut there (ShortCoTI: short is fine)
+    # the text stage's distribution, sampled and scored alike (T2I-R1 sampled with transformers' defaults and scored
+    # with a plain softmax at T = 1; here the same settings do both, so rollout/logp_drift covers text too)
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = all plan tokens
+    top_p: float = 1.0  # 1 = all
+
+
+@dataclass
 class SampleConfig:
     prompts_per_step: int = 8  # distinct prompts per training step (B)
     group_size: int = 8  # images sampled per prompt (G); advantages are normalised within a group
@@ -78,6 +94,7 @@ class SampleConfig:
     # 1.16 and verl's lora.merge): the rollout runs the base model's kernels only. auto = on for LoRA on one process
     # or DDP, off for LoHa / LoKr, DoRA, FSDP or where the merged copy does not fit; on refuses what cannot merge
     merge_adapter: Literal["auto", "on", "off"] = "auto"
+    plan: PlanConfig = field(default_factory=PlanConfig)  # an optional text stage before the image (PlanConfig)
 
 
 @dataclass
@@ -159,6 +176,9 @@ class TrainConfig:
     # ref_sync_every's mix: reference = alpha * policy + (1 - alpha) * reference (TR-DPO). 1 = a copy (today's);
     # TRL's default is 0.6
     ref_model_mixup_alpha: float = 1.0
+    # with sample.plan: how much each plan token counts against an image token in the loss's token mean (T2I-R1: 1,
+    # one mean over both segments, where a ~70-token plan is ~10% of a 576-token image's weight); 0 trains the image only
+    plan_weight: float = 1.0
 
 
 @dataclass
@@ -290,6 +310,7 @@ def validate(cfg: Config) -> None:
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
         (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),
+        *_plan_checks(cfg),
         (t.steps >= 1, "train.steps must be >= 1"),
         (t.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
         (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
@@ -362,6 +383,42 @@ def validate(cfg: Config) -> None:
                       "approximately", stacklevel=2)
 
 
+def _plan_checks(cfg: Config) -> list[tuple[bool, str]]:
+    """sample.plan's settings, and what the text stage does not combine with (yet)."""
+    p, t = cfg.sample.plan, cfg.train
+    if not p.enabled:
+        return []
+    return [
+        (p.max_tokens >= 1, f"sample.plan.max_tokens must be >= 1 (the longest plan in tokens), got {p.max_tokens}"),
+        (p.top_k >= 0, "sample.plan.top_k must be >= 0 (0 keeps every token)"),
+        (_has_prompt_slot(p.template), f"sample.plan.template {brief(p.template)} must contain {{prompt}} once, where the "
+                                       "caption goes (and no other {...}; write {{ and }} for braces)"),
+        # per-token terms that read image tokens only (entropies, code vectors, a sequence ratio) or regroup rows
+        (t.token_weighting == "none", f"train.token_weighting={t.token_weighting} weighs image tokens only and does not "
+                                      "apply with sample.plan.enabled: set train.token_weighting to none"),
+        (t.importance_sampling_level == "token", "train.importance_sampling_level=sequence (GSPO) is not defined over "
+                                                 "a plan and an image here: set it to token with sample.plan.enabled"),
+        (t.top_entropy_quantile >= 1, "train.top_entropy_quantile < 1 ranks image-token entropies only: set it to 1 "
+                                      "with sample.plan.enabled"),
+        (t.zero_std_groups != "resample", "train.zero_std_groups=resample does not refill groups with plans yet: use "
+                                          "keep or drop with sample.plan.enabled"),
+        (t.entropy_coef == 0 and not t.use_adaptive_entropy, "the entropy bonus (train.entropy_coef, "
+                                                             "train.use_adaptive_entropy) covers image tokens only: "
+                                                             "turn it off with sample.plan.enabled"),
+    ]
+
+
+def _has_prompt_slot(template: str) -> bool:
+    """True when `template` has exactly one {prompt} field and no other (str.format's parse)."""
+    import string
+
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError:  # an unmatched brace
+        return False
+    return fields == ["prompt"]
+
+
 def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
     """(key, value, what is allowed, test) for every float knob; the test runs on finite values only."""
     s, t = cfg.sample, cfg.train
@@ -369,6 +426,9 @@ def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:
         ("sample.cfg_scale", s.cfg_scale, ">= 0 (1 turns guidance off)", lambda v: v >= 0),
         ("sample.temperature", s.temperature, "> 0", lambda v: v > 0),
         ("sample.top_p", s.top_p, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
+        ("sample.plan.temperature", s.plan.temperature, "> 0", lambda v: v > 0),
+        ("sample.plan.top_p", s.plan.top_p, "in (0, 1] (1 keeps every token)", lambda v: 0 < v <= 1),
+        ("train.plan_weight", t.plan_weight, ">= 0 (0: the plan is sampled but not trained)", lambda v: v >= 0),
         # AdamW moves each weight by about lr per update: above 1 that only wrecks the weights, and from
         # about 3e37 PyTorch cannot even represent the step (a RuntimeError mid-run)
         ("train.lr", t.lr, "in (0, 1]", lambda v: 0 < v <= 1),
