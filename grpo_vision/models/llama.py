@@ -1,8 +1,9 @@
 """The built-in policy: a Llama-architecture transformer over caption words and image codes.
 
-One vocabulary holds special tokens, caption words and the VQ codebook, in that order:
+One vocabulary holds special tokens, caption words and the VQ codebook, in that order, and for a policy that
+plans (`plan_words`, policy.PlanningPolicy) a plan block after the codebook, so that image ids do not move:
 
-    [<pad> <bos> <null> <boi> <unk>] [word_0 ... word_W-1] [code_0 ... code_K-1]
+    [<pad> <bos> <null> <boi> <unk>] [word_0 ... word_W-1] [code_0 ... code_K-1] [<bop> <eop> plan_0 ... plan_P-1]
 
 A sequence is a left-padded caption, the image-start token `<boi>`, then the image's N codes in
 raster order (LlamaGen-style, arXiv 2406.06525, with 1D RoPE and a plain token vocabulary so that
@@ -10,6 +11,11 @@ the weights map one-to-one onto transformers' `LlamaForCausalLM`: module names m
 `models/llama_hf.py`). Image-token logits use only the codebook rows of `lm_head`, which both restricts
 sampling to the codebook and skips the word rows. Classifier-free guidance uses `<null>` in place of
 the caption; training drops captions to it at random (ShapesWorld's base-policy training).
+
+With a plan (T2I-R1's two stages, as separate sequences): the text stage reads `<pad>* <bos> words <bop>` and
+writes plan tokens until `<eop>`; the image stage reads `<pad>* <bos> words <bop> plan <eop> <boi>`, left padded to
+`max_caption_words + max_plan_tokens + 4`, then draws the codes. The null row blanks caption and plan alike.
+Plan ids in the protocol are local to `[<eop> plan_0 ... plan_P-1]` (0 ends a plan).
 """
 
 from __future__ import annotations
@@ -47,14 +53,24 @@ class LlamaPolicyConfig:
     ffn_dim: int = 688  # SwiGLU hidden width (~8/3 * dim, as in Llama)
     rope_theta: float = 10000.0  # RoPE base
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    plan_words: list[str] = field(default_factory=list)  # a layout plan's vocabulary; empty: the policy cannot plan
+    max_plan_tokens: int = 0  # the longest plan the image condition holds (its width grows by this plus 2)
 
     @property
     def cond_len(self) -> int:  # <pad>* <bos> words <boi>
         return self.max_caption_words + 2
 
     @property
+    def plan_cond_len(self) -> int:  # <pad>* <bos> words <bop> plan <eop> <boi>
+        return self.cond_len + self.max_plan_tokens + 2 if self.plan_words else self.cond_len
+
+    @property
     def num_image_tokens(self) -> int:
         return self.image_grid[0] * self.image_grid[1]
+
+    @property
+    def plan_offset(self) -> int:  # vocabulary id of <bop>; <eop> (local plan id 0) follows it
+        return self.image_offset + self.codebook_size
 
     @property
     def image_offset(self) -> int:  # vocabulary id of code 0
@@ -62,7 +78,7 @@ class LlamaPolicyConfig:
 
     @property
     def vocab_size(self) -> int:
-        return self.image_offset + self.codebook_size
+        return self.plan_offset + (len(self.plan_words) + 2 if self.plan_words else 0)
 
 
 @dataclass
@@ -214,17 +230,23 @@ class LlamaImagePolicy(nn.Module):
         """The sizes run/memory.py estimates a step's peak from (`memory.PolicyShape`'s fields)."""
         c = self.cfg
         return dict(layers=c.n_layers, dim=c.dim, heads=c.n_heads, kv_heads=c.n_kv_heads, ffn_dim=c.ffn_dim,
-                    cond_len=c.cond_len, codebook=c.codebook_size, fused_copy=True)
+                    cond_len=c.plan_cond_len, codebook=c.codebook_size, fused_copy=True)
 
     def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
         rows = []
         for prompt in prompts:
-            words = prompt.lower().split()
-            if len(words) > self.cfg.max_caption_words:
-                raise ValueError(f"caption {brief(prompt)} has {len(words)} words; this policy takes at most "
-                                 f"{self.cfg.max_caption_words} (max_caption_words)")
-            ids = [self.word_ids.get(w, UNK) for w in words]
+            ids = self._caption_ids(prompt)
             rows.append([PAD] * (self.cfg.max_caption_words - len(ids)) + [BOS] + ids + [BOI])
+        return self._ids(rows)  # [B, L]
+
+    def _caption_ids(self, prompt: str) -> list[int]:
+        words = prompt.lower().split()
+        if len(words) > self.cfg.max_caption_words:
+            raise ValueError(f"caption {brief(prompt)} has {len(words)} words; this policy takes at most "
+                             f"{self.cfg.max_caption_words} (max_caption_words)")
+        return [self.word_ids.get(w, UNK) for w in words]
+
+    def _ids(self, rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.long, device=self.lm_head.weight.device)  # [B, L]
 
     def unknown_words(self, prompt: str) -> list[str]:
@@ -236,7 +258,8 @@ class LlamaImagePolicy(nn.Module):
         return list(self.cfg.words)
 
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
-        null = [PAD] * (self.cfg.max_caption_words - 1) + [BOS, NULL, BOI]
+        """`<null>` in place of the caption (and of the plan, with one), at the condition's width."""
+        null = [PAD] * (cond.shape[1] - 3) + [BOS, NULL, BOI]
         return torch.tensor(null, dtype=cond.dtype, device=cond.device).expand_as(cond)  # [B, L]
 
     def new_cache(self, batch_size: int, static: bool = False) -> KVCache:
@@ -247,7 +270,7 @@ class LlamaImagePolicy(nn.Module):
         each decode step runs 4 matmuls per layer instead of 7.
         """
         c, w = self.cfg, self.lm_head.weight
-        shape = (c.n_layers, batch_size, c.n_kv_heads, c.cond_len + c.num_image_tokens, c.dim // c.n_heads)
+        shape = (c.n_layers, batch_size, c.n_kv_heads, c.plan_cond_len + c.num_image_tokens, c.dim // c.n_heads)
         with torch.no_grad():
             a, m = [b.self_attn for b in self.model.layers], [b.mlp for b in self.model.layers]
             fused = [(torch.cat([effective_weight(x.q_proj), effective_weight(x.k_proj), effective_weight(x.v_proj)]),
@@ -291,8 +314,11 @@ class LlamaImagePolicy(nn.Module):
             position.add_(1)
         return self._image_head(self.model.norm(x))  # [B, K]
 
-    def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self.image_logits(cond, tokens)
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan=None):
+        """`image_logits`; with a `sampling.Plan`, (image logits, plan logits): one call of the module for both."""
+        if plan is None:
+            return self.image_logits(cond, tokens)
+        return self.image_logits(cond, tokens), self.plan_logits(plan.ids, plan.tokens)
 
     def gradient_checkpointing_enable(self) -> None:
         self.gradient_checkpointing = True
@@ -307,6 +333,71 @@ class LlamaImagePolicy(nn.Module):
         ids = torch.cat([cond, tokens[:, :-1] + self.cfg.image_offset], dim=1)  # [B, L+N-1]
         h = self._forward(self.model.embed_tokens(ids))  # [B, L+N-1, dim]
         return self._image_head(h[:, cond.shape[1] - 1:])  # [B, N, K]
+
+    # ------------------------------------------------------------------ PlanningPolicy (with plan_words)
+    plan_end_id = 0  # <eop>, local plan id 0
+
+    @property
+    def plan_vocab_size(self) -> int:  # 0: this policy cannot plan (policy.check_planning refuses sample.plan)
+        return len(self.cfg.plan_words) + 1 if self.cfg.plan_words else 0
+
+    def encode_plan_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        """`<pad>* <bos> words <bop>` `[B, max_caption_words + 2]`: the plan's first token follows `<bop>`."""
+        self._can_plan()
+        rows = [[PAD] * (self.cfg.max_caption_words - len(ids)) + [BOS] + ids + [self.cfg.plan_offset]
+                for ids in map(self._caption_ids, prompts)]
+        return self._ids(rows)  # [B, L]
+
+    def plan_condition(self, prompts: Sequence[str], plans: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`<pad>* <bos> words <bop> plan <eop> <boi>` `[B, plan_cond_len]`, left padded: the image stage's condition."""
+        c, rows = self.cfg, []
+        for prompt, plan in zip(prompts, plans, strict=True):
+            plan = [int(j) for j in plan]
+            if len(plan) > c.max_plan_tokens or not all(0 < j < self.plan_vocab_size for j in plan):
+                raise ValueError(f"a plan of {len(plan)} tokens ({plan[:8]}): this policy's plans hold 1 to "
+                                 f"{self.plan_vocab_size - 1} ids, at most {c.max_plan_tokens} (max_plan_tokens)")
+            ids = self._caption_ids(prompt)
+            pad = c.max_caption_words - len(ids) + c.max_plan_tokens - len(plan)
+            rows.append([PAD] * pad + [BOS] + ids + [c.plan_offset] + [c.plan_offset + 1 + j for j in plan]
+                        + [c.plan_offset + 1, BOI])
+        return self._ids(rows)  # [B, plan_cond_len]
+
+    def plan_text(self, tokens: Sequence[int]) -> str:
+        return " ".join(self.cfg.plan_words[int(j) - 1] for j in tokens if 0 < int(j) <= len(self.cfg.plan_words))
+
+    def new_plan_cache(self, batch_size: int, max_tokens: int) -> KVCache:
+        self._can_plan()
+        c, w = self.cfg, self.lm_head.weight
+        # a plan cut at max_tokens has that many tokens, all in the image condition (which adds <eop> itself)
+        if max_tokens > c.max_plan_tokens:
+            raise ValueError(f"sample.plan.max_tokens={max_tokens}: this policy's plans hold at most "
+                             f"{c.max_plan_tokens} tokens (max_plan_tokens); set sample.plan.max_tokens to "
+                             f"{c.max_plan_tokens} or less")
+        shape = (c.n_layers, batch_size, c.n_kv_heads, c.cond_len + max_tokens, c.dim // c.n_heads)
+        k, v, _ = new_kv(shape, w.dtype, w.device, False)
+        return KVCache(k, v, [])
+
+    def plan_prefill(self, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        cache.pos = 0
+        return self._plan_head(self._forward(self.model.embed_tokens(ids), cache)[:, -1])  # [B, V]
+
+    def plan_decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        x = self.model.embed_tokens(tokens[:, None] + self.cfg.plan_offset + 1)  # [B, 1, dim]
+        return self._plan_head(self._forward(x, cache)[:, -1])  # [B, V]
+
+    def plan_logits(self, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Positions L-1 (<bop>) .. L+T-2 predict plan tokens 0 .. T-1, as `image_logits` does for codes."""
+        seq = torch.cat([ids, tokens[:, :-1] + self.cfg.plan_offset + 1], dim=1)  # [B, L+T-1]
+        h = self._forward(self.model.embed_tokens(seq))  # [B, L+T-1, dim]
+        return self._plan_head(h[:, ids.shape[1] - 1:])  # [B, T, V]
+
+    def _plan_head(self, h: torch.Tensor) -> torch.Tensor:
+        start = self.cfg.plan_offset + 1  # <eop>, then the plan words: <bop> is never drawn
+        return F.linear(h, self.lm_head.weight[start:start + self.plan_vocab_size])  # [..., V]
+
+    def _can_plan(self) -> None:
+        if not self.cfg.plan_words:
+            raise ValueError("this policy has no plan vocabulary (plan_words): it was trained without plans")
 
     # ------------------------------------------------------------------ internals
     def _forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -325,7 +416,7 @@ class LlamaImagePolicy(nn.Module):
         key = (x.device, x.dtype)
         if key not in self._rope:
             with torch.inference_mode(False):  # usable by autograd even if first built while sampling
-                tables = rope_tables(self.cfg, self.cfg.cond_len + self.cfg.num_image_tokens)
+                tables = rope_tables(self.cfg, self.cfg.plan_cond_len + self.cfg.num_image_tokens)
                 self._rope[key] = tuple(t.to(device=x.device, dtype=x.dtype) for t in tables)
         return self._rope[key]
 

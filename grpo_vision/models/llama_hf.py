@@ -24,7 +24,7 @@ def to_hf_llama(policy: LlamaImagePolicy):
     hf_cfg = LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
         num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-        max_position_embeddings=c.cond_len + c.num_image_tokens, rms_norm_eps=c.norm_eps,
+        max_position_embeddings=c.plan_cond_len + c.num_image_tokens, rms_norm_eps=c.norm_eps,
         rope_theta=c.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
         hidden_act="silu", bos_token_id=BOS, pad_token_id=PAD, eos_token_id=None,
     )
@@ -53,7 +53,8 @@ def hf_tokenizer(cfg: LlamaPolicyConfig):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    names = [*SPECIALS, *cfg.words, *(f"<code_{k}>" for k in range(cfg.codebook_size))]
+    plan = ["<bop>", "<eop>", *(f"<plan_{w}>" for w in cfg.plan_words)] if cfg.plan_words else []
+    names = [*SPECIALS, *cfg.words, *(f"<code_{k}>" for k in range(cfg.codebook_size)), *plan]
     tok = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token=SPECIALS[UNK]))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=SPECIALS[PAD], bos_token=SPECIALS[BOS],
