@@ -48,6 +48,11 @@ and with a KL weight m the KL term is aggregated as the loss type says, of m * k
 weight, which may carry a gradient (a_t > 0, so a_t min(r A, clip(r) A) = min(r A a_t, clip(r) A a_t)).
 Tokens outside policy_mask or the off-policy mask have s_t = 0 but keep their w_t in the sum below.
 
+Segments of unequal length (a text plan before the image, T2I-R1, arXiv 2505.00703): a count c_t >= 0 per token
+(`TokenWeights.count`: 0 after a plan's end, `train.plan_weight` on plan tokens, 1 on image tokens) multiplies
+every token term, and the token means divide by sum_t c_t instead of the token count: "bnpo" is then T2I-R1's
+sum(mask * l) / sum(mask) over both segments (with plan_weight 1), "grpo" each sequence's weighted mean.
+
 TRL 1.16 options (`grpo_config.py`, `_compute_loss`):
 
 * use_bias_correction_kl (DeepSeek-V3.2 arXiv 2512.02556): k3_t * r_t, the ratio *not* detached, so the
@@ -223,9 +228,14 @@ def _token_mean(x: Tensor, dim: int | None = None) -> Tensor:
     return (x.sum() if dim is None else x.sum(dim)) / x.new_full((), n)  # [] or [B*G]
 
 
-def _aggregate(x: Tensor, loss_type: str, rows: Tensor | float | None = None) -> Tensor:
+def _aggregate(x: Tensor, loss_type: str, rows: Tensor | float | None = None, count: Tensor | None = None) -> Tensor:
     """Reduce per-token values `[B*G, N]` to a scalar the way TRL's `loss_type` does, every sequence N tokens.
-    "dapo" / "cispo" divide the token sum by `rows` * N (default: this batch's B*G sequences)."""
+    "dapo" / "cispo" divide the token sum by `rows` * N (default: this batch's B*G sequences). With a `count`
+    `[B*G, N]` (x already multiplied by it), the token means divide by its sums instead of the token counts."""
+    if count is not None and loss_type == "grpo":
+        return (x.sum(1) / count.sum(1).clamp(min=1e-6)).mean()
+    if count is not None and (loss_type == "bnpo" or (rows is None and loss_type != "dr_grpo")):
+        return x.sum() / count.sum().clamp(min=1e-6)
     if loss_type == "grpo":
         return _token_mean(x, dim=1).mean()
     if loss_type == "dr_grpo":
@@ -337,6 +347,8 @@ class TokenWeights:
     # W, the weighted mean's divisor: the update's sum(w) over processes where micro-batch losses are summed
     # (dapo / cispo: one weighted mean over the update, not one per micro-batch); None: this call's sum(w) + 1e-6
     policy_total: Tensor | float | None = None
+    # c >= 0, how much each token counts (module docstring): 0 after a plan's end, the plan weight on its tokens
+    count: Tensor | None = None
 
 
 def _weighted_policy_term(surrogate: Tensor, weight: Tensor, total: Tensor | float | None) -> Tensor:
@@ -375,12 +387,15 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | Non
     kl = kl * ratio if p.use_bias_correction_kl else kl  # [B*G, N] TRL: per_token_kl * coef_1, not detached
     if weights.kl_weight is not None:
         kl = kl * weights.kl_weight.detach().to(logprobs.dtype)  # [B*G, N]
+    count = None if weights.count is None else weights.count.detach().to(logprobs.dtype)  # [B*G, N]
+    if count is not None:  # torch.where: a token that does not count adds nothing, whatever its value
+        surrogate, kl = (torch.where(count > 0, x * count, zeros) for x in (surrogate, kl))  # [B*G, N] each
     if weights.policy_weight is None:
-        policy = -_aggregate(surrogate, p.loss_type, rows)
-        loss = -_aggregate(surrogate - p.beta * kl, p.loss_type, rows)
+        policy = -_aggregate(surrogate, p.loss_type, rows, count)
+        loss = -_aggregate(surrogate - p.beta * kl, p.loss_type, rows, count)
     else:
         policy = -_weighted_policy_term(surrogate, weights.policy_weight, weights.policy_total)
-        loss = policy + p.beta * _aggregate(kl, p.loss_type, rows)
+        loss = policy + p.beta * _aggregate(kl, p.loss_type, rows, count)
     metrics = {"policy_loss": policy} | ({} if entropy is None else {"entropy": masked_mean(entropy, bonus)})
     if entropy is not None and p.entropy_coef != 0:
         loss = loss - p.entropy_coef * metrics["entropy"]
@@ -393,7 +408,8 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | Non
         capped = ~every if p.delta is None else (adv < 0) & (ratio > p.delta)  # [B*G, N] INTELLECT-2's cap
         for key, x in (("clip_frac_low", low), ("clip_frac_high", high), ("delta_frac", capped),
                        ("ratio_mean", ratio), ("policy_token_frac", keep)):
-            metrics[key] = _token_mean(x.to(ratio.dtype))
+            x = x.to(ratio.dtype)  # [B*G, N]
+            metrics[key] = _token_mean(x) if count is None else masked_mean(x, count > 0)
         if p.off_policy_mask_threshold is not None:  # sequences whose policy term the drift dropped
             metrics["off_policy_frac"] = (~kept[:, 0]).to(ratio.dtype).mean()
     return loss, {k: v.detach() for k, v in metrics.items()}

@@ -118,14 +118,19 @@ class PlanningPolicy(Protocol):
     # of the module (DDP's and FSDP's hooks) gives both segments of a training forward
 
 
-def check_planning(policy, kind: str) -> None:
-    """ConfigError naming the kind when `sample.plan.enabled` asks a policy for a text stage it cannot write."""
+def check_planning(policy, kind: str, max_tokens: int) -> None:
+    """ConfigError naming the kind when `sample.plan.enabled` asks a policy for a text stage it cannot write, or
+    for plans longer than it holds (sample.plan.max_tokens): before the first step rather than at it."""
     missing = [m for m in ("encode_plan_prompts", "new_plan_cache", "plan_prefill", "plan_decode", "plan_logits",
                            "plan_text", "plan_condition") if not callable(getattr(policy, m, None))]
     if missing or not getattr(policy, "plan_vocab_size", 0):
         raise ConfigError(f"sample.plan.enabled: policy.kind {kind!r} ({type(policy).__name__}) cannot write a text "
                           f"plan (it lacks {', '.join(missing) or 'a plan vocabulary'}); set sample.plan.enabled "
                           "to false, or use a kind that plans (janus, or shapes with a world built with plans)")
+    try:
+        policy.new_plan_cache(1, max_tokens)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def unknown_words(policy, prompt: str) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from grpo_vision.config import EVAL_SEED, MAX_SEED, ConfigError
 from grpo_vision.grpo import k3_kl
 from grpo_vision.prompts import PromptEntry
-from grpo_vision.sampling import Rollout, SamplingParams, batched_logprobs, sample_batched
+from grpo_vision.sampling import Plan, Rollout, SamplingParams, batched_logprobs, sample_batched, sample_plan
 
 if TYPE_CHECKING:
     from grpo_vision.policy import Judge
@@ -81,10 +81,19 @@ def draw(policy, tokenizer, entries: Sequence[PromptEntry], seeds: Sequence[int]
     sampler owns the distribution), under bf16 autocast where `params.mixed_precision` says so (training's
     sample.mixed_precision, so that every measurement draws as training does). `timer`: a run/metrics.PhaseTimer
     that times the VQ decoding as its own phase."""
-    cond = policy.encode_prompts([e.prompt for e in entries])  # [n, L]
-    with torch.autocast(cond.device.type, torch.bfloat16, enabled=params.mixed_precision == "bf16",
+    prompts, seeds = [e.prompt for e in entries], list(seeds)
+    device = next(iter(policy.parameters())).device if isinstance(policy, torch.nn.Module) else None
+    with torch.autocast(getattr(device, "type", "cpu"), torch.bfloat16, enabled=params.mixed_precision == "bf16",
                         cache_enabled=False):  # no cast cache: a CUDA graph must record the casts
-        rollout = sample_batched(policy, cond, list(seeds), params, batch_size)
+        plan = None
+        if params.plan is not None:  # the text stage first: the image is drawn from the prompt and its plan
+            plan = Plan.cat([sample_plan(policy, prompts[i:i + batch_size], seeds[i:i + batch_size], params.plan)
+                             for i in range(0, len(prompts), batch_size)], policy.encode_plan_prompts)
+            cond = policy.plan_condition(prompts, plan.token_lists(policy.plan_end_id))  # [n, L']
+        else:
+            cond = policy.encode_prompts(prompts)  # [n, L]
+        rollout = sample_batched(policy, cond, seeds, params, batch_size)
+        rollout.plan = plan
     with timer("decode") if timer is not None else nullcontext():
         images = decode_images(tokenizer, rollout.tokens, batch_size)  # [n, 3, H, W]
     return Samples(list(entries), list(seeds), cond, rollout, images)

@@ -34,10 +34,18 @@ gpt-fast / LlamaGen `reduce-overhead` decode); ``compiled`` is the same static s
 a CUDA graph on a GPU and run as it is on a CPU. The compiled step is one function of the module
 (`decode_step`), compiled once per process and shape, never per rollout. All draw the same tokens from the
 same seeds.
+
+A text plan before the image (`sample.plan`, T2I-R1's two-stage rollout, arXiv 2505.00703; policy.PlanningPolicy):
+`sample_plan` draws plan tokens one at a time from the policy's plan logits, with the plan's own temperature /
+top-k / top-p and no guidance, until each row's end token or `max_tokens`; `sequence_logprobs` scores them
+with the same settings (T2I-R1 sampled with transformers' default generation config and scored with a plain
+softmax: a gap this closes). A row's plan uniforms are its seed's stream after its N image uniforms, so the
+image tokens of a (condition, seed) are the same with or without a plan stage before them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,6 +70,7 @@ class SamplingParams:
     logprob_mode: str = "guided"  # "guided" | "conditional", see module docstring
     decode: str = "eager"  # how a rollout runs, not what it draws: auto | eager | static | graph | compiled (docstring)
     mixed_precision: str = "no"  # "bf16": the rollout runs under bf16 autocast (sample.mixed_precision)
+    plan: PlanParams | None = None  # a text plan before each image (sample.plan); None: the image stage only
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:
@@ -81,9 +90,68 @@ class SamplingParams:
     def from_config(cls, sample_cfg, temperature: float | None = None) -> "SamplingParams":
         """The settings of a config's `sample` section; `temperature` replaces sample.temperature
         (evaluation at other temperatures; training always samples at the configured one)."""
-        s = sample_cfg
+        s, p = sample_cfg, sample_cfg.plan
+        plan = PlanParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.template) if p.enabled else None
         return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode, s.decode,
-                   s.mixed_precision)
+                   s.mixed_precision, plan)
+
+
+@dataclass(frozen=True)
+class PlanParams:
+    """The text stage's settings (sample.plan): its distribution, sampled and scored alike, and its prompt."""
+    max_tokens: int = 64  # the plan-length cap, its end token included
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    template: str = "{prompt}"  # the text stage's prompt; {prompt} is the caption
+
+    def __post_init__(self):
+        if self.max_tokens < 1 or self.temperature <= 0:
+            raise ValueError(f"a plan needs max_tokens >= 1 and temperature > 0, got {self.max_tokens}, "
+                             f"{self.temperature}")
+
+    @property
+    def distribution(self) -> "SamplingParams":
+        """The plan tokens' distribution as image tokens' are written: no guidance, filters kept when scoring."""
+        return SamplingParams(1.0, self.temperature, self.top_k, self.top_p, "guided")
+
+
+@dataclass
+class Plan:  # the text stage of B rollouts; every row T = max_tokens wide
+    ids: torch.Tensor  # [B, L] the text stage's input ids (the templated prompt)
+    tokens: torch.Tensor  # [B, T] plan tokens, the end token included; the end token again after it (never read)
+    mask: torch.Tensor  # [B, T] bool, the plan's own tokens, its end token included (T2I-R1 masks after the EOS)
+    logprobs: torch.Tensor  # [B, T] float32 the sampler's log-probs, 0 outside the mask
+    entropy: torch.Tensor  # [B, T] float32 the entropy of each token's distribution, 0 outside the mask
+    texts: list[str]  # [B] each plan as text (policy.plan_text), without its end token
+    prompts: list[str]  # [B] the text stage's prompts (the template applied), from which `ids` were encoded
+
+    def __getitem__(self, rows: torch.Tensor) -> "Plan":
+        """The plan of `rows` (an index tensor or a bool mask `[B]`)."""
+        index = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows
+        return Plan(*(getattr(self, f)[rows.to(self.ids.device)] for f in ("ids", "tokens", "mask", "logprobs",
+                                                                             "entropy")),
+                    [self.texts[int(i)] for i in index.tolist()], [self.prompts[int(i)] for i in index.tolist()])
+
+    def token_lists(self, end: int) -> list[list[int]]:
+        """Each row's plan tokens without its end token (what the image stage is conditioned on)."""
+        keep = self.mask & (self.tokens != end)  # [B, T]
+        return [row[m].tolist() for row, m in zip(self.tokens.cpu(), keep.cpu())]
+
+    @staticmethod
+    def cat(plans: Sequence["Plan"], encode=None) -> "Plan":
+        """The rows of `plans` in order. Input ids of several widths (a kind that pads each batch to its longest
+        prompt, as Janus does) are made again by `encode` (the policy's encode_plan_prompts) for all the prompts."""
+        prompts = [t for p in plans for t in p.prompts]
+        if len({p.ids.shape[1] for p in plans}) == 1:
+            ids = torch.cat([p.ids for p in plans])
+        elif encode is None:
+            raise ValueError("the plans' input ids differ in width: pass the policy's encode_plan_prompts")
+        else:
+            ids = encode(prompts)
+        return Plan(ids, *(torch.cat([getattr(p, f) for p in plans]) for f in ("tokens", "mask", "logprobs",
+                                                                              "entropy")),
+                    [t for p in plans for t in p.texts], prompts)
 
 
 @dataclass
@@ -91,6 +159,7 @@ class Rollout:
     tokens: torch.Tensor  # [B, N] int64 codebook ids
     logprobs: torch.Tensor  # [B, N] float32, per `logprob_mode`
     entropy: torch.Tensor  # [B, N] float32, entropy of the sampling distribution at each step
+    plan: Plan | None = None  # the text stage before the image (sample.plan); None: the image stage only
 
 
 # ---------------------------------------------------------------------------- the distribution
@@ -288,6 +357,56 @@ def record_step(step, state: Sequence[torch.Tensor]) -> callable:
     return graph.replay
 
 
+@torch.no_grad()
+def sample_plan(policy, prompts: Sequence[str], seeds: Sequence[int], params: PlanParams) -> Plan:
+    """The text stage of one rollout per prompt (policy.PlanningPolicy), row i from seed `seeds[i]`: plan tokens
+    drawn one at a time, without guidance, until each row's end token or `params.max_tokens` (a plan cut there
+    keeps its tokens, as T2I-R1's `max_textcot_length` does). Rows that have ended are not read again."""
+    B, T, end = len(prompts), params.max_tokens, policy.plan_end_id
+    if len(seeds) != B:
+        raise ValueError(f"got {len(seeds)} seeds for {B} prompts; pass one seed per image")
+    texts = [params.template.format(prompt=p) for p in prompts]
+    ids = policy.encode_plan_prompts(texts)  # [B, L]
+    device, dist = ids.device, params.distribution
+    # each row's stream after its N image uniforms: the image stage draws the same uniforms with or without a plan
+    u = seeded_uniforms(seeds, policy.num_image_tokens + T, device)[:, policy.num_image_tokens:]  # [B, T]
+    tokens = torch.full((B, T), end, dtype=torch.long, device=device)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=device)
+    logprobs, entropy = torch.zeros(B, T, device=device), torch.zeros(B, T, device=device)
+    cache = policy.new_plan_cache(B, T)
+    logits = policy.plan_prefill(ids, cache)  # [B, V]
+    alive = torch.ones(B, dtype=torch.bool, device=device)  # rows whose plan has not ended
+    for t in range(T):
+        token, logp, ent = sample_token(logits, None, u[:, t], dist)  # [B] each
+        tokens[:, t] = torch.where(alive, token, end)
+        logprobs[:, t], entropy[:, t] = logp * alive, ent * alive
+        mask[:, t] = alive
+        alive &= token != end
+        if t == T - 1 or not bool(alive.any()):  # one host read a plan token: plans are short, images are not
+            break
+        logits = policy.plan_decode(tokens[:, t], cache)  # [B, V]
+    plan = Plan(ids, tokens, mask, logprobs, entropy, [], texts)
+    plan.texts = [policy.plan_text(row) for row in plan.token_lists(end)]
+    return plan
+
+
+def plan_logprobs(logits: torch.Tensor, plan: Plan, params: PlanParams, with_entropy: bool = False):
+    """Log-probs `[B, T]` of the plan's tokens from teacher-forced plan logits `[B, T', V]` (T' <= T: the batch's
+    longest plan), 0 outside its mask, with the settings it was sampled with (`with_entropy`: and entropies)."""
+    used = logits.shape[1]
+    picked = token_logprobs(logits, None, plan.tokens[:, :used], params.distribution, with_entropy)
+    outs = picked if with_entropy else (picked,)
+    mask = plan.mask
+    padded = [torch.cat([x, x.new_zeros(x.shape[0], mask.shape[1] - used)], 1).masked_fill(~mask, 0.0) for x in outs]
+    return tuple(padded) if with_entropy else padded[0]
+
+
+def plan_width(plan: Plan) -> int:
+    """The teacher-forced plan positions a batch needs: up to its longest plan's end token."""
+    seen = plan.mask.any(0).nonzero()
+    return int(seen[-1]) + 1 if len(seen) else 1
+
+
 def sample_batched(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int], params: SamplingParams,
                    batch_size: int) -> Rollout:
     """`sample` in chunks of `batch_size` rows (the results do not depend on the chunking)."""
@@ -300,12 +419,16 @@ def sample_batched(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int]
 
 
 def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor,
-                      params: SamplingParams, with_entropy: bool = False):
+                      params: SamplingParams, with_entropy: bool = False, plan: Plan | None = None):
     """Teacher-forced log-probs `[B, N]` of `tokens` `[B, N]`, with gradients, in one forward pass
     (`with_entropy`: and each position's entropy `[B, N]`, the entropy bonus's and STAGE's).
 
-    Equal to `sample(...).logprobs` for the same policy weights (a test checks ratio == 1).
+    Equal to `sample(...).logprobs` for the same policy weights (a test checks ratio == 1). With the rows' `plan`:
+    `[B, T + N]`, the plan's log-probs (`plan_logprobs`, 0 after its end) before the image's, from one call of the
+    module (`forward(cond, tokens, plan)`), so that DDP's and FSDP's hooks see one forward for both segments.
     """
+    if plan is not None:
+        return _planned_logprobs(policy, cond, tokens, params, with_entropy, plan)
     B = cond.shape[0]
     # the policy is called (its forward is image_logits), so that a DDP or FSDP wrapper's hooks run
     if params.guided and params.logprob_mode == "guided":
@@ -317,6 +440,25 @@ def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Ten
     return token_logprobs(c, un, tokens, params, with_entropy)  # [B, N]
 
 
+def _planned_logprobs(policy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams, with_entropy: bool,
+                      plan: Plan):
+    """`sequence_logprobs` of rows with a plan: `[B, T + N]` (and entropies)."""
+    B, width = cond.shape[0], plan_width(plan)
+    short = dataclasses.replace(plan, tokens=plan.tokens[:, :width])  # the forward stops at the longest plan's end
+    guided = params.guided and params.logprob_mode == "guided"
+    if guided:
+        null = getattr(policy, "module", policy).null_condition(cond)
+        logits, text = policy(torch.cat([cond, null]), tokens.repeat(2, 1), short)  # [2B, N, K], [B, T', V]
+        c, un = logits[:B], logits[B:]
+    else:
+        (c, text), un = policy(cond, tokens, short), None
+    image = token_logprobs(c, un, tokens, params, with_entropy)
+    planned = plan_logprobs(text.float(), plan, params.plan, with_entropy)
+    if not with_entropy:
+        return torch.cat([planned, image], 1)  # [B, T + N]
+    return torch.cat([planned[0], image[0]], 1), torch.cat([planned[1], image[1]], 1)
+
+
 def micro_batches(rows: int | torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
     """Row indices in consecutive chunks of `size`: of `range(rows)`, or of the given index tensor (an
     update's shuffled minibatch). The one way every pass over a step's sequences splits them."""
@@ -326,10 +468,11 @@ def micro_batches(rows: int | torch.Tensor, size: int) -> tuple[torch.Tensor, ..
 
 @torch.no_grad()
 def batched_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                     micro_batch: int, with_entropy: bool = False):
+                     micro_batch: int, with_entropy: bool = False, plan: Plan | None = None):
     """`sequence_logprobs` without gradients, `micro_batch` rows a forward pass: `[B, N]` (the old and
-    the reference log-probs of a step; `with_entropy`: and the entropies `[B, N]`)."""
-    parts = [sequence_logprobs(policy, cond[idx], tokens[idx], params, with_entropy)
+    the reference log-probs of a step; `with_entropy`: and the entropies `[B, N]`; with a `plan`, `[B, T + N]`)."""
+    parts = [sequence_logprobs(policy, cond[idx], tokens[idx], params, with_entropy,
+                               None if plan is None else plan[idx])
              for idx in micro_batches(cond.shape[0], micro_batch)]
     if not with_entropy:
         return torch.cat(parts)

@@ -187,8 +187,8 @@ def measure(st: RunState, samples: Samples) -> Measured:
         if plan.entropies:  # STAGE's entropy reward: both models' entropies of the distribution the ratio uses
             _, entropy = batched_logprobs(policy, cond, tokens, params, plan.micro_batch, with_entropy=True)
             ref, ref_entropy = st.reference.logprobs(policy, cond, tokens, params, plan.micro_batch, with_entropy=True)
-        else:
-            ref = reference_logprobs(policy, st.reference, cond, tokens, params, plan)
+        else:  # with a plan: both segments, the KL's too
+            ref = reference_logprobs(policy, st.reference, cond, tokens, params, plan, samples.rollout.plan)
         if plan.token_weighting == "guidance_contrastive":
             contrast = contrast_logprobs(policy, cond, tokens, params, plan.micro_batch)
     return Measured(old, ref, entropy, ref_entropy, contrast)
@@ -209,16 +209,25 @@ def update_batch(st: RunState, samples: StepSamples, measured: Measured, advanta
     """The update's inputs: the tokens that carry the policy term and each token's policy and KL weights
     (train.token_weighting), without the groups train.zero_std_groups=drop leaves out; and how many it left out."""
     plan, acc, tokens = st.plan, st.acc, samples.rollout.tokens
+    if samples.rollout.plan is not None:  # config refuses the token weightings and entropy quantile with a plan
+        batch = UpdateBatch.planned(samples.cond, samples.rollout, measured.old, measured.ref,
+                                    advantages.to(acc.device), plan.plan_weight)
+        return _drop_flat(batch, plan, total, samples)
     keep = policy_tokens(samples.rollout.entropy, plan.policy_quantile, acc)
     batch = UpdateBatch(samples.cond, tokens, samples.rollout.logprobs, measured.old, measured.ref,
                         advantages.to(acc.device), keep, dynamic_weight=plan.token_weighting == "critical")
     with torch.no_grad():
         batch.policy_weight, batch.kl_weight = token_weights(plan, st.policy, st.bundle.tokenizer, batch,
                                                              samples.rollout.entropy, measured.contrast)
+    return _drop_flat(batch, plan, total, samples)
+
+
+def _drop_flat(batch: UpdateBatch, plan, total: torch.Tensor, samples: StepSamples) -> tuple[UpdateBatch, int]:
+    """train.zero_std_groups=drop: the batch without the groups whose reward did not vary, and how many."""
     if not plan.drop_flat_groups:
         return batch, 0
     spread = informative_groups(total[samples.rows], plan.group_size)  # [groups here] (one process: set-up)
-    return batch.rows(spread.repeat_interleave(plan.group_size).to(tokens.device)), int((~spread).sum())
+    return batch.rows(spread.repeat_interleave(plan.group_size).to(batch.tokens.device)), int((~spread).sum())
 
 
 def update_step(st: RunState, cfg: Config, step: int, batch: UpdateBatch) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes
 from grpo_vision.models.adapters import add_adapter, merge_setting, merged_bytes
-from grpo_vision.policy import Bundle, check_weighting_hooks, load_bundle
+from grpo_vision.policy import Bundle, check_planning, check_weighting_hooks, load_bundle
 from grpo_vision.rewards import CompositeReward
 from grpo_vision.run.checkpoint import Resumed, base_identity, latest_checkpoint, load_training_state, resume_weights
 from grpo_vision.run.distributed import load_optimizer_state, prepare
@@ -57,6 +57,8 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
     before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
     bundle, policy = load_policy(cfg, acc, params, given_bundle)  # the kind's files, its adapter
     check_weighting_hooks(cfg.train.token_weighting, cfg.policy.kind, bundle.policy, bundle.tokenizer)
+    if cfg.sample.plan.enabled:
+        check_planning(bundle.policy, cfg.policy.kind, cfg.sample.plan.max_tokens)
     if plan.drop_flat_groups and acc.num_processes > 1:  # each process would make a different number of updates
         raise ConfigError(f"train.zero_std_groups={cfg.train.zero_std_groups} runs on one process, and this run has "
                           f"{acc.num_processes}: use train.zero_std_groups=keep, or one process")

@@ -29,7 +29,7 @@ from grpo_vision.grpo import (
 )
 from grpo_vision.run.distributed import as_float, process_slice
 from grpo_vision.run.health import NonFiniteWeightsError, RunHealth, weights_finite
-from grpo_vision.sampling import SamplingParams, batched_logprobs, micro_batches, sequence_logprobs
+from grpo_vision.sampling import Plan, SamplingParams, batched_logprobs, micro_batches, sequence_logprobs
 from grpo_vision.seeds import PASS_ORDER, step_seed
 
 
@@ -51,6 +51,7 @@ class UpdatePlan:
     guidance_shares: tuple[float, float] = (0.8, 0.4)  # guidance_contrastive: (top_share, top_fraction)
     stage_entropy_scale: float = 0.0  # stage: the entropy reward's scale (0: off)
     drop_flat_groups: bool = False  # train.zero_std_groups drop or resample: groups without spread leave the update
+    plan_weight: float = 1.0  # train.plan_weight: what a plan token counts against an image token in the token mean
 
     @classmethod
     def from_config(cls, cfg) -> "UpdatePlan":
@@ -64,7 +65,7 @@ class UpdatePlan:
                    t.top_entropy_quantile, cfg.sample.mixed_precision != "no", t.token_weighting,
                    cfg.sample.group_size, t.critical_fraction, (t.guidance_top_share, t.guidance_top_fraction),
                    t.stage_entropy_reward_scale if t.token_weighting == "stage" else 0.0,
-                   t.zero_std_groups in ("drop", "resample"))
+                   t.zero_std_groups in ("drop", "resample"), t.plan_weight)
 
     @property
     def entropies(self) -> bool:
@@ -97,8 +98,8 @@ class Measured:  # a step's teacher-forced passes, on this process's rows
 
 
 @dataclass
-class UpdateBatch:  # what the update trains on, on this process: n sequences of N tokens
-    cond: torch.Tensor  # [n, L] condition ids
+class UpdateBatch:  # what the update trains on, on this process: n sequences of N tokens (T + N with a plan)
+    cond: torch.Tensor  # [n, L] condition ids (of the prompt and its plan, with a plan)
     tokens: torch.Tensor  # [n, N] sampled image tokens
     sample_logprobs: torch.Tensor  # [n, N] the sampler's own log-probs (the on-policy gauge reads them)
     old_logprobs: torch.Tensor  # [n, N] log-probs the ratio divides by (cached for every pass)
@@ -108,11 +109,23 @@ class UpdateBatch:  # what the update trains on, on this process: n sequences of
     policy_weight: torch.Tensor | None = None  # [n, N] credit.py's weight of each token's policy term (None: 1)
     kl_weight: torch.Tensor | None = None  # [n, N] its weight of each token's KL (None: 1)
     dynamic_weight: bool = False  # GCPO: each token's surrogate times credit.dynamic_advantage_weight
+    text: Plan | None = None  # the rows' text plans (sample.plan): the per-token tensors above are then [n, T + N]
+    count: torch.Tensor | None = None  # [n, T + N] how much each token counts (grpo.TokenWeights.count), with a plan
 
     def rows(self, keep: torch.Tensor) -> "UpdateBatch":
         """The batch of the rows `keep` ([n] bool) only."""
-        pick = {k: (v[keep] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        pick = {k: (v[keep] if isinstance(v, (torch.Tensor, Plan)) else v) for k, v in vars(self).items()}
         return UpdateBatch(**pick)
+
+    @classmethod
+    def planned(cls, cond: torch.Tensor, rollout, old: torch.Tensor, ref: torch.Tensor | None,
+                advantages: torch.Tensor, plan_weight: float) -> "UpdateBatch":
+        """The batch of rollouts with a text plan: each row's plan tokens (to its end) then its image tokens, one
+        advantage for both, the plan's tokens counting `plan_weight` each and its padding nothing."""
+        plan = rollout.plan
+        count = torch.cat([plan.mask.float() * plan_weight, torch.ones_like(rollout.logprobs)], 1)  # [n, T + N]
+        return cls(cond, rollout.tokens, torch.cat([plan.logprobs, rollout.logprobs], 1), old, ref, advantages,
+                   torch.ones_like(count, dtype=torch.bool), text=plan, count=count)
 
 
 def token_weights(plan: UpdatePlan, policy, tokenizer, batch: UpdateBatch, entropy: torch.Tensor,
@@ -180,24 +193,27 @@ class Learner:  # what an update changes, and what watches it
 
 
 def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int, recompute: bool = False) -> torch.Tensor:
-    """The rollout's own log-probs, or, under mixed precision (or `recompute`: rollouts in another precision
-    than the update's), a teacher-forced pass with the same autocast as the update, so that the first pass's
-    ratio is exactly 1 (as TRL does)."""
+    """The rollout's own log-probs (`[n, T + N]` with a plan: its plan's, then its image's), or, under mixed
+    precision (or `recompute`: rollouts in another precision than the update's), a teacher-forced pass with the
+    same autocast as the update, so that the first pass's ratio is exactly 1 (as TRL does)."""
     if acc.mixed_precision == "no" and not recompute:
-        return rollout.logprobs
+        return rollout.logprobs if rollout.plan is None else torch.cat([rollout.plan.logprobs, rollout.logprobs], 1)
     with acc.autocast():
-        return batched_logprobs(policy, cond, rollout.tokens, params, micro)
+        return batched_logprobs(policy, cond, rollout.tokens, params, micro, plan=rollout.plan)
 
 
 def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams,
-                       plan: UpdatePlan) -> torch.Tensor | None:
-    """Reference log-probs `[n, N]` (None without a reference); with beta 0 and `kl_metric_sequences`, only
-    the first rows are computed (the KL is only logged) and the others are NaN, meaning "not measured"."""
+                       plan: UpdatePlan, text: Plan | None = None) -> torch.Tensor | None:
+    """Reference log-probs `[n, N]` (`[n, T + N]` with the rows' `text` plans; None without a reference); with beta
+    0 and `kl_metric_sequences`, only the first rows are computed (the KL is only logged) and the others are NaN,
+    meaning "not measured"."""
     n = cond.shape[0]
     measured = plan.measured_rows(n)
     if not measured:
         return None
-    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, plan.micro_batch)
+    rows = torch.arange(measured)
+    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, plan.micro_batch,
+                             text=None if text is None else text[rows])
     if measured == n:
         return ref
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
@@ -245,7 +261,9 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
     # process), and with token weights its weight sum, so that the summed micro-batch losses make one mean; DDP
     # then averages the processes' gradients, so each divides by its share (TRL: num_items_in_batch / num_processes)
     summed, seqs, total = p.loss_type in ("dapo", "cispo"), None, None
-    if summed:
+    if summed and batch.count is not None:  # with a plan: the tokens that count, in sequences of T + N
+        seqs = acc.reduce(batch.count[rows].sum().float().to(acc.device), "sum") / acc.num_processes / batch.count.shape[1]
+    elif summed:
         seqs = acc.reduce(torch.full((), float(len(rows)), device=acc.device), "sum") / acc.num_processes
         if batch.policy_weight is not None:
             total = acc.reduce(batch.policy_weight[rows].sum().float(), "sum") / acc.num_processes + 1e-6
@@ -254,21 +272,24 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
         # no_sync too, since that is where DDP arms the reduction
         with nullcontext() if j == len(chunks) - 1 else acc.no_sync(learner.model):
             entropy = None
+            text = None if batch.text is None else batch.text[idx]
             with acc.autocast():
                 if plan.loss.entropy_coef > 0 or learner.entropy is not None:  # the bonus: entropies with gradient
                     logp, entropy = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params,
                                                       with_entropy=True)  # [m, N] each
-                else:
-                    logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params)  # [m, N]
+                else:  # [m, N], or [m, T + N] with a plan
+                    logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params, plan=text)
             ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
             dynamic = credit.dynamic_advantage_weight(logp.float(), ref) if batch.dynamic_weight else None  # [m, N]
+            count = _pick(batch.count, idx)
             weights = TokenWeights(batch.policy_mask[idx], _pick(batch.policy_weight, idx),
-                                   _pick(batch.kl_weight, idx), dynamic, total)
+                                   _pick(batch.kl_weight, idx), dynamic, total, count)
             loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if plan.kl_in_loss else None,
                                 batch.advantages[idx], p, weights, entropy, seqs)
             if entropy is not None:
                 entropies.append(m["entropy"])
-            stats.add_tokens(logp.detach().float(), ref, batch.sample_logprobs[idx] if gauge else None)
+            stats.add_tokens(logp.detach().float(), ref, batch.sample_logprobs[idx] if gauge else None,
+                             None if count is None else count > 0)
             acc.backward(loss if summed else loss / len(chunks))
         # a dapo / cispo micro-batch holds its share of the minibatch's loss: log the whole
         stats.add_losses({"loss": loss, **m}, share=len(chunks) if summed else 1)
@@ -317,17 +338,20 @@ class UpdateStats:
         self.grad_norm = 0.0  # the last optimizer update's
         self.kl_measured = False  # the batch had reference log-probs
 
-    def add_tokens(self, logp: torch.Tensor, ref: torch.Tensor | None, sampled: torch.Tensor | None) -> None:
+    def add_tokens(self, logp: torch.Tensor, ref: torch.Tensor | None, sampled: torch.Tensor | None,
+                   present: torch.Tensor | None = None) -> None:
         """A micro-batch's detached log-probs `[m, N]`: the KL where the reference was measured, and
-        the drift from the sampler's log-probs `sampled` when given."""
+        the drift from the sampler's log-probs `sampled` when given; `present` `[m, N]`: the tokens that exist
+        (a plan's padding does not), over which both are token means."""
+        present = torch.ones_like(logp, dtype=torch.bool) if present is None else present
         if ref is not None:
             self.kl_measured = True
-            seen = ~ref.isnan()  # [m, N]
+            seen = ~ref.isnan() & present  # [m, N]
             self.kl_sum += (k3_kl(logp, ref.nan_to_num()) * seen).sum()
             self.kl_tokens += seen.sum()
         if sampled is not None:
-            self.drift_sum += (logp - sampled).abs().sum()
-            self.drift_tokens += logp.numel()
+            self.drift_sum += ((logp - sampled).abs() * present).sum()
+            self.drift_tokens += present.sum()
 
     def add_losses(self, values: dict[str, torch.Tensor], share: int) -> None:
         """A micro-batch's loss metrics (0-d), added on the device without reading them; its loss and policy loss
