@@ -185,6 +185,12 @@ def summarize(paired: Paired, judge: Judge | None = None) -> dict:
         diffs = paired_differences(paired.policy.verdicts, paired.reference.verdicts, keys)
         result["judge_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
         result["judge_difference_ci_per_image"] = {k: interval(d) for k, d in diffs.items()}
+    if paired.policy.plan_verdicts and paired.reference.plan_verdicts:  # the plans against their prompts
+        for name, scored in sides.items():
+            result["models"][name]["plan_judge"] = judge_tables(judge, None, prompts, scored.plan_verdicts)[0]
+        keys = list(result["models"]["policy"]["plan_judge"] or [])
+        diffs = paired_differences(paired.policy.plan_verdicts, paired.reference.plan_verdicts, keys)
+        result["plan_judge_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
     return result
 
 

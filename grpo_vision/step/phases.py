@@ -17,7 +17,7 @@ from grpo_vision.config import Config
 from grpo_vision.grpo import frac_zero_std, group_std, informative_groups, normalize_then_sum
 from grpo_vision.models.adapters import merged_adapter
 from grpo_vision.prompts import PromptEntry
-from grpo_vision.rollouts import Samples, Scored, draw, repeat, score, verdict_rates
+from grpo_vision.rollouts import Samples, Scored, draw, group_diversity, plan_texts, repeat, score, verdict_rates
 from grpo_vision.run.distributed import full_state_dict, full_weights, gather, process_slice
 from grpo_vision.run.folder import resume_command
 from grpo_vision.run.health import TrainingHealthError
@@ -92,14 +92,15 @@ def draw_step(st: RunState, cfg: Config, entries: list[PromptEntry], seeds: list
 def score_step(st: RunState, cfg: Config, samples: Samples) -> Scored:
     """Every reward on this process's images, gathered from every process (in group order), and the policy
     kind's judge on them (with log.judge_rollouts; the verdicts stay this process's)."""
-    local = score(st.rewards, samples.images, samples.entries, st.bundle.judge if cfg.log.judge_rollouts else None)
+    local = score(st.rewards, samples.images, samples.entries, st.bundle.judge if cfg.log.judge_rollouts else None,
+                  plans=plan_texts(samples))
     total = gather(st.acc, local.total)  # [B*G]
     raw = {k: gather(st.acc, v) for k, v in local.raw.items()}
     weights = {k: gather(st.acc, v) for k, v in local.weights.items()}
     if cfg.reward.combine == "normalize_then_sum":
         total = normalize_then_sum(torch.stack([raw[k] for k in st.rewards.names], 1),
                                    torch.stack([weights[k] for k in st.rewards.names], 1), cfg.sample.group_size)
-    return Scored(total, raw, weights, local.reasons, local.verdicts)
+    return Scored(total, raw, weights, local.reasons, local.verdicts, plan_verdicts=local.plan_verdicts)
 
 
 def refill_flat_groups(st: RunState, cfg: Config, step: int, samples: StepSamples, scored: Scored,
@@ -270,6 +271,7 @@ def step_metrics(st: RunState, cfg: Config, samples: StepSamples, scored: Scored
     judged = verdict_rates(scored.verdicts, ["correct", *judge.attributes]) if judge is not None else {}
     metrics |= {f"judge/{k}": nanmean(v) for k, v in ((k, gather(acc, v)) for k, v in judged.items())
                 if not v.isnan().all()}
+    metrics |= plan_metrics(st, judge, samples, scored, G)
     tokens = samples.rollout.tokens.numel() + (refill.groups if refill else 0) * G * samples.rollout.tokens.shape[1]
     return metrics | {
         "reward/total/mean": nanmean(scored.total), "reward/total/std": nanstd(scored.total),
@@ -284,6 +286,25 @@ def step_metrics(st: RunState, cfg: Config, samples: StepSamples, scored: Scored
         "perf/memory_estimate_gib": st.memory_estimate / 2**30,
         "lr": st.learner.scheduler.get_last_lr()[0],
     }
+
+
+def plan_metrics(st: RunState, judge, samples: StepSamples, scored: Scored, G: int) -> dict:
+    """Each group's diversity (`diversity/image_tokens`: the mean share of token positions where two of its images
+    differ); with a text stage, the plans' length in tokens, the share of distinct plans in a group, and the judge's
+    rates on the plans against their prompts (`plan/<attribute>`)."""
+    acc = st.acc
+    metrics = {"diversity/image_tokens": nanmean(gather(acc, group_diversity(samples.rollout.tokens, G).to(acc.device)))}
+    plan = samples.rollout.plan
+    if plan is None:
+        return metrics
+    distinct = torch.tensor([len(set(plan.texts[i:i + G])) / G for i in range(0, len(plan.texts), G)])
+    metrics |= {"plan/length": nanmean(gather(acc, plan.mask.sum(1).float())),
+                "diversity/plans": nanmean(gather(acc, distinct.to(acc.device)))}
+    if judge is not None and scored.plan_verdicts:
+        rates = verdict_rates(scored.plan_verdicts, ["correct", *judge.attributes])
+        metrics |= {f"plan/{k}": nanmean(v) for k, v in ((k, gather(acc, v)) for k, v in rates.items())
+                    if not v.isnan().all()}
+    return metrics
 
 
 # ---------------------------------------------------------------------------- why a run stops after a step

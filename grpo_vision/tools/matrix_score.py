@@ -33,7 +33,9 @@ from grpo_vision.policy import load_bundle
 from grpo_vision.splits import prompt_lists
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.rewards import CompositeReward
-from grpo_vision.rollouts import EVAL_SEED, decode_images, draw, eval_seeds, kl_to, repeat, score, verdict_rates
+from grpo_vision.rollouts import (
+    EVAL_SEED, decode_images, draw, eval_seeds, kl_to, plan_texts, repeat, score, verdict_rates,
+)
 STRIP_PROMPTS = 8  # prompts in a run's sample strip: image 0 of each of the first test prompts
 
 
@@ -87,7 +89,7 @@ class Scorer:
         for set_name, entries in self.sets.items():
             samples = draw(model, self.bundle.tokenizer, repeat(entries, self.n), eval_seeds(len(entries), self.n),
                            self.params, self.batch_size)
-            scored = score(self.rewards, samples.images, samples.entries, self.bundle.judge)
+            scored = score(self.rewards, samples.images, samples.entries, self.bundle.judge, plans=plan_texts(samples))
             kl = kl_to(self.base, samples, self.params, self.batch_size)  # grpo.k3_kl, as training logs it
             sampled[set_name] = samples.rollout.tokens.cpu()
             emb = self.embed(samples.images).reshape(len(entries), self.n, -1)
@@ -95,6 +97,12 @@ class Scorer:
             keys = ["correct", *self.bundle.judge.attributes] if verdicts else []
             judge = {} if not verdicts or any(v is None for v in verdicts) else {
                 a: _floats(rates) for a, rates in verdict_rates(verdicts, keys).items()}
+            if judge:  # all right per prompt form (judge/correct_<form>: NaN on the other forms' images)
+                forms = [self.bundle.judge.form(e.prompt) for e in samples.entries]
+                judge |= {f"correct_{f}": [c if g == f else None for c, g in zip(judge["correct"], forms)]
+                          for f in self.bundle.judge.forms}
+            if judge and scored.plan_verdicts:  # the plans against their prompts, as judge/plan_<attribute>
+                judge |= {f"plan_{a}": _floats(rates) for a, rates in verdict_rates(scored.plan_verdicts, keys).items()}
             out[set_name] = {"rewards": {k: _floats(v) for k, v in scored.raw.items()}, "judge": judge,
                              "entropy": _floats(samples.rollout.entropy.mean(1)), "kl": _floats(kl),
                              "diversity": _floats(pairwise_distance(emb))}

@@ -214,8 +214,10 @@ def test_two_planned_steps_train_the_plan_and_log_the_drift_of_both_segments(mic
     bundle.policy = LlamaImagePolicy(dataclasses.replace(base, plan_words=PLAN_WORDS, max_plan_tokens=4))
     start = bundle.policy.lm_head.weight[base.plan_offset + 1:].detach().clone()
     run = train(cfg, progress=False, bundle=bundle)
-    rows = load_metrics(run / "metrics.jsonl")
+    rows = load_metrics(run)
     assert len(rows) == cfg.train.steps
     assert all(r["rollout/logp_drift"] < 1e-4 and math.isfinite(r["loss/total"]) for r in rows)
+    assert all(0 < r["plan/length"] <= 4 and 0 < r["diversity/plans"] <= 1 and r["loss/kl"] >= 0 for r in rows)
+    assert rows[-1]["loss/kl"] > 0  # after the first update the KL sees both segments move
     moved = (bundle.policy.lm_head.weight[base.plan_offset + 1:].detach() - start).abs().max()
     assert moved > 0
