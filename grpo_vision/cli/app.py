@@ -147,7 +147,7 @@ def cmd_matrix(args) -> None:
         betas = None if args.kl is None else _items(args.kl, float, "--kl")  # None: the config's train.beta
         result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"), betas,
                             _items(args.seeds, int, "--seeds"), Path(args.out), args.jobs, args.images, command,
-                            args.variant)
+                            args.variant, Path(args.against) if args.against else None)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the runs in training saved a checkpoint first
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"[matrix] stopped by {signal.Signals(signum).name}; continue with: {command} (finished runs and "
@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. --variant base: --variant stage:train.token_weighting=stage")
     p.add_argument("--jobs", type=positive_int, default=1, help="runs trained at once (CPU cores are split among them)")
     p.add_argument("--images", type=positive_int, default=None, help="images per eval prompt (default log.eval_images)")
+    p.add_argument("--against", default=None, metavar="OUT",
+                   help="another matrix's --out, scored on the same prompts (e.g. the same runs without a text plan, "
+                        "which samples differently): each run minus that matrix's run of the same reward, KL and seed")
     p.set_defaults(func=cmd_matrix)
 
     p = sub.add_parser("demo", help="Gradio app: two checkpoints (or the reference) side by side on the same seeds")

@@ -249,7 +249,7 @@ def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path
 
 def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float] | None, seeds: list[int],
                out: Path, jobs: int = 1, images: int | None = None, command: str = "",
-               variants: list[str] = ()) -> dict:
+               variants: list[str] = (), against: Path | None = None) -> dict:
     """Train every run (reusing and resuming), score them and the reference, write the outputs.
     Interrupted (a KeyboardInterrupt) after SIGINT or SIGTERM, once the runs in training have stopped."""
     stop = PassOn()  # from here on a signal ends in Interrupted: at once, or once the runs in training stopped
@@ -264,7 +264,7 @@ def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: lis
         lock = OutLock(out)
         try:
             results = train_all(config, overrides, specs, out, jobs, stop)
-            return score_and_write(cfg, config, overrides, specs, results, out, images, command)
+            return score_and_write(cfg, config, overrides, specs, results, out, images, command, against)
         finally:
             lock.release()
     finally:
@@ -272,7 +272,7 @@ def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: lis
 
 
 def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[RunSpec], results: list[RunResult],
-                    out: Path, images: int | None, command: str) -> dict:
+                    out: Path, images: int | None, command: str, against: Path | None = None) -> dict:
     """Score the reference and every run that trained, then write matrix.json, matrix.md and matrix.png."""
     from grpo_vision.tools.matrix_report import write_outputs
     from grpo_vision.tools.matrix_score import Scorer, against_baseline, pool_seeds, score_runs
@@ -293,12 +293,50 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
               for (reward, beta), group in groups.items() if len(group) > 1]
     compared = compare_variants(specs, runs, lambda base, other: against_baseline(
         scorer, [raw[r["name"]] for r in base], [raw[r["name"]] for r in other]))
+    if against is not None:
+        compared += compare_matrices(scorer, against, runs, raw)
     header = {"command": command or f"grpo-vision matrix {config}", "config": config, "overrides": overrides,
               "steps": cfg.train.steps, "images_per_prompt": scorer.n, "temperature": scorer.params.temperature,
               "embedding": scorer.embedding, "sets": {k: [e.prompt for e in v] for k, v in scorer.sets.items()},
               "captions": {k: len(set(v)) for k, v in scorer.captions.items()}}
     write_outputs(out, header, reference, runs, [e.prompt for e in scorer.sets["test"]], pooled, compared)
     return {"reference": reference, "runs": runs, "pooled": pooled, "compared": compared}
+
+
+def compare_matrices(scorer, other: Path, runs: list[dict], raw: dict) -> list[dict]:
+    """`--against OTHER`: this matrix's runs minus OTHER's runs of the same name (reward, KL, seed, variant), paired
+    per image and per seed (matrix_score.against_baseline), and this reference minus OTHER's: what a change of
+    sampling (a text plan, say) does, which one matrix cannot show, since it scores all its runs alike. OTHER must
+    have scored the same prompts."""
+    from grpo_vision.tools.matrix_score import against_baseline
+
+    try:
+        header = json.loads((other / "matrix.json").read_text())
+    except (OSError, ValueError):
+        raise ConfigError(f"--against {other}: no readable matrix.json there; give another matrix's --out") from None
+    if header.get("sets") != {k: [e.prompt for e in v] for k, v in scorer.sets.items()}:
+        raise ConfigError(f"--against {other}: that matrix scored other prompts; run both on the same config data")
+    if header.get("images_per_prompt") != scorer.n:
+        raise ConfigError(f"--against {other}: that matrix scored {header.get('images_per_prompt')} images per "
+                          f"prompt, this one {scorer.n}; give both the same --images")
+    theirs = {"reference": json.loads((other / "scores" / "reference.json").read_text())}
+    for run in header["runs"]:
+        path = other / "scores" / f"{run['name']}.json"
+        if run.get("summary") is not None and path.is_file():
+            theirs[run["name"]] = json.loads(path.read_text())
+    label = f"{other.name} (--against)"
+    rows = [{"reward": "reference", "beta": 0.0, "variant": "", "baseline": label, "seeds": [],
+             "sets": against_baseline(scorer, [theirs["reference"]], [raw["reference"]])}]
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        if run["summary"] is not None and run["name"] in theirs:
+            groups.setdefault((run["reward"], run["beta"]), []).append(run)
+    for (reward, beta), group in groups.items():
+        rows.append({"reward": reward, "beta": beta, "variant": "", "baseline": label,
+                     "seeds": [r["seed"] for r in group],
+                     "sets": against_baseline(scorer, [theirs[r["name"]] for r in group],
+                                              [raw[r["name"]] for r in group])})
+    return rows
 
 
 def compare_variants(specs: list[RunSpec], runs: list[dict], difference) -> list[dict]:

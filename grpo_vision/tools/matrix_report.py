@@ -91,8 +91,15 @@ def compared_table(set_name: str, reference: dict, compared: list[dict]) -> list
     cols = columns(reference[set_name]) + [k for k in reference[set_name] if k.startswith("judge/")
                                            and k != "judge/correct"]
     names = [c[6:] if c.startswith("judge/") and c != "judge/correct" else c for c in cols]
-    lines = ["", f"Against the baseline variant [{compared[0]['baseline']}] ({set_name} prompts): each variant minus the "
-             "baseline trained with the same reward, KL and seed; the interval resamples captions and seeds:", "",
+    lines = []
+    for baseline in dict.fromkeys(c["baseline"] for c in compared):
+        lines += _compared_rows(set_name, cols, names, [c for c in compared if c["baseline"] == baseline])
+    return lines
+
+
+def _compared_rows(set_name: str, cols: list[str], names: list[str], compared: list[dict]) -> list[str]:
+    lines = ["", f"Against [{compared[0]['baseline']}] ({set_name} prompts): each row minus the baseline's run with the "
+             "same reward, KL and seed; the interval resamples captions and seeds:", "",
              "| variant | KL | seeds | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(cols)]
     for c in compared:
         t = c["sets"][set_name]

@@ -449,3 +449,38 @@ def test_an_interrupted_run_resumes_trusting_only_the_matrixs_own_config(tmp_pat
     with pytest.raises(ConfigError, match="holds a run with another config"):
         matrix.train_one(config, overrides, spec, tmp_path, 1, stop)
     assert len(calls) == 2
+
+
+def test_against_pairs_each_run_with_the_other_matrixs_run_of_the_same_name(tmp_path):
+    """`--against OTHER`: the reference minus OTHER's reference, and each run minus OTHER's run of the same name,
+    seed by seed; OTHER must have scored the same prompts and images per prompt."""
+    from types import SimpleNamespace
+
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.tools.matrix import compare_matrices
+    from grpo_vision.tools.matrix_report import compared_table
+
+    def scores(clip):
+        return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {"correct": [0.0, 1.0, 1.0, 0.0]},
+                                  "diversity": [0.5] * 2, "entropy": [1.0] * 4, "kl": [0.0] * 4}}}
+
+    scorer = SimpleNamespace(captions={"test": ["a", "b"]}, strata={"test": [None] * 2}, n=2,
+                             sets={"test": [PromptEntry("a"), PromptEntry("b")]})
+    other = tmp_path / "without_plan"
+    (other / "scores").mkdir(parents=True)
+    runs = [{"name": f"clip-kl0-s{s}", "reward": "clip", "beta": 0.0, "seed": s, "summary": {}} for s in (0, 1)]
+    (other / "matrix.json").write_text(json.dumps({"sets": {"test": ["a", "b"]}, "images_per_prompt": 2,
+                                                   "runs": runs}))
+    for name, clip in (("reference", 0.1), ("clip-kl0-s0", 0.2), ("clip-kl0-s1", 0.3)):
+        (other / "scores" / f"{name}.json").write_text(json.dumps(scores([clip] * 4)))
+    ours = {"reference": scores([0.2] * 4), "clip-kl0-s0": scores([0.5] * 4), "clip-kl0-s1": scores([0.4] * 4)}
+    rows = compare_matrices(scorer, other, runs, ours)
+    assert [(r["reward"], r["seeds"]) for r in rows] == [("reference", []), ("clip", [0, 1])]
+    assert rows[0]["sets"]["test"]["clip"]["mean"] == pytest.approx(0.1)
+    assert rows[1]["sets"]["test"]["clip"]["mean"] == pytest.approx(0.2)  # (0.3 + 0.1) / 2, paired by seed
+    assert rows[1]["sets"]["test"]["clip"]["ci95"] == pytest.approx([0.1, 0.3])
+    reference = {"test": {"clip": {}, "judge/correct": {}, "diversity": {}, "entropy": {}, "kl": {}}}
+    assert any(line.startswith("Against [without_plan (--against)]") for line in compared_table("test", reference, rows))
+    (other / "matrix.json").write_text(json.dumps({"sets": {"test": ["a", "c"]}, "images_per_prompt": 2, "runs": runs}))
+    with pytest.raises(ConfigError, match="--against .* scored other prompts"):
+        compare_matrices(scorer, other, runs, ours)
