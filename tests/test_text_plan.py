@@ -221,3 +221,26 @@ def test_two_planned_steps_train_the_plan_and_log_the_drift_of_both_segments(mic
     assert rows[-1]["loss/kl"] > 0  # after the first update the KL sees both segments move
     moved = (bundle.policy.lm_head.weight[base.plan_offset + 1:].detach() - start).abs().max()
     assert moved > 0
+
+
+def test_a_planning_policy_exports_to_transformers_and_its_plan_logits_survive(planner, tmp_path):
+    """The export's LlamaForCausalLM, loaded by transformers, gives the plan rows of its logits that plan_logits
+    gives, and its tokenizer names every id (the plan block included); LlamaImagePolicy reads the export back."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_vision.models.llama_hf import export
+
+    export(planner, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = planner.encode_plan_prompts(["a red circle"])
+    plan = torch.tensor([[1, 5, 0]])
+    seq = torch.cat([ids, plan[:, :-1] + planner.cfg.plan_offset + 1], 1)
+    with torch.no_grad():
+        full = hf(seq).logits[:, ids.shape[1] - 1:]  # [1, T, vocab]
+        ours = planner.plan_logits(ids, plan)
+    start = planner.cfg.plan_offset + 1
+    torch.testing.assert_close(full[..., start:start + planner.plan_vocab_size], ours, atol=1e-5, rtol=0)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == planner.cfg.vocab_size and tok.convert_ids_to_tokens(start + 5) == "<plan_c0>"
+    back = LlamaImagePolicy.from_pretrained(tmp_path)
+    assert back.cfg.plan_words == PLAN_WORDS and torch.equal(back.plan_logits(ids, plan), ours)
