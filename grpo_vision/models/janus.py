@@ -24,6 +24,14 @@ compares them step by step in float32). Only the generation path trains: the und
 `aligner`), the VQ model and the text embedding table (tied to the text `lm_head`) are frozen, which
 also keeps them out of checkpoints and the optimizer. `lora_scope` confines LoRA adapters to the
 language model (its projections share names with the SigLIP tower's).
+
+A text plan before the image (`policy.PlanningPolicy`, T2I-R1's two-stage rollout, arXiv 2505.00703,
+CaraJ7/T2I-R1 `grpo_trainer.py`): the text stage reads T2I-R1's system prompt and the templated prompt in
+Janus's chat format and writes the plan with the text `lm_head`, through the same prefill and decode step as
+the image (`_prefill`, `_step`); the image stage reads a fresh conversation `"{prompt}. {plan}"`, encoded as any
+caption is. T2I-R1 trains the backbone and the text `lm_head` and freezes `gen_*`; here the text head stays frozen
+(tied to the frozen embedding table) and `generation_*` train, as without a plan: a plan token's gradient
+reaches the backbone through the frozen head.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ from grpo_vision.run.load_checks import dtype_argument
 
 NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
 SFT_FORMAT = "<|User|>: {}\n\n<|Assistant|>:"  # Janus's "deepseek" SFT template, empty system prompt
+# The text stage's system prompt (T2I-R1 `grpo_trainer.py` L428-433), written before the user turn as Janus's
+# "deepseek" conversation writes one: system prompt, "\n\n", then the turns (janus/utils/conversation.py)
+PLAN_SYSTEM_PROMPT = ("You are a helpful assistant that receives an image prompt and generate a visualization of the "
+                      "prompt.")
 
 
 @dataclass
@@ -52,6 +64,7 @@ class JanusCache:
     valid: torch.Tensor | None = None  # [B, L + N] True where a key may be attended (False at left padding)
     pos: int = 0  # positions written (a Python int: reading a device counter would sync the GPU)
     position: torch.Tensor | None = None  # a static cache's next position, on the device
+    room: int = 0  # N: the tokens decoded after the input, num_image_tokens or a plan's max_tokens
 
 
 class JanusImagePolicy(nn.Module):
@@ -109,30 +122,30 @@ class JanusImagePolicy(nn.Module):
                     codebook=self.codebook_size, kv_bytes=kv_bytes)
 
     def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
-        texts = []
-        for prompt in prompts:
-            if not prompt.strip():
-                raise ValueError("empty prompt")
-            if self.processor.chat_template is None:  # a processor saved without a template
-                texts.append(SFT_FORMAT.format(prompt.strip()))
-            else:
-                chat = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
-                texts.append(self.processor.apply_chat_template(chat, add_generation_prompt=True))
+        texts = [self._user_turn(prompt) for prompt in prompts]
         # generation_mode="image" appends <begin_of_image>; the processor pads on the left.
         enc = self.processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
-        cond = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, NO_TOKEN)  # [B, L]
-        return cond.to(self.model.device)
+        return self._condition(enc)  # [B, L]
 
     def null_condition(self, cond: torch.Tensor) -> torch.Tensor:
         keep = (cond == self.bos_id) | (cond == self.boi_id) | (cond == NO_TOKEN)  # [B, L]
         return cond.masked_fill(~keep, self.pad_id)  # [B, L]
 
     def new_cache(self, batch_size: int, static: bool = False) -> JanusCache:
-        return JanusCache(static)  # the keys need the condition length, so `prefill` allocates them
+        return JanusCache(static, room=self.num_image_tokens)  # `prefill` allocates the keys: they need L
 
     def prefill(self, cond: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        return self.model.model.generation_head(self._prefill(cond, cache))  # [B, K]
+
+    def decode(self, tokens: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        x = self.model.prepare_embeddings_for_image_generation(tokens.unsqueeze(1))  # [B, 1, D]
+        return self.model.model.generation_head(self._step(x, cache))  # [B, K]
+
+    def _prefill(self, cond: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        """Run `cond` `[B, L]` (NO_TOKEN at padding) through transformers' language model into `cache`, with room
+        for `cache.room` more tokens; return the last position's hidden state `[B, D]` (after the final norm)."""
         ids, mask = self._ids_and_mask(cond)  # [B, L] each
-        (B, L), N = cond.shape, self.num_image_tokens
+        (B, L), N = cond.shape, cache.room
         out = self.model.model.language_model(inputs_embeds=self._embed_text(ids), attention_mask=mask,
                                               use_cache=True)
         layers = _cached_layers(out)  # [(k, v)] each [B, Hkv, L, hd]
@@ -147,16 +160,16 @@ class JanusImagePolicy(nn.Module):
         cache.pos = L
         if cache.position is not None:
             cache.position.fill_(L)
-        return self.model.model.generation_head(out.last_hidden_state[:, -1])  # [B, K]
+        return out.last_hidden_state[:, -1]  # [B, D]
 
-    def decode(self, tokens: torch.Tensor, cache: JanusCache) -> torch.Tensor:
-        """One image token per row through transformers' Llama layers, the same math as their forward
-        (residual, RMSNorm, RoPE, attention, SwiGLU) with the keys and values in `cache`."""
+    def _step(self, x: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        """One input embedding per row `x` `[B, 1, D]` through transformers' Llama layers, the same math as their
+        forward (residual, RMSNorm, RoPE, attention, SwiGLU) with the keys and values in `cache`; returns the
+        hidden state `[B, D]` after the final norm."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        lm, B = self.model.model.language_model, tokens.shape[0]
+        lm, B = self.model.model.language_model, x.shape[0]
         pos, position = cache.pos, cache.position  # position: a static cache's, else None
-        x = self.model.prepare_embeddings_for_image_generation(tokens.unsqueeze(1))  # [B, 1, D]
         at = torch.full((B, 1), pos, device=x.device) if position is None else position.view(1, 1).expand(B, 1)
         cos, sin = lm.rotary_emb(x, at)  # [B, 1, hd] each
         if position is None:
@@ -178,10 +191,14 @@ class JanusImagePolicy(nn.Module):
             cache.pos += 1
         else:
             position.add_(1)
-        return self.model.model.generation_head(lm.norm(x)[:, -1])  # [B, K]
+        return lm.norm(x)[:, -1]  # [B, D]
 
-    def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self.image_logits(cond, tokens)
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan=None):
+        """`image_logits`; with a plan (a `sampling.Plan`: `.ids` `[B, L]`, `.tokens` `[B, T]`), (image logits,
+        plan logits), so that one call of the module (DDP's and FSDP's hooks) gives both segments."""
+        if plan is None:
+            return self.image_logits(cond, tokens)
+        return self.image_logits(cond, tokens), self.plan_logits(plan.ids, plan.tokens)
 
     def gradient_checkpointing_enable(self) -> None:
         if hasattr(self.model, "activation_checkpointing_enable"):  # transformers 5's name for it
@@ -205,7 +222,70 @@ class JanusImagePolicy(nn.Module):
         h = self._language_model(x, mask)  # [B, L+N-1, D]
         return self.model.model.generation_head(h[:, cond.shape[1] - 1:])  # [B, N, K]
 
+    # ------------------------------------------------------------------ PlanningPolicy
+    @property
+    def plan_vocab_size(self) -> int:  # V: the text lm_head's rows, the whole text vocabulary
+        return self.model.lm_head.out_features
+
+    @property
+    def plan_end_id(self) -> int:  # <｜end▁of▁sentence｜> for Janus-Pro: where T2I-R1's generate stops
+        return self.processor.tokenizer.eos_token_id
+
+    def encode_plan_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
+        r"""`<bos>{system}\n\n<|User|>: {prompt}\n\n<|Assistant|>:` `[B, L]`, left padded (NO_TOKEN), T2I-R1's text
+        stage in the model's chat format. The tokenizer encodes it, not the processor: the processor in text mode
+        prepends its own default system prompt where `use_default_system_prompt` is set (transformers' conversion
+        script sets it), and the template renders a system turn as `System: ...` and an end of sentence."""
+        texts = [f"{PLAN_SYSTEM_PROMPT}\n\n{self._user_turn(prompt)}" for prompt in prompts]
+        enc = self.processor.tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
+        return self._condition(enc)  # [B, L]
+
+    def new_plan_cache(self, batch_size: int, max_tokens: int) -> JanusCache:
+        return JanusCache(room=max_tokens)
+
+    def plan_prefill(self, ids: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        return self.model.lm_head(self._prefill(ids, cache)).float()  # [B, V]
+
+    def plan_decode(self, tokens: torch.Tensor, cache: JanusCache) -> torch.Tensor:
+        return self.model.lm_head(self._step(self._embed_text(tokens.unsqueeze(1)), cache)).float()  # [B, V]
+
+    def plan_logits(self, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced `[B, T, V]` float32, with grad: positions L-1 .. L+T-2 of `ids + tokens[:, :-1]` predict
+        plan tokens 0 .. T-1 (T2I-R1's text log-probs, one forward through the language model and lm_head)."""
+        ids, mask = self._ids_and_mask(ids)  # [B, L] each
+        x = self._embed_text(torch.cat([ids, tokens[:, :-1]], dim=1))  # [B, L+T-1, D]
+        mask = torch.cat([mask, mask.new_ones(tokens[:, :-1].shape)], dim=1)  # [B, L+T-1]
+        h = self._language_model(x, mask)  # [B, L+T-1, D]
+        return self.model.lm_head(h[:, ids.shape[1] - 1:]).float()  # [B, T, V]
+
+    def plan_text(self, tokens: Sequence[int]) -> str:
+        tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+        return self.processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    def plan_condition(self, prompts: Sequence[str], plans: Sequence[Sequence[int]]) -> torch.Tensor:
+        """`encode_prompts` of `"{prompt}. {plan}"`: T2I-R1's fresh image conversation (`grpo_trainer.py` L541-560),
+        here left padded, so that `<begin_of_image>` follows the plan's last token with no pad between (T2I-R1 pads
+        on the right and appends `<begin_of_image>` after the pads). Its CFG row is `null_condition`'s, which
+        blanks every token but BOS and `<begin_of_image>`: the prompt and the plan alike, as T2I-R1's uncond row
+        (`inputs_embeds[:, 1:-1] = pad`) does."""
+        return self.encode_prompts([f"{prompt}. {self.plan_text(plan)}" for prompt, plan in zip(prompts, plans,
+                                                                                                 strict=True)])
+
     # ------------------------------------------------------------------ internals
+    def _user_turn(self, prompt: str) -> str:
+        r"""One user turn and the assistant's opening in the model's chat template (Janus-Pro's:
+        `<|User|>: {prompt}\n\n<|Assistant|>:`)."""
+        if not prompt.strip():
+            raise ValueError("empty prompt")
+        if self.processor.chat_template is None:  # a processor saved without a template
+            return SFT_FORMAT.format(prompt.strip())
+        chat = [{"role": "user", "content": [{"type": "text", "text": prompt}]}]
+        return self.processor.apply_chat_template(chat, add_generation_prompt=True)
+
+    def _condition(self, enc) -> torch.Tensor:
+        """Input ids `[B, L]` with NO_TOKEN at the padding, on the model's device, from a tokenizer's output."""
+        return enc["input_ids"].masked_fill(enc["attention_mask"] == 0, NO_TOKEN).to(self.model.device)
+
     def _ids_and_mask(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask = (cond != NO_TOKEN).long()  # [B, L]
         return cond.masked_fill(mask == 0, self.pad_id), mask
