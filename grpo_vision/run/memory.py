@@ -66,12 +66,15 @@ def saved_bytes_per_token(dim: int, kv_dim: int, ffn: int, act_bytes: int, full:
 
 def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_batch: int, guided: bool,
                     frozen_reference: bool, activation_bytes: int | None = None,
-                    checkpointing: bool = False, merged: int = 0) -> dict[str, int]:
+                    checkpointing: bool = False, merged: int = 0, plan_tokens: int = 0,
+                    plan_vocab: int = 0) -> dict[str, int]:
     """Bytes per part of a step's peak on one process: `images` per process per step, `sample_batch`
     rows per sampler call, `micro_batch` rows per forward/backward; CFG doubles the rows. Activations are
     `activation_bytes` a value (2 under bf16 autocast; default the weights' dtype); `checkpointing` keeps
     one block's activations and every block's input. `merged`: the bytes of the merged weights sampling
-    holds beside the originals (sample.merge_adapter; models/adapters.py merged_bytes)."""
+    holds beside the originals (sample.merge_adapter; models/adapters.py merged_bytes). A text plan of up to
+    `plan_tokens` over `plan_vocab` (sample.plan) lengthens the image condition by as much, and adds the update's
+    teacher-forced text rows (the prompt and the plan, without CFG rows) and their float32 plan logits."""
     s, pb, cfg_rows = shape, shape.param_bytes, 2 if guided else 1
     trainable_bytes = s.trainable_bytes if s.trainable_bytes is not None else s.trainable * pb
     parts = {
@@ -86,7 +89,7 @@ def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_ba
         parts["runtime"] = s.runtime_bytes
     if s.layers is None:
         return parts
-    seq, head_dim, ab = s.cond_len + s.image_tokens, s.dim // s.heads, activation_bytes or pb
+    seq, head_dim, ab = s.cond_len + plan_tokens + s.image_tokens, s.dim // s.heads, activation_bytes or pb
     kv_dim = s.kv_heads * head_dim
     rows = sample_batch * cfg_rows
     kv_cache = 2 * s.layers * rows * kv_dim * seq * (s.kv_bytes or pb)  # keys and values
@@ -98,6 +101,8 @@ def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_ba
                  else s.layers * block + s.adapter_bytes)
     # logits, log-softmax and their gradient in float32
     parts["training"] = rows * seq * per_token + 3 * rows * s.image_tokens * s.codebook * 4
+    if plan_tokens:  # the text rows' activations and plan logits, held with the image rows' until one backward
+        parts["training"] += micro_batch * ((s.cond_len + plan_tokens) * per_token + 3 * plan_tokens * plan_vocab * 4)
     return parts
 
 
@@ -203,7 +208,9 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
         return estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
                                frozen_reference=t.reference == "frozen",
                                activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
-                               checkpointing=t.gradient_checkpointing, merged=merged_bytes)
+                               checkpointing=t.gradient_checkpointing, merged=merged_bytes,
+                               plan_tokens=cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0,
+                               plan_vocab=getattr(policy, "plan_vocab_size", 0) or 0)
     parts = parts_with(merged)
     if merged and optional_merge and available and peak(parts) > WARN_FRACTION * available \
             and peak(parts_with(0)) < peak(parts):

@@ -38,6 +38,15 @@ def test_the_estimate_by_hand():
     assert (lora["training"], copies["training"]) == (2 * 6 * 480 + 960, 2 * 6 * (352 + 40) + 960)
 
 
+def test_a_text_plan_lengthens_the_condition_and_adds_the_text_rows_and_their_logits():
+    planned = estimate_memory(SHAPE, images=10, sample_batch=3, micro_batch=2, guided=True, frozen_reference=True,
+                              plan_tokens=3, plan_vocab=7)
+    # seq 2 + 3 + 4 = 9: KV 2 x 1 x 6 x 4 x 9 x 4 B = 1728 (+ fused 1536 + logits 960 as before) = 4224;
+    # training: 4 rows x 9 tokens x 544 B = 19584 + image logits 1920, and the 2 text rows: 2 x ((2 + 3) x 544
+    #   + 3 x 3 tokens x 7 x 4 B) = 2 x (2720 + 252) = 5944
+    assert planned["sampling"] == 4224 and planned["training"] == 19584 + 1920 + 5944
+
+
 def test_checkpointing_bf16_activations_and_what_lies_beside_the_weights():
     deep = replace(SHAPE, layers=3, trainable_bytes=100, weight_bytes=3000, extra_bytes=500, runtime_bytes=7,
                    kv_bytes=2)
