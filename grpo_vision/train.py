@@ -30,7 +30,7 @@ from grpo_vision.grpo import frac_zero_std, group_advantages
 from grpo_vision.policy import Bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
 from grpo_vision.rewards import RewardError, save_reward_origins
-from grpo_vision.rollouts import EVAL_SEED, Scored, compare
+from grpo_vision.rollouts import EVAL_SEED, Scored, compare, plan_texts
 from grpo_vision.run.alerts import RunAlerts, watcher_for
 from grpo_vision.run.checkpoint import latest_checkpoint, save_checkpoint
 from grpo_vision.run.distributed import full_weights, is_fsdp, optimizer_state, trainable_weights
@@ -174,8 +174,8 @@ def log_step(st: RunState, step: int, logger: MetricsLogger | None, alerts: RunA
 def log_samples(st: RunState, step: int, logger: MetricsLogger | None, samples: StepSamples, scored: Scored,
                 advantages: torch.Tensor) -> None:
     """Policy and reference on the eval seeds (rollouts.compare: the images `eval` scores), four test prompts and
-    four of the report's training prompts: samples/step_N.png, and to the trackers with each image's rewards and
-    verdict; and the step's rollouts to the trackers (the main process's)."""
+    four of the report's training prompts: samples/step_N.png, and to the trackers with each image's rewards,
+    verdict and text plan (sample.plan); and the step's rollouts to the trackers (the main process's)."""
     from grpo_vision.evaluation.evaluate import save_sample_grid
 
     with full_weights(st.learner.model):  # every process: FSDP gathers the shards together
@@ -189,9 +189,11 @@ def log_samples(st: RunState, step: int, logger: MetricsLogger | None, samples: 
         grid = save_sample_grid(parts, png, st.bundle.judge, root=st.run_dir)
     if wants:
         logger.trackers.log_grid(step + 1, grid["sheet"], grid_text(step + 1, grid["prompts"], grid["seeds"],
-                                                                     grid["rewards"], grid["verdicts"]), png)
+                                                                     grid["rewards"], grid["verdicts"],
+                                                                     grid.get("plans")), png)
     logger.trackers.log_rollouts(step + 1, [e.prompt for e in samples.entries], samples.images,
-                                 {k: v[samples.rows] for k, v in scored.raw.items()}, advantages, scored.verdicts)
+                                 {k: v[samples.rows] for k, v in scored.raw.items()}, advantages, scored.verdicts,
+                                 plan_texts(samples))
 
 
 def save_run_files(st: RunState, cfg: Config) -> None:

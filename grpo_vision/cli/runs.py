@@ -132,7 +132,9 @@ def cmd_sample(args) -> None:
         else:
             count = image_layouts.write_index(model, tokenizer, prompts, args.out, args.n, args.seed, params,
                                               "reference" if args.reference else "policy", run.step)
-    print(f"wrote {count} images to {args.out} ({args.layout} layout)")
+    where = "each prompt folder's plans.jsonl" if args.layout == "geneval" else "index.jsonl"
+    plans = "" if params.plan is None else f", each image's text plan in {where}"
+    print(f"wrote {count} images to {args.out} ({args.layout} layout){plans}")
 
 
 def cmd_eval(args) -> None:

@@ -9,6 +9,10 @@
 * flat: one folder of `<prompt>_<k:06d>.png` files, k counting images in prompt order, the naming
   that T2I-CompBench-style scorers match prompts by; plus `index.jsonl` (prompt, file, seed).
 
+A run that plans before it draws (sample.plan) writes each image's text plan beside it: a `plan` field in
+`index.jsonl`'s line, and in GenEval's layout a `plans.jsonl` (file, seed, plan) beside `metadata.jsonl`, out of
+`samples/`, whose files GenEval's scorer reads as images. Without a text stage the files are as above.
+
 Image j of every prompt is drawn with seed + j, as `grpo-vision sample` draws it, so the policy and
 its reference export the same seeds.
 """
@@ -19,12 +23,13 @@ import hashlib
 import json
 from pathlib import Path
 
-from grpo_vision.evaluation.evaluate import generate
+import torch
+
 from grpo_vision.files import write_file
 from grpo_vision.images import to_uint8
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.rewards.geneval_prompts import flat
-from grpo_vision.rollouts import eval_seeds
+from grpo_vision.rollouts import draw, eval_seeds, plan_texts
 
 LAYOUTS = ("index", "geneval", "flat")
 IMAGES_PER_CALL = 64  # images generated per sampler call, whatever the number of prompts
@@ -32,14 +37,17 @@ MAX_NAME_BYTES = 255  # the longest file name most file systems take (ext4, XFS,
 
 
 def _images(model, tokenizer, prompts: list[str], n: int, seed: int, params):
-    """uint8 images `[n, H, W, 3]` per prompt, image j drawn with seed + j, in chunks of IMAGES_PER_CALL."""
+    """Per prompt, uint8 images `[n, H, W, 3]`, image j drawn with seed + j, in chunks of IMAGES_PER_CALL, and
+    their n text plans (None without a text stage)."""
     per_call = max(1, IMAGES_PER_CALL // n)
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start:start + per_call]
-        images = to_uint8(generate(model, tokenizer, [p for p in chunk for _ in range(n)],
-                                   eval_seeds(1, n, seed) * len(chunk), params))
+        with torch.no_grad():
+            samples = draw(model, tokenizer, [PromptEntry(p) for p in chunk for _ in range(n)],
+                           eval_seeds(1, n, seed) * len(chunk), params, IMAGES_PER_CALL)
+        images, plans = to_uint8(samples.images), plan_texts(samples)
         for i in range(len(chunk)):
-            yield images[i * n:(i + 1) * n]
+            yield images[i * n:(i + 1) * n], None if plans is None else plans[i * n:(i + 1) * n]
 
 
 def write_index(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params, which: str,
@@ -54,14 +62,18 @@ def write_geneval(model, tokenizer, entries: list[PromptEntry], out: str | Path,
     from PIL import Image
 
     out, count = Path(out), 0
-    for index, (entry, images) in enumerate(zip(entries, _images(model, tokenizer, [e.prompt for e in entries], n,
-                                                                     seed, params))):
+    for index, (entry, (images, plans)) in enumerate(zip(entries, _images(model, tokenizer, [e.prompt for e in entries],
+                                                                          n, seed, params))):
         samples = out / f"{index:05d}" / "samples"
         samples.mkdir(parents=True, exist_ok=True)
         # one line, GenEval's flat shape, as its generation script writes it: its scorer reads metadata["tag"]
         write_file(samples.parent / "metadata.jsonl", json.dumps(flat(entry)))
         for j, img in enumerate(images):
             Image.fromarray(img).save(samples / f"{j:05d}.png")
+        if plans is not None:
+            write_file(samples.parent / "plans.jsonl", "".join(
+                json.dumps({"file": f"samples/{j:05d}.png", "seed": s, "plan": plan}) + "\n"
+                for j, (s, plan) in enumerate(zip(eval_seeds(1, n, seed), plans))))
         count += len(images)
     return count
 
@@ -88,17 +100,18 @@ def write_flat(model, tokenizer, prompts: list[str], out: str | Path, n: int, se
 def _write_folder(model, tokenizer, prompts: list[str], out: str | Path, n: int, seed: int, params, name,
                   fields: dict | None = None) -> int:
     """The PNGs of one folder, image j of prompt i named `name(i, j, prompt)`, and `index.jsonl` (prompt, file,
-    seed, then `fields`); returns the number of images."""
+    seed, then `fields`, then the image's text plan where the model plans); returns the number of images."""
     from PIL import Image
 
     out, index = Path(out), []
     out.mkdir(parents=True, exist_ok=True)
-    for i, (prompt, images) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
+    for i, (prompt, (images, plans)) in enumerate(zip(prompts, _images(model, tokenizer, prompts, n, seed, params))):
         for j, (img, image_seed) in enumerate(zip(images, eval_seeds(1, n, seed))):
             file = name(i, j, prompt)
             # Image.save, not write_file: a flat name may take all 255 bytes, and write_file's temporary name
             # is longer than the name it replaces
             Image.fromarray(img).save(out / file)
-            index.append({"prompt": prompt, "file": file, "seed": image_seed, **(fields or {})})
+            index.append({"prompt": prompt, "file": file, "seed": image_seed, **(fields or {}),
+                          **({"plan": plans[j]} if plans is not None else {})})
     write_file(out / "index.jsonl", "".join(json.dumps(r) + "\n" for r in index))
     return len(index)

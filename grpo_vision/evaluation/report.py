@@ -12,8 +12,9 @@ from grpo_vision.run.alerts import load_alerts, report_lines as alert_lines
 from grpo_vision.run.health import run_summary
 from grpo_vision.run.metrics import load_metrics
 from grpo_vision.evaluation.plots import curves_figure, judge_figure, save_figure
-from grpo_vision.evaluation.report_text import (change_table, duplicate_of_judge, interval_heading, rate_change, rate_value,
-                                     reward_change, reward_value, rollout_trend, what_changed)
+from grpo_vision.evaluation.report_text import (change_table, duplicate_of_judge, interval_heading, plan_section,
+                                                rate_change, rate_value, reward_change, reward_value, rollout_trend,
+                                                what_changed)
 from grpo_vision.files import write_file
 
 
@@ -40,6 +41,8 @@ def _temperature_table(by_temperature: dict) -> list[str]:
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
+
+PLAN_EXAMPLES = 4  # test prompts whose plans report.md quotes
 
 SET_NAMES = {"train_sample": "training prompts (a sample)", "test": "test prompts (the headline)",
              "heldout": "held-out compositions"}
@@ -113,6 +116,16 @@ def _other_sets(result: dict) -> list[str]:
     return lines
 
 
+def plan_examples(paired, count: int = PLAN_EXAMPLES) -> list[dict]:
+    """The plan of each of the first `count` entries' first image on both sides (the same seed): prompt, reference,
+    policy; none without a text stage."""
+    if paired.plans.get("policy") is None and paired.plans.get("reference") is None:
+        return []
+    side = lambda name, row: None if paired.plans.get(name) is None else paired.plans[name][row]  # noqa: E731
+    return [{"prompt": paired.entries[row].prompt, "reference": side("reference", row), "policy": side("policy", row)}
+            for row in range(0, len(paired.entries), paired.n)[:count]]
+
+
 def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, params, cfg, judge=None) -> dict:
     """Evaluate policy and reference on the run's eval sets (`sets`, a PromptSets): the test prompts at
     every eval temperature (the headline), the held-out compositions and the sample of training prompts
@@ -121,12 +134,14 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     policy.eval()
     temperatures = eval_temperatures(cfg)
     n, seed = cfg.log.eval_images, EVAL_SEED  # the images `eval RUN` and the matrix score (rollouts.eval_seeds)
+    examples = []  # with sample.plan: the first plans of the headline's test prompts, on both sides
 
     def run_eval(entries, t, what, grid: bool = False):
         print(f"[report] evaluating on {len(entries)} {what} x {n} images at temperature {t}", flush=True)
         paired = compare(policy, reference, tokenizer, entries, n, replace(params, temperature=t), seed, rewards, judge)
         if grid:  # final_samples.png shows images eval.json scores, painted before the next draw takes the memory
             save_sample_grid([paired], run_dir / "final_samples.png", judge, prompts=8)
+            examples.extend(plan_examples(paired))
         return summarize(paired, judge)
 
     # the same prompts and seeds at each temperature; the headline's grid
@@ -165,6 +180,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
     if result["models"]["policy"]["judge"]:
         save_figure(judge_figure(result), run_dir / "judge.png")
         lines += _judge_section(result, judge.name)
+    lines += plan_section(result, examples)
     lines += _other_sets(result)
     if len(by_temperature) > 1:
         lines += _temperature_table(by_temperature)

@@ -198,3 +198,36 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
         said.append(f"It cost a KL to the reference of {kl[-1]:.3f} per token at the last step "
                     f"(max {max(kl):.3f}).")
     return ["## What changed", "", " ".join(said), ""]
+
+
+def _plan_cell(text: str | None) -> str:
+    """A plan as one markdown table cell: '|' and line breaks would end the cell or the row."""
+    return "-" if text is None else " ".join(text.replace("|", "/").split()) or "(empty)"
+
+
+def plan_section(result: dict, examples: list[dict] | None = None) -> list[str]:
+    """The text plans (sample.plan, T2I-R1's first stage): each model's plans judged against their prompts per
+    attribute where the judge checks plans (eval.json's `plan_judge`), with the paired change and its interval as
+    the judge's section has them; then `examples` ({prompt, reference, policy}: one image's plan on each side, the
+    same seed), as drawn for the report. Empty when the models wrote no plans."""
+    ref, pol = (result["models"][m].get("plan_judge") for m in ("reference", "policy"))
+    lines = []
+    if ref and pol:
+        changes = result.get("plan_judge_difference_ci", {})
+        lines += ["", "## The plans against their prompts", "",
+                  "Each image's text plan, written before the image and judged against its prompt as the images "
+                  "are (test prompts, the same seeds):", "",
+                  f"| attribute | reference | policy | {interval_heading(result)} |", "|---|---|---|---|"]
+        for name in pol:
+            if not (pol[name].get("n") or ref[name].get("n")):  # an attribute that no plan's prompt names
+                continue
+            label = "all attributes right" if name == "correct" else name
+            lines.append(f"| {label} | {rate_value(ref[name])} | {rate_value(pol[name])} | "
+                         f"{rate_change(changes.get(name))} |")
+    if examples:
+        lines += ([] if lines else ["", "## The plans"]) + [
+            "", "Plans of the first image of the first test prompts (the same seed on both sides):", "",
+            "| prompt | reference's plan | policy's plan |", "|---|---|---|",
+            *(f"| {_plan_cell(e['prompt'])} | {_plan_cell(e['reference'])} | {_plan_cell(e['policy'])} |"
+              for e in examples)]
+    return lines

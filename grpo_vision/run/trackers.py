@@ -3,10 +3,11 @@ API (`Accelerator(log_with=..., project_config=...)`, `init_trackers`, `accelera
 for every tracker `log.trackers` names.
 
     tensorboard  scalars; at log.sample_every the policy-vs-reference grid as an image, and a text with
-                 each grid image's prompt, seed, rewards and judge verdict (run_dir/tensorboard/<project>/)
+                 each grid image's prompt, seed, rewards, judge verdict and, where the policy wrote one
+                 (sample.plan), its text plan (run_dir/tensorboard/<project>/)
     wandb        scalars, the grid, and the step's rollouts as a table: prompt, image, each reward, the
-                 advantage, the judge's verdict (pip install 'grpo_vision[wandb]'; WANDB_MODE=offline
-                 writes run_dir/wandb/ without a network)
+                 advantage, the judge's verdict and, with sample.plan, the image's plan (pip install
+                 'grpo_vision[wandb]'; WANDB_MODE=offline writes run_dir/wandb/ without a network)
     mlflow       scalars and the grid PNGs as artifacts (pip install 'grpo_vision[mlflow]'; where it writes
                  is MLflow's own setting, MLFLOW_TRACKING_URI)
 
@@ -107,9 +108,11 @@ class Trackers:
         if "mlflow" in self.names:
             self.acc.get_tracker("mlflow").log_artifact(str(png), "samples")
 
-    def log_rollouts(self, step: int, prompts: list[str], images, rewards: dict, advantages, verdicts: list) -> None:
+    def log_rollouts(self, step: int, prompts: list[str], images, rewards: dict, advantages, verdicts: list,
+                     plans: list[str] | None = None) -> None:
         """W&B's table of this process's rollouts of the step: prompt, image, each reward, the advantage,
-        the judge's verdict (other trackers have no tables)."""
+        the judge's verdict, and each image's plan where the rollouts have a text stage (other trackers have no
+        tables)."""
         if "wandb" not in self.names:
             return
         import wandb
@@ -119,9 +122,9 @@ class Trackers:
         pixels = to_uint8(images)
         names = list(rewards)
         rows = [[p, wandb.Image(pixels[i]), *[_num(rewards[n][i]) for n in names], _num(advantages[i]),
-                 verdict_text(verdicts[i])] for i, p in enumerate(prompts)]
-        self.acc.get_tracker("wandb").log_table("rollouts", columns=["prompt", "image", *names, "advantage",
-                                                                     "judge"], data=rows, step=step)
+                 verdict_text(verdicts[i]), *([plans[i]] if plans is not None else [])] for i, p in enumerate(prompts)]
+        columns = ["prompt", "image", *names, "advantage", "judge", *(["plan"] if plans is not None else [])]
+        self.acc.get_tracker("wandb").log_table("rollouts", columns=columns, data=rows, step=step)
 
     def close(self) -> None:
         """Each tracker's finish (not accelerator.end_training, which also ends the process group, on
@@ -133,6 +136,11 @@ class Trackers:
 def _num(x) -> float | None:
     v = float(x)
     return v if np.isfinite(v) else None
+
+
+def _cell(text: str) -> str:
+    """A text as one markdown table cell: '|' and line breaks would end the cell or the row."""
+    return " ".join(text.replace("|", "/").split()) or "(empty)"
 
 
 def _html(markdown_table: str) -> str:
@@ -148,11 +156,15 @@ def verdict_text(verdict: dict | None | str) -> str:
     return "wrong: " + ", ".join(a for a, ok in verdict.items() if a != "correct" and ok is False)
 
 
-def grid_text(step: int, prompts: list[str], seeds: list[int], rewards: dict, verdicts: dict) -> str:
+def grid_text(step: int, prompts: list[str], seeds: list[int], rewards: dict, verdicts: dict,
+              plans: dict | None = None) -> str:
     """The grid's text (markdown): one row per image, policy and reference side by side on each seed.
-    `rewards`: side -> reward name -> [n] values; `verdicts`: side -> [n] verdicts (or None)."""
+    `rewards`: side -> reward name -> [n] values; `verdicts`: side -> [n] verdicts (or None); `plans` (the grid's,
+    where the policy writes one): side -> [n] each image's text plan, or None."""
     names = list(rewards["policy"])
-    head = ["prompt", "seed", *[f"{n}: policy / reference" for n in names], "judge: policy / reference"]
+    plans = plans if plans and any(v is not None for v in plans.values()) else None
+    head = ["prompt", "seed", *[f"{n}: policy / reference" for n in names], "judge: policy / reference",
+            *(["plan: policy / reference"] if plans else [])]
     lines = [f"Step {step}: policy vs reference on the same seeds (samples/step_{step:06d}.png).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, (p, s) in enumerate(zip(prompts, seeds)):
@@ -161,5 +173,8 @@ def grid_text(step: int, prompts: list[str], seeds: list[int], rewards: dict, ve
             a, b = (_num(rewards[side][n][i]) for side in ("policy", "reference"))
             cells.append(" / ".join("n/a" if v is None else f"{v:.3f}" for v in (a, b)))
         cells.append(" / ".join(verdict_text(verdicts[side][i]) or "-" for side in ("policy", "reference")))
+        if plans:
+            cells.append(" / ".join(_cell(plans[side][i]) if plans[side] is not None else "-"
+                                    for side in ("policy", "reference")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

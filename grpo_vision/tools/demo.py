@@ -6,10 +6,11 @@ Each side picks a checkpoint step or the run's reference; image i of both sides 
 `seed + i` (sampling draws per-image streams, so it depends on (prompt, seed) only, see
 sampling.py), so differences between the galleries come from the weights. Every image is captioned
 with each configured reward's score and, where the policy kind has a judge (ShapesWorld's exact
-checker), its verdict per attribute, and, for a reward that gives reasons (the `geneval` reward), why
-the image lost points. A prompt's metadata (GenEval's clauses) is its entry's in the run's prompt sets,
-else read from GenEval's grammar ("a photo of a red dog"); a reward that cannot score a typed prompt
-shows n/a and says why instead of failing the page. A second tab plots the run's metrics.jsonl.
+checker), its verdict per attribute, for a reward that gives reasons (the `geneval` reward), why
+the image lost points, and, for a run that plans before it draws (sample.plan), the image's text
+plan. A prompt's metadata (GenEval's clauses) is its entry's in the run's prompt sets, else read
+from GenEval's grammar ("a photo of a red dog"); a reward that cannot score a typed prompt shows
+n/a and says why instead of failing the page. A second tab plots the run's metrics.jsonl.
 
 The logic is plain functions (validation, scoring, summary, grid PNG) and `DemoRun`, which caches
 loaded checkpoints per step; demo_app.py only wires them to Gradio components.
@@ -29,7 +30,7 @@ import torch
 
 from grpo_vision.run.checkpoint import checkpoint_steps, find_checkpoint
 from grpo_vision.config import MAX_SEED, ConfigError, brief
-from grpo_vision.evaluation.evaluate import LoadedRun, load_run
+from grpo_vision.evaluation.evaluate import LoadedRun, load_run, plan_lines
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.run.metrics import nanmean
 from grpo_vision.run.machine import resolve_device
@@ -37,7 +38,7 @@ from grpo_vision.policy import unknown_words
 from grpo_vision.prompts import PromptEntry, PromptsError
 from grpo_vision.rewards import CompositeReward, check_rewards
 from grpo_vision.run.folder import read_run_config, refuse_code
-from grpo_vision.rollouts import Scored, draw, eval_seeds, score
+from grpo_vision.rollouts import Scored, draw, eval_seeds, plan_texts, score
 from grpo_vision.sampling import SamplingParams
 
 MAX_IMAGES = 16  # images per side
@@ -65,6 +66,7 @@ class Side:
     checks: list[dict | None]  # per image: the judge's verdict per attribute; None = no judge, or not its prompt
     reasons: dict[str, list[list[tuple[str, str]]]] = field(default_factory=dict)  # reward -> per image, (kind, why)
     notes: dict[str, str] = field(default_factory=dict)  # reward -> why it could not score this prompt (n/a)
+    plans: list[str] | None = None  # per image: the text plan it was drawn from (sample.plan); None: no text stage
 
 
 # ---------------------------------------------------------------------------- the run
@@ -138,10 +140,8 @@ class DemoRun:
         entries = [PromptEntry(prompt, metadata=self.metadata_for(prompt))] * len(seeds)
         with self.lock:
             model, ctx, label = self.sampler(choice)
-            with ctx, torch.no_grad():
-                images = draw(model, self.bundle.tokenizer, entries, seeds, params, 64).images
-            scored = score(self.rewards, images, entries, self.bundle.judge, tolerant=True)
-        return Side(label, images, scored.raw, scored.verdicts, scored.reasons, scored.notes | not_applying(scored))
+            return draw_side(label, model, ctx, self.bundle.tokenizer, self.rewards, self.bundle.judge, entries,
+                             seeds, params)
 
     def metadata_for(self, prompt: str) -> dict:
         """The prompt's metadata: its entry's in the run's prompt sets, else GenEval's clauses where it is
@@ -160,6 +160,17 @@ class DemoRun:
         coco = classes()
         named = {c["class"] for m in self.metadata.values() for c in m.get("include", ()) if "class" in c}
         return [*coco, *sorted(named - set(coco))]
+
+
+def draw_side(label: str, model, ctx, tokenizer, rewards, judge, entries: list[PromptEntry], seeds: list[int],
+              params: SamplingParams) -> Side:
+    """One side's images of `entries` on `seeds` (drawn in `ctx`, the sampler's context), scored as `eval` scores
+    them (a failing reward is a note), with the plan each image was drawn from where the run plans."""
+    with ctx, torch.no_grad():
+        samples = draw(model, tokenizer, entries, seeds, params, 64)
+    scored = score(rewards, samples.images, entries, judge, tolerant=True)
+    return Side(label, samples.images, scored.raw, scored.verdicts, scored.reasons,
+                scored.notes | not_applying(scored), plan_texts(samples))
 
 
 def reference_label(mode: str, synced: bool) -> str:
@@ -237,7 +248,8 @@ def _whole(value, name: str, lo: int, hi: int) -> int:
 
 
 def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParams) -> tuple[list[int], SamplingParams]:
-    """Seeds `[seed, seed + n)` and the sampling parameters (top-p, log-prob mode and precision from the run)."""
+    """Seeds `[seed, seed + n)` and the sampling parameters (top-p, log-prob mode, precision and the text stage
+    from the run)."""
     n = _whole(n, "The number of images", 1, MAX_IMAGES)
     seed = _whole(seed, "The seed", 0, MAX_SEED - n)
     top_k = _whole(top_k, "Top-k", 0, 1 << 20)
@@ -247,7 +259,8 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
         if not (math.isfinite(number) and lo <= number <= hi):
             raise DemoInputError(f"{name} must be a number from {lo:g} to {hi:g}, got {brief(value)}.")
     return eval_seeds(1, n, seed), SamplingParams(float(cfg_scale), float(temperature), top_k, base.top_p,
-                                                  base.logprob_mode, mixed_precision=base.mixed_precision)
+                                                  base.logprob_mode, mixed_precision=base.mixed_precision,
+                                                  plan=base.plan)
 
 
 # ---------------------------------------------------------------------------- scores and pictures
@@ -255,7 +268,8 @@ def sampling_request(seed, n, cfg_scale, temperature, top_k, base: SamplingParam
 
 def caption(side: Side, i: int) -> str:
     """'clip 0.312 · aesthetic 5.41 · geneval 0', a line per failing clause of a reward that gives reasons
-    ('geneval ✗ position: expected dog right of target, found left of') and, with a judge, '✓ count ✗ shape'."""
+    ('geneval ✗ position: expected dog right of target, found left of'), with a judge, '✓ count ✗ shape', and the
+    image's text plan last ('plan: red circle ...') where the run plans."""
     scores = " · ".join(f"{name} {'n/a' if math.isnan(v[i]) else f'{float(v[i]):.3g}'}"
                         for name, v in side.rewards.items())
     lines = [scores, *(f"{name} ✗ {kind}: {text}" for name, per_image in side.reasons.items()
@@ -263,15 +277,18 @@ def caption(side: Side, i: int) -> str:
     check = side.checks[i]
     if check is not None:
         lines.append(" ".join(f"{'✓' if ok else '✗'} {a}" for a, ok in check.items() if ok is not None and a != "correct"))
+    if side.plans is not None:
+        lines.append(f"plan: {side.plans[i] or '(empty)'}")
     return "\n".join(lines)
 
 
 def side_json(side: Side, seeds: list[int]) -> dict:
-    """Per-image scores, reasons and verdicts, JSON-ready (NaN -> None), and why a reward said n/a."""
+    """Per-image scores, reasons and verdicts, JSON-ready (NaN -> None), why a reward said n/a, and each image's
+    text plan where the run plans."""
     rewards = {k: [None if math.isnan(x) else x for x in v.tolist()] for k, v in side.rewards.items()}
     reasons = {k: [[list(r) for r in image] for image in v] for k, v in side.reasons.items()}
     return {"label": side.label, "seeds": seeds, "rewards": rewards, "reasons": reasons, "not_scored": side.notes,
-            "judge": side.checks}
+            "judge": side.checks, **({"plans": side.plans} if side.plans is not None else {})}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -303,8 +320,8 @@ def summary_rows(left: Side, right: Side) -> list[list]:
 
 
 def grid_png(left: Side, right: Side, prompt: str, seeds: list[int], path: Path) -> Path:
-    """Both sides next to each other, each image captioned with its seed, scores and the judge's
-    verdict; written to `path`."""
+    """Both sides next to each other, each image captioned with its seed, scores, the judge's verdict and its
+    text plan (a few lines; the gallery's caption and the JSON hold it whole); written to `path`."""
     cols = min(len(seeds), 4)
 
     def cells(side: Side) -> list[Cell]:
@@ -315,6 +332,7 @@ def grid_png(left: Side, right: Side, prompt: str, seeds: list[int], path: Path)
                      for name, v in side.reasons.items() if v[i]]
             if side.checks[i] is not None:
                 text.append("judge: " + ("correct" if side.checks[i]["correct"] else "wrong"))
+            text += plan_lines(side.plans[i] if side.plans is not None else None, 22)
             out.append(Cell(img, text))
         return out
 
