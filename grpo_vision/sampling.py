@@ -33,7 +33,8 @@ gpt-fast / LlamaGen `reduce-overhead` decode); ``compiled`` is the same static s
 `torch.compile` (inductor fuses its norms, rotary, residuals and the draw into fewer kernels), recorded as
 a CUDA graph on a GPU and run as it is on a CPU. The compiled step is one function of the module
 (`decode_step`), compiled once per process and shape, never per rollout. All draw the same tokens from the
-same seeds.
+same seeds. ``speculative`` (speculative.py, SJD) verifies several drafted tokens a forward pass: the same
+distribution, exactly, but other tokens for a seed.
 
 A text plan before the image (`sample.plan`, T2I-R1's two-stage rollout, arXiv 2505.00703; policy.PlanningPolicy):
 `sample_plan` draws plan tokens one at a time from the policy's plan logits, with the plan's own temperature /
@@ -58,7 +59,7 @@ from grpo_vision.config import ConfigError
 from grpo_vision.policy import ImagePolicy
 
 LOGPROB_MODES = ("guided", "conditional")
-DECODE_MODES = ("auto", "eager", "static", "graph", "compiled")
+DECODE_MODES = ("auto", "eager", "static", "graph", "compiled", "speculative")
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     logprob_mode: str = "guided"  # "guided" | "conditional", see module docstring
-    decode: str = "eager"  # how a rollout runs, not what it draws: auto | eager | static | graph | compiled (docstring)
+    decode: str = "eager"  # how a rollout runs: auto | eager | static | graph | compiled | speculative (docstring)
     mixed_precision: str = "no"  # "bf16": the rollout runs under bf16 autocast (sample.mixed_precision)
     plan: PlanParams | None = None  # a text plan before each image (sample.plan); None: the image stage only
+    speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (speculative.py)
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:
@@ -81,6 +83,8 @@ class SamplingParams:
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.speculative_window < 1:
+            raise ValueError(f"speculative_window must be >= 1, got {self.speculative_window}")
 
     @property
     def guided(self) -> bool:
@@ -93,7 +97,7 @@ class SamplingParams:
         s, p = sample_cfg, sample_cfg.plan
         plan = PlanParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.template) if p.enabled else None
         return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode, s.decode,
-                   s.mixed_precision, plan)
+                   s.mixed_precision, plan, s.speculative_window)
 
 
 @dataclass(frozen=True)
@@ -213,20 +217,41 @@ def token_logprobs(cond: torch.Tensor, uncond: torch.Tensor | None, tokens: torc
     return picked, -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)  # [...] each
 
 
+def target_logp(cond: torch.Tensor, uncond: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:
+    """`log softmax(filter(guided / T))` `[..., K]`, -inf outside the filter: the distribution every image token
+    is drawn from (plain and speculative decoding alike)."""
+    cond, uncond = cond.float(), None if uncond is None else uncond.float()
+    logits = guided_logits(cond, uncond, params.cfg_scale) / params.temperature  # [..., K]
+    return filter_logits(logits, params.top_k, params.top_p).log_softmax(-1)  # [..., K]
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token `[...]` from each (unnormalised) distribution `probs` `[..., K]`, with uniforms `u` `[...]` in [0, 1)."""
+    cdf = probs.cumsum(-1)  # [..., K]
+    # v in (0, total]: zero-probability tokens are never drawn
+    v = (1.0 - u).unsqueeze(-1) * cdf[..., -1:]  # [..., 1]
+    return torch.searchsorted(cdf, v).clamp_max(cdf.shape[-1] - 1).squeeze(-1)  # [...]
+
+
+def entropy_of(logp: torch.Tensor) -> torch.Tensor:
+    """The entropy `[...]` of distributions given as log-probs `[..., K]` (-inf entries add nothing)."""
+    probs = logp.exp()  # [..., K]
+    return -(probs * logp.masked_fill(probs == 0, 0.0)).sum(-1)  # [...]
+
+
+def reported_logp(cond: torch.Tensor, logp: torch.Tensor, token: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-prob `[...]` a rollout returns for a `token` drawn from `logp` `[..., K]` (target_logp), per
+    `params.logprob_mode`: the drawn distribution's, or the conditional branch's alone."""
+    if params.logprob_mode == "conditional":
+        logp = (cond.float() / params.temperature).log_softmax(-1)
+    return logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
 def sample_token(cond: torch.Tensor, uncond: torch.Tensor | None, u: torch.Tensor, params: SamplingParams):
     """Draw one token per row from logits `[B, K]` with uniforms `u` `[B]`; return (token, logp, entropy)."""
-    cond, uncond = cond.float(), None if uncond is None else uncond.float()
-    logits = guided_logits(cond, uncond, params.cfg_scale) / params.temperature  # [B, K]
-    logp = filter_logits(logits, params.top_k, params.top_p).log_softmax(-1)  # [B, K], -inf outside
-    probs = logp.exp()  # [B, K]
-    cdf = probs.cumsum(-1)  # [B, K]
-    # Inverse CDF with v in (0, total]: zero-probability tokens are never drawn.
-    v = (1.0 - u).unsqueeze(-1) * cdf[:, -1:]  # [B, 1]
-    token = torch.searchsorted(cdf, v).clamp_max(cdf.shape[-1] - 1).squeeze(-1)  # [B]
-    entropy = -(probs * logp.masked_fill(probs == 0, 0.0)).sum(-1)  # [B]
-    if params.logprob_mode == "conditional":
-        logp = (cond / params.temperature).log_softmax(-1)
-    return token, logp.gather(-1, token.unsqueeze(-1)).squeeze(-1), entropy
+    logp = target_logp(cond, uncond, params)  # [B, K], -inf outside
+    token = inverse_cdf(logp.exp(), u)  # [B]
+    return token, reported_logp(cond, logp, token, params), entropy_of(logp)
 
 
 def seeded_uniforms(seeds: Sequence[int] | torch.Tensor, n: int, device) -> torch.Tensor:
@@ -244,6 +269,11 @@ def decode_mode(policy: ImagePolicy, requested: str, device: torch.device) -> st
     static = getattr(policy, "static_decode", False)  # policies opt in: new_cache(rows, static=True)
     if requested in ("auto", "eager"):
         return "graph" if requested == "auto" and static and device.type == "cuda" else "eager"
+    if requested == "speculative":
+        if not hasattr(policy, "decode_block"):
+            raise ValueError(f"sample.decode 'speculative': {type(policy).__name__} has no decode_block (several "
+                             "tokens a row from per-row cache positions); use eager")
+        return requested
     if not static:
         raise ValueError(f"sample.decode {requested!r}: {type(policy).__name__} has no static decode; use eager")
     if requested == "graph" and device.type != "cuda":
@@ -290,6 +320,9 @@ def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch
     if len(seeds) != B:
         raise ValueError(f"got {len(seeds)} seeds for {B} condition rows; pass one seed per image")
     mode = decode_mode(policy, params.decode, device)
+    if mode == "speculative":
+        from grpo_vision.speculative import sample_speculative  # it builds on this module's distribution
+        return sample_speculative(policy, cond, seeds, params)[0]
     u = seeded_uniforms(seeds, N, device)  # [B, N]
     rows = torch.cat([cond, policy.null_condition(cond)]) if params.guided else cond  # [B or 2B, L]
     cache = policy.new_cache(rows.shape[0], static=True) if mode != "eager" else policy.new_cache(rows.shape[0])

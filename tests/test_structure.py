@@ -25,6 +25,7 @@ PLUGIN = "grpo_vision.shapes"  # ShapesWorld: may import anything; nothing outsi
 LAYERS = [
     ("core", ["grpo_vision", "grpo_vision.config", "grpo_vision.files", "grpo_vision.reading", "grpo_vision.plugins",
               "grpo_vision.policy", "grpo_vision.prompts", "grpo_vision.splits", "grpo_vision.sampling",
+              "grpo_vision.speculative",
               "grpo_vision.grpo", "grpo_vision.images", "grpo_vision.seeds",
               "grpo_vision.rollouts"]),  # contracts and math; the step's first half, shared by every measurement
     ("run", ["grpo_vision.run"]),  # checkpoints, safe state, distributed, health, memory, metrics, lock, ...

@@ -86,7 +86,10 @@ class SampleConfig:
     # CUDA graph and replayed per token; static = that step without the graph; eager = attention over the keys
     # so far; compiled = the static step fused by torch.compile (inside the graph on a GPU; compiled once per
     # process and shape); auto = graph on a GPU, eager on a CPU. All give the same tokens for the same seeds.
-    decode: Literal["auto", "eager", "static", "graph", "compiled"] = "auto"
+    # speculative = SJD (speculative.py): drafted tokens verified several a forward pass; the same distribution
+    # exactly, other tokens for a seed
+    decode: Literal["auto", "eager", "static", "graph", "compiled", "speculative"] = "auto"
+    speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (the last kept + W-1 drafts)
     # rollouts under bf16 autocast (float32 weights decode faster on a GPU); rollout/logp_drift shows what it
     # costs, and the update's old log-probs are then recomputed, so that its first ratio is still exactly 1
     mixed_precision: Literal["no", "bf16"] = "no"
@@ -309,6 +312,7 @@ def validate(cfg: Config) -> None:
                                         f"{brief(cfg.run.seed)}"),
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
+        (s.speculative_window >= 1, "sample.speculative_window must be >= 1"),
         (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),
         *_plan_checks(cfg),
         (t.steps >= 1, "train.steps must be >= 1"),

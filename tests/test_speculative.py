@@ -1,0 +1,154 @@
+"""Speculative Jacobi decoding draws exactly the plain sampler's distribution (issue 65).
+
+On a tiny policy (a 4-code book, 2x2 tokens: 256 whole images) the plain path's probability of every image is
+enumerated by teacher forcing (the product of its guided, filtered conditionals, `sampling.target_logp`), and
+20,000 images drawn by the speculative sampler are tested against it with a chi-square test; a deliberately wrong
+acceptance rule must fail the same test. The seeds are fixed, so each p-value is one fixed number (in a comment).
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from grpo_vision import speculative
+from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.sampling import SamplingParams, sequence_logprobs, target_logp
+from grpo_vision.speculative import residual, speculative_decode, speculative_uniforms, verify
+
+DRAWS = 20_000
+# CFG, temperature != 1, top-k and top-p all on: top-k 3 of 4 codes, and top-p 0.85 leaves 34 of top-k's 81 images
+PARAMS = SamplingParams(cfg_scale=2.0, temperature=0.8, top_k=3, top_p=0.85)
+
+
+@pytest.fixture(scope="module")
+def small_policy() -> LlamaImagePolicy:
+    """4 codes, 2x2 tokens; weights scaled up so that conditionals are peaked and differ from token to token."""
+    torch.manual_seed(0)
+    cfg = LlamaPolicyConfig(words=["a", "red", "circle"], max_caption_words=3, codebook_size=4, image_grid=(2, 2),
+                            dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    policy = LlamaImagePolicy(cfg).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.ndim > 1:
+                p.mul_(5.0)
+    return policy
+
+
+def teacher_forced_block(policy, rows: torch.Tensor, n_tokens: int):
+    """Slow and obvious: a window's logits from a full forward pass over the kept tokens and the window, no cache."""
+    def block(window, c, tokens):
+        B, W = window.shape
+        reps = rows.shape[0] // B
+        seq = tokens[:, :n_tokens + W].clone()  # [B, N + W] the kept tokens before column c
+        seq.scatter_(1, (c - 1)[:, None] + torch.arange(W), window)
+        logits = policy.image_logits(rows, seq[:, :n_tokens].repeat(reps, 1))  # [rows, N, K]: j predicts token j
+        at = (c[:, None] + torch.arange(W)).clamp_max(n_tokens - 1).repeat(reps, 1)  # [rows, W] past N: garbage
+        return logits.gather(1, at.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    return block
+
+
+@torch.no_grad()
+def draw_reference(policy, prompt: str, n: int, params: SamplingParams, window: int, coupled: bool = False):
+    """n images of one prompt, seeds 0..n-1, by the speculative loop over teacher-forced windows."""
+    N = policy.num_image_tokens
+    cond = policy.encode_prompts([prompt]).expand(n, -1)
+    rows = torch.cat([cond, policy.null_condition(cond)]) if params.guided else cond
+    first = policy.image_logits(rows, torch.zeros(rows.shape[0], N, dtype=torch.long))[:, 0]  # [rows, K]
+    u = speculative_uniforms(range(n), N, window, N, cond.device)
+    return speculative_decode(first, teacher_forced_block(policy, rows, N), u, N, window, params, coupled)
+
+
+@torch.no_grad()
+def exact_probabilities(policy, prompt: str, params: SamplingParams) -> torch.Tensor:
+    """`[K^N]` the plain path's probability of every image, in `torch.cartesian_prod` order (the last token fastest)."""
+    K, N = policy.codebook_size, policy.num_image_tokens
+    seqs = torch.cartesian_prod(*[torch.arange(K)] * N)  # [K^N, N]
+    cond = policy.encode_prompts([prompt]).expand(len(seqs), -1)
+    logits = policy.image_logits(torch.cat([cond, policy.null_condition(cond)]), seqs.repeat(2, 1))  # [2M, N, K]
+    logp = target_logp(logits[:len(seqs)], logits[len(seqs):], params)  # [M, N, K], -inf outside the filters
+    return logp.gather(-1, seqs.unsqueeze(-1)).squeeze(-1).sum(-1).exp().double()  # [M]
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor, K: int) -> tuple[float, int]:
+    """(p-value, draws outside the support) of drawn images `[n, N]` against the enumerated probabilities. The test
+    is of the draws inside the support (a draw outside it is counted apart: the plain path never makes one); bins
+    expecting fewer than 5 draws are pooled into one (the chi-square approximation needs about 5 a bin)."""
+    index = torch.zeros(tokens.shape[0], dtype=torch.long)
+    for j in range(tokens.shape[1]):
+        index = index * K + tokens[:, j]
+    counts = torch.bincount(index, minlength=len(probs)).double()  # [M]
+    outside = int(counts[probs == 0].sum())
+    expected = probs / probs.sum() * (tokens.shape[0] - outside)  # [M]
+    big = expected >= 5
+    small = (expected > 0) & ~big
+    obs = torch.cat([counts[big], counts[small].sum().view(1)])
+    exp = torch.cat([expected[big], expected[small].sum().view(1)])
+    return float(chisquare(obs[exp > 0], exp[exp > 0]).pvalue), outside
+
+
+# ---------------------------------------------------------------------------- the rule alone
+
+
+def test_one_window_keeps_the_target_distribution():
+    """A single window, enumerated: the first token of verify is distributed as p, whatever q the draft came from."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.1, 0.1, 0.4, 0.4]])  # [W=2, K]
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]])  # [W-1, K] a poor draft, with mass where p has none
+    n = 200_000
+    g = torch.Generator().manual_seed(0)
+    draft = torch.multinomial(q[0], n, replacement=True, generator=g)[:, None]  # [n, 1]
+    kept, tokens = verify(p.expand(n, -1, -1), q.expand(n, -1, -1), draft, torch.rand(n, 1, generator=g),
+                          torch.rand(n, generator=g))
+    first = torch.bincount(tokens[:, 0], minlength=4).double() / n
+    torch.testing.assert_close(first, p[0].double(), atol=4e-3, rtol=0)  # 4 sigma of a 200k-draw frequency
+    assert (tokens[:, 0] != 3).all()  # never a token p rules out
+    # the acceptance rate is sum_x min(p, q) (Leviathan et al. 2023, section 3.4)
+    assert abs(kept.double().mean() - torch.minimum(p[0], q[0]).sum()) < 4e-3
+    # a kept window's extra token comes from p's next position
+    second = torch.bincount(tokens[kept == 1, 1], minlength=4).double() / int(kept.sum())
+    torch.testing.assert_close(second, p[1].double(), atol=1e-2, rtol=0)
+
+
+def test_residual_is_the_positive_part_and_falls_back_to_p():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.5, 0.3])
+    torch.testing.assert_close(residual(p, q), torch.tensor([0.3, 0.0, 0.0]))
+    torch.testing.assert_close(residual(p, p.clone()), p)  # no mass left: a rejection had probability 0
+
+
+# ---------------------------------------------------------------------------- whole images on a tiny model
+
+
+@pytest.mark.parametrize("window,coupled", [(3, False), (2, False), (5, False), (3, True)],
+                         ids=["W3", "W2", "W5-past-the-image", "W3-coupled"])
+def test_speculative_images_follow_the_plain_distribution(small_policy, window, coupled):
+    probs = exact_probabilities(small_policy, "a red circle", PARAMS)
+    assert abs(float(probs.sum()) - 1) < 1e-5 and (probs == 0).sum() > 0  # the filters rule images out
+    rollout, stats = draw_reference(small_policy, "a red circle", DRAWS, PARAMS, window, coupled)
+    pvalue, outside = chi_square(rollout.tokens, probs, small_policy.codebook_size)
+    assert outside == 0
+    # fixed seeds, so fixed p-values: W3 0.14, W2 0.90, W5 0.32, W3 coupled 0.33 (34 images, 20,000 draws)
+    assert pvalue > 1e-3, pvalue
+    assert stats.forwards.max() <= small_policy.num_image_tokens and stats.batch_forwards == stats.forwards.max()
+
+
+@pytest.mark.parametrize("wrong", ["accept every draft", "redraw from p, not the residual"])
+def test_a_wrong_rule_fails_the_same_test(small_policy, monkeypatch, wrong):
+    if wrong == "accept every draft":
+        monkeypatch.setattr(speculative, "accept_draft", lambda p_x, q_x, u: torch.ones_like(p_x, dtype=torch.bool))
+    else:
+        monkeypatch.setattr(speculative, "residual", lambda p, q: p)
+    probs = exact_probabilities(small_policy, "a red circle", PARAMS)
+    rollout, _ = draw_reference(small_policy, "a red circle", DRAWS, PARAMS, 3)
+    pvalue, outside = chi_square(rollout.tokens, probs, small_policy.codebook_size)
+    assert pvalue < 1e-6, pvalue  # both 0.0 in float64; accepting every draft also draws 2,921 images off the support
+
+
+@pytest.mark.parametrize("params", [PARAMS, SamplingParams(cfg_scale=2.0, temperature=0.8, top_k=3,
+                                                           logprob_mode="conditional")], ids=["guided", "conditional"])
+def test_returned_logprobs_are_the_teacher_forced_ones(small_policy, params):
+    rollout, _ = draw_reference(small_policy, "a red circle", 64, params, 3)
+    cond = small_policy.encode_prompts(["a red circle"]).expand(64, -1)
+    with torch.no_grad():
+        logp, entropy = sequence_logprobs(small_policy, cond, rollout.tokens, params, with_entropy=True)
+    torch.testing.assert_close(rollout.logprobs, logp, atol=1e-5, rtol=0)
+    if params.logprob_mode == "guided":  # the entropy of the distribution sampled, as the plain path returns it
+        torch.testing.assert_close(rollout.entropy, entropy, atol=1e-5, rtol=0)
