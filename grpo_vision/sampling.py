@@ -226,7 +226,7 @@ def target_logp(cond: torch.Tensor, uncond: torch.Tensor | None, params: Samplin
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token `[...]` from each (unnormalised) distribution `probs` `[..., K]`, with uniforms `u` `[...]` in [0, 1)."""
+    """One token `[...]` from each (unnormalised) distribution `probs` `[..., K]`, uniforms `u` `[...]` in [0, 1)."""
     cdf = probs.cumsum(-1)  # [..., K]
     # v in (0, total]: zero-probability tokens are never drawn
     v = (1.0 - u).unsqueeze(-1) * cdf[..., -1:]  # [..., 1]

@@ -152,3 +152,66 @@ def test_returned_logprobs_are_the_teacher_forced_ones(small_policy, params):
     torch.testing.assert_close(rollout.logprobs, logp, atol=1e-5, rtol=0)
     if params.logprob_mode == "guided":  # the entropy of the distribution sampled, as the plain path returns it
         torch.testing.assert_close(rollout.entropy, entropy, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------- the cached path (decode_block)
+
+
+@torch.no_grad()
+def test_decode_block_equals_teacher_forcing_at_per_row_positions(tiny_policy):
+    """Rows at different positions of one cache, over stale keys a rejected window left: the logits of a full
+    forward pass at the same positions."""
+    policy, W = tiny_policy, 4
+    cond = policy.encode_prompts(["a red circle", "a blue square left of a red circle", "a blue circle"])
+    B, L, N = cond.shape[0], cond.shape[1], policy.num_image_tokens
+    tokens = torch.randint(0, policy.codebook_size, (B, N), generator=torch.Generator().manual_seed(0))
+    full = policy.image_logits(cond, tokens)  # [B, N, K]: column j predicts token j
+    cache = policy.new_cache(B, static=True, extra=W)
+    torch.testing.assert_close(policy.prefill(cond, cache), full[:, 0], atol=1e-5, rtol=0)
+    starts = torch.full((B,), L)
+    torch.testing.assert_close(policy.decode_block(tokens[:, :W], cache, starts), full[:, 1:W + 1], atol=1e-5, rtol=0)
+    stale = torch.randint(0, policy.codebook_size, (B, W), generator=torch.Generator().manual_seed(1))
+    policy.decode_block(stale, cache, starts + W)  # a rejected window's keys, past where the rows go on
+    shift = torch.tensor([1, 3, W])  # each row's next window starts at its own token
+    window = torch.stack([tokens[b, s:s + W] for b, s in enumerate(shift.tolist())])  # [B, W]
+    logits = policy.decode_block(window, cache, L + shift)
+    expected = torch.stack([full[b, s + 1:s + W + 1] for b, s in enumerate(shift.tolist())])
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("params", [PARAMS, SamplingParams(cfg_scale=3.0),
+                                    SamplingParams(temperature=1.3, top_k=8, logprob_mode="conditional")], ids=str)
+@torch.no_grad()
+def test_the_cached_sampler_draws_the_teacher_forced_loops_tokens(tiny_policy, params):
+    """sample(decode=speculative) is the loop above over decode_block: the same tokens for the same seeds as over
+    full forward passes, its log-probs the teacher-forced ones, and a row's image independent of its batch."""
+    from dataclasses import replace
+
+    from grpo_vision.sampling import sample
+
+    policy, W, N = tiny_policy, 5, tiny_policy.num_image_tokens
+    prompts = ["a red circle", "a blue square left of a red circle", "a blue circle"] * 2
+    cond = policy.encode_prompts(prompts)
+    spec = replace(params, decode="speculative", speculative_window=W)
+    fast = sample(policy, cond, list(range(6)), spec)
+    rows = torch.cat([cond, policy.null_condition(cond)]) if params.guided else cond
+    first = policy.image_logits(rows, torch.zeros(rows.shape[0], N, dtype=torch.long))[:, 0]
+    u = speculative_uniforms(range(6), N, W, N, cond.device)
+    slow, _ = speculative_decode(first, teacher_forced_block(policy, rows, N), u, N, W, params)
+    assert torch.equal(fast.tokens, slow.tokens)
+    torch.testing.assert_close(fast.logprobs, sequence_logprobs(policy, cond, fast.tokens, params), atol=1e-5, rtol=0)
+    alone = sample(policy, cond[4:5], [4], spec)
+    assert torch.equal(alone.tokens, fast.tokens[4:5])
+    assert not torch.equal(fast.tokens, sample(policy, cond, list(range(6)), params).tokens)  # other tokens, same law
+
+
+def test_the_cached_sampler_follows_the_plain_distribution(small_policy):
+    from dataclasses import replace
+
+    from grpo_vision.sampling import sample
+
+    probs = exact_probabilities(small_policy, "a red circle", PARAMS)
+    cond = small_policy.encode_prompts(["a red circle"]).expand(DRAWS, -1)
+    rollout = sample(small_policy, cond, list(range(DRAWS)), replace(PARAMS, decode="speculative", speculative_window=3))
+    pvalue, outside = chi_square(rollout.tokens, probs, small_policy.codebook_size)
+    assert outside == 0 and pvalue > 1e-3, pvalue  # 0.14: the teacher-forced loop's draws, token for token

@@ -114,14 +114,16 @@ def effective_weight(layer: nn.Module) -> torch.Tensor:
     return layer(torch.eye(w.shape[1], dtype=w.dtype, device=w.device)).t()
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool) -> torch.Tensor:
-    """Scaled dot-product attention `[B, H, T, hd]`. On CPU it stays in float32 under autocast: CPU
-    autocast would cast it to bf16, whose flash-attention backward is slower than float32's there
-    (docs/benchmarks.md), while the products around it gain from bf16."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Scaled dot-product attention `[B, H, T, hd]` (`mask`: bool, True where a query may see a key). On CPU it
+    stays in float32 under autocast: CPU autocast would cast it to bf16, whose flash-attention backward is slower
+    than float32's there (docs/benchmarks.md), while the products around it gain from bf16."""
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
@@ -262,15 +264,16 @@ class LlamaImagePolicy(nn.Module):
         null = [PAD] * (cond.shape[1] - 3) + [BOS, NULL, BOI]
         return torch.tensor(null, dtype=cond.dtype, device=cond.device).expand_as(cond)  # [B, L]
 
-    def new_cache(self, batch_size: int, static: bool = False) -> KVCache:
+    def new_cache(self, batch_size: int, static: bool = False, extra: int = 0) -> KVCache:
         """Preallocated keys/values, plus fused projection weights for `decode`; `static`: zeros, and the
-        position a tensor (models/kv_cache.py).
+        position a tensor (models/kv_cache.py); `extra` positions past the image (a speculative window's).
 
         Weights do not change during a rollout, so q/k/v and gate/up are concatenated once here and
         each decode step runs 4 matmuls per layer instead of 7.
         """
         c, w = self.cfg, self.lm_head.weight
-        shape = (c.n_layers, batch_size, c.n_kv_heads, c.plan_cond_len + c.num_image_tokens, c.dim // c.n_heads)
+        length = c.plan_cond_len + c.num_image_tokens + extra
+        shape = (c.n_layers, batch_size, c.n_kv_heads, length, c.dim // c.n_heads)
         with torch.no_grad():
             a, m = [b.self_attn for b in self.model.layers], [b.mlp for b in self.model.layers]
             fused = [(torch.cat([effective_weight(x.q_proj), effective_weight(x.k_proj), effective_weight(x.v_proj)]),
@@ -313,6 +316,32 @@ class LlamaImagePolicy(nn.Module):
         else:
             position.add_(1)
         return self._image_head(self.model.norm(x))  # [B, K]
+
+    def decode_block(self, tokens: torch.Tensor, cache: KVCache, start: torch.Tensor) -> torch.Tensor:
+        """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`):
+        their keys and values written there, each attending over the cache up to its own position (keys after it,
+        stale or unwritten, masked), the next token's logits at each `[B, W, K]`. Rows at their own positions in one
+        fixed-size cache: speculative decoding's verify pass (speculative.py). `decode`'s math over W tokens."""
+        c = self.cfg
+        H, Hkv, hd = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
+        (B, W), T = tokens.shape, cache.k.shape[3]
+        x = self.model.embed_tokens(tokens + c.image_offset)  # [B, W, dim]
+        pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]
+        cos, sin = (t[pos].unsqueeze(1) for t in self._rope_tables(x, T))  # [B, 1, W, hd] each
+        mask = (torch.arange(T, device=x.device) <= pos[..., None]).unsqueeze(1)  # [B, 1, W, T] keys up to each query
+        at = pos[:, None, :, None].expand(B, Hkv, W, hd)  # [B, Hkv, W, hd] where the window's keys go
+        for i, layer in enumerate(self.model.layers):
+            w_qkv, w_gate_up = cache.fused[i]
+            qkv = F.linear(layer.input_layernorm(x), w_qkv).view(B, W, H + 2 * Hkv, hd)  # [B, W, H+2Hkv, hd]
+            qkv = qkv.transpose(1, 2)  # [B, H+2Hkv, W, hd]
+            qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # [B, H+Hkv, W, hd]
+            cache.k[i].scatter_(2, at, qk[:, H:].to(cache.k.dtype))
+            cache.v[i].scatter_(2, at, qkv[:, H + Hkv:].to(cache.v.dtype))
+            att = attention(qk[:, :H], cache.k[i], cache.v[i], False, Hkv != H, mask)  # [B, H, W, hd]
+            x = x + layer.self_attn.o_proj(att.transpose(1, 2).reshape(B, W, H * hd))  # [B, W, dim]
+            gate, up = F.linear(layer.post_attention_layernorm(x), w_gate_up).chunk(2, dim=-1)  # [B, W, F] each
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)  # [B, W, dim]
+        return self._image_head(self.model.norm(x))  # [B, W, K]
 
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan=None):
         """`image_logits`; with a `sampling.Plan`, (image logits, plan logits): one call of the module for both."""
@@ -411,12 +440,13 @@ class LlamaImagePolicy(nn.Module):
             cache.pos += T
         return self.model.norm(x)
 
-    def _rope_tables(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[T_max, hd]` in x's dtype and device, built once (kept out of the state dict)."""
+    def _rope_tables(self, x: torch.Tensor, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[T_max, hd]` in x's dtype and device, built once (kept out of the state dict); at least
+        `length` long (a speculative window runs past the image)."""
         key = (x.device, x.dtype)
-        if key not in self._rope:
+        if key not in self._rope or len(self._rope[key][0]) < length:
             with torch.inference_mode(False):  # usable by autograd even if first built while sampling
-                tables = rope_tables(self.cfg, self.cfg.plan_cond_len + self.cfg.num_image_tokens)
+                tables = rope_tables(self.cfg, max(self.cfg.plan_cond_len + self.cfg.num_image_tokens, length))
                 self._rope[key] = tuple(t.to(device=x.device, dtype=x.dtype) for t in tables)
         return self._rope[key]
 
