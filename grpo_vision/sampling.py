@@ -73,6 +73,7 @@ class SamplingParams:
     mixed_precision: str = "no"  # "bf16": the rollout runs under bf16 autocast (sample.mixed_precision)
     plan: PlanParams | None = None  # a text plan before each image (sample.plan); None: the image stage only
     speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (speculative.py)
+    speculative_draft: str = "coupled"  # decode=speculative: "jacobi" (SJD's drafts) | "coupled" (MC-SJD's)
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:
@@ -85,6 +86,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.speculative_window < 1:
             raise ValueError(f"speculative_window must be >= 1, got {self.speculative_window}")
+        if self.speculative_draft not in ("jacobi", "coupled"):
+            raise ValueError(f"speculative_draft must be 'jacobi' or 'coupled', got {self.speculative_draft!r}")
 
     @property
     def guided(self) -> bool:
@@ -97,7 +100,7 @@ class SamplingParams:
         s, p = sample_cfg, sample_cfg.plan
         plan = PlanParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.template) if p.enabled else None
         return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode, s.decode,
-                   s.mixed_precision, plan, s.speculative_window)
+                   s.mixed_precision, plan, s.speculative_window, s.speculative_draft)
 
 
 @dataclass(frozen=True)

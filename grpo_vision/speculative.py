@@ -177,11 +177,10 @@ def speculative_uniforms(seeds, n_tokens: int, window: int, skip: int, device) -
 
 
 @torch.no_grad()
-def sample_speculative(policy, cond: torch.Tensor, seeds, params: SamplingParams,
-                       coupled: bool = False) -> tuple[Rollout, SpeculativeStats]:
-    """`sampling.sample` by speculative Jacobi decoding, window `params.speculative_window`: the condition rows
-    `[B, L]` prefilled into a fixed-size cache, then one `policy.decode_block` a window, each row at its own
-    positions in the cache."""
+def sample_speculative(policy, cond: torch.Tensor, seeds, params: SamplingParams) -> tuple[Rollout, SpeculativeStats]:
+    """`sampling.sample` by speculative Jacobi decoding, window `params.speculative_window`, drafts
+    `params.speculative_draft`: the condition rows `[B, L]` prefilled into a fixed-size cache, then one
+    `policy.decode_block` a window, each row at its own positions in the cache."""
     B, N = cond.shape[0], policy.num_image_tokens
     if len(seeds) != B:
         raise ValueError(f"got {len(seeds)} seeds for {B} condition rows; pass one seed per image")
@@ -196,4 +195,4 @@ def sample_speculative(policy, cond: torch.Tensor, seeds, params: SamplingParams
     def block(window, c, _):  # token c-1 of a row sits at cache position L + c - 1
         return policy.decode_block(window.repeat(reps, 1), cache, (cond.shape[1] + c - 1).repeat(reps))
 
-    return speculative_decode(first, block, u, N, W, params, coupled)
+    return speculative_decode(first, block, u, N, W, params, params.speculative_draft == "coupled")

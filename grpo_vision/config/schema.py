@@ -90,6 +90,10 @@ class SampleConfig:
     # exactly, other tokens for a seed
     decode: Literal["auto", "eager", "static", "graph", "compiled", "speculative"] = "auto"
     speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (the last kept + W-1 drafts)
+    # decode=speculative: where drafts come from. jacobi = SJD's, the last forward's prediction at each position;
+    # coupled = MC-SJD's maximal coupling to the previous draft there (arXiv 2510.24211): the same law, fewer
+    # forwards (ShapesWorld base policy, W = 16: 92 a 256-token image against jacobi's 111; docs/benchmarks.md)
+    speculative_draft: Literal["jacobi", "coupled"] = "coupled"
     # rollouts under bf16 autocast (float32 weights decode faster on a GPU); rollout/logp_drift shows what it
     # costs, and the update's old log-probs are then recomputed, so that its first ratio is still exactly 1
     mixed_precision: Literal["no", "bf16"] = "no"
