@@ -158,25 +158,46 @@ def test_returned_logprobs_are_the_teacher_forced_ones(small_policy, params):
 
 
 @torch.no_grad()
-def test_decode_block_equals_teacher_forcing_at_per_row_positions(tiny_policy):
-    """Rows at different positions of one cache, over stale keys a rejected window left: the logits of a full
-    forward pass at the same positions."""
-    policy, W = tiny_policy, 4
-    cond = policy.encode_prompts(["a red circle", "a blue square left of a red circle", "a blue circle"])
+def check_decode_block(policy, cond: torch.Tensor, W: int = 4, atol: float = 1e-5) -> None:
+    """A policy's decode_block: rows at different positions of one cache, over stale keys a rejected window left,
+    give the logits of a full forward pass at the same positions (any kind: llama here, janus and llamagen in
+    their own test files). Needs N >= 2W + 1."""
     B, L, N = cond.shape[0], cond.shape[1], policy.num_image_tokens
     tokens = torch.randint(0, policy.codebook_size, (B, N), generator=torch.Generator().manual_seed(0))
     full = policy.image_logits(cond, tokens)  # [B, N, K]: column j predicts token j
     cache = policy.new_cache(B, static=True, extra=W)
-    torch.testing.assert_close(policy.prefill(cond, cache), full[:, 0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(policy.prefill(cond, cache), full[:, 0], atol=atol, rtol=0)
     starts = torch.full((B,), L)
-    torch.testing.assert_close(policy.decode_block(tokens[:, :W], cache, starts), full[:, 1:W + 1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(policy.decode_block(tokens[:, :W], cache, starts), full[:, 1:W + 1], atol=atol, rtol=0)
     stale = torch.randint(0, policy.codebook_size, (B, W), generator=torch.Generator().manual_seed(1))
     policy.decode_block(stale, cache, starts + W)  # a rejected window's keys, past where the rows go on
-    shift = torch.tensor([1, 3, W])  # each row's next window starts at its own token
+    shift = torch.arange(B) % W + 1  # each row's next window starts at its own token
     window = torch.stack([tokens[b, s:s + W] for b, s in enumerate(shift.tolist())])  # [B, W]
     logits = policy.decode_block(window, cache, L + shift)
     expected = torch.stack([full[b, s + 1:s + W + 1] for b, s in enumerate(shift.tolist())])
-    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+
+
+def check_speculative_sampler(policy, cond: torch.Tensor, params: SamplingParams, W: int = 4, atol: float = 1e-5):
+    """sample(decode=speculative) on any kind: log-probs and entropies the teacher-forced ones, a row's image
+    independent of its batch."""
+    from dataclasses import replace
+
+    from grpo_vision.sampling import sample
+
+    B = cond.shape[0]
+    spec = replace(params, decode="speculative", speculative_window=W)
+    rollout = sample(policy, cond, list(range(B)), spec)
+    with torch.no_grad():
+        logp, entropy = sequence_logprobs(policy, cond, rollout.tokens, params, with_entropy=True)
+    torch.testing.assert_close(rollout.logprobs, logp, atol=atol, rtol=0)
+    torch.testing.assert_close(rollout.entropy, entropy, atol=atol, rtol=0)
+    assert torch.equal(sample(policy, cond[B - 1:], [B - 1], spec).tokens, rollout.tokens[B - 1:])
+
+
+def test_decode_block_equals_teacher_forcing_at_per_row_positions(tiny_policy):
+    check_decode_block(tiny_policy, tiny_policy.encode_prompts(["a red circle", "a blue square left of a red circle",
+                                                                "a blue circle"]))
 
 
 @pytest.mark.parametrize("params", [PARAMS, SamplingParams(cfg_scale=3.0),
@@ -218,3 +239,22 @@ def test_the_cached_sampler_follows_the_plain_distribution(small_policy, draft):
     pvalue, outside = chi_square(rollout.tokens, probs, small_policy.codebook_size)
     # the teacher-forced loop's p-values (its draws, token for token): jacobi 0.14, coupled 0.33
     assert outside == 0 and pvalue > 1e-3, pvalue
+
+
+def test_bench_sampler_reports_forwards_and_wall_clock(tmp_path, capsys):
+    import json
+
+    from grpo_vision.cli import main
+    from grpo_vision.tools.bench import BENCH_WORDS
+
+    LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(3, 3), dim=32, n_layers=1,
+                                       n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
+    main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--speculative-window", "4", "--group-size",
+          "2", "--repeats", "1", "--top-k", "0"])
+    result = json.loads(capsys.readouterr().out)
+    assert (result["image_tokens"], result["images"], result["window"]) == (9, 8, 4)
+    assert result["plain"]["forwards_per_image"] == 9
+    for draft in ("jacobi", "coupled"):
+        r = result[draft]
+        assert 9 / 4 <= r["forwards_per_image"] <= r["forwards_per_batch"] <= 9  # at most W tokens a forward
+        assert r["tokens_per_forward"] >= 1 and r["seconds"] > 0 and r["wall_clock_vs_plain"] > 0

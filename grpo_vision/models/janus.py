@@ -131,8 +131,9 @@ class JanusImagePolicy(nn.Module):
         keep = (cond == self.bos_id) | (cond == self.boi_id) | (cond == NO_TOKEN)  # [B, L]
         return cond.masked_fill(~keep, self.pad_id)  # [B, L]
 
-    def new_cache(self, batch_size: int, static: bool = False) -> JanusCache:
-        return JanusCache(static, room=self.num_image_tokens)  # `prefill` allocates the keys: they need L
+    def new_cache(self, batch_size: int, static: bool = False, extra: int = 0) -> JanusCache:
+        """`extra` positions past the image: a speculative window's (speculative.py)."""
+        return JanusCache(static, room=self.num_image_tokens + extra)  # `prefill` allocates the keys: they need L
 
     def prefill(self, cond: torch.Tensor, cache: JanusCache) -> torch.Tensor:
         return self.model.model.generation_head(self._prefill(cond, cache))  # [B, K]
@@ -192,6 +193,34 @@ class JanusImagePolicy(nn.Module):
         else:
             position.add_(1)
         return lm.norm(x)[:, -1]  # [B, D]
+
+    def decode_block(self, tokens: torch.Tensor, cache: JanusCache, start: torch.Tensor) -> torch.Tensor:
+        """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`),
+        through `_step`'s math: keys and values written there, each attending over the cache up to its own position
+        (stale keys after it and left padding masked); the next token's logits at each `[B, W, K]`. Speculative
+        decoding's verify pass (speculative.py)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        lm, (B, W), T = self.model.model.language_model, tokens.shape, cache.k.shape[3]
+        x = self.model.prepare_embeddings_for_image_generation(tokens)  # [B, W, D]
+        pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]
+        cos, sin = lm.rotary_emb(x, pos)  # [B, W, hd] each
+        causal = torch.arange(T, device=x.device) <= pos[..., None]  # [B, W, T] keys up to each query
+        mask = cache.valid[:, None, None, :] & causal[:, None]  # [B, 1, W, T]
+        for i, layer in enumerate(lm.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)  # [B, W, D]
+            q = a.q_proj(h).view(B, W, -1, a.head_dim).transpose(1, 2)  # [B, H, W, hd]
+            k = a.k_proj(h).view(B, W, -1, a.head_dim).transpose(1, 2)  # [B, Hkv, W, hd]
+            v = a.v_proj(h).view(B, W, -1, a.head_dim).transpose(1, 2)  # [B, Hkv, W, hd]
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            at = pos[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd]
+            cache.k[i].scatter_(2, at, k.to(cache.k.dtype))
+            cache.v[i].scatter_(2, at, v.to(cache.v.dtype))
+            y = attend(q, cache.k[i], cache.v[i], mask, a.scaling)  # [B, H, W, hd]
+            x = x + a.o_proj(y.transpose(1, 2).reshape(B, W, -1))  # [B, W, D]
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.model.generation_head(lm.norm(x))  # [B, W, K]
 
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan=None):
         """`image_logits`; with a plan (a `sampling.Plan`: `.ids` `[B, L]`, `.tokens` `[B, T]`), (image logits,
@@ -332,16 +361,18 @@ class JanusImagePolicy(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per row `[B, H, 1, hd]` over keys and values `[B, Hkv, T, hd]` where `mask` `[B, 1, 1, T]` is
-    True. On a CPU in float32 with the query heads grouped per key head (no repeated keys); elsewhere SDPA."""
-    B, H, _, hd = q.shape
+    """Q queries per row `[B, H, Q, hd]` (1 in a decode step) over keys and values `[B, Hkv, T, hd]` where `mask`
+    `[B, 1, Q, T]` is True. On a CPU in float32 with the query heads grouped per key head (no repeated keys);
+    elsewhere SDPA."""
+    B, H, Q, hd = q.shape
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
                                               enable_gqa=H != k.shape[1])
     g = H // k.shape[1]
-    scores = q.float().view(B, -1, g, hd) @ k.float().transpose(-1, -2) * scale  # [B, Hkv, g, T]
-    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)  # mask [B, 1, 1, T] on every head
-    return (weights @ v.float()).view(B, H, 1, hd).to(q.dtype)
+    scores = q.float().reshape(B, -1, g * Q, hd) @ k.float().transpose(-1, -2) * scale  # [B, Hkv, g*Q, T]
+    scores = scores.view(B, -1, g, Q, scores.shape[-1]).masked_fill(~mask[:, :, None], float("-inf"))  # [B,Hkv,g,Q,T]
+    weights = scores.softmax(-1).view(B, -1, g * Q, scores.shape[-1])  # mask [B, 1, Q, T] on every head
+    return (weights @ v.float()).view(B, H, Q, hd).to(q.dtype)
 
 
 def _check_generation_config(gen, processor, path: Path) -> None:

@@ -102,9 +102,11 @@ def rope_table(cfg: LlamaGenConfig) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x `[B, T, H, hd]` rotated pairwise (interleaved pairs) by table `[T, hd/2, 2]`, in float32."""
+    """x `[B, T, H, hd]` rotated pairwise (interleaved pairs) by table `[T, hd/2, 2]` (or `[B, T, hd/2, 2]`: each
+    row at its own positions), in float32."""
     xs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, T, H, hd/2, 2]
-    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]  # [1, T, 1, hd/2]
+    table = table[None] if table.ndim == 3 else table  # [1 or B, T, hd/2, 2]
+    cos, sin = table[:, :, None, :, 0], table[:, :, None, :, 1]  # [1 or B, T, 1, hd/2]
     out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
     return out.flatten(3).type_as(x)
 
@@ -255,9 +257,10 @@ class LlamaGenPolicy(nn.Module):
         rows = self.cls_embedding.uncond_embedding[: self.cfg.cls_token_num]  # [L, C]
         return rows.to(cond.dtype) * valid  # [B, L, C]
 
-    def new_cache(self, batch_size: int, static: bool = False) -> LlamaGenCache:
+    def new_cache(self, batch_size: int, static: bool = False, extra: int = 0) -> LlamaGenCache:
+        """`extra` positions past the image: a speculative window's (speculative.py)."""
         c, w = self.cfg, self.output.weight
-        shape = (c.n_layer, batch_size, c.n_kv_head, c.cls_token_num + c.num_image_tokens, c.dim // c.n_head)
+        shape = (c.n_layer, batch_size, c.n_kv_head, c.cls_token_num + c.num_image_tokens + extra, c.dim // c.n_head)
         k, v, position = new_kv(shape, w.dtype, w.device, static)
         return LlamaGenCache(k, v, position=position)
 
@@ -265,7 +268,7 @@ class LlamaGenPolicy(nn.Module):
         self._check_condition(cond)
         cache.pos, valid = 0, self._valid(cond)  # [B, L] or None
         if valid is not None:
-            cache.valid = torch.cat([valid, valid.new_ones(valid.shape[0], self.num_image_tokens)], 1)  # [B, L+N]
+            cache.valid = torch.cat([valid, valid.new_ones(valid.shape[0], cache.k.shape[3] - valid.shape[1])], 1)
         position, cache.position = cache.position, None  # the prefill writes as an eager cache does
         h = self._forward(self.cls_embedding(cond), cache.valid, cache)  # [B, L, dim]
         if position is not None:
@@ -275,6 +278,34 @@ class LlamaGenPolicy(nn.Module):
     def decode(self, tokens: torch.Tensor, cache: LlamaGenCache) -> torch.Tensor:
         h = self._forward(self.tok_embeddings(tokens)[:, None], cache.valid, cache)  # [B, 1, dim]
         return self._logits(h[:, -1])  # [B, K]
+
+    def decode_block(self, tokens: torch.Tensor, cache: LlamaGenCache, start: torch.Tensor) -> torch.Tensor:
+        """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`),
+        through the blocks' math: keys and values written there, each attending over the cache up to its own
+        position (stale keys after it and caption padding masked); the next token's logits at each `[B, W, K]`.
+        Speculative decoding's verify pass (speculative.py)."""
+        (B, W), T = tokens.shape, cache.k.shape[3]
+        x = self.tok_embeddings(tokens)  # [B, W, dim]
+        pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]
+        table = self._table(x.device)
+        # positions past the image have no 2D angle: their tokens are cut off, so any (the last) serves
+        rows = table[pos.clamp_max(len(table) - 1)]  # [B, W, hd/2, 2]
+        mask = (torch.arange(T, device=x.device) <= pos[..., None])[:, None]  # [B, 1, W, T] keys up to each query
+        if cache.valid is not None:
+            mask = mask & cache.valid[:, None, None, :]
+        for i, layer in enumerate(self.layers):
+            a = layer.attention
+            H, Hkv, hd = a.n_head, a.n_kv_head, a.head_dim
+            q, k, v = a.wqkv(layer.attention_norm(x)).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            q = rotate(q.view(B, W, H, hd), rows).transpose(1, 2)  # [B, H, W, hd]
+            k = rotate(k.view(B, W, Hkv, hd), rows).transpose(1, 2)  # [B, Hkv, W, hd]
+            at = pos[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd]
+            cache.k[i].scatter_(2, at, k.to(cache.k.dtype))
+            cache.v[i].scatter_(2, at, v.view(B, W, Hkv, hd).transpose(1, 2).to(cache.v.dtype))
+            y = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask, enable_gqa=H != Hkv)
+            h = x + a.wo(y.transpose(1, 2).reshape(B, W, -1))  # [B, W, dim]
+            x = h + layer.feed_forward(layer.ffn_norm(h))
+        return self._logits(self.norm(x))  # [B, W, K]
 
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return self.image_logits(cond, tokens)

@@ -314,3 +314,14 @@ def test_token_weighting_hooks_are_what_the_model_embeds_and_decodes(policy):
     quant = m.vqmodel.quantize.get_codebook_entry(tokens)  # [1, 8, 4, 4], what decode feeds the decoder
     torch.testing.assert_close(vectors, quant.permute(0, 2, 3, 1).reshape(1, 16, 8))
     torch.testing.assert_close(vectors.norm(dim=-1), torch.ones(1, 16))
+
+
+def test_speculative_decoding_verifies_windows_from_per_row_positions(policy):
+    """decode_block (speculative.py's verify pass) equals teacher forcing over left-padded rows at their own
+    positions, and sample.decode=speculative returns the teacher-forced log-probs."""
+    from grpo_vision.sampling import SamplingParams
+    from tests.test_speculative import check_decode_block, check_speculative_sampler
+
+    cond = policy.encode_prompts(["a red circle", "a blue square left of a red circle", "a blue circle"])
+    check_decode_block(policy, cond, atol=1e-4)
+    check_speculative_sampler(policy, cond, SamplingParams(cfg_scale=3.0, temperature=0.9, top_k=16), atol=1e-4)

@@ -615,3 +615,15 @@ def test_a_run_folders_own_image_size_wins_over_the_config_continuing_it(tmp_pat
         load_bundle(PolicyConfig("llamagen", str(run), options={"image_size": 256}), "cpu")
     assert str(err.value) == (f"policy.options.image_size is 256, but the run folder {run} trained at 8: remove "
                               "policy.options.image_size (the run's own is used) or set it to 8")
+
+
+@pytest.mark.parametrize("mode", ["c2i", "t2i"])
+def test_speculative_decoding_verifies_windows_from_per_row_positions(mode, c2i, t2i):
+    """decode_block (speculative.py's verify pass) equals teacher forcing at per-row positions (t2i: over padded
+    captions), and sample.decode=speculative returns the teacher-forced log-probs (logits reach ~50 here: 2e-4)."""
+    from tests.test_speculative import check_decode_block, check_speculative_sampler
+
+    policy = c2i if mode == "c2i" else t2i
+    cond = policy.encode_prompts(["3", "7 dogs", "class 9"] if mode == "c2i" else PROMPTS)
+    check_decode_block(policy, cond, atol=2e-4)
+    check_speculative_sampler(policy, cond, SamplingParams(cfg_scale=3.0, top_k=16), atol=2e-4)
