@@ -218,6 +218,12 @@ def cmd_bench_sampler(args) -> None:
         from grpo_vision.models.llama import LlamaImagePolicy
 
         policy = LlamaImagePolicy.from_pretrained(args.policy)
+    if args.speculative_window:
+        from grpo_vision.tools.bench import bench_speculative
+
+        _print_result(bench_speculative(policy, window=args.speculative_window, group=args.group_size,
+                                        repeats=args.repeats, cfg_scale=args.cfg_scale, top_k=args.top_k), args.json)
+        return
     result = bench_sampler(policy, batch=args.batch, repeats=args.repeats, cfg_scale=args.cfg_scale,
                            top_k=args.top_k, dtype=args.dtype)
     _print_result(result, args.json)
@@ -402,6 +408,11 @@ def add_bench_commands(sub) -> None:
     add_preset_options(p, "a released model size with random weights (tools/presets.py) instead of the built-in "
                           "policy: images/s per decode path, beside generate() for Janus and the teacher-forced pass")
     p.add_argument("--groups", type=int_list, default=[8, 16], help="group sizes G, comma-separated (--preset)")
+    p.add_argument("--speculative-window", type=non_negative_int, default=0,
+                   help="W > 0: speculative decoding at window W against plain decoding instead: forward passes "
+                        "per image, tokens per pass and wall-clock, 4 prompts x --group-size seeds (main job: "
+                        "--top-k 0)")
+    p.add_argument("--group-size", type=positive_int, default=8, help="seeds per prompt (--speculative-window)")
     p.set_defaults(func=cmd_bench_sampler)
     p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
     p.add_argument("run", help="a run directory (as for grpo-vision demo)")

@@ -6,18 +6,22 @@ way (`guidance_scale` with `negative_prompt_ids`, a second model call per step).
 forward pass over the same rows is the ceiling: it computes the same logits in one batched pass, as
 fast as those logits can be had. Runs are interleaved so that machine noise hits all of them alike;
 the median of `repeats` is reported. Speed targets are checked here, never in timed tests.
+
+`bench_speculative` (`bench sampler --speculative-window W`): forward passes per image of speculative decoding
+against plain decoding's N, and the wall-clock beside them (issue 65).
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import torch
 
 from grpo_vision.models.llama_hf import to_hf_llama
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
 from grpo_vision.sampling import SamplingParams, sample
-from grpo_vision.tools.timing import interleaved, seconds
+from grpo_vision.tools.timing import interleaved, seconds, sig
 
 BENCH_WORDS = "a an on of left right above below small large red green blue yellow purple orange " \
               "circle square triangle white black gray background".split()
@@ -66,6 +70,55 @@ def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repea
         result[f"fraction_of_ceiling_{tag}"] = round(tps[f"ours_{tag}"] / tps[f"teacher_forced_{tag}"], 3)
     result["targets_met"] = all(result[f"speedup_vs_generate_{t}"] >= 3 and result[f"fraction_of_ceiling_{t}"] >= 0.4
                                 for t in ("cfg_off", "cfg_on"))
+    return result
+
+
+# ShapesWorld captions of four forms (the main job's prompts are of these): words outside a policy's vocabulary read
+# as <unk>, so any policy can run them
+SPECULATIVE_PROMPTS = ["a red circle", "a red circle right of a purple triangle", "a blue square above a orange square",
+                       "a orange triangle below a orange square"]
+
+
+def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, group: int = 8, repeats: int = 1,
+                      cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
+                      prompts: list[str] = SPECULATIVE_PROMPTS) -> dict:
+    """Speculative decoding (speculative.py) against plain decoding: forward passes per image and tokens accepted
+    per pass (the figure that transfers across devices: a GPU's decode step costs about the same for 1 or W tokens a
+    row), with the wall-clock beside it (a CPU is bound by arithmetic, so W tokens a row cost about W times one).
+    `group` seeds per prompt, as a GRPO group; both draft kinds at window `window`."""
+    from grpo_vision.speculative import sample_speculative
+
+    torch.manual_seed(0)
+    policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval()
+    N = policy.num_image_tokens
+    cond = policy.encode_prompts([p for p in prompts for _ in range(group)])  # [P*G, L]
+    seeds = list(range(cond.shape[0]))
+    base = SamplingParams(cfg_scale, temperature, top_k, decode="static", speculative_window=window)
+    stats = {}
+
+    def speculative(draft):
+        def run():
+            stats[draft] = sample_speculative(policy, cond, seeds, replace(base, decode="speculative",
+                                                                           speculative_draft=draft))[1]
+        return run
+
+    runs = {"plain": lambda: sample(policy, cond, seeds, base), "jacobi": speculative("jacobi"),
+            "coupled": speculative("coupled")}
+    with torch.no_grad():
+        times = interleaved(runs, repeats)
+    result = {"images": cond.shape[0], "prompts": len(prompts), "group_size": group, "image_tokens": N,
+              "window": window, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k,
+              "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
+              "repeats": repeats}
+    plain_s = statistics.median(times["plain"])
+    result["plain"] = {"forwards_per_image": N, "tokens_per_forward": 1.0, "seconds": sig(plain_s),
+                       "images_per_s": sig(cond.shape[0] / plain_s)}
+    for draft, st in stats.items():
+        per_image, secs = st.forwards.double().mean().item(), statistics.median(times[draft])
+        result[draft] = {"forwards_per_image": sig(per_image), "forwards_per_batch": st.batch_forwards,
+                         "tokens_per_forward": sig(N / per_image),
+                         "seconds": sig(secs), "images_per_s": sig(cond.shape[0] / secs),
+                         "wall_clock_vs_plain": sig(plain_s / secs)}
     return result
 
 
