@@ -1,7 +1,7 @@
 """ShapesWorld v1: the embedded, exactly checkable text-to-image world (docs/shapes_world.md).
 
 `scene` samples captions and scenes and renders them; `checker` judges any image against a
-caption, attribute by attribute.
+caption, attribute by attribute; `plan` writes a scene's layout plan and judges a plan against a caption.
 """
 
 import importlib
@@ -10,6 +10,7 @@ import importlib
 # submodule (the CLI's `world` commands) does not import the checker and scipy
 _EXPORTS = {
     "checker": ["ATTRIBUTES", "CheckResult", "check", "find_regions"],
+    "plan": ["MAX_PLAN_TOKENS", "PLAN_GRID", "check_plan", "parse_plan", "plan_words", "scene_plan"],
     "scene": ["BACKGROUNDS", "COLORS", "FORMS", "HELD_OUT", "IMAGE_SIZE", "RELATIONS", "SHAPES", "SIZES",
               "CaptionError", "CaptionSpec", "Obj", "Scene", "aesthetic_label", "all_words", "format_caption",
               "is_held_out", "parse_caption", "prompt_list", "render", "sample_scene", "scene_for_caption"],

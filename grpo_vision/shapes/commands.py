@@ -13,8 +13,8 @@ from pathlib import Path
 def cmd_world_build(args) -> None:
     from grpo_vision.shapes.build import build_world
 
-    info = build_world(args.out or f"worlds/shapes{'_micro' if args.preset == 'micro' else ''}", args.preset,
-                       args.seed)
+    out = args.out or "worlds/" + {"default": "shapes", "plan": "shapes_plan"}.get(args.preset, f"shapes_{args.preset}")
+    info = build_world(out, args.preset, args.seed, start_from=args.start_from or None)
     q = info["quality"]
     if args.json:
         print(json.dumps(q, indent=2))
@@ -69,8 +69,14 @@ def add_commands(sub) -> None:
         dest="what", required=True)
     p = world.add_parser("build", help="train the world's tokenizer, CLIP, aesthetic head and base policy: about an "
                                        "hour on a 2-core CPU; a complete world is kept, not rebuilt")
-    p.add_argument("--preset", default="default", choices=["micro", "default"], help="micro: seconds, for tests")
-    p.add_argument("--out", default="", help="world directory (default: worlds/shapes or worlds/shapes_micro)")
+    p.add_argument("--preset", default="default", choices=["micro", "default", "plan", "plan_micro"],
+                   help="micro: seconds, for tests; plan: the default world with a base policy that writes a layout "
+                        "plan before it draws (plan_micro: its micro version)")
+    p.add_argument("--out", default="", help="world directory (default: worlds/shapes, worlds/shapes_plan, or "
+                                             "worlds/shapes_<preset>)")
+    p.add_argument("--from", dest="start_from", default="", metavar="WORLD",
+                   help="copy the finished stages of this world that share the preset's recipe instead of training "
+                        "them (--preset plan --from worlds/shapes trains the base policy only)")
     p.add_argument("--seed", type=seed, default=0, help="seeds every stage; the build is deterministic")
     p.add_argument("--json", action="store_true", help="print every quality figure as JSON")
     p.set_defaults(func=cmd_world_build)

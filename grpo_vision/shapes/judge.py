@@ -9,6 +9,7 @@ import torch
 
 from grpo_vision.shapes.checker import ATTRIBUTES, check
 from grpo_vision.shapes.layout import scene_for_caption
+from grpo_vision.shapes.plan import check_plan
 from grpo_vision.shapes.scene import FORMS, CaptionError, as_policy_reads, parse_caption, render
 
 
@@ -25,6 +26,17 @@ class ShapesJudge:
         for image, prompt in zip(images, prompts):
             try:
                 out.append(check(image, as_policy_reads(prompt)).as_dict())
+            except CaptionError:
+                out.append(None)
+        return out
+
+    def plan_verdicts(self, plans: Sequence[str], prompts: Sequence[str]) -> list[dict | None]:
+        """Per-attribute verdicts of each text plan (shapes/plan.py) against its prompt, with the image verdicts' keys;
+        None where the prompt is outside the grammar."""
+        out = []
+        for plan, prompt in zip(plans, prompts, strict=True):
+            try:
+                out.append(check_plan(plan, as_policy_reads(prompt)))
             except CaptionError:
                 out.append(None)
         return out

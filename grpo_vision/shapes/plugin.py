@@ -107,7 +107,9 @@ def interleave(drawn: dict[str, list[str]]) -> list[str]:
 @register_policy_kind("shapes", prompts=world_prompts, options=ShapesOptions)
 def load_shapes(pcfg, device) -> Bundle:
     """A ShapesWorld directory (`policy.path`): its base policy in `policy.dtype` (saved in float32, cast as
-    the llama kind casts), its tokenizer, judge and reward models. Its options choose prompts, not weights."""
+    the llama kind casts), its tokenizer, judge and reward models. Its options choose prompts, not weights.
+    A world built with plans (worlds/shapes_plan) has a policy that writes a layout plan before it draws
+    (sample.plan); any other world's policy has no plan vocabulary, and policy.check_planning refuses sample.plan."""
     import torch
 
     from grpo_vision.shapes.judge import ShapesJudge

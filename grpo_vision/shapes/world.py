@@ -7,7 +7,8 @@
       policy/      base policy (policy_config.json + policy.safetensors)
       stages/      one JSON per finished stage: preset, seed, figures
       world.json   every quality figure, and the size and sha256 of each stage file; written last, so its
-                   presence means the world is complete
+                   presence means the world is complete (version 2 records the plan grammar of a base policy
+                   that plans, worlds/shapes_plan; load_world reads versions 1 and 2)
       contact_sheet.png
 
 The builder (`grpo_vision.shapes.build`) writes it; this module only checks and loads it, which is
@@ -26,9 +27,10 @@ from typing import Any
 
 import torch
 
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, brief
 
-WORLD_VERSION = 1
+WORLD_VERSION = 2  # what a build writes; 2 adds `plan` to world.json (None: the base policy does not plan)
+VERSIONS = (1, 2)  # what load_world reads: version 1 is the committed worlds/shapes, built before plans
 STAGES = ("vq", "clip", "aesthetic", "policy")
 INPUTS = {"vq": (), "clip": (), "aesthetic": ("clip",), "policy": ("vq",)}  # stages each one is trained on
 FILES = {"vq": ("config.json", "diffusion_pytorch_model.safetensors"), "clip": ("clip.safetensors",),
@@ -132,9 +134,14 @@ def load_world(path: str | Path, device: str | torch.device = "cpu", defer_token
     from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.models.tokenizer import VQTokenizer
     from grpo_vision.policy import Deferred
+    from grpo_vision.shapes.plan import plan_words
 
     info = check_world_dir(path)
     world = Path(path)
+    if info.get("version") not in VERSIONS:
+        raise WorldError(f"{world / 'world.json'} is of version {brief(info.get('version'))}; this grpo-vision reads "
+                         f"world versions {', '.join(map(str, VERSIONS))}: rebuild it with: grpo-vision world build "
+                         f"--out {world} --preset {info.get('preset')} --seed {info.get('seed')}")
     recorded = info.get("files")
     if not isinstance(recorded, dict):  # the build always records them: without them no file could be checked
         raise WorldError(f"{world / 'world.json'} records no checksums of the world's files (was it edited?); check "
@@ -148,4 +155,7 @@ def load_world(path: str | Path, device: str | torch.device = "cpu", defer_token
         return VQTokenizer.from_pretrained(world / "vq", device=device)
     tokenizer = Deferred(make_tokenizer) if defer_tokenizer else make_tokenizer()
     policy = LlamaImagePolicy.from_pretrained(world / "policy", device=device).float().eval()
+    if policy.cfg.plan_words and policy.cfg.plan_words != plan_words():  # its plans would be judged in another grammar
+        raise WorldError(f"{world / 'policy'} plans in words other than this grpo-vision's plan grammar "
+                         f"(shapes/plan.py); {rebuild_command(world, info, 'policy')}")
     return World(world, tokenizer, policy)

@@ -8,6 +8,10 @@ means new codes for the policy). A finished stage whose files do not load, or di
 sha256 world.json records, is rebuilt the same way. world.json records them at the end of a build; a
 complete world built before they were gets them once each stage is loaded and found sound.
 
+A world preset names each stage's preset (stages.WORLD_PRESETS: a plan world trains the default, or micro,
+recipes but for its policy), and `start_from` (`world build --from`) copies another world's stages of the same
+recipe instead of training them.
+
 Only `grpo-vision world build` imports this subpackage; training and evaluation never do.
 """
 
@@ -40,7 +44,8 @@ def recipe_hashes(preset: str) -> dict[str, str]:
 
     hashes: dict[str, str] = {}
     for name in STAGES:
-        recipe = {"recipe": stages.recipe(name, preset), "inputs": [hashes[i] for i in INPUTS[name]]}
+        recipe = {"recipe": stages.recipe(name, stages.stage_preset(preset, name)),
+                  "inputs": [hashes[i] for i in INPUTS[name]]}
         hashes[name] = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
     return hashes
 
@@ -84,24 +89,28 @@ def run_stage(world: Path, name: str, preset: str, seed: int, recipe: str, build
 
 
 def build_world(out: str | Path, preset: str = "default", seed: int = 0, progress: bool = True,
-                log: Callable[[str], None] = print) -> dict:
-    """Build every missing stage of the world at `out`, evaluate it, and write world.json."""
+                log: Callable[[str], None] = print, start_from: str | Path | None = None) -> dict:
+    """Build every missing stage of the world at `out`, evaluate it, and write world.json. `start_from`: a world
+    whose finished stages of the same recipe (preset, seed and hash) are copied rather than trained again."""
     from grpo_vision.shapes.build import stages
 
-    if preset not in ("micro", "default"):
-        raise ValueError(f"preset must be 'micro' or 'default', got {preset!r}")
+    if preset not in stages.WORLD_PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(map(repr, stages.WORLD_PRESETS))}, got {preset!r}")
     world = Path(out)
     hashes = recipe_hashes(preset)
+    presets = {n: stages.stage_preset(preset, n) for n in STAGES}
+    if start_from is not None:
+        copy_stages(Path(start_from), world, presets, seed, hashes, log)
     recorded = recorded_files(world)
     broken = {n: problem for n in STAGES
-              if stage_done(world, n, preset, seed, hashes[n]) and (problem := load_problem(world, n, recorded))}
+              if stage_done(world, n, presets[n], seed, hashes[n]) and (problem := load_problem(world, n, recorded))}
     for name in with_dependents(broken):
         why = broken.get(name) or f"it is trained on {', '.join(INPUTS[name])}, which is rebuilt"
         log(f"[world] {name}: {why}; rebuilding")
         (world / "stages" / f"{name}.json").unlink(missing_ok=True)  # as if never built: a stop resumes here
     try:
         info = check_world_dir(world)
-        if all(stage_done(world, n, preset, seed, hashes[n]) for n in STAGES):
+        if all(stage_done(world, n, presets[n], seed, hashes[n]) for n in STAGES):
             if not recorded:  # every stage loaded above: its files are sound, so record them
                 info["files"] = file_checksums(world)
                 write_json(world / "world.json", info)
@@ -116,8 +125,8 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     infos = {}
     for name in STAGES:
         build = getattr(stages, f"build_{name}")
-        infos[name] = run_stage(world, name, preset, seed, hashes[name],
-                                lambda tmp: build(world, tmp, preset, seed, progress), log)
+        infos[name] = run_stage(world, name, presets[name], seed, hashes[name],
+                                lambda tmp: build(world, tmp, presets[name], seed, progress), log)
     log("[world] evaluating")
     figures = stages.evaluate_world(world, preset, seed, progress)
     stages.contact_sheet(world, world / "contact_sheet.png", seed)
@@ -126,6 +135,29 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     write_json(world / "world.json", info)
     log(f"[world] done: {world / 'world.json'}")
     return info
+
+
+def copy_stages(source: Path, world: Path, presets: dict[str, str], seed: int, hashes: dict[str, str], log) -> None:
+    """Copy into `world` each stage of the world at `source` that `world` lacks and that was built with the same
+    preset, seed and recipe hash, once its files are those `source`'s world.json records and it loads: the build
+    then skips it, as it skips a stage it trained itself. Its marker says where it came from."""
+    recorded = recorded_files(source)
+    if not recorded:
+        raise WorldError(f"--from {source}: not a complete world (no world.json recording its files); "
+                         f"build it first with: grpo-vision world build --out {source}")
+    for name in STAGES:
+        info = stage_done(source, name, presets[name], seed, hashes[name])
+        if stage_done(world, name, presets[name], seed, hashes[name]) or info is None:
+            continue
+        if problem := load_problem(source, name, recorded):
+            raise WorldError(f"--from {source}: {problem}")
+        shutil.rmtree(world / f"{name}.tmp", ignore_errors=True)  # left by a copy that stopped
+        shutil.copytree(source / name, world / f"{name}.tmp")
+        shutil.rmtree(world / name, ignore_errors=True)
+        os.replace(world / f"{name}.tmp", world / name)
+        (world / "stages").mkdir(parents=True, exist_ok=True)
+        write_json(world / "stages" / f"{name}.json", info | {"copied_from": str(source)})
+        log(f"[world] {name}: copied from {source} (same recipe: {presets[name]}, seed {seed})")
 
 
 def recorded_files(world: Path) -> dict:

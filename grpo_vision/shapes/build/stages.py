@@ -12,17 +12,32 @@ import torch
 from grpo_vision.shapes.scene import HELD_OUT, IMAGE_SIZE, all_words
 
 EVAL_SEED_OFFSET = 10_000  # evaluation renders never share a seed with training renders
+# A world preset names each stage's preset: (the tokenizer's, CLIP's and aesthetic head's, the base policy's). The
+# plan worlds share their other stages' recipes with the default and micro worlds, so that a build started from
+# one (`world build --from`) copies those stages and trains only a base policy that plans.
+WORLD_PRESETS = {"micro": ("micro", "micro"), "default": ("default", "default"),
+                 "plan_micro": ("micro", "plan_micro"), "plan": ("default", "plan")}
+
+
+def stage_preset(preset: str, name: str) -> str:
+    """The preset stage `name` is trained with in a world of preset `preset`."""
+    others, policy = WORLD_PRESETS[preset]
+    return policy if name == "policy" else others
 
 
 def recipe(name: str, preset: str) -> dict:
     """The hyper-parameters stage `name` trains with under `preset` (what its marker's hash covers)."""
     from grpo_vision.shapes.build.train_aesthetic import AESTHETIC_PRESETS
     from grpo_vision.shapes.build.train_clip import CLIP_PRESETS
-    from grpo_vision.shapes.build.train_policy import POLICY_PRESETS
+    from grpo_vision.shapes.build.train_policy import POLICY_PRESETS, PlanPolicyPreset
     from grpo_vision.shapes.build.train_vq import DECODER_SEED_OFFSET, VQ_PRESETS
+    from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, plan_words
 
     presets = {"vq": VQ_PRESETS, "clip": CLIP_PRESETS, "aesthetic": AESTHETIC_PRESETS, "policy": POLICY_PRESETS}
-    out = dataclasses.asdict(presets[name][preset])
+    chosen = presets[name][preset]
+    out = dataclasses.asdict(chosen)
+    if isinstance(chosen, PlanPolicyPreset):  # the plan grammar is part of what the policy learns
+        out |= {"plan_words": plan_words(), "max_plan_tokens": MAX_PLAN_TOKENS}
     return out | {"decoder_seed_offset": DECODER_SEED_OFFSET} if name == "vq" else out
 
 
@@ -86,11 +101,11 @@ def evaluate_world(world: Path, preset: str, seed: int, progress: bool) -> dict:
     from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING, evaluate_policy
     from grpo_vision.models.tokenizer import VQTokenizer
 
-    micro = preset == "micro"
+    micro = stage_preset(preset, "vq") == "micro"
     figures = checker_figures(n=50 if micro else 500, seed=seed + EVAL_SEED_OFFSET)
     for name in ("vq", "clip", "aesthetic", "policy"):
         stage = json.loads((world / "stages" / f"{name}.json").read_text())
-        figures |= {k: v for k, v in stage.items() if k not in ("preset", "seed", "seconds", "curve")}
+        figures |= {k: v for k, v in stage.items() if k not in ("preset", "seed", "seconds", "curve", "copied_from")}
     tok = VQTokenizer.from_pretrained(world / "vq")
     policy = LlamaImagePolicy.from_pretrained(world / "policy").float().eval()
     figures |= evaluate_policy(policy, tok, n_prompts=8 if micro else 96, per_prompt=2 if micro else 4,
@@ -119,16 +134,23 @@ def checker_figures(n: int, seed: int) -> dict:
 
 
 def world_constants(world: Path) -> dict:
+    """The world's vocabulary and settings; `plan`: the plan grammar's, or None when the base policy does not plan
+    (read from the saved policy's config, so they describe what loads)."""
     from grpo_vision.shapes.build.train_clip import MODEL_NAME
     from grpo_vision.shapes.build.train_policy import DEFAULT_SAMPLING
+    from grpo_vision.shapes.plan import CELL, MAX_PLAN_TOKENS, PLAN_GRID
 
+    policy = json.loads((world / "policy" / "policy_config.json").read_text())
+    plan = {"words": policy.get("plan_words"), "max_tokens": MAX_PLAN_TOKENS, "grid": PLAN_GRID, "cell_px": CELL}
     return {"image_size": IMAGE_SIZE, "words": all_words(), "held_out": sorted(map(list, HELD_OUT)),
-            "sampling": DEFAULT_SAMPLING, "clip_model_name": MODEL_NAME}
+            "sampling": DEFAULT_SAMPLING, "clip_model_name": MODEL_NAME,
+            "plan": plan if policy.get("plan_words") else None}
 
 
 @torch.no_grad()
 def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
-    """Rows: renders, their VQ reconstructions, base-policy samples for the same captions."""
+    """Rows: renders, their VQ reconstructions, base-policy samples for the same captions (and, for a policy that
+    plans, its samples drawn from its own plans, on the same seeds)."""
     from grpo_vision.images import Cell, paint_grid
     from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.prompts import PromptEntry
@@ -143,10 +165,18 @@ def contact_sheet(world: Path, out: Path, seed: int, n: int = 8) -> None:
     batch = render_batch(np.random.default_rng(seed + 2 * EVAL_SEED_OFFSET), n, split="all")
     x = to_tensor(batch.images)
     recon = to_uint8(tok.decode(tok.encode(x)))
-    samples = to_uint8(draw(policy, tok, [PromptEntry(c) for c in batch.captions], range(n),
-                            SamplingParams(**DEFAULT_SAMPLING), n).images)
-    rows = [[Cell(img) for img in images] for images in (batch.images, recon, samples)]
+    entries, params = [PromptEntry(c) for c in batch.captions], SamplingParams(**DEFAULT_SAMPLING)
+    drawn = [to_uint8(draw(policy, tok, entries, range(n), params, n).images)]
+    labels = ["render", "VQ recon.", "base policy"]
+    if policy.plan_vocab_size:
+        from grpo_vision.sampling import PlanParams
+        from grpo_vision.shapes.plan import MAX_PLAN_TOKENS
+
+        with_plans = dataclasses.replace(params, plan=PlanParams(MAX_PLAN_TOKENS))
+        drawn.append(to_uint8(draw(policy, tok, entries, range(n), with_plans, n).images))
+        labels.append("with its plan")
+    rows = [[Cell(img) for img in images] for images in (batch.images, recon, *drawn)]
     headings = [(i, " ".join(c.split()[:4]) + "\n" + " ".join(c.split()[4:])) for i, c in enumerate(batch.captions)]
-    sheet = paint_grid(rows, headings=headings, row_labels=["render", "VQ recon.", "base policy"], label_width=70,
+    sheet = paint_grid(rows, headings=headings, row_labels=labels, label_width=70,
                        scale=2, pad=4)
     sheet.save(out)

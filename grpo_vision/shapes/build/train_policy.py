@@ -4,10 +4,16 @@ The data are rendered train-split scenes (aesthetic factors included, so the bas
 noise, clipping and corners and an aesthetic reward has something to remove), tokenized once by the
 world's VQ tokenizer. Captions are dropped to the null condition with probability `cond_dropout`
 so that classifier-free guidance works at sampling time (as LlamaGen trains, p = 0.1).
+
+A planning preset (`PlanPolicyPreset`) trains caption -> plan -> image (T2I-R1's two stages, arXiv 2505.00703):
+every example also gives its text sequence, the caption then its scene's ground-truth plan (shapes/plan.py) and
+the end token, and its image is conditioned on caption and plan with probability `plan_prob`, on the caption
+alone otherwise, so that one policy draws both ways (RL with and without the text stage starts from it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -22,7 +28,8 @@ from grpo_vision.prompts import PromptEntry
 from grpo_vision.rollouts import draw
 from grpo_vision.sampling import SamplingParams
 from grpo_vision.shapes.data import render_batch, to_tensor
-from grpo_vision.shapes.scene import all_words, prompt_list
+from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, check_plan, plan_words, scene_plan
+from grpo_vision.shapes.scene import all_words, parse_caption, prompt_list
 from grpo_vision.models.tokenizer import VQTokenizer
 
 
@@ -41,22 +48,32 @@ class PolicyPreset:
     amp: bool = True  # bf16 autocast on CPU (AMX); log-probs in RL are computed in float32
 
 
+@dataclass
+class PlanPolicyPreset(PolicyPreset):  # a subclass, so that the other presets' recipe hashes keep their fields
+    plan_prob: float = 0.5  # an image is conditioned on caption + ground-truth plan with this probability, else caption
+    plan_weight: float = 1.0  # the plan tokens' cross-entropy against the image tokens' in the loss
+
+
 POLICY_PRESETS = {
     "micro": PolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20, amp=False),  # float32: see VQ_PRESETS["micro"]
     # 3.0M params: 2,400 steps take about 22 minutes on 2 CPU cores; against the 1.39M preset
     # (192, 3, 6, 2, 512) GRPO's main job gains +14.6 points on test captions instead of +10.3 (six seeds)
     # (docs/experiments/recipe_ablations.md)
     "default": PolicyPreset(256, 4, 8, 2, 672, 30000, 32, 1e-3, 2400),
+    # the default's architecture and budget, trained on caption -> plan -> image (worlds/shapes_plan)
+    "plan_micro": PlanPolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20, amp=False),
+    "plan": PlanPolicyPreset(256, 4, 8, 2, 672, 30000, 32, 1e-3, 2400),
 }
 
 # Sampling settings the world's base policy is evaluated and RL-trained with.
 DEFAULT_SAMPLING = {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
-def tokenize_dataset(tok: VQTokenizer, n: int, seed: int, progress: bool) -> tuple[torch.Tensor, list[str]]:
-    """Render n train-split scenes and encode them: codes `[n, h*w]` and their captions."""
+def tokenize_dataset(tok: VQTokenizer, n: int, seed: int,
+                     progress: bool) -> tuple[torch.Tensor, list[str], list[list[str]]]:
+    """Render n train-split scenes and encode them: codes `[n, h*w]`, their captions and their plans."""
     rng = np.random.default_rng(seed)
-    codes, captions = [], []
+    codes, captions, plans = [], [], []
     for _ in tqdm(range(0, n, 256), desc="tokenize", disable=not progress, leave=False):
         batch = render_batch(rng, min(256, n - len(captions)), split="train")
         # bf16 latents, float32 nearest-code search: a few codes differ from encode()'s float32 ones,
@@ -65,7 +82,8 @@ def tokenize_dataset(tok: VQTokenizer, n: int, seed: int, progress: bool) -> tup
             z = tok.latents(to_tensor(batch.images)).float()
         codes.append(tok.nearest(z))
         captions += batch.captions
-    return torch.cat(codes), captions
+        plans += [scene_plan(scene) for scene in batch.scenes]
+    return torch.cat(codes), captions, plans
 
 
 def lr_at(step: int, p: PolicyPreset) -> float:
@@ -77,21 +95,60 @@ def lr_at(step: int, p: PolicyPreset) -> float:
     return p.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+@dataclass
+class PlanData:  # a planning preset's teacher-forcing data, one row per example
+    cond: torch.Tensor  # [n, L'] image condition of the caption and its ground-truth plan (plan_condition)
+    null: torch.Tensor  # [1, L'] the null condition at that width
+    ids: torch.Tensor  # [n, L] the text stage's input (encode_plan_prompts)
+    tokens: torch.Tensor  # [n, T] local plan ids, the end token, then end tokens (T = MAX_PLAN_TOKENS + 1)
+    targets: torch.Tensor  # [n, T] the same with -100 after the end token: those positions are not trained
+
+
+def plan_ids(plan: list[str]) -> list[int]:
+    """A plan's words as the policy's local plan ids: 0 is the end token, plan_words()[j - 1] is j."""
+    index = {w: j + 1 for j, w in enumerate(plan_words())}
+    return [index[w] for w in plan]
+
+
+def plan_data(policy: LlamaImagePolicy, captions: list[str], plans: list[list[str]]) -> PlanData:
+    ids = [plan_ids(plan) for plan in plans]
+    cond = policy.plan_condition(captions, ids)  # [n, L']
+    end, width = policy.plan_end_id, MAX_PLAN_TOKENS + 1
+    tokens = torch.tensor([row + [end] * (width - len(row)) for row in ids])  # [n, T]
+    targets = torch.tensor([row + [end] + [-100] * (width - len(row) - 1) for row in ids])  # [n, T]
+    return PlanData(cond, policy.null_condition(cond[:1]), policy.encode_plan_prompts(captions), tokens, targets)
+
+
+def planned_logits(policy: LlamaImagePolicy, data: PlanData, idx: torch.Tensor, cond: torch.Tensor,
+                   target: torch.Tensor, drop: torch.Tensor, with_plan: torch.Tensor):
+    """One planning step's logits: the images of the rows drawn without a plan (`cond`, already dropped) then of
+    those with their plan (dropped alike), as two passes, since the conditions differ in width; their targets in
+    that order; and every row's plan logits `[B, T, V]`."""
+    planned = torch.where(drop[:, None], data.null, data.cond[idx])  # [B, L']
+    parts = [(c[rows], target[rows]) for c, rows in ((cond, ~with_plan), (planned, with_plan)) if rows.any()]
+    logits = torch.cat([policy.image_logits(c, t) for c, t in parts])  # [B, N, K]
+    return logits, torch.cat([t for _, t in parts]), policy.plan_logits(data.ids[idx], data.tokens[idx])
+
+
 def train_policy(tok: VQTokenizer, preset: str | PolicyPreset, seed: int = 0,
                  progress: bool = True) -> tuple[LlamaImagePolicy, dict]:
     p = POLICY_PRESETS[preset] if isinstance(preset, str) else preset
+    planning = isinstance(p, PlanPolicyPreset)
     torch.manual_seed(seed)
-    codes, captions = tokenize_dataset(tok, p.examples, seed + 1, progress)
+    codes, captions, plans = tokenize_dataset(tok, p.examples, seed + 1, progress)
     words = all_words()
+    plan = dict(plan_words=plan_words(), max_plan_tokens=MAX_PLAN_TOKENS) if planning else {}
     cfg = LlamaPolicyConfig(words=words, max_caption_words=max(len(c.split()) for c in captions) + 2,
                             codebook_size=tok.codebook_size, image_grid=tuple(tok.grid), dim=p.dim,
-                            n_layers=p.n_layers, n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, ffn_dim=p.ffn_dim)
+                            n_layers=p.n_layers, n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, ffn_dim=p.ffn_dim,
+                            **plan)
     policy = LlamaImagePolicy(cfg)
     cond_all = policy.encode_prompts(captions)  # [n, L]
     null = policy.null_condition(cond_all[:1])  # [1, L]
+    data = plan_data(policy, captions, plans) if planning else None
     opt = torch.optim.AdamW(policy.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.05)
     gen = torch.Generator().manual_seed(seed)
-    start, step, ema_loss = time.monotonic(), 0, None
+    start, step, ema_loss, ema_plan = time.monotonic(), 0, None, None
     bar = tqdm(total=p.steps, desc="policy", disable=not progress, leave=False)
     policy.train()
     while step < p.steps:
@@ -102,10 +159,18 @@ def train_policy(tok: VQTokenizer, preset: str | PolicyPreset, seed: int = 0,
         for group in opt.param_groups:
             group["lr"] = lr_at(step, p)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p.amp):
-            logits = policy.image_logits(cond, target)  # [B, N, K]
+            if data is None:
+                logits = policy.image_logits(cond, target)  # [B, N, K]
+            else:
+                with_plan = torch.rand(p.batch_size, generator=gen) < p.plan_prob  # [B]
+                logits, target, plan_logits = planned_logits(policy, data, idx, cond, target, drop, with_plan)
         loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        if data is not None:  # the plan tokens and the end token, over the plan vocabulary's rows of lm_head only
+            plan_loss = F.cross_entropy(plan_logits.float().flatten(0, 1), data.targets[idx].flatten(),
+                                        ignore_index=-100)
+            ema_plan = plan_loss.item() if ema_plan is None else 0.98 * ema_plan + 0.02 * plan_loss.item()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss if data is None else loss + p.plan_weight * plan_loss).backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         ema_loss = loss.item() if ema_loss is None else 0.98 * ema_loss + 0.02 * loss.item()
@@ -114,25 +179,58 @@ def train_policy(tok: VQTokenizer, preset: str | PolicyPreset, seed: int = 0,
         bar.set_postfix(loss=f"{ema_loss:.3f}")
     bar.close()
     policy.eval()
-    return policy, {"policy_steps": step, "policy_seconds": round(time.monotonic() - start, 1),
-                    "policy_train_loss": round(ema_loss or float("nan"), 4),
-                    "policy_params": sum(q.numel() for q in policy.parameters())}
+    info = {"policy_steps": step, "policy_seconds": round(time.monotonic() - start, 1),
+            "policy_train_loss": round(ema_loss or float("nan"), 4),
+            "policy_params": sum(q.numel() for q in policy.parameters())}
+    return policy, info | ({"policy_plan_loss": round(ema_plan, 4)} if planning else {})
+
+
+def verdict_figures(name: str, verdicts: list[dict], prompts: list[str]) -> dict:
+    """`name`: the rate of all-right verdicts; `name_{attribute}`: each attribute's, over the prompts that name it;
+    `name_form_{form}`: the all-right rate per caption form."""
+    from grpo_vision.shapes.checker import ATTRIBUTES
+    from grpo_vision.shapes.scene import FORMS
+
+    def rate(values):
+        return round(float(np.mean(values)), 4) if values else None
+
+    out = {name: rate([v["correct"] for v in verdicts])}
+    out |= {f"{name}_{a}": rate([v[a] for v in verdicts if v[a] is not None]) for a in ATTRIBUTES}
+    forms = [parse_caption(p).form for p in prompts]
+    return out | {f"{name}_form_{f}": rate([v["correct"] for v, g in zip(verdicts, forms) if g == f]) for f in FORMS}
 
 
 @torch.no_grad()
 def evaluate_policy(policy: LlamaImagePolicy, tok: VQTokenizer, n_prompts: int = 64, per_prompt: int = 2,
                     seed: int = 777, sampling: dict | None = None) -> dict:
-    """Exact-checker accuracy of base-policy samples, per attribute, on seen and held-out prompts."""
-    from grpo_vision.shapes.checker import ATTRIBUTES, check
+    """Exact-checker accuracy of base-policy samples, per attribute and caption form, on seen and held-out prompts
+    (`policy_acc_*`). For a policy that plans, on the same prompts and image seeds: its own plans, sampled at
+    temperature 1, checked against the caption (`plan_acc_*`), the images drawn from them (`policy_plan_acc_*`),
+    and the images drawn from a ground-truth plan of a scene for the caption (`policy_truthplan_acc_*`)."""
+    from grpo_vision.rollouts import decode_images
+    from grpo_vision.sampling import PlanParams, sample_batched
+    from grpo_vision.shapes.checker import check
+    from grpo_vision.shapes.layout import scene_for_caption
 
     params = SamplingParams(**(sampling or DEFAULT_SAMPLING))
     out = {}
     for split, tag in (("train", "seen"), ("heldout", "heldout")):
         prompts = [pr for pr in prompt_list(split, n_prompts, seed) for _ in range(per_prompt)]
-        images = draw(policy, tok, [PromptEntry(p) for p in prompts], range(len(prompts)), params, 64).images
-        results = [check(img, pr) for img, pr in zip(images, prompts)]
-        out[f"policy_acc_{tag}"] = round(float(np.mean([r.correct for r in results])), 4)
-        for a in ATTRIBUTES:
-            vals = [getattr(r, a) for r in results if getattr(r, a) is not None]
-            out[f"policy_acc_{tag}_{a}"] = round(float(np.mean(vals)), 4) if vals else None
+        entries, seeds = [PromptEntry(p) for p in prompts], range(len(prompts))
+
+        def judged(images):
+            return [check(img, pr).as_dict() for img, pr in zip(images, prompts)]
+
+        out |= verdict_figures(f"policy_acc_{tag}", judged(draw(policy, tok, entries, seeds, params, 64).images),
+                               prompts)
+        if not getattr(policy, "plan_vocab_size", 0):
+            continue
+        planned = draw(policy, tok, entries, seeds, dataclasses.replace(params, plan=PlanParams(MAX_PLAN_TOKENS)), 64)
+        plans = [check_plan(text, pr) for text, pr in zip(planned.rollout.plan.texts, prompts)]
+        out |= verdict_figures(f"plan_acc_{tag}", plans, prompts)
+        out |= verdict_figures(f"policy_plan_acc_{tag}", judged(planned.images), prompts)
+        rng = np.random.default_rng([seed, split == "heldout"])
+        truth = [plan_ids(scene_plan(scene_for_caption(pr, rng))) for pr in prompts]
+        tokens = sample_batched(policy, policy.plan_condition(prompts, truth), list(seeds), params, 64).tokens
+        out |= verdict_figures(f"policy_truthplan_acc_{tag}", judged(decode_images(tok, tokens, 64)), prompts)
     return out
