@@ -158,3 +158,28 @@ def test_committed_plan_world_matches_the_plan_recipe():
     shared = json.loads((base / "world.json").read_text())["files"]
     assert {k: v for k, v in info["files"].items() if not k.startswith("policy/")} == \
         {k: v for k, v in shared.items() if not k.startswith("policy/")}
+
+
+@pytest.mark.e2e  # a GRPO run
+def test_grpo_with_the_text_stage_trains_the_plan_worlds_policy(plan_micro_world, tmp_path):
+    """The real entry point on the plan micro world with sample.plan on: the plans are judged each step
+    (plan/<attribute>, from ShapesJudge.plan_verdicts), the metrics are finite, and the step moves the plan rows of
+    lm_head as well as the image rows (plan and image trained under one advantage)."""
+    from safetensors.torch import load_file
+
+    from grpo_vision.train import train
+    from tests.helpers import micro_cfg
+
+    cfg = micro_cfg(plan_micro_world, tmp_path, "sample.plan.enabled=true", f"sample.plan.max_tokens={MAX_PLAN_TOKENS}",
+                    "train.steps=1", "log.eval_images=1")
+    run = train(cfg, progress=False)
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert {"plan/length", "plan/correct", "plan/count", "plan/color", "plan/shape"} <= row.keys()
+    assert all(math.isfinite(v) for k, v in row.items() if isinstance(v, float) and k.startswith(("loss/", "plan/")))
+    assert 1 <= row["plan/length"] <= MAX_PLAN_TOKENS
+    before = load_file(plan_micro_world / "policy" / "policy.safetensors")["lm_head.weight"]
+    after = load_file(run / "checkpoints" / "step_000001" / "policy.safetensors")["lm_head.weight"]
+    policy = load_world(plan_micro_world).policy
+    plan_rows = slice(policy.cfg.plan_offset + 1, policy.cfg.vocab_size)
+    image_rows = slice(policy.cfg.image_offset, policy.cfg.plan_offset)
+    assert not torch.equal(before[plan_rows], after[plan_rows]) and not torch.equal(before[image_rows], after[image_rows])
