@@ -269,7 +269,7 @@ def against_baseline(scorer: Scorer, baseline: list[dict], scores: list[dict]) -
         ours = [_measures(s["sets"][set_name], b["sets"][set_name]) for s, b in zip(scores, baseline)]
         theirs = [_measures(b["sets"][set_name], b["sets"][set_name]) for b in baseline]
         table = {}
-        for name in ours[0]:
+        for name in (n for n in ours[0] if n in theirs[0]):  # a measure one side lacks (a plan's) has no difference
             diff = torch.stack([_tensor(o[name][0]) - _tensor(t[name][0]) for o, t in zip(ours, theirs)])  # [S, N]
             table[name] = caption_interval(diff, *_clusters(scorer.captions, scorer.strata, set_name, diff.shape[1]))
         out[set_name] = table

@@ -474,7 +474,10 @@ def test_against_pairs_each_run_with_the_other_matrixs_run_of_the_same_name(tmp_
     for name, clip in (("reference", 0.1), ("clip-kl0-s0", 0.2), ("clip-kl0-s1", 0.3)):
         (other / "scores" / f"{name}.json").write_text(json.dumps(scores([clip] * 4)))
     ours = {"reference": scores([0.2] * 4), "clip-kl0-s0": scores([0.5] * 4), "clip-kl0-s1": scores([0.4] * 4)}
+    for s in ours.values():  # a measure only this matrix has (its plans' verdicts) has no difference, and no error
+        s["sets"]["test"]["judge"]["plan_correct"] = [1.0] * 4
     rows = compare_matrices(scorer, other, runs, ours)
+    assert "judge/plan_correct" not in rows[1]["sets"]["test"]
     assert [(r["reward"], r["seeds"]) for r in rows] == [("reference", []), ("clip", [0, 1])]
     assert rows[0]["sets"]["test"]["clip"]["mean"] == pytest.approx(0.1)
     assert rows[1]["sets"]["test"]["clip"]["mean"] == pytest.approx(0.2)  # (0.3 + 0.1) / 2, paired by seed
