@@ -488,8 +488,8 @@ def test_bf16_rollouts_show_their_cost_in_the_drift_and_keep_the_first_ratio_at_
 def test_a_sampler_and_a_scorer_that_disagree_are_warned_about_once(micro_world, tmp_path, monkeypatch, capfd):
     from grpo_vision.sampling import sequence_logprobs
 
-    def off_by_a_tenth(*args):  # as a scorer at another temperature than the sampler's would be
-        return sequence_logprobs(*args) - 0.1
+    def off_by_a_tenth(*args, **kwargs):  # as a scorer at another temperature than the sampler's would be
+        return sequence_logprobs(*args, **kwargs) - 0.1
 
     monkeypatch.setattr("grpo_vision.step.update.sequence_logprobs", off_by_a_tenth)
     run = train(micro_cfg(micro_world, tmp_path, "run.name=drift", "log.report=false"), progress=False)
