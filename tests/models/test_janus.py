@@ -75,11 +75,6 @@ def build_tiny_janus(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def janus_dir(tmp_path_factory):
-    return build_tiny_janus(tmp_path_factory.mktemp("janus") / "tiny_janus")
-
-
-@pytest.fixture(scope="module")
 def policy(janus_dir):
     return JanusImagePolicy.from_pretrained(janus_dir)
 

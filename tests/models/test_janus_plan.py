@@ -20,15 +20,10 @@ from grpo_vision.rollouts import draw
 from grpo_vision.run.metrics import load_metrics
 from grpo_vision.sampling import SamplingParams, batched_logprobs, sequence_logprobs, token_logprobs
 from grpo_vision.train import train
-from tests.models.test_janus import BOI, BOS, PAD, PROMPTS, build_tiny_janus, chat, write_config
+from tests.models.test_janus import BOI, BOS, PAD, PROMPTS, chat, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2  # the tiny tokenizer's <eos>
-
-
-@pytest.fixture(scope="module")
-def janus_dir(tmp_path_factory):
-    return build_tiny_janus(tmp_path_factory.mktemp("janus") / "tiny_janus")
 
 
 @pytest.fixture(scope="module")
