@@ -463,33 +463,23 @@ def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Ten
     `[B, T + N]`, the plan's log-probs (`plan_logprobs`, 0 after its end) before the image's, from one call of the
     module (`forward(cond, tokens, plan)`), so that DDP's and FSDP's hooks see one forward for both segments.
     """
-    if plan is not None:
-        return _planned_logprobs(policy, cond, tokens, params, with_entropy, plan)
     B = cond.shape[0]
-    # the policy is called (its forward is image_logits), so that a DDP or FSDP wrapper's hooks run
-    if params.guided and params.logprob_mode == "guided":
-        null = getattr(policy, "module", policy).null_condition(cond)  # a DDP wrapper keeps the policy in .module
-        logits = policy(torch.cat([cond, null]), tokens.repeat(2, 1))  # [2B, N, K]
-        c, un = logits[:B], logits[B:]
-    else:  # conditional mode needs the conditional branch only
-        c, un = policy(cond, tokens), None  # [B, N, K]
-    return token_logprobs(c, un, tokens, params, with_entropy)  # [B, N]
-
-
-def _planned_logprobs(policy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams, with_entropy: bool,
-                      plan: Plan):
-    """`sequence_logprobs` of rows with a plan: `[B, T + N]` (and entropies)."""
-    B, width = cond.shape[0], plan_width(plan)
-    short = dataclasses.replace(plan, tokens=plan.tokens[:, :width])  # the forward stops at the longest plan's end
-    guided = params.guided and params.logprob_mode == "guided"
+    guided = params.guided and params.logprob_mode == "guided"  # conditional mode needs the conditional branch only
     if guided:
-        null = getattr(policy, "module", policy).null_condition(cond)
-        logits, text = policy(torch.cat([cond, null]), tokens.repeat(2, 1), short)  # [2B, N, K], [B, T', V]
-        c, un = logits[:B], logits[B:]
+        null = getattr(policy, "module", policy).null_condition(cond)  # a DDP wrapper keeps the policy in .module
+        rows, image_tokens = torch.cat([cond, null]), tokens.repeat(2, 1)  # [2B, L], [2B, N]
     else:
-        (c, text), un = policy(cond, tokens, short), None
-    image = token_logprobs(c, un, tokens, params, with_entropy)
-    planned = plan_logprobs(text.float(), plan, params.plan, with_entropy)
+        rows, image_tokens = cond, tokens
+    # the policy is called (its forward is image_logits), so that a DDP or FSDP wrapper's hooks run
+    if plan is None:
+        logits, text = policy(rows, image_tokens), None  # [2B or B, N, K]
+    else:  # the forward stops at the batch's longest plan's end: [2B or B, N, K], [B, T', V]
+        logits, text = policy(rows, image_tokens, dataclasses.replace(plan, tokens=plan.tokens[:, :plan_width(plan)]))
+    c, un = (logits[:B], logits[B:]) if guided else (logits, None)
+    image = token_logprobs(c, un, tokens, params, with_entropy)  # [B, N]
+    if plan is None:
+        return image
+    planned = plan_logprobs(text.float(), plan, params.plan, with_entropy)  # [B, T]
     if not with_entropy:
         return torch.cat([planned, image], 1)  # [B, T + N]
     return torch.cat([planned[0], image[0]], 1), torch.cat([planned[1], image[1]], 1)
