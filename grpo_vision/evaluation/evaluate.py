@@ -34,7 +34,7 @@ from grpo_vision.step.reference import Reference
 from grpo_vision.models.adapters import add_adapter
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.files import write_file
-from grpo_vision.rollouts import EVAL_SEED, Paired, check_seeds, compare, draw
+from grpo_vision.rollouts import EVAL_SEED, Paired, check_seeds, compare
 from grpo_vision.sampling import SamplingParams
 
 
@@ -143,13 +143,6 @@ def eval_params(cfg: Config, temperature: float | None = None) -> SamplingParams
     if params.decode == "graph" and not resolve_device(cfg.run.device).startswith("cuda"):
         params = dataclasses.replace(params, decode="static")
     return params
-
-
-@torch.no_grad()
-def generate(model, tokenizer, prompts: list[str], seeds: list[int], params: SamplingParams,
-             batch_size: int = 64) -> torch.Tensor:
-    """Images `[n, 3, H, W]` in [0, 1] for prompts, image i drawn with seeds[i]."""
-    return draw(model, tokenizer, [PromptEntry(p) for p in prompts], seeds, params, batch_size).images
 
 
 def evaluate(policy, reference: Reference, tokenizer, rewards, entries: list[PromptEntry], n: int,

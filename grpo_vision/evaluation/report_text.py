@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from statistics import fmean, variance
 
+from grpo_vision.run.trackers import table_cell
+
 
 def _sign(change: dict | None) -> int:
     """+1 / -1 when the change's 95% interval excludes 0, else 0 (also for an interval of no width:
@@ -200,11 +202,6 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
     return ["## What changed", "", " ".join(said), ""]
 
 
-def _plan_cell(text: str | None) -> str:
-    """A plan as one markdown table cell: '|' and line breaks would end the cell or the row."""
-    return "-" if text is None else " ".join(text.replace("|", "/").split()) or "(empty)"
-
-
 def plan_section(result: dict, examples: list[dict] | None = None) -> list[str]:
     """The text plans (sample.plan, T2I-R1's first stage): each model's plans judged against their prompts per
     attribute where the judge checks plans (eval.json's `plan_judge`), with the paired change and its interval as
@@ -228,6 +225,6 @@ def plan_section(result: dict, examples: list[dict] | None = None) -> list[str]:
         lines += ([] if lines else ["", "## The plans"]) + [
             "", "Plans of the first image of the first test prompts (the same seed on both sides):", "",
             "| prompt | reference's plan | policy's plan |", "|---|---|---|",
-            *(f"| {_plan_cell(e['prompt'])} | {_plan_cell(e['reference'])} | {_plan_cell(e['policy'])} |"
+            *(f"| {table_cell(e['prompt'])} | {table_cell(e['reference'])} | {table_cell(e['policy'])} |"
               for e in examples)]
     return lines

@@ -138,9 +138,9 @@ def _num(x) -> float | None:
     return v if np.isfinite(v) else None
 
 
-def _cell(text: str) -> str:
-    """A text as one markdown table cell: '|' and line breaks would end the cell or the row."""
-    return " ".join(text.replace("|", "/").split()) or "(empty)"
+def table_cell(text: str | None) -> str:
+    """A text as one markdown table cell ('-' for none): '|' and line breaks would end the cell or the row."""
+    return "-" if text is None else " ".join(text.replace("|", "/").split()) or "(empty)"
 
 
 def _html(markdown_table: str) -> str:
@@ -174,7 +174,6 @@ def grid_text(step: int, prompts: list[str], seeds: list[int], rewards: dict, ve
             cells.append(" / ".join("n/a" if v is None else f"{v:.3f}" for v in (a, b)))
         cells.append(" / ".join(verdict_text(verdicts[side][i]) or "-" for side in ("policy", "reference")))
         if plans:
-            cells.append(" / ".join(_cell(plans[side][i]) if plans[side] is not None else "-"
-                                    for side in ("policy", "reference")))
+            cells.append(" / ".join(table_cell(plans[side] and plans[side][i]) for side in ("policy", "reference")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from grpo_vision.evaluation.evaluate import generate
 from grpo_vision.evaluation.image_layouts import flat_name, write_flat, write_geneval, write_index
 from grpo_vision.images import to_uint8
+from grpo_vision.prompts import PromptEntry
+from grpo_vision.rollouts import draw
 from grpo_vision.rewards.geneval_prompts import read
 from grpo_vision.sampling import SamplingParams
 
@@ -18,6 +19,11 @@ PARAMS = SamplingParams(2.0, 1.0, 0)
 # two lines in the form of GenEval's evaluation_metadata.jsonl (tags, include lists, ...)
 ROWS = [{"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a red circle"},
         {"tag": "position", "include": [{"class": "square", "count": 1}], "prompt": "a blue square left of a red circle"}]
+
+
+def generate(model, tokenizer, prompts, seeds, params):
+    """The images `[n, 3, H, W]` rollouts.draw gives for prompts, image i from seeds[i]: what a layout must hold."""
+    return draw(model, tokenizer, [PromptEntry(p) for p in prompts], seeds, params, 64).images
 
 
 class CodesAsPixels:

@@ -232,7 +232,8 @@ def test_api_same_seed_same_images_new_seed_new_images(client):
 
 
 def test_api_compares_any_two_checkpoints(client, micro_world):
-    from grpo_vision.evaluation.evaluate import generate as sample_images
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.rollouts import draw
     from grpo_vision.images import to_uint8
     from grpo_vision.shapes.world import load_world
 
@@ -242,8 +243,8 @@ def test_api_compares_any_two_checkpoints(client, micro_world):
     # The run's reference is a frozen copy of the base policy: the world's policy, on the same seeds.
     reference = pixels(generate(client, n=2, right="reference")[1])
     world = load_world(micro_world, "cpu")
-    base = to_uint8(sample_images(world.policy.eval(), world.tokenizer, [PROMPT] * 2, [0, 1],
-                                  SamplingParams(2.0, 1.0, 0)))
+    base = to_uint8(draw(world.policy.eval(), world.tokenizer, [PromptEntry(PROMPT)] * 2, [0, 1],
+                         SamplingParams(2.0, 1.0, 0), 64).images)
     assert all(np.array_equal(x, y) for x, y in zip(reference, base))
     left_pick, right_pick, _ = client.predict("step 1", "step 7", api_name="/refresh")
     assert [c[0] for c in left_pick["choices"]] == ["step 2", "step 1", "reference"]
