@@ -104,10 +104,12 @@ class PlanData:  # a planning preset's teacher-forcing data, one row per example
     targets: torch.Tensor  # [n, T] the same with -100 after the end token: those positions are not trained
 
 
+PLAN_IDS = {w: j + 1 for j, w in enumerate(plan_words())}  # a plan word's local id: 0 is the end token
+
+
 def plan_ids(plan: list[str]) -> list[int]:
-    """A plan's words as the policy's local plan ids: 0 is the end token, plan_words()[j - 1] is j."""
-    index = {w: j + 1 for j, w in enumerate(plan_words())}
-    return [index[w] for w in plan]
+    """A plan's words as the policy's local plan ids (PLAN_IDS; made once, not for each of the 30,000 plans)."""
+    return [PLAN_IDS[w] for w in plan]
 
 
 def plan_data(policy: LlamaImagePolicy, captions: list[str], plans: list[list[str]]) -> PlanData:
