@@ -167,6 +167,9 @@ class Rollout:
     logprobs: torch.Tensor  # [B, N] float32, per `logprob_mode`
     entropy: torch.Tensor  # [B, N] float32, entropy of the sampling distribution at each step
     plan: Plan | None = None  # the text stage before the image (sample.plan); None: the image stage only
+    # [B] int64 forward passes each row's image needed, the prefill included (speculative decoding; None: plain
+    # decoding, N each): rollout/forwards_per_image in the metrics
+    forwards: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------- the distribution
@@ -325,7 +328,9 @@ def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch
     mode = decode_mode(policy, params.decode, device)
     if mode == "speculative":
         from grpo_vision.speculative import sample_speculative  # it builds on this module's distribution
-        return sample_speculative(policy, cond, seeds, params)[0]
+        rollout, stats = sample_speculative(policy, cond, seeds, params)
+        rollout.forwards = stats.forwards
+        return rollout
     u = seeded_uniforms(seeds, N, device)  # [B, N]
     rows = torch.cat([cond, policy.null_condition(cond)]) if params.guided else cond  # [B or 2B, L]
     cache = policy.new_cache(rows.shape[0], static=True) if mode != "eager" else policy.new_cache(rows.shape[0])
@@ -448,7 +453,14 @@ def sample_batched(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int]
     """`sample` in chunks of `batch_size` rows (the results do not depend on the chunking)."""
     parts = [sample(policy, cond[i:i + batch_size], seeds[i:i + batch_size], params)
              for i in range(0, cond.shape[0], batch_size)]
-    return Rollout(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "logprobs", "entropy")))
+    out = Rollout(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "logprobs", "entropy")))
+    out.forwards = cat_forwards([p.forwards for p in parts])
+    return out
+
+
+def cat_forwards(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+    """Rollout.forwards of rows put together: None unless every part has them."""
+    return torch.cat(list(parts)) if parts and all(f is not None for f in parts) else None
 
 
 # ---------------------------------------------------------------------------- training log-probs

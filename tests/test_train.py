@@ -485,6 +485,22 @@ def test_bf16_rollouts_show_their_cost_in_the_drift_and_keep_the_first_ratio_at_
     assert 1e-3 < m["rollout/logp_drift"] < 5e-2  # float32 rollouts: below 1e-5 (test_algorithms.py)
 
 
+def test_speculative_rollouts_log_their_forward_passes_and_stay_on_policy(micro_world, tmp_path):
+    # sample.decode=speculative draws the plain path's distribution in fewer passes: the metrics count the
+    # passes (an image of N tokens needs between N / W and N, the prefill included) and the sampler's log-probs
+    # are still the update's (drift at float noise, first ratio 1)
+    one_update = ("train.steps=1", "log.report=false", "train.num_iterations=1", "train.minibatches_per_pass=1")
+    run = train(micro_cfg(micro_world, tmp_path, "sample.decode=speculative", "sample.speculative_window=4",
+                          *one_update), progress=False)
+    m = load_metrics(run)[0]
+    tokens = m["rollout/tokens_per_forward"] * m["rollout/forwards_per_image"]
+    assert 1 < m["rollout/tokens_per_forward"] <= 4 and tokens == pytest.approx(round(tokens))
+    assert m["rollout/forwards_per_image"] <= m["rollout/forwards_slowest"] <= tokens
+    assert m["rollout/logp_drift"] < 1e-5 and m["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    plain = load_metrics(train(micro_cfg(micro_world, tmp_path, "run.name=plain", *one_update), progress=False))[0]
+    assert not any(k.startswith("rollout/forwards") for k in plain)
+
+
 def test_a_sampler_and_a_scorer_that_disagree_are_warned_about_once(micro_world, tmp_path, monkeypatch, capfd):
     from grpo_vision.sampling import sequence_logprobs
 

@@ -167,6 +167,8 @@ def take_groups(parts: list[tuple[StepSamples, Scored]], picks: list[tuple[int, 
     else:
         cond = encode([e.prompt for e in entries])
     rollout = Rollout(*(cat([getattr(s.rollout, f) for s in samples]) for f in ("tokens", "logprobs", "entropy")))
+    if all(s.rollout.forwards is not None for s in samples):
+        rollout.forwards = cat([s.rollout.forwards for s in samples])
     chosen = np.array([samples[i].chosen[g] for i, g in picks])
     joined = StepSamples(entries, listed([s.seeds for s in samples]), cond, rollout, cat([s.images for s in samples]),
                          chosen, slice(0, len(rows)))
@@ -281,11 +283,24 @@ def step_metrics(st: RunState, cfg: Config, samples: StepSamples, scored: Scored
         **({"train/frac_flat_sampled": refill.frac_flat, "train/groups_resampled": refill.groups} if refill else {}),
         **st.learner.health.metrics(),
         "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),
+        **decode_metrics(acc, samples.rollout),
         **timer.metrics(),
         "perf/sample_tokens_per_s": tokens / timer.seconds["sample"],
         "perf/memory_estimate_gib": st.memory_estimate / 2**30,
         "lr": st.learner.scheduler.get_last_lr()[0],
     }
+
+
+def decode_metrics(acc, rollout: Rollout) -> dict:
+    """With speculative decoding (sample.decode: speculative): the forward passes an image needed, the prefill
+    included (plain decoding: one per token), their mean over the step's images and the slowest image's (a batch
+    runs until its slowest row is done), and the tokens kept per pass; nothing for plain decoding."""
+    if rollout.forwards is None:
+        return {}
+    passes = gather(acc, rollout.forwards.float().to(acc.device))  # [B*G]
+    mean = passes.mean().item()
+    return {"rollout/forwards_per_image": mean, "rollout/forwards_slowest": passes.max().item(),
+            "rollout/tokens_per_forward": rollout.tokens.shape[1] / mean}
 
 
 def plan_metrics(st: RunState, judge, samples: StepSamples, scored: Scored, G: int) -> dict:
