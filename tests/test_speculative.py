@@ -258,3 +258,34 @@ def test_bench_sampler_reports_forwards_and_wall_clock(tmp_path, capsys):
         r = result[draft]
         assert 9 / 4 <= r["forwards_per_image"] <= r["forwards_per_batch"] <= 9  # at most W tokens a forward
         assert r["tokens_per_forward"] >= 1 and r["seconds"] > 0 and r["wall_clock_vs_plain"] > 0
+    assert (result["device"], result["plain_decode"]) == ("cpu", "static")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a GPU runs --device cuda")
+def test_bench_sampler_on_a_device_that_is_not_here_is_one_line(capsys):
+    from tests.helpers import run_cli
+
+    out = run_cli("bench", "sampler", "--speculative-window", "4", "--device", "cuda", timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "grpo-vision: error: bench sampler --device cuda: this machine has no CUDA device; use --device cpu"], out.stderr
+
+
+def test_bench_sampler_runs_a_trained_runs_checkpoint_at_its_own_settings(micro_run, capsys):
+    import json
+
+    from grpo_vision.cli import main
+    from grpo_vision.run.folder import read_run_config
+
+    s = read_run_config(micro_run).sample
+    main(["bench", "sampler", "--json", "--run", str(micro_run), "--speculative-window", "4", "--group-size", "1",
+          "--repeats", "1"])
+    result = json.loads(capsys.readouterr().out)
+    assert (result["cfg_scale"], result["temperature"], result["top_k"]) == (s.cfg_scale, s.temperature, s.top_k)
+    assert result["images"] == 4 and result["coupled"]["forwards_per_image"] <= result["image_tokens"]
+    main(["bench", "sampler", "--json", "--run", str(micro_run), "--speculative-window", "4", "--group-size", "1",
+          "--repeats", "1", "--top-k", "3"])
+    assert json.loads(capsys.readouterr().out)["top_k"] == 3  # a flag given wins over the run's setting
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "sampler", "--run", str(micro_run)])
+    assert exit_info.value.code == 2
+    assert "error: bench sampler --run: give --speculative-window W too" in capsys.readouterr().err

@@ -211,21 +211,37 @@ def cmd_bench_sampler(args) -> None:
 
         preset(args.preset)  # an unknown name: one line, before anything is built
         _print_result(bench_preset_sampler(args.preset, preset_home(args.preset_dir, args.preset), args.groups,
-                                           args.repeats, args.dtype), args.json)
+                                           args.repeats, args.dtype,
+                                           speculative_window=args.speculative_window), args.json)
         return
-    policy = None
-    if args.policy:
+    if args.run and not args.speculative_window:
+        raise ConfigError("bench sampler --run: give --speculative-window W too (a run's policy is benched for "
+                          "speculative decoding; --policy takes a saved policy folder)")
+    if args.speculative_window and args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("bench sampler --device cuda: this machine has no CUDA device; use --device cpu")
+    policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100}
+    if args.run:  # the run's latest checkpoint at its own sampling settings, unless the flags say otherwise
+        from grpo_vision.evaluation.evaluate import load_run
+
+        run = load_run(args.run, device=args.device)
+        policy, s = run.policy, run.cfg.sample
+        settings = {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k}
+    elif args.policy:
         from grpo_vision.models.llama import LlamaImagePolicy
 
         policy = LlamaImagePolicy.from_pretrained(args.policy)
+    settings |= {k: v for k, v in (("cfg_scale", args.cfg_scale), ("top_k", args.top_k)) if v is not None}
     if args.speculative_window:
         from grpo_vision.tools.bench import bench_speculative
 
         _print_result(bench_speculative(policy, window=args.speculative_window, group=args.group_size,
-                                        repeats=args.repeats, cfg_scale=args.cfg_scale, top_k=args.top_k), args.json)
+                                        repeats=args.repeats, device=args.device, **settings), args.json)
         return
-    result = bench_sampler(policy, batch=args.batch, repeats=args.repeats, cfg_scale=args.cfg_scale,
-                           top_k=args.top_k, dtype=args.dtype)
+    result = bench_sampler(policy, batch=args.batch, repeats=args.repeats, cfg_scale=settings["cfg_scale"],
+                           top_k=settings["top_k"], dtype=args.dtype)
     _print_result(result, args.json)
 
 
@@ -402,8 +418,10 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--policy", default="", help="a saved policy directory (default: random default-size policy)")
     p.add_argument("--batch", type=positive_int, default=64, help="sequences per call")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per run (median reported)")
-    p.add_argument("--cfg-scale", type=cfg_scale, default=3.0, help="guidance scale of the CFG-on runs")
-    p.add_argument("--top-k", type=non_negative_int, default=100, help="top-k of all runs (0 = off)")
+    p.add_argument("--cfg-scale", type=cfg_scale, default=None,
+                   help="guidance scale of the CFG-on runs (default 3.0; with --run, the run's)")
+    p.add_argument("--top-k", type=non_negative_int, default=None,
+                   help="top-k of all runs, 0 = off (default 100; with --run, the run's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
     add_preset_options(p, "a released model size with random weights (tools/presets.py) instead of the built-in "
                           "policy: images/s per decode path, beside generate() for Janus and the teacher-forced pass")
@@ -411,8 +429,12 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--speculative-window", type=non_negative_int, default=0,
                    help="W > 0: speculative decoding at window W against plain decoding instead: forward passes "
                         "per image, tokens per pass and wall-clock, 4 prompts x --group-size seeds (main job: "
-                        "--top-k 0)")
+                        "--top-k 0); with --preset, the speculative path beside the others")
     p.add_argument("--group-size", type=positive_int, default=8, help="seeds per prompt (--speculative-window)")
+    p.add_argument("--run", default="",
+                   help="a run folder: --speculative-window on its latest checkpoint, at the run's CFG, temperature "
+                        "and top-k")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where --speculative-window runs")
     p.set_defaults(func=cmd_bench_sampler)
     p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
     p.add_argument("run", help="a run directory (as for grpo-vision demo)")

@@ -81,19 +81,21 @@ SPECULATIVE_PROMPTS = ["a red circle", "a red circle right of a purple triangle"
 
 def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, group: int = 8, repeats: int = 1,
                       cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
-                      prompts: list[str] = SPECULATIVE_PROMPTS) -> dict:
+                      prompts: list[str] = SPECULATIVE_PROMPTS, device: str = "cpu") -> dict:
     """Speculative decoding (speculative.py) against plain decoding: forward passes per image and tokens accepted
     per pass (the figure that transfers across devices: a GPU's decode step costs about the same for 1 or W tokens a
     row), with the wall-clock beside it (a CPU is bound by arithmetic, so W tokens a row cost about W times one).
-    `group` seeds per prompt, as a GRPO group; both draft kinds at window `window`."""
+    `group` seeds per prompt, as a GRPO group; both draft kinds at window `window`. Plain decoding is the fixed-shape
+    step (`static`), recorded as a CUDA graph on a GPU (`graph`, training's default there)."""
     from grpo_vision.speculative import sample_speculative
 
     torch.manual_seed(0)
-    policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval()
+    policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval().to(device)
     N = policy.num_image_tokens
-    cond = policy.encode_prompts([p for p in prompts for _ in range(group)])  # [P*G, L]
+    cond = policy.encode_prompts([p for p in prompts for _ in range(group)]).to(device)  # [P*G, L]
     seeds = list(range(cond.shape[0]))
-    base = SamplingParams(cfg_scale, temperature, top_k, decode="static", speculative_window=window)
+    plain = "graph" if torch.device(device).type == "cuda" else "static"
+    base = SamplingParams(cfg_scale, temperature, top_k, decode=plain, speculative_window=window)
     stats = {}
 
     def speculative(draft):
@@ -109,7 +111,7 @@ def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, 
     result = {"images": cond.shape[0], "prompts": len(prompts), "group_size": group, "image_tokens": N,
               "window": window, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k,
               "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
-              "repeats": repeats}
+              "repeats": repeats, "device": str(device), "plain_decode": plain}
     plain_s = statistics.median(times["plain"])
     result["plain"] = {"forwards_per_image": N, "tokens_per_forward": 1.0, "seconds": sig(plain_s),
                        "images_per_s": sig(cond.shape[0] / plain_s)}

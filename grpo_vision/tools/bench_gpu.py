@@ -79,12 +79,17 @@ def machine() -> dict:
 
 @torch.no_grad()
 def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repeats: int = 1, dtype: str = "bfloat16",
-                         device: str | None = None, generate: bool = True, compiled: bool = True) -> dict:
+                         device: str | None = None, generate: bool = True, compiled: bool = True,
+                         speculative_window: int = 16) -> dict:
     """Images/s of one group of G images with the preset's CFG, per decode path (eager, static or the CUDA graph,
-    and the compiled step), beside transformers' generate (Janus) and the teacher-forced ceiling."""
+    and the compiled step; speculative decoding at window `speculative_window`, 0 for none, with its forward passes
+    an image), beside transformers' generate (Janus) and the teacher-forced ceiling. Random weights: their
+    conditionals are flat, so few drafts are kept (the ShapesWorld policy's figures say what a trained model
+    keeps: `bench sampler --speculative-window`)."""
     from grpo_vision.config import load_config
     from grpo_vision.policy import load_bundle
     from grpo_vision.sampling import SamplingParams, sample
+    from grpo_vision.speculative import sample_speculative
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     p = preset(name)
@@ -101,6 +106,10 @@ def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repea
         cond = policy.encode_prompts(prompts)
         params = SamplingParams(cfg_scale=p.cfg_scale)
         runs = {d: (lambda d=d: sample(policy, cond, list(range(G)), replace(params, decode=d))) for d in paths}
+        speculative = replace(params, decode="speculative", speculative_window=speculative_window)
+        stats = []
+        if speculative_window:
+            runs["speculative"] = lambda: stats.append(sample_speculative(policy, cond, list(range(G)), speculative)[1])
         tokens = sample(policy, cond, list(range(G)), params).tokens
         rows = torch.cat([cond, policy.null_condition(cond)])
         runs["teacher_forced"] = lambda: policy.image_logits(rows, tokens.repeat(2, 1))
@@ -111,7 +120,7 @@ def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repea
             try:
                 seconds[k], first[k] = median_seconds(fn, repeats, first=True)
             except Exception as e:  # transformers' generate breaks between releases, a compiler may fail: one path
-                if k not in ("generate", "compiled"):
+                if k not in ("generate", "compiled", "speculative"):
                     raise
                 failed[k] = f"{type(e).__name__}: {str(e)[:300]}"
         row = {k: {"s": sig(s), "images_per_s": sig(G / s), "tokens_per_s": sig(G * N / s),
@@ -119,6 +128,12 @@ def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repea
         if "compiled" in seconds:  # the first call compiles (once per process and shape); later calls do not
             row["compiled"]["compile_s"] = sig(first["compiled"] - seconds["compiled"])
         row |= {f"{k}_error": why for k, why in failed.items()}
+        if "speculative" in seconds:
+            passes = stats[-1].forwards.double().mean().item()
+            row["speculative"] |= {"window": speculative_window, "forwards_per_image": sig(passes),
+                                   "forwards_per_batch": stats[-1].batch_forwards, "tokens_per_forward": sig(N / passes),
+                                   "speedup_vs_" + fast: sig(seconds[fast] / seconds["speculative"])}
+            row["speculative"]["ms_per_decode_step"] = sig(1000 * seconds["speculative"] / stats[-1].batch_forwards)
         if "generate" in seconds:
             row["speedup_vs_generate"] = sig(seconds["generate"] / seconds[fast])
         row["fraction_of_ceiling"] = sig(seconds["teacher_forced"] / seconds[fast])
@@ -274,10 +289,13 @@ def markdown(report: dict) -> str:
         if e["what"] != "sampler" or "result" not in e:
             continue
         for G, row in e["result"]["groups"].items():
-            for path in ("eager", "static", "graph", "compiled", "generate", "teacher_forced"):
+            for path in ("eager", "static", "graph", "compiled", "speculative", "generate", "teacher_forced"):
                 if path in row:
                     fast = path in ("static", "graph")
-                    lines.append(f"| {e['preset']} | {G} | {path} | {row[path]['images_per_s']} | "
+                    label = path if path != "speculative" else (
+                        f"speculative, W = {row[path]['window']} ({row[path]['forwards_per_image']} passes an image, "
+                        f"{row[path]['forwards_per_batch']} the batch)")
+                    lines.append(f"| {e['preset']} | {G} | {label} | {row[path]['images_per_s']} | "
                                  f"{row[path]['tokens_per_s']} | {row[path].get('ms_per_decode_step', '')} | "
                                  f"{row[path].get('compile_s', '')} | "
                                  f"{row.get('speedup_vs_generate', '') if fast else ''} | "

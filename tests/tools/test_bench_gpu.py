@@ -26,6 +26,19 @@ def recipe_command() -> list[str]:
     return shlex.split(command.group(1))
 
 
+def test_the_speculative_device_commands_parse():
+    """docs/benchmarks.md's issue-65 device call: every grpo_vision.cli command in it is one the parser takes."""
+    from grpo_vision.cli import build_parser
+
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    block = doc.split("<!-- speculative-gpu-command", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(c.replace("$W", "16")) for c in re.findall(r"python3 -m grpo_vision\.cli ([^>;&]*)", block)]
+    assert [c[:2] for c in commands] == [["bench", "sampler"], ["bench", "gpu"]]
+    for argv in commands:
+        build_parser().parse_args(argv)  # an unknown flag exits 2
+    assert len(block.strip()) <= 2000  # the device tool's limit on a command
+
+
 @pytest.mark.e2e
 def test_the_documented_gpu_command_runs_tiny_on_a_cpu_without_the_packages_the_device_lacks(tmp_path):
     argv = [a.replace("$OUT", str(tmp_path)) for a in recipe_command()]
@@ -43,15 +56,19 @@ def test_the_documented_gpu_command_runs_tiny_on_a_cpu_without_the_packages_the_
     assert failed == {}, failed
     for name in bench.ORDER:
         groups = done[(name + "-tiny", "sampler")]["result"]["groups"]["2"]
-        paths = {"eager", "static", "teacher_forced"} | ({"generate"} if name.startswith("janus") else set())
+        paths = {"eager", "static", "speculative", "teacher_forced"} | ({"generate"} if name.startswith("janus") else set())
         assert paths <= groups.keys() and all(groups[p]["images_per_s"] > 0 for p in paths)
+        N, spec = done[(name + "-tiny", "sampler")]["result"]["image_tokens"], groups["speculative"]
+        assert spec["window"] == 16 and 1 <= spec["tokens_per_forward"] <= 16  # at least the plain path's one a pass
+        assert spec["forwards_per_image"] <= spec["forwards_per_batch"] <= N
         steps = [e["result"] for (n, what), e in done.items() if n == name + "-tiny" and what.startswith("step")]
         assert len(steps) == len(bench.STEPS.get(name, []))
         for r in steps:
             assert r["images_per_step"] == 2 and r["steps_timed"] == 1 and r["memory_estimate_gib"] > 0
             assert set(r["phases_s"]) == {"sample", "decode", "reward", "logprobs", "update"}
     table = (tmp_path / "bench" / "bench_gpu.md").read_text()
-    assert "| janus-pro-1b-tiny | 2 | static |" in table and "| llamagen-t2i-xl-tiny | full, frozen reference |" in table
+    assert "| janus-pro-1b-tiny | 2 | static |" in table and "| janus-pro-1b-tiny | 2 | speculative, W = 16 (" in table
+    assert "| llamagen-t2i-xl-tiny | full, frozen reference |" in table
 
 
 def test_the_budget_and_failures_are_reported_not_fatal(tmp_path, monkeypatch):
