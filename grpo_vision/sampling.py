@@ -328,9 +328,7 @@ def sample(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int] | torch
     mode = decode_mode(policy, params.decode, device)
     if mode == "speculative":
         from grpo_vision.speculative import sample_speculative  # it builds on this module's distribution
-        rollout, stats = sample_speculative(policy, cond, seeds, params)
-        rollout.forwards = stats.forwards
-        return rollout
+        return sample_speculative(policy, cond, seeds, params)[0]  # its Rollout.forwards: the passes it took
     u = seeded_uniforms(seeds, N, device)  # [B, N]
     rows = torch.cat([cond, policy.null_condition(cond)]) if params.guided else cond  # [B or 2B, L]
     cache = policy.new_cache(rows.shape[0], static=True) if mode != "eager" else policy.new_cache(rows.shape[0])
@@ -453,9 +451,8 @@ def sample_batched(policy: ImagePolicy, cond: torch.Tensor, seeds: Sequence[int]
     """`sample` in chunks of `batch_size` rows (the results do not depend on the chunking)."""
     parts = [sample(policy, cond[i:i + batch_size], seeds[i:i + batch_size], params)
              for i in range(0, cond.shape[0], batch_size)]
-    out = Rollout(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "logprobs", "entropy")))
-    out.forwards = cat_forwards([p.forwards for p in parts])
-    return out
+    return Rollout(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "logprobs", "entropy")),
+                   forwards=cat_forwards([p.forwards for p in parts]))
 
 
 def cat_forwards(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:

@@ -164,7 +164,8 @@ def speculative_decode(first: torch.Tensor, block: Block, u: torch.Tensor, n_tok
         else:
             draft = inverse_cdf(q_next, u[:, t, d])  # [B, W-1]
         q = q_next
-    cut = Rollout(out.tokens[:, :N].contiguous(), out.logprobs[:, :N].contiguous(), out.entropy[:, :N].contiguous())
+    cut = Rollout(out.tokens[:, :N].contiguous(), out.logprobs[:, :N].contiguous(), out.entropy[:, :N].contiguous(),
+                  forwards=forwards)
     return cut, SpeculativeStats(forwards, t + 1)
 
 
