@@ -104,15 +104,18 @@ def score(rewards, images: torch.Tensor, entries: Sequence[PromptEntry], judge: 
           tolerant: bool = False, plans: Sequence[str] | None = None) -> Scored:
     """Every reward of `rewards` (a CompositeReward; None: no reward) on `images` of `entries` (their own
     reward weights included), and `judge`'s verdicts when given; with the images' `plans`, a judge that checks
-    plans (`plan_verdicts`, ShapesWorld's) judges them against their prompts too. `tolerant` (the demo): a reward
-    that fails scores NaN, with a note saying why, instead of stopping everything."""
+    plans (`plan_verdicts`, ShapesWorld's) judges them against their prompts too, and each reward finds its image's
+    plan as `metadata["plan"]` (GoT-R1's plan-image reward reads it: `shapes_plan_layout`). `tolerant` (the demo):
+    a reward that fails scores NaN, with a note saying why, instead of stopping everything."""
     prompts = [e.prompt for e in entries]
     verdicts = judge.verdicts(images, prompts) if judge is not None else [None] * len(prompts)
     check_plans = getattr(judge, "plan_verdicts", None) if plans is not None else None
     plan_verdicts = check_plans(list(plans), prompts) if check_plans is not None else []
     if rewards is None:
         return Scored(torch.full((len(prompts),), float("nan")), {}, {}, {}, verdicts, plan_verdicts=plan_verdicts)
-    out = rewards(images, prompts, [e.metadata for e in entries], [e.rewards for e in entries], tolerant=tolerant)
+    metadata = [e.metadata if plans is None else {**e.metadata, "plan": plan} for e, plan in
+                zip(entries, plans or [None] * len(entries))]
+    out = rewards(images, prompts, metadata, [e.rewards for e in entries], tolerant=tolerant)
     return Scored(out.total, out.raw, out.weights, out.reasons, verdicts, out.notes, plan_verdicts)
 
 

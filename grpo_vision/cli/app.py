@@ -143,11 +143,13 @@ def cmd_matrix(args) -> None:
     from grpo_vision.tools.matrix import run_matrix
 
     command = "grpo-vision " + shlex.join(sys.argv[1:])
+    if args.against_reward and not args.against:
+        raise ConfigError("--against-reward names a run of another matrix: give that matrix's folder with --against")
     try:
         betas = None if args.kl is None else _items(args.kl, float, "--kl")  # None: the config's train.beta
         result = run_matrix(args.config, args.overrides, _items(args.rewards, str, "--rewards"), betas,
                             _items(args.seeds, int, "--seeds"), Path(args.out), args.jobs, args.images, command,
-                            args.variant, Path(args.against) if args.against else None)
+                            args.variant, Path(args.against) if args.against else None, args.against_reward)
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the runs in training saved a checkpoint first
         signum = getattr(e, "signum", signal.SIGINT)
         print(f"[matrix] stopped by {signal.Signals(signum).name}; continue with: {command} (finished runs and "
@@ -379,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--against", default=None, metavar="OUT",
                    help="another matrix's --out, scored on the same prompts (e.g. the same runs without a text plan, "
                         "which samples differently): each run minus that matrix's run of the same reward, KL and seed")
+    p.add_argument("--against-reward", default=None, metavar="REWARD",
+                   help="with --against: pair each run with that matrix's run trained on REWARD (as its --rewards "
+                        "wrote it) instead of its own reward, the same KL and seed: what swapping a reward did")
     p.set_defaults(func=cmd_matrix)
 
     p = sub.add_parser("demo", help="Gradio app: two checkpoints (or the reference) side by side on the same seeds")

@@ -168,7 +168,7 @@ def draw_side(label: str, model, ctx, tokenizer, rewards, judge, entries: list[P
     them (a failing reward is a note), with the plan each image was drawn from where the run plans."""
     with ctx, torch.no_grad():
         samples = draw(model, tokenizer, entries, seeds, params, 64)
-    scored = score(rewards, samples.images, entries, judge, tolerant=True)
+    scored = score(rewards, samples.images, entries, judge, tolerant=True, plans=plan_texts(samples))
     return Side(label, samples.images, scored.raw, scored.verdicts, scored.reasons,
                 scored.notes | not_applying(scored), plan_texts(samples))
 

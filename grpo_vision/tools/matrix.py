@@ -249,7 +249,7 @@ def train_all(config: str, overrides: list[str], specs: list[RunSpec], out: Path
 
 def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: list[float] | None, seeds: list[int],
                out: Path, jobs: int = 1, images: int | None = None, command: str = "",
-               variants: list[str] = (), against: Path | None = None) -> dict:
+               variants: list[str] = (), against: Path | None = None, against_reward: str | None = None) -> dict:
     """Train every run (reusing and resuming), score them and the reference, write the outputs.
     Interrupted (a KeyboardInterrupt) after SIGINT or SIGTERM, once the runs in training have stopped."""
     stop = PassOn()  # from here on a signal ends in Interrupted: at once, or once the runs in training stopped
@@ -264,7 +264,8 @@ def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: lis
         lock = OutLock(out)
         try:
             results = train_all(config, overrides, specs, out, jobs, stop)
-            return score_and_write(cfg, config, overrides, specs, results, out, images, command, against)
+            return score_and_write(cfg, config, overrides, specs, results, out, images, command, against,
+                                   against_reward)
         finally:
             lock.release()
     finally:
@@ -272,7 +273,8 @@ def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: lis
 
 
 def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[RunSpec], results: list[RunResult],
-                    out: Path, images: int | None, command: str, against: Path | None = None) -> dict:
+                    out: Path, images: int | None, command: str, against: Path | None = None,
+                    against_reward: str | None = None) -> dict:
     """Score the reference and every run that trained, then write matrix.json, matrix.md and matrix.png."""
     from grpo_vision.tools.matrix_report import write_outputs
     from grpo_vision.tools.matrix_score import Scorer, against_baseline, pool_seeds, score_runs
@@ -294,7 +296,7 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
     compared = compare_variants(specs, runs, lambda base, other: against_baseline(
         scorer, [raw[r["name"]] for r in base], [raw[r["name"]] for r in other]))
     if against is not None:
-        compared += compare_matrices(scorer, against, runs, raw)
+        compared += compare_matrices(scorer, against, runs, raw, against_reward)
     header = {"command": command or f"grpo-vision matrix {config}", "config": config, "overrides": overrides,
               "steps": cfg.train.steps, "images_per_prompt": scorer.n, "temperature": scorer.params.temperature,
               "embedding": scorer.embedding, "sets": {k: [e.prompt for e in v] for k, v in scorer.sets.items()},
@@ -303,11 +305,13 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
     return {"reference": reference, "runs": runs, "pooled": pooled, "compared": compared}
 
 
-def compare_matrices(scorer, other: Path, runs: list[dict], raw: dict) -> list[dict]:
+def compare_matrices(scorer, other: Path, runs: list[dict], raw: dict, their_reward: str | None = None) -> list[dict]:
     """`--against OTHER`: this matrix's runs minus OTHER's runs of the same name (reward, KL, seed, variant), paired
     per image and per seed (matrix_score.against_baseline), and this reference minus OTHER's: what a change of
-    sampling (a text plan, say) does, which one matrix cannot show, since it scores all its runs alike. OTHER must
-    have scored the same prompts."""
+    sampling (a text plan, say) does, which one matrix cannot show, since it scores all its runs alike. With
+    `their_reward` (`--against-reward`), each run is paired with OTHER's run of that reward instead (the same KL,
+    seed and variant): what swapping or adding a reward did, seed by seed. OTHER must have scored the same
+    prompts."""
     from grpo_vision.tools.matrix_score import against_baseline
 
     try:
@@ -324,17 +328,25 @@ def compare_matrices(scorer, other: Path, runs: list[dict], raw: dict) -> list[d
         path = other / "scores" / f"{run['name']}.json"
         if run.get("summary") is not None and path.is_file():
             theirs[run["name"]] = json.loads(path.read_text())
-    label = f"{other.name} (--against)"
+    label = f"{other.name}{f' [{their_reward}]' if their_reward else ''} (--against)"
     rows = [{"reward": "reference", "beta": 0.0, "variant": "", "baseline": label, "seeds": [],
              "sets": against_baseline(scorer, [theirs["reference"]], [raw["reference"]])}]
+    def partner(run: dict) -> str:  # OTHER's run this one is compared with
+        if their_reward is None:
+            return run["name"]
+        return RunSpec(their_reward, (), run["beta"], run["seed"], run.get("variant", "")).name
+
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
-        if run["summary"] is not None and run["name"] in theirs:
+        if run["summary"] is not None and partner(run) in theirs:
             groups.setdefault((run["reward"], run["beta"]), []).append(run)
+    if their_reward is not None and not groups:
+        raise ConfigError(f"--against-reward {brief(their_reward)}: {other} holds no scored run of that reward with "
+                          f"this matrix's KL and seeds; its runs: {', '.join(sorted(set(theirs) - {'reference'}))}")
     for (reward, beta), group in groups.items():
         rows.append({"reward": reward, "beta": beta, "variant": "", "baseline": label,
                      "seeds": [r["seed"] for r in group],
-                     "sets": against_baseline(scorer, [theirs[r["name"]] for r in group],
+                     "sets": against_baseline(scorer, [theirs[partner(r)] for r in group],
                                               [raw[r["name"]] for r in group])})
     return rows
 

@@ -63,6 +63,9 @@ def test_bench_counts_must_be_positive(capsys):
         (["bench", "step", "c.yaml", "--warmup", "-1"], "argument --warmup: expected a whole number >= 0, got '-1'"),
         (["bench", "trl", "c.yaml", "--steps-per-round", "1"], "expected a whole number >= 2 (the first step is a "
                                                                "warm-up), got '1'"),
+        (["matrix", "configs/shapes_micro.yaml", "--out", "o", "--rewards", "clip", "--against-reward", "clip"],
+         "grpo-vision: error: --against-reward names a run of another matrix: give that matrix's folder with "
+         "--against"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(args)

@@ -487,3 +487,16 @@ def test_against_pairs_each_run_with_the_other_matrixs_run_of_the_same_name(tmp_
     (other / "matrix.json").write_text(json.dumps({"sets": {"test": ["a", "c"]}, "images_per_prompt": 2, "runs": runs}))
     with pytest.raises(ConfigError, match="--against .* scored other prompts"):
         compare_matrices(scorer, other, runs, ours)
+    # --against-reward: runs of another reward paired with OTHER's clip runs of the same KL and seed
+    swapped = [dict(r, name=f"clip+2xjudge-kl0-s{r['seed']}", reward="clip+2*judge") for r in runs]
+    (other / "matrix.json").write_text(json.dumps({"sets": {"test": ["a", "b"]}, "images_per_prompt": 2,
+                                                   "runs": runs}))
+    mine = {"reference": ours["reference"], "clip+2xjudge-kl0-s0": ours["clip-kl0-s0"],
+            "clip+2xjudge-kl0-s1": ours["clip-kl0-s1"]}
+    rows = compare_matrices(scorer, other, swapped, mine, "clip")
+    assert [(r["reward"], r["seeds"], r["baseline"]) for r in rows[1:]] == [
+        ("clip+2*judge", [0, 1], "without_plan [clip] (--against)")]
+    assert rows[1]["sets"]["test"]["clip"]["mean"] == pytest.approx(0.2)
+    assert compare_matrices(scorer, other, swapped, mine)[1:] == []  # by name, nothing of theirs matches
+    with pytest.raises(ConfigError, match="--against-reward 'aesthetic': .* holds no scored run of that reward"):
+        compare_matrices(scorer, other, swapped, mine, "aesthetic")
