@@ -62,16 +62,19 @@ class RewardContext:
 class Registered:
     factory: Callable[..., RewardFn]  # factory(ctx) or, with options, factory(ctx, options)
     options: type | None = None  # the dataclass of `reward.options.<name>`; None: the reward takes none
+    reads_plan: bool = False  # scores an image against its text plan (metadata["plan"]): needs sample.plan
 
 
 REGISTRY: dict[str, Registered] = {}
 
 
-def register_reward(name: str, options: type | None = None):
+def register_reward(name: str, options: type | None = None, reads_plan: bool = False):
     """Register `factory` as reward `name`; with `options` (a dataclass), the factory is called as
-    `factory(ctx, options_instance)`, the instance built strictly from `reward.options.<name>`."""
+    `factory(ctx, options_instance)`, the instance built strictly from `reward.options.<name>`. `reads_plan`: the
+    reward scores an image against the text plan it was drawn from, so a config that trains on it without
+    `sample.plan` is refused (every image would score NaN, and the weight would silently do nothing)."""
     def wrap(factory):
-        REGISTRY[name] = Registered(factory, options)
+        REGISTRY[name] = Registered(factory, options, reads_plan)
         return factory
     return wrap
 
@@ -136,6 +139,12 @@ def check_options(cfg) -> None:
     check_option_names(cfg.reward.options)
     for name, options in cfg.reward.options.items():
         reward_options(name, options)
+    for name, weight in cfg.reward.weights.items():
+        if weight and is_registered(name) and name in REGISTRY and REGISTRY[name].reads_plan \
+                and not cfg.sample.plan.enabled:
+            raise ConfigError(f"reward.weights.{name}: reward {name!r} scores each image against its text plan, and "
+                              "this config samples none; set sample.plan.enabled=true (with a policy that plans) or "
+                              "drop the reward")
     if cfg.policy.kind or cfg.policy.options:
         kind_options(cfg.policy)
 

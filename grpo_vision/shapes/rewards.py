@@ -92,7 +92,7 @@ def layout_agreement(plan_text: str, regions: list[Region]) -> float:
     return best / max(len(plan.objects), len(regions))
 
 
-@register_reward("shapes_plan_layout")
+@register_reward("shapes_plan_layout", reads_plan=True)
 def shapes_plan_layout(ctx: RewardContext) -> RewardFn:
     """How well each image follows the layout plan it was drawn from (layout_agreement), in [0, 1]; NaN for an
     image without a plan (a run without `sample.plan`: the reward does not apply). GoT-R1 multiplies this term

@@ -182,7 +182,9 @@ def check_options(config: str, overrides: list[str], cfg: Config, specs: list[Ru
 
     check_registered_options(cfg)  # reward.options and policy.options, as `train` checks them
     for spec in specs:
-        derived_sizes(run_config(config, overrides, spec, Path("runs")), 1)
+        run_cfg = run_config(config, overrides, spec, Path("runs"))
+        check_registered_options(run_cfg)  # its own reward.weights: a reward that reads plans needs sample.plan
+        derived_sizes(run_cfg, 1)
     if (images or cfg.log.eval_images) < 2:
         given = f"--images {images}" if images else f"log.eval_images={cfg.log.eval_images} (the default of --images)"
         raise ConfigError(f"{given}: matrix measures diversity between a prompt's images, so it needs at least 2; "

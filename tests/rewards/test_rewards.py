@@ -205,6 +205,26 @@ def test_shapes_plan_layout_is_high_for_a_render_of_its_own_plan_and_low_for_ano
     assert other.mean().item() < 0.2
 
 
+def test_a_reward_that_reads_plans_is_refused_without_a_text_stage(capsys):
+    """A weight on shapes_plan_layout (registered with reads_plan) in a run that samples no plan would score every
+    image NaN and train nothing on it: `config` and `train` refuse it in one line naming the key. Monitoring it,
+    a weight of 0, or a config with the text stage pass."""
+    from grpo_vision.cli import main
+    from grpo_vision.config import load_config
+    from grpo_vision.rewards import check_options
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["config", "configs/shapes.yaml", "reward.weights={clip: 4.0, shapes_plan_layout: 8.0}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "grpo-vision: error: reward.weights.shapes_plan_layout: reward 'shapes_plan_layout' scores each image against "
+        "its text plan, and this config samples none; set sample.plan.enabled=true (with a policy that plans) or drop "
+        "the reward\n")
+    check_options(load_config("configs/shapes.yaml", ["reward.weights={clip: 4.0, shapes_plan_layout: 0.0}",
+                                                      "reward.monitor=[shapes_plan_layout]"]))
+    check_options(load_config("configs/shapes_plan.yaml", ["reward.weights={clip: 4.0, shapes_plan_layout: 8.0}"]))
+
+
 def test_rewards_find_each_images_plan_in_its_metadata():
     """rollouts.score hands each reward its image's plan as metadata["plan"] (beside the entry's own metadata,
     which it does not change), and nothing more for rollouts without a text stage."""
