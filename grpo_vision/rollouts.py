@@ -113,8 +113,9 @@ def score(rewards, images: torch.Tensor, entries: Sequence[PromptEntry], judge: 
     plan_verdicts = check_plans(list(plans), prompts) if check_plans is not None else []
     if rewards is None:
         return Scored(torch.full((len(prompts),), float("nan")), {}, {}, {}, verdicts, plan_verdicts=plan_verdicts)
-    metadata = [e.metadata if plans is None else {**e.metadata, "plan": plan} for e, plan in
-                zip(entries, plans or [None] * len(entries))]
+    metadata = [e.metadata for e in entries]
+    if plans is not None:  # a copy per image: the entries' own metadata stays as it is
+        metadata = [{**m, "plan": plan} for m, plan in zip(metadata, plans, strict=True)]
     out = rewards(images, prompts, metadata, [e.rewards for e in entries], tolerant=tolerant)
     return Scored(out.total, out.raw, out.weights, out.reasons, verdicts, out.notes, plan_verdicts)
 

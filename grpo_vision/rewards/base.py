@@ -139,9 +139,9 @@ def check_options(cfg) -> None:
     check_option_names(cfg.reward.options)
     for name, options in cfg.reward.options.items():
         reward_options(name, options)
-    for name, weight in cfg.reward.weights.items():
-        if weight and is_registered(name) and name in REGISTRY and REGISTRY[name].reads_plan \
-                and not cfg.sample.plan.enabled:
+    for name, weight in cfg.reward.weights.items():  # is_registered loads plugins; python: rewards are not in REGISTRY
+        entry = REGISTRY.get(name) if weight and is_registered(name) else None
+        if entry is not None and entry.reads_plan and not cfg.sample.plan.enabled:
             raise ConfigError(f"reward.weights.{name}: reward {name!r} scores each image against its text plan, and "
                               "this config samples none; set sample.plan.enabled=true (with a policy that plans) or "
                               "drop the reward")

@@ -67,7 +67,9 @@ def planned_box(obj: PlanObject) -> Box:
 
 
 def iou(a: Box, b: Box) -> float:
-    """Intersection over union of two (x0, y0, w, h) boxes; 0 when they do not overlap."""
+    """Intersection over union of two continuous (x0, y0, w, h) boxes; 0 when they do not overlap. Not
+    rewards.geneval.iou, whose (x0, y0, x1, y1) bounds are inclusive pixels as GenEval's scorer reads them: a
+    planned box has fractional corners (a large object's 13.5 px half side)."""
     w = min(a[0] + a[2], b[0] + b[2]) - max(a[0], b[0])
     h = min(a[1] + a[3], b[1] + b[3]) - max(a[1], b[1])
     inter = max(0.0, w) * max(0.0, h)

@@ -333,6 +333,7 @@ def compare_matrices(scorer, other: Path, runs: list[dict], raw: dict, their_rew
     label = f"{other.name}{f' [{their_reward}]' if their_reward else ''} (--against)"
     rows = [{"reward": "reference", "beta": 0.0, "variant": "", "baseline": label, "seeds": [],
              "sets": against_baseline(scorer, [theirs["reference"]], [raw["reference"]])}]
+
     def partner(run: dict) -> str:  # OTHER's run this one is compared with
         if their_reward is None:
             return run["name"]
