@@ -16,11 +16,21 @@ With a plan (T2I-R1's two stages, as separate sequences): the text stage reads `
 writes plan tokens until `<eop>`; the image stage reads `<pad>* <bos> words <bop> plan <eop> <boi>`, left padded to
 `max_caption_words + max_plan_tokens + 4`, then draws the codes. The null row blanks caption and plan alike.
 Plan ids in the protocol are local to `[<eop> plan_0 ... plan_P-1]` (0 ends a plan).
+
+A layout canvas (`canvas_attributes`, with the plan words that name the image grid's columns and rows and the
+size of each box): the plan of the image condition drawn onto the token grid, and added at the input that predicts
+each image token, which then carries the learned vectors of the colour, shape, ... of every planned object whose box
+covers it (a layout map, as layout-to-image models condition: GLIGEN arXiv 2301.07093, LayoutGPT arXiv 2305.15393).
+Relative positions (RoPE) give an image token no way to match a plan word `x5` with "my column is 5"; the canvas
+makes the match part of the input (docs/experiments/text_plans.md: without it the image stage placed objects at
+chance, with it it follows its plan). Such a policy has no `LlamaForCausalLM` equivalent, so it does not export
+to transformers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -55,6 +65,14 @@ class LlamaPolicyConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     plan_words: list[str] = field(default_factory=list)  # a layout plan's vocabulary; empty: the policy cannot plan
     max_plan_tokens: int = 0  # the longest plan the image condition holds (its width grows by this plus 2)
+    # a layout canvas (module docstring); empty canvas_attributes: none. The plan's cells split the image evenly
+    # (any number of them, not the token grid's). An object of a plan is a run of words that closes once it has
+    # named both a column and a row; it paints its attribute words over the tokens whose centres lie within half
+    # its extent (the extent word's, in cells; 1 without one) of its cell's centre
+    canvas_attributes: list[str] = field(default_factory=list)  # plan words painted onto the canvas
+    canvas_columns: list[str] = field(default_factory=list)  # plan words naming the plan's columns, left to right
+    canvas_rows: list[str] = field(default_factory=list)  # plan words naming its rows, top to bottom
+    canvas_extents: dict[str, float] = field(default_factory=dict)  # plan word -> side of the object's box, in cells
 
     @property
     def cond_len(self) -> int:  # <pad>* <bos> words <boi>
@@ -88,6 +106,36 @@ class KVCache:
     fused: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: W_qkv [(H+2Hkv)*hd, dim], W_gate_up [2F, dim]
     pos: int = 0  # number of positions already written
     position: torch.Tensor | None = None  # a static cache's next position, on the device (models/kv_cache.py)
+    canvas: torch.Tensor | None = None  # [B, N, dim] a canvas policy's layout map of the prefilled condition
+    canvas_at: int = 0  # the cache position of the input that predicts image token 0 (<boi>)
+
+
+def canvas_words(cfg: LlamaPolicyConfig) -> dict[int, tuple[int | None, int | None, int | None, float | None]]:
+    """The vocabulary id of each plan word the canvas reads -> (its attribute index, column, row, extent; None where
+    the word is not one). ValueError naming the field when the canvas does not fit the plan vocabulary or grid."""
+    known = set(cfg.plan_words)
+    for name, words in (("canvas_attributes", cfg.canvas_attributes), ("canvas_columns", cfg.canvas_columns),
+                        ("canvas_rows", cfg.canvas_rows), ("canvas_extents", list(cfg.canvas_extents))):
+        if unknown := [x for x in words if x not in known]:
+            raise ValueError(f"{name} names {unknown[:4]}, which are not plan words (plan_words)")
+    if not (cfg.canvas_columns and cfg.canvas_rows):
+        raise ValueError("a canvas needs the plan words of its columns and rows (canvas_columns, canvas_rows)")
+    out = {}
+    for j, word in enumerate(cfg.plan_words):
+        entry = (cfg.canvas_attributes.index(word) if word in cfg.canvas_attributes else None,
+                 cfg.canvas_columns.index(word) if word in cfg.canvas_columns else None,
+                 cfg.canvas_rows.index(word) if word in cfg.canvas_rows else None, cfg.canvas_extents.get(word))
+        if entry != (None,) * 4:
+            out[cfg.plan_offset + 2 + j] = entry  # plan word j's vocabulary id (<bop> <eop> come first)
+    return out
+
+
+def covered(cell: int, extent: float, cells: int, tokens: int) -> tuple[int, int]:
+    """The first and last of `tokens` tokens along one axis whose centre lies within extent / 2 cells of cell
+    `cell`'s centre, the axis split into `cells` cells (boundaries included, as a box's pixels are)."""
+    scale = tokens / cells  # token j's centre is at (j + 0.5) / scale cells
+    lo, hi = scale * (cell + 0.5 - extent / 2) - 0.5, scale * (cell + 0.5 + extent / 2) - 0.5
+    return max(0, math.ceil(lo - 1e-9)), min(tokens - 1, math.floor(hi + 1e-9))
 
 
 def rope_tables(cfg: LlamaPolicyConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,7 +243,12 @@ class LlamaImagePolicy(nn.Module):
     """Caption-conditioned image-token transformer; implements `policy.ImagePolicy`."""
 
     static_decode = True  # new_cache(rows, static=True): a decode step of fixed shapes (models/kv_cache.py)
-    adapter_root = ""  # a peft adapter export targets the policy's own module names: LlamaForCausalLM's (export.py)
+
+    @property
+    def adapter_root(self) -> str | None:
+        """A peft adapter export targets the policy's own module names, LlamaForCausalLM's (export.py); a canvas
+        policy has none (its export is refused: llama_hf.to_hf_llama)."""
+        return None if self.cfg.canvas_attributes else ""
 
     def __init__(self, cfg: LlamaPolicyConfig):
         super().__init__()
@@ -208,6 +261,9 @@ class LlamaImagePolicy(nn.Module):
         self.word_ids = {w: i + len(SPECIALS) for i, w in enumerate(cfg.words)}
         self._rope: dict = {}  # (device, dtype) -> cos/sin tables computed in float32
         self.gradient_checkpointing = False  # train.gradient_checkpointing (transformers' name for it)
+        if cfg.canvas_attributes:
+            self._canvas_words = canvas_words(cfg)  # vocabulary id -> (attribute, column, row, extent)
+            self.canvas = nn.Linear(len(cfg.canvas_attributes), cfg.dim, bias=False)
         self.apply(self._init_weights)
 
     @staticmethod
@@ -283,7 +339,11 @@ class LlamaImagePolicy(nn.Module):
 
     def prefill(self, cond: torch.Tensor, cache: KVCache) -> torch.Tensor:
         cache.pos = 0
-        h = self._forward(self.model.embed_tokens(cond), cache)  # [B, L, dim]
+        x = self.model.embed_tokens(cond)  # [B, L, dim]
+        cache.canvas, cache.canvas_at = self.layout_canvas(cond), cond.shape[1] - 1
+        if cache.canvas is not None:
+            x = torch.cat([x[:, :-1], x[:, -1:] + cache.canvas[:, :1].to(x.dtype)], dim=1)
+        h = self._forward(x, cache)  # [B, L, dim]
         if cache.position is not None:
             cache.position.fill_(cache.pos)
         return self._image_head(h[:, -1])  # [B, K]
@@ -294,6 +354,9 @@ class LlamaImagePolicy(nn.Module):
         H, Hkv, hd = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
         B, g = tokens.shape[0], H // Hkv
         x = self.model.embed_tokens(tokens + c.image_offset)  # [B, dim]
+        if cache.canvas is not None:  # the input at cache position p predicts image token p - canvas_at
+            x = x + (cache.canvas[:, pos - cache.canvas_at] if position is None else
+                     cache.canvas.index_select(1, (position - cache.canvas_at).view(1))[:, 0]).to(x.dtype)
         cos, sin = (t[pos] if position is None else t.index_select(0, position.view(1))[0]  # no host sync
                     for t in self._rope_tables(x))  # [hd] each
         future = None if position is None else future_keys(position, cache.k.shape[3])  # [T] keys to hide
@@ -327,6 +390,10 @@ class LlamaImagePolicy(nn.Module):
         (B, W), T = tokens.shape, cache.k.shape[3]
         x = self.model.embed_tokens(tokens + c.image_offset)  # [B, W, dim]
         pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]
+        if cache.canvas is not None:  # a window past the image's last token reads no canvas there
+            i = pos - cache.canvas_at  # [B, W] the image token each input predicts
+            at = i.clamp(max=c.num_image_tokens - 1)[..., None].expand(B, W, c.dim)
+            x = x + (cache.canvas.gather(1, at) * (i < c.num_image_tokens)[..., None]).to(x.dtype)
         cos, sin = (t[pos].unsqueeze(1) for t in self._rope_tables(x, T))  # [B, 1, W, hd] each
         mask = (torch.arange(T, device=x.device) <= pos[..., None]).unsqueeze(1)  # [B, 1, W, T] keys up to each query
         at = pos[:, None, :, None].expand(B, Hkv, W, hd)  # [B, Hkv, W, hd] where the window's keys go
@@ -360,8 +427,34 @@ class LlamaImagePolicy(nn.Module):
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<boi>) .. L+N-2 predict image tokens 0 .. N-1; the last token is never input.
         ids = torch.cat([cond, tokens[:, :-1] + self.cfg.image_offset], dim=1)  # [B, L+N-1]
-        h = self._forward(self.model.embed_tokens(ids))  # [B, L+N-1, dim]
+        x = self.model.embed_tokens(ids)  # [B, L+N-1, dim]
+        if (canvas := self.layout_canvas(cond)) is not None:
+            L = cond.shape[1]
+            x = torch.cat([x[:, :L - 1], x[:, L - 1:] + canvas[:, :tokens.shape[1]].to(x.dtype)], dim=1)
+        h = self._forward(x)  # [B, L+N-1, dim]
         return self._image_head(h[:, cond.shape[1] - 1:])  # [B, N, K]
+
+    def layout_canvas(self, cond: torch.Tensor) -> torch.Tensor | None:
+        """Each condition row's plan drawn onto the token grid, `[B, N, dim]` (module docstring), or None for a
+        policy without a canvas. A row without plan words (a caption alone, the null row) gets zeros."""
+        c = self.cfg
+        if not c.canvas_attributes:
+            return None
+        h, w = c.image_grid
+        hot = torch.zeros(cond.shape[0], h, w, len(c.canvas_attributes))  # [B, h, w, A] how many objects paint each
+        for b, ids in enumerate(cond.tolist()):
+            attributes, col, line, extent = [], None, None, 1.0
+            for attribute, column, row, size in filter(None, map(self._canvas_words.get, ids)):
+                attributes += [] if attribute is None else [attribute]
+                col, line = column if column is not None else col, row if row is not None else line
+                extent = size if size is not None else extent
+                if col is not None and line is not None:  # the object is complete: paint its box
+                    r0, r1 = covered(line, extent, len(c.canvas_rows), h)
+                    c0, c1 = covered(col, extent, len(c.canvas_columns), w)
+                    if attributes:
+                        hot[b, r0:r1 + 1, c0:c1 + 1, attributes] += 1
+                    attributes, col, line, extent = [], None, None, 1.0
+        return self.canvas(hot.flatten(1, 2).to(self.canvas.weight))  # [B, N, dim]
 
     # ------------------------------------------------------------------ PlanningPolicy (with plan_words)
     plan_end_id = 0  # <eop>, local plan id 0

@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from grpo_vision.config import ConfigError
 from grpo_vision.models.llama import BOI, BOS, PAD, SPECIALS, UNK, LlamaImagePolicy, LlamaPolicyConfig
 
 
@@ -21,6 +22,10 @@ def to_hf_llama(policy: LlamaImagePolicy):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = policy.cfg
+    if c.canvas_attributes:
+        raise ConfigError("this policy draws its plan onto a layout canvas (policy_config.json: canvas_attributes), "
+                          "which LlamaForCausalLM has no module for, so it does not export to transformers; load "
+                          "the run folder itself as policy.path")
     hf_cfg = LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.ffn_dim,
         num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,

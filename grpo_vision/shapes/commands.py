@@ -69,9 +69,11 @@ def add_commands(sub) -> None:
         dest="what", required=True)
     p = world.add_parser("build", help="train the world's tokenizer, CLIP, aesthetic head and base policy: about an "
                                        "hour on a 2-core CPU; a complete world is kept, not rebuilt")
-    p.add_argument("--preset", default="default", choices=["micro", "default", "plan", "plan_micro"],
+    p.add_argument("--preset", default="default",
+                   choices=["micro", "default", "plan", "plan_micro", "canvas", "canvas_micro"],
                    help="micro: seconds, for tests; plan: the default world with a base policy that writes a layout "
-                        "plan before it draws (plan_micro: its micro version)")
+                        "plan before it draws; canvas: the plan world's policy with its plan also drawn onto the "
+                        "image grid (a layout canvas); *_micro: their micro versions")
     p.add_argument("--out", default="", help="world directory (default: worlds/shapes, worlds/shapes_plan, or "
                                              "worlds/shapes_<preset>)")
     p.add_argument("--from", dest="start_from", default="", metavar="WORLD",

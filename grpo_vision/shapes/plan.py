@@ -53,6 +53,14 @@ def plan_words() -> list[str]:
     return [*COLORS, *SHAPES, *SIZES, *COLUMNS, *ROWS, *BACKGROUNDS]
 
 
+def canvas_config() -> dict:
+    """The layout canvas (models/llama.py, LlamaPolicyConfig.canvas_*) of a policy that draws its plan onto the token
+    grid: each object's colour, shape and size painted over the box the plan asks for (rewards.planned_box: the
+    size's middle side, centred on the object's cell)."""
+    return {"canvas_attributes": [*COLORS, *SHAPES, *SIZES], "canvas_columns": list(COLUMNS),
+            "canvas_rows": list(ROWS), "canvas_extents": {size: sum(px) / 2 / CELL for size, px in SIZES.items()}}
+
+
 def cell_of(x: float, y: float) -> tuple[int, int]:
     """(column, row) of the cell holding point (x, y) px, clamped to the grid."""
     return tuple(min(PLAN_GRID - 1, max(0, int(v // CELL))) for v in (x, y))

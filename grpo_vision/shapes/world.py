@@ -8,7 +8,8 @@
       stages/      one JSON per finished stage: preset, seed, figures
       world.json   every quality figure, and the size and sha256 of each stage file; written last, so its
                    presence means the world is complete (version 2 records the plan grammar of a base policy
-                   that plans, worlds/shapes_plan; load_world reads versions 1 and 2)
+                   that plans, worlds/shapes_plan; version 3 whether it draws its plan onto a layout canvas,
+                   worlds/shapes_canvas; load_world reads versions 1 to 3)
       contact_sheet.png
 
 The builder (`grpo_vision.shapes.build`) writes it; this module only checks and loads it, which is
@@ -29,8 +30,10 @@ import torch
 
 from grpo_vision.config import ConfigError, brief
 
-WORLD_VERSION = 2  # what a build writes; 2 adds `plan` to world.json (None: the base policy does not plan)
-VERSIONS = (1, 2)  # what load_world reads: version 1 is the committed worlds/shapes, built before plans
+# what a build writes: 2 adds `plan` to world.json (None: the base policy does not plan), 3 its `canvas` (whether
+# the policy draws its plan onto a layout canvas, worlds/shapes_canvas)
+WORLD_VERSION = 3
+VERSIONS = (1, 2, 3)  # what load_world reads: 1 is worlds/shapes, built before plans; 2 worlds/shapes_plan
 STAGES = ("vq", "clip", "aesthetic", "policy")
 INPUTS = {"vq": (), "clip": (), "aesthetic": ("clip",), "policy": ("vq",)}  # stages each one is trained on
 FILES = {"vq": ("config.json", "diffusion_pytorch_model.safetensors"), "clip": ("clip.safetensors",),

@@ -1,5 +1,5 @@
-"""A world whose base policy plans (worlds/shapes_plan, version 2): its build from another world's stages, its
-training data, and loading it beside a world of version 1."""
+"""A world whose base policy plans (worlds/shapes_plan, version 2; worlds/shapes_canvas, version 3, with a layout
+canvas): its build from another world's stages, its training data, and loading it beside a world of version 1."""
 
 import json
 import math
@@ -12,7 +12,7 @@ from grpo_vision.config import ConfigError
 from grpo_vision.policy import check_planning
 from grpo_vision.shapes.build import build_world, recipe_hashes
 from grpo_vision.shapes.build.stages import WORLD_PRESETS
-from grpo_vision.shapes.build.train_policy import POLICY_PRESETS, PolicyPreset, plan_data, planned_logits
+from grpo_vision.shapes.build.train_policy import POLICY_PRESETS, PolicyPreset, plan_data, plan_ids, planned_logits
 from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, plan_words
 from grpo_vision.shapes.world import STAGES, WorldError, load_world
 
@@ -26,8 +26,9 @@ def test_the_plan_world_copies_the_other_stages_and_trains_a_policy_that_plans(p
         for f in (micro_world / name).iterdir():
             assert (world / name / f.name).read_bytes() == f.read_bytes()
     info = json.loads((world / "world.json").read_text())
-    assert (info["version"], info["preset"]) == (2, "plan_micro")
-    assert info["plan"] == {"words": plan_words(), "max_tokens": MAX_PLAN_TOKENS, "grid": 16, "cell_px": 4}
+    assert (info["version"], info["preset"]) == (3, "plan_micro")
+    assert info["plan"] == {"words": plan_words(), "max_tokens": MAX_PLAN_TOKENS, "grid": 16, "cell_px": 4,
+                            "canvas": False}
     assert info["stages"]["vq"]["copied_from"] == str(micro_world) and "copied_from" not in info["quality"]
     q = info["quality"]
     for prefix in ("policy_acc", "plan_acc", "policy_plan_acc", "policy_truthplan_acc"):
@@ -49,7 +50,8 @@ def test_a_second_build_from_the_same_world_finds_nothing_to_do(plan_micro_world
 
 
 def test_plan_worlds_share_the_other_stages_recipes_and_the_old_presets_are_unchanged():
-    for plan, base in (("plan", "default"), ("plan_micro", "micro")):
+    for plan, base in (("plan", "default"), ("plan_micro", "micro"), ("canvas", "default"),
+                       ("canvas_micro", "micro")):
         ours, theirs = recipe_hashes(plan), recipe_hashes(base)
         assert {n: ours[n] for n in STAGES if n != "policy"} == {n: theirs[n] for n in STAGES if n != "policy"}
         assert ours["policy"] != theirs["policy"] and WORLD_PRESETS[plan] == (base, plan)
@@ -75,9 +77,36 @@ def test_either_world_version_loads_and_only_a_plan_world_plans(plan_micro_world
     assert policy.plan_vocab_size == 0
     with pytest.raises(ConfigError, match="policy.kind 'shapes' .* cannot write a text plan"):
         check_planning(policy, "shapes", MAX_PLAN_TOKENS)
-    (old / "world.json").write_text(json.dumps(info | {"version": 3}))
-    with pytest.raises(WorldError, match="is of version 3; this grpo-vision reads world versions 1, 2"):
+    (old / "world.json").write_text(json.dumps(info | {"version": 4}))
+    with pytest.raises(WorldError, match="is of version 4; this grpo-vision reads world versions 1, 2, 3"):
         load_world(old)
+
+
+def test_a_canvas_world_trains_a_policy_that_draws_its_plan_onto_the_token_grid(micro_world, plan_micro_world,
+                                                                               tmp_path):
+    """`world build --preset canvas_micro --from <micro world>`: the plan world's recipe with a layout canvas, whose
+    boxes are the plan reward's (a large object at cell (4, 6) of the plan's 16 x 16 covers the tokens whose centres
+    lie within 27 / 2 px of its cell's centre (18, 26) px: on the micro world's 8 x 8 tokens of 8 px, the centres
+    20, 28, 36 px of rows 2-4 and 12, 20, 28 px of columns 1-3)."""
+    messages = []
+    build_world(tmp_path / "w", preset="canvas_micro", seed=0, progress=False, log=messages.append,
+                start_from=micro_world)
+    assert "[world] policy: building (canvas_micro, seed 0)" in messages
+    info = json.loads((tmp_path / "w" / "world.json").read_text())
+    assert (info["version"], info["plan"]["canvas"]) == (3, True)
+    assert recipe_hashes("canvas_micro")["policy"] != recipe_hashes("plan_micro")["policy"]
+    policy = load_world(tmp_path / "w").policy
+    assert policy.cfg.canvas_extents == {"small": 3.5, "large": 6.75} and policy.image_grid == (8, 8)
+    with torch.no_grad():
+        policy.canvas.weight.zero_()
+        policy.canvas.weight[:len(policy.cfg.canvas_attributes)] = torch.eye(len(policy.cfg.canvas_attributes))
+        cond = policy.plan_condition(["a red circle"], [plan_ids(["red", "circle", "large", "x4", "y6", "white"])])
+        hot = policy.layout_canvas(cond)[0, :, :11].view(8, 8, 11)
+    covered = hot.sum(-1) > 0
+    assert covered.nonzero()[:, 0].unique().tolist() == [2, 3, 4] and covered.sum() == 9
+    assert covered.nonzero()[:, 1].unique().tolist() == [1, 2, 3]
+    assert hot[covered].sum(0).nonzero().flatten().tolist() == [0, 6, 10]  # red, circle, large
+    assert load_world(plan_micro_world).policy.layout_canvas(cond) is None  # the plan world's policy has none
 
 
 def test_a_plan_world_of_another_plan_grammar_is_refused(plan_micro_world, monkeypatch):

@@ -16,7 +16,8 @@ EVAL_SEED_OFFSET = 10_000  # evaluation renders never share a seed with training
 # plan worlds share their other stages' recipes with the default and micro worlds, so that a build started from
 # one (`world build --from`) copies those stages and trains only a base policy that plans.
 WORLD_PRESETS = {"micro": ("micro", "micro"), "default": ("default", "default"),
-                 "plan_micro": ("micro", "plan_micro"), "plan": ("default", "plan")}
+                 "plan_micro": ("micro", "plan_micro"), "plan": ("default", "plan"),
+                 "canvas_micro": ("micro", "canvas_micro"), "canvas": ("default", "canvas")}
 
 
 def stage_preset(preset: str, name: str) -> str:
@@ -29,15 +30,17 @@ def recipe(name: str, preset: str) -> dict:
     """The hyper-parameters stage `name` trains with under `preset` (what its marker's hash covers)."""
     from grpo_vision.shapes.build.train_aesthetic import AESTHETIC_PRESETS
     from grpo_vision.shapes.build.train_clip import CLIP_PRESETS
-    from grpo_vision.shapes.build.train_policy import POLICY_PRESETS, PlanPolicyPreset
+    from grpo_vision.shapes.build.train_policy import POLICY_PRESETS, CanvasPolicyPreset, PlanPolicyPreset
     from grpo_vision.shapes.build.train_vq import DECODER_SEED_OFFSET, VQ_PRESETS
-    from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, plan_words
+    from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, canvas_config, plan_words
 
     presets = {"vq": VQ_PRESETS, "clip": CLIP_PRESETS, "aesthetic": AESTHETIC_PRESETS, "policy": POLICY_PRESETS}
     chosen = presets[name][preset]
     out = dataclasses.asdict(chosen)
     if isinstance(chosen, PlanPolicyPreset):  # the plan grammar is part of what the policy learns
         out |= {"plan_words": plan_words(), "max_plan_tokens": MAX_PLAN_TOKENS}
+    if isinstance(chosen, CanvasPolicyPreset):
+        out |= canvas_config()
     return out | {"decoder_seed_offset": DECODER_SEED_OFFSET} if name == "vq" else out
 
 
@@ -141,7 +144,8 @@ def world_constants(world: Path) -> dict:
     from grpo_vision.shapes.plan import CELL, MAX_PLAN_TOKENS, PLAN_GRID
 
     policy = json.loads((world / "policy" / "policy_config.json").read_text())
-    plan = {"words": policy.get("plan_words"), "max_tokens": MAX_PLAN_TOKENS, "grid": PLAN_GRID, "cell_px": CELL}
+    plan = {"words": policy.get("plan_words"), "max_tokens": MAX_PLAN_TOKENS, "grid": PLAN_GRID, "cell_px": CELL,
+            "canvas": bool(policy.get("canvas_attributes"))}
     return {"image_size": IMAGE_SIZE, "words": all_words(), "held_out": sorted(map(list, HELD_OUT)),
             "sampling": DEFAULT_SAMPLING, "clip_model_name": MODEL_NAME,
             "plan": plan if policy.get("plan_words") else None}

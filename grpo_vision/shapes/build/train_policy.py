@@ -8,7 +8,9 @@ so that classifier-free guidance works at sampling time (as LlamaGen trains, p =
 A planning preset (`PlanPolicyPreset`) trains caption -> plan -> image (T2I-R1's two stages, arXiv 2505.00703):
 every example also gives its text sequence, the caption then its scene's ground-truth plan (shapes/plan.py) and
 the end token, and its image is conditioned on caption and plan with probability `plan_prob`, on the caption
-alone otherwise, so that one policy draws both ways (RL with and without the text stage starts from it).
+alone otherwise, so that one policy draws both ways (RL with and without the text stage starts from it). A canvas
+preset (`CanvasPolicyPreset`) trains the same way a policy whose image stage also reads its plan drawn onto the
+token grid (models/llama.py's layout canvas, shapes.plan.canvas_config).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from grpo_vision.prompts import PromptEntry
 from grpo_vision.rollouts import draw
 from grpo_vision.sampling import SamplingParams
 from grpo_vision.shapes.data import render_batch, to_tensor
-from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, check_plan, plan_words, scene_plan
+from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, canvas_config, check_plan, plan_words, scene_plan
 from grpo_vision.shapes.scene import all_words, parse_caption, prompt_list
 from grpo_vision.models.tokenizer import VQTokenizer
 
@@ -54,6 +56,11 @@ class PlanPolicyPreset(PolicyPreset):  # a subclass, so that the other presets' 
     plan_weight: float = 1.0  # the plan tokens' cross-entropy against the image tokens' in the loss
 
 
+@dataclass
+class CanvasPolicyPreset(PlanPolicyPreset):  # a subclass again: the plan presets' recipe hashes keep their fields
+    pass  # what differs is the policy's canvas (shapes.plan.canvas_config), which the recipe hash covers
+
+
 POLICY_PRESETS = {
     "micro": PolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20, amp=False),  # float32: see VQ_PRESETS["micro"]
     # 3.0M params: 2,400 steps take about 22 minutes on 2 CPU cores; against the 1.39M preset
@@ -63,6 +70,10 @@ POLICY_PRESETS = {
     # the default's architecture and budget, trained on caption -> plan -> image (worlds/shapes_plan)
     "plan_micro": PlanPolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20, amp=False),
     "plan": PlanPolicyPreset(256, 4, 8, 2, 672, 30000, 32, 1e-3, 2400),
+    # the plan preset with a layout canvas (worlds/shapes_canvas): its image stage follows its plan's cells
+    # (docs/experiments/text_plans.md, the pilot of the canvas)
+    "canvas_micro": CanvasPolicyPreset(64, 2, 4, 2, 128, 256, 16, 3e-3, 20, amp=False),
+    "canvas": CanvasPolicyPreset(256, 4, 8, 2, 672, 30000, 32, 1e-3, 2400),
 }
 
 # Sampling settings the world's base policy is evaluated and RL-trained with.
@@ -140,6 +151,7 @@ def train_policy(tok: VQTokenizer, preset: str | PolicyPreset, seed: int = 0,
     codes, captions, plans = tokenize_dataset(tok, p.examples, seed + 1, progress)
     words = all_words()
     plan = dict(plan_words=plan_words(), max_plan_tokens=MAX_PLAN_TOKENS) if planning else {}
+    plan |= canvas_config() if isinstance(p, CanvasPolicyPreset) else {}
     cfg = LlamaPolicyConfig(words=words, max_caption_words=max(len(c.split()) for c in captions) + 2,
                             codebook_size=tok.codebook_size, image_grid=tuple(tok.grid), dim=p.dim,
                             n_layers=p.n_layers, n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, ffn_dim=p.ffn_dim,
