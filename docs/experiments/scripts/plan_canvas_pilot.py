@@ -70,7 +70,8 @@ class Tied(LlamaImagePolicy):
     def embed(self, ids):
         x = self.model.embed_tokens(ids)
         table = torch.zeros(self.cfg.vocab_size, self.cfg.dim, dtype=x.dtype)
-        table = table.index_add(0, self.col_ids, self.cols.weight.to(x.dtype)).index_add(0, self.row_ids, self.rows.weight.to(x.dtype))
+        table = table.index_add(0, self.col_ids, self.cols.weight.to(x.dtype))
+        table = table.index_add(0, self.row_ids, self.rows.weight.to(x.dtype))
         return x + F.embedding(ids, table)
 
     def extra(self, i, aux):
@@ -146,9 +147,9 @@ def judge(policy, tok, captions, rng_seed=777):
     images = decode_images(tok, tokens, 64)
     verdicts = [check(img, c) for img, c in zip(images, captions)]
     layout = [layout_agreement(" ".join(p), find_regions(img)) for img, p in zip(images, plans)]
-    return {"relation": float(np.mean([v.relation for v in verdicts])), "count": float(np.mean([v.count for v in verdicts])),
-            "color": float(np.mean([v.color for v in verdicts])), "shape": float(np.mean([v.shape for v in verdicts])),
-            "correct": float(np.mean([v.correct for v in verdicts])), "layout": float(np.mean(layout))}
+    names = ("relation", "count", "color", "shape", "correct")
+    rates = {a: float(np.mean([getattr(v, a) for v in verdicts])) for a in names}
+    return rates | {"layout": float(np.mean(layout))}
 
 
 world = load_world("worlds/shapes_plan")
