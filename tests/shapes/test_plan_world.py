@@ -168,20 +168,23 @@ def test_the_plan_config_is_the_main_job_on_the_plan_world():
         assert {k: v for k, v in ours.items() if k != "plan"} == {k: v for k, v in theirs.items() if k != "plan"}
 
 
-def test_committed_plan_world_matches_the_plan_recipe():
-    """As test_world.py's check of worlds/shapes: `world build --preset plan --from worlds/shapes` finds nothing to
-    build on the committed plan world, every file loads and is the one world.json records, and its vq, CLIP and
-    aesthetic head are worlds/shapes's own."""
+@pytest.mark.parametrize("preset, folder, version", [("plan", "shapes_plan", 2), ("canvas", "shapes_canvas", 3)])
+def test_committed_plan_worlds_match_their_recipes(preset, folder, version):
+    """As test_world.py's check of worlds/shapes: `world build --preset plan (canvas) --from worlds/shapes` finds
+    nothing to build on the committed plan (canvas) world, every file loads and is the one world.json records, and
+    its vq, CLIP and aesthetic head are worlds/shapes's own."""
     from grpo_vision.shapes.build import load_problem, stage_done
     from grpo_vision.shapes.world import checksum_problem
     from tests.helpers import ROOT
 
-    world, base = ROOT / "worlds" / "shapes_plan", ROOT / "worlds" / "shapes"
-    hashes = recipe_hashes("plan")
-    presets = {n: WORLD_PRESETS["plan"][n == "policy"] for n in STAGES}
+    world, base = ROOT / "worlds" / folder, ROOT / "worlds" / "shapes"
+    hashes = recipe_hashes(preset)
+    presets = {n: WORLD_PRESETS[preset][n == "policy"] for n in STAGES}
     assert [n for n in STAGES if stage_done(world, n, presets[n], 0, hashes[n]) is None] == []
     info = json.loads((world / "world.json").read_text())
-    assert (info["version"], info["preset"], info["plan"]["words"]) == (2, "plan", plan_words())
+    assert (info["version"], info["preset"], info["plan"]["words"]) == (version, preset, plan_words())
+    assert info["plan"].get("canvas", False) == (preset == "canvas")
+    assert (load_world(world).policy.layout_canvas(torch.zeros(1, 2, dtype=torch.long)) is None) == (preset == "plan")
     assert {n: load_problem(world, n) for n in STAGES} == {n: None for n in STAGES}
     assert {n: checksum_problem(world, info["files"], n) for n in STAGES} == {n: None for n in STAGES}
     shared = json.loads((base / "world.json").read_text())["files"]
