@@ -1,0 +1,55 @@
+"""The judge's rates of a run's base policy and trained policy under other sampling settings: the guidance and
+temperature sweep of text_plans.md ("Guidance on the canvas world"). Each setting draws the set's captions 4 images
+each with the eval seeds (the images `grpo-vision eval` and the matrix score), both models on the same seeds.
+
+Usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only]
+  RUN       a run folder (a matrix row's: runs/plan_study/canvas_cfg/runs/...-s0)
+  SET       test | heldout | train_sample (default test)
+  SETTINGS  ';'-separated, each 'cfg=C,T=T' (either may be left out: the run's own), default the table's
+Prints one JSON line per setting and model: all-right, count and shape rates over all captions and over the
+relation captions."""
+import dataclasses
+import json
+import sys
+
+from grpo_vision.evaluation.evaluate import eval_params, load_run, run_eval_sets
+from grpo_vision.rollouts import draw, eval_seeds, repeat
+
+TABLE = "cfg=1;cfg=1.5;cfg=2;cfg=2.5;cfg=3;cfg=1.5,T=0.6;cfg=3,T=0.6"
+
+
+def parse(setting: str) -> dict:
+    keys = {"cfg": "cfg_scale", "T": "temperature"}
+    return {keys[k]: float(v) for k, v in (part.split("=") for part in setting.split(","))}
+
+
+def rates(verdicts, forms) -> dict:
+    out = {}
+    for form in ("all", "relation"):
+        rows = [v for v, f in zip(verdicts, forms) if v is not None and form in ("all", f)]
+        for key in ("correct", "count", "shape"):
+            vals = [float(v[key]) for v in rows if v.get(key) is not None]
+            out[f"{form}/{key}"] = round(sum(vals) / len(vals), 3)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    base_only = "--base-only" in argv
+    args = [a for a in argv if a != "--base-only"]
+    run_dir, set_name = args[0], args[1] if len(args) > 1 else "test"
+    run = load_run(run_dir)
+    entries = repeat(run_eval_sets(run_dir, run.cfg)[set_name], 4)
+    prompts = [e.prompt for e in entries]
+    seeds = eval_seeds(len(entries) // 4, 4)
+    forms = [run.bundle.judge.form(p) for p in prompts]
+    models = {"base": run.reference.sampler(run.policy)[0]} | ({} if base_only else {"trained": run.policy})
+    for setting in (args[2] if len(args) > 2 else TABLE).split(";"):
+        params = dataclasses.replace(eval_params(run.cfg), **parse(setting))
+        for who, model in models.items():
+            images = draw(model, run.bundle.tokenizer, entries, seeds, params, 64).images
+            verdicts = run.bundle.judge.verdicts(images, prompts)
+            print(json.dumps({"set": set_name, "setting": setting, "model": who, **rates(verdicts, forms)}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
