@@ -1,6 +1,6 @@
 """The judge's rates of a run's base policy and trained policy under other sampling settings: the guidance and
-temperature sweep of text_plans.md ("Guidance on the canvas world"). Each setting draws the set's captions 4 images
-each with the eval seeds (the images `grpo-vision eval` and the matrix score), both models on the same seeds.
+temperature sweep of text_plans.md ("Guidance on the canvas world"). Each setting draws the set's captions `log.eval_images`
+images each with the eval seeds (the images `grpo-vision eval` and the matrix score), both models on the same seeds.
 
 Usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only]
   RUN       a run folder (a matrix row's: runs/plan_study/canvas_cfg/runs/...-s0)
@@ -12,8 +12,10 @@ import dataclasses
 import json
 import sys
 
+import torch
+
 from grpo_vision.evaluation.evaluate import eval_params, load_run, run_eval_sets
-from grpo_vision.rollouts import draw, eval_seeds, repeat
+from grpo_vision.rollouts import draw, eval_seeds, repeat, verdict_rates
 
 TABLE = "cfg=1;cfg=1.5;cfg=2;cfg=2.5;cfg=3;cfg=1.5,T=0.6;cfg=3,T=0.6"
 
@@ -24,13 +26,13 @@ def parse(setting: str) -> dict:
 
 
 def rates(verdicts, forms) -> dict:
+    """The means of `verdict_rates` (NaN where an attribute does not apply) over all images and the relation ones."""
+    relation = torch.tensor([f == "relation" for f in forms])
     out = {}
-    for form in ("all", "relation"):
-        rows = [v for v, f in zip(verdicts, forms) if v is not None and form in ("all", f)]
-        for key in ("correct", "count", "shape"):
-            vals = [float(v[key]) for v in rows if v.get(key) is not None]
-            out[f"{form}/{key}"] = round(sum(vals) / len(vals), 3)
-    return out
+    for key, per_image in verdict_rates(verdicts, ("correct", "count", "shape")).items():
+        out[f"all/{key}"] = round(per_image.nanmean().item(), 3)
+        out[f"relation/{key}"] = round(per_image[relation].nanmean().item(), 3)
+    return dict(sorted(out.items()))
 
 
 def main(argv: list[str]) -> None:
@@ -38,9 +40,9 @@ def main(argv: list[str]) -> None:
     args = [a for a in argv if a != "--base-only"]
     run_dir, set_name = args[0], args[1] if len(args) > 1 else "test"
     run = load_run(run_dir)
-    entries = repeat(run_eval_sets(run_dir, run.cfg)[set_name], 4)
+    captions, n = run_eval_sets(run_dir, run.cfg)[set_name], run.cfg.log.eval_images
+    entries, seeds = repeat(captions, n), eval_seeds(len(captions), n)
     prompts = [e.prompt for e in entries]
-    seeds = eval_seeds(len(entries) // 4, 4)
     forms = [run.bundle.judge.form(p) for p in prompts]
     models = {"base": run.reference.sampler(run.policy)[0]} | ({} if base_only else {"trained": run.policy})
     for setting in (args[2] if len(args) > 2 else TABLE).split(";"):
