@@ -22,7 +22,11 @@ TABLE = "cfg=1;cfg=1.5;cfg=2;cfg=2.5;cfg=3;cfg=1.5,T=0.6;cfg=3,T=0.6"
 
 def parse(setting: str) -> dict:
     keys = {"cfg": "cfg_scale", "T": "temperature"}
-    return {keys[k]: float(v) for k, v in (part.split("=") for part in setting.split(","))}
+    try:
+        pairs = [part.split("=") for part in setting.split(",")]
+        return {keys[k]: float(v) for k, v in pairs}
+    except (KeyError, ValueError):
+        raise SystemExit(f"guidance_sweep: setting {setting!r}: write 'cfg=C,T=T' (either part may be left out)")
 
 
 def rates(verdicts, forms) -> dict:
@@ -38,15 +42,24 @@ def rates(verdicts, forms) -> dict:
 def main(argv: list[str]) -> None:
     base_only = "--base-only" in argv
     args = [a for a in argv if a != "--base-only"]
+    if not args:
+        raise SystemExit("usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only]")
     run_dir, set_name = args[0], args[1] if len(args) > 1 else "test"
-    run = load_run(run_dir)
-    captions, n = run_eval_sets(run_dir, run.cfg)[set_name], run.cfg.log.eval_images
+    settings = [parse(setting) for setting in (args[2] if len(args) > 2 else TABLE).split(";")]
+    try:
+        run = load_run(run_dir)
+    except FileNotFoundError as err:
+        raise SystemExit(f"guidance_sweep: {err}: give a run folder, as `grpo-vision train` or a matrix writes it")
+    sets = run_eval_sets(run_dir, run.cfg)
+    if set_name not in sets:
+        raise SystemExit(f"guidance_sweep: set {set_name!r}: choose one of {', '.join(sets)}")
+    captions, n = sets[set_name], run.cfg.log.eval_images
     entries, seeds = repeat(captions, n), eval_seeds(len(captions), n)
     prompts = [e.prompt for e in entries]
     forms = [run.bundle.judge.form(p) for p in prompts]
     models = {"base": run.reference.sampler(run.policy)[0]} | ({} if base_only else {"trained": run.policy})
-    for setting in (args[2] if len(args) > 2 else TABLE).split(";"):
-        params = dataclasses.replace(eval_params(run.cfg), **parse(setting))
+    for setting, values in zip((args[2] if len(args) > 2 else TABLE).split(";"), settings):
+        params = dataclasses.replace(eval_params(run.cfg), **values)
         for who, model in models.items():
             images = draw(model, run.bundle.tokenizer, entries, seeds, params, 64).images
             verdicts = run.bundle.judge.verdicts(images, prompts)
