@@ -45,7 +45,7 @@ def main(argv: list[str]) -> None:
     if not args:
         raise SystemExit("usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only]")
     run_dir, set_name = args[0], args[1] if len(args) > 1 else "test"
-    settings = [parse(setting) for setting in (args[2] if len(args) > 2 else TABLE).split(";")]
+    settings = {text: parse(text) for text in (args[2] if len(args) > 2 else TABLE).split(";")}
     try:
         run = load_run(run_dir)
     except FileNotFoundError as err:
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
     prompts = [e.prompt for e in entries]
     forms = [run.bundle.judge.form(p) for p in prompts]
     models = {"base": run.reference.sampler(run.policy)[0]} | ({} if base_only else {"trained": run.policy})
-    for setting, values in zip((args[2] if len(args) > 2 else TABLE).split(";"), settings):
+    for setting, values in settings.items():
         params = dataclasses.replace(eval_params(run.cfg), **values)
         for who, model in models.items():
             images = draw(model, run.bundle.tokenizer, entries, seeds, params, 64).images
