@@ -2,10 +2,11 @@
 temperature sweep of text_plans.md ("Guidance on the canvas world"). Each setting draws the set's captions `log.eval_images`
 images each with the eval seeds (the images `grpo-vision eval` and the matrix score), both models on the same seeds.
 
-Usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only]
+Usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only] [--step N]
   RUN       a run folder (a matrix row's: runs/plan_study/canvas_cfg/runs/...-s0)
   SET       test | heldout | train_sample (default test)
   SETTINGS  ';'-separated, each 'cfg=C,T=T' (either may be left out: the run's own), default the table's
+  --step N  the run's checkpoint of step N instead of its latest (the longer-run curve of text_plans.md)
 Prints one JSON line per setting and model: all-right, count and shape rates over all captions and over the
 relation captions."""
 import dataclasses
@@ -42,14 +43,23 @@ def rates(verdicts, forms) -> dict:
 def main(argv: list[str]) -> None:
     base_only = "--base-only" in argv
     args = [a for a in argv if a != "--base-only"]
+    step = None
+    if "--step" in args:
+        i = args.index("--step")
+        try:
+            step = int(args[i + 1])
+        except (IndexError, ValueError):
+            raise SystemExit("guidance_sweep: --step: give a checkpoint's step, e.g. --step 144")
+        del args[i:i + 2]
     if not args:
-        raise SystemExit("usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only]")
+        raise SystemExit("usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only] [--step N]")
     run_dir, set_name = args[0], args[1] if len(args) > 1 else "test"
     settings = {text: parse(text) for text in (args[2] if len(args) > 2 else TABLE).split(";")}
     try:
-        run = load_run(run_dir)
+        run = load_run(run_dir, step)
     except FileNotFoundError as err:
-        raise SystemExit(f"guidance_sweep: {err}: give a run folder, as `grpo-vision train` or a matrix writes it")
+        raise SystemExit(f"guidance_sweep: {err}: give a run folder, as `grpo-vision train` or a matrix writes it, "
+                         "and a step it has a checkpoint of")
     sets = run_eval_sets(run_dir, run.cfg)
     if set_name not in sets:
         raise SystemExit(f"guidance_sweep: set {set_name!r}: choose one of {', '.join(sets)}")
@@ -63,7 +73,9 @@ def main(argv: list[str]) -> None:
         for who, model in models.items():
             images = draw(model, run.bundle.tokenizer, entries, seeds, params, 64).images
             verdicts = run.bundle.judge.verdicts(images, prompts)
-            print(json.dumps({"set": set_name, "setting": setting, "model": who, **rates(verdicts, forms)}), flush=True)
+            step_of = 0 if who == "base" else run.step
+            print(json.dumps({"set": set_name, "setting": setting, "model": who, "step": step_of,
+                              **rates(verdicts, forms)}), flush=True)
 
 
 if __name__ == "__main__":
