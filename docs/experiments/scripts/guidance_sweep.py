@@ -1,6 +1,7 @@
 """The judge's rates of a run's base policy and trained policy under other sampling settings: the guidance and
-temperature sweep of text_plans.md ("Guidance on the canvas world"). Each setting draws the set's captions `log.eval_images`
-images each with the eval seeds (the images `grpo-vision eval` and the matrix score), both models on the same seeds.
+temperature sweep of text_plans.md ("Guidance on the canvas world"). Each setting draws the set's captions
+`log.eval_images` images each with the eval seeds (the images `grpo-vision eval` and the matrix score), both models
+on the same seeds.
 
 Usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only] [--step N]
   RUN       a run folder (a matrix row's: runs/plan_study/canvas_cfg/runs/...-s0)
@@ -9,6 +10,7 @@ Usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only] [--step N]
   --step N  the run's checkpoint of step N instead of its latest (the longer-run curve of text_plans.md)
 Prints one JSON line per setting and model: all-right, count and shape rates over all captions and over the
 relation captions."""
+import argparse
 import dataclasses
 import json
 import sys
@@ -41,22 +43,17 @@ def rates(verdicts, forms) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    base_only = "--base-only" in argv
-    args = [a for a in argv if a != "--base-only"]
-    step = None
-    if "--step" in args:
-        i = args.index("--step")
-        try:
-            step = int(args[i + 1])
-        except (IndexError, ValueError):
-            raise SystemExit("guidance_sweep: --step: give a checkpoint's step, e.g. --step 144")
-        del args[i:i + 2]
-    if not args:
-        raise SystemExit("usage: python guidance_sweep.py RUN [SET] [SETTINGS] [--base-only] [--step N]")
-    run_dir, set_name = args[0], args[1] if len(args) > 1 else "test"
-    settings = {text: parse(text) for text in (args[2] if len(args) > 2 else TABLE).split(";")}
+    ap = argparse.ArgumentParser(prog="guidance_sweep.py", description=__doc__.splitlines()[0])
+    ap.add_argument("run")
+    ap.add_argument("set", nargs="?", default="test")
+    ap.add_argument("settings", nargs="?", default=TABLE)
+    ap.add_argument("--base-only", action="store_true")
+    ap.add_argument("--step", type=int)
+    args = ap.parse_args(argv)
+    run_dir, set_name = args.run, args.set
+    settings = {text: parse(text) for text in args.settings.split(";")}
     try:
-        run = load_run(run_dir, step)
+        run = load_run(run_dir, args.step)
     except FileNotFoundError as err:
         raise SystemExit(f"guidance_sweep: {err}: give a run folder, as `grpo-vision train` or a matrix writes it, "
                          "and a step it has a checkpoint of")
@@ -67,7 +64,7 @@ def main(argv: list[str]) -> None:
     entries, seeds = repeat(captions, n), eval_seeds(len(captions), n)
     prompts = [e.prompt for e in entries]
     forms = [run.bundle.judge.form(p) for p in prompts]
-    models = {"base": run.reference.sampler(run.policy)[0]} | ({} if base_only else {"trained": run.policy})
+    models = {"base": run.reference.sampler(run.policy)[0]} | ({} if args.base_only else {"trained": run.policy})
     for setting, values in settings.items():
         params = dataclasses.replace(eval_params(run.cfg), **values)
         for who, model in models.items():
