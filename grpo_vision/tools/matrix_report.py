@@ -68,7 +68,10 @@ def set_table(set_name: str, reference: dict, runs: list[dict], pooled: list[dic
     return lines
 
 
-def judge_attributes(set_name: str, reference: dict, runs: list[dict]) -> list[str]:
+def judge_attributes(set_name: str, reference: dict, runs: list[dict], pooled: list[dict] = ()) -> list[str]:
+    """The judge's rate per attribute: the reference's, each run's change and the mean over each reward's seeds
+    (pool_seeds already resamples them for every judge key; without this row a per-attribute claim over seeds
+    would need its own computation)."""
     attrs = [k for k in reference[set_name] if k.startswith("judge/")]
     if not attrs:
         return []
@@ -80,6 +83,11 @@ def judge_attributes(set_name: str, reference: dict, runs: list[dict]) -> list[s
             t = run["summary"]["sets"][set_name]
             lines.append(f"| {run['reward']} | {run['beta']:g} | {run['seed']} | " +
                          " | ".join(_cell(t[a].get("change"), True) for a in attrs) + " |")
+    for group in pooled:
+        t = group["sets"][set_name]
+        lines.append(f"| **{group['reward']}, mean of seeds** | {group['beta']:g} | "
+                     f"{','.join(map(str, group['seeds']))} | " +
+                     " | ".join(_cell(t[a]["change"], True) if a in t else "" for a in attrs) + " |")
     return lines
 
 
@@ -190,7 +198,7 @@ def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], pr
              "![heatmap](matrix.png)", ""]
     for set_name in reference:
         lines += [*set_table(set_name, reference, runs, pooled, header.get("captions", {}).get(set_name)),
-                  *judge_attributes(set_name, reference, runs), *compared_table(set_name, reference, compared), ""]
+                  *judge_attributes(set_name, reference, runs, pooled), *compared_table(set_name, reference, compared), ""]
     lines += ["Sample strips (image 0 of the first test prompts, reference above policy): "
               + ", ".join(f"[{name}](strips/{name}.png)" for name in stripped), ""]
     (out / "matrix.md").write_text("\n".join(lines))

@@ -111,18 +111,25 @@ def test_changes_are_paired_per_image():
 def test_seeds_pool_into_one_mean_whose_interval_resamples_them():
     from types import SimpleNamespace
 
-    def scores(clip):
-        return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {}, "diversity": [0.5] * 4,
+    from grpo_vision.tools.matrix_report import judge_attributes
+
+    def scores(clip, correct=(0.0,) * 4):
+        return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {"correct": list(correct)}, "diversity": [0.5] * 4,
                                   "entropy": [1.0] * 4, "kl": [0.0] * 4}}}
 
     scorer = SimpleNamespace(captions={"test": ["a", "b", "c", "d"]}, strata={"test": [None] * 4})
     ref = scores([0.0] * 4)
     # seed 0 changes every caption by 0.1, seed 1 by 0.3: the mean is 0.2 and, the captions saying
     # nothing (each seed constant), the interval is the seeds' own [0.1, 0.3]
-    pooled = pool_seeds(scorer, ref, [scores([0.1] * 4), scores([0.3] * 4)])["test"]
+    pooled = pool_seeds(scorer, ref, [scores([0.1] * 4, [1, 0, 0, 0]), scores([0.3] * 4, [1, 1, 0, 0])])["test"]
     assert pooled["clip"]["change"]["mean"] == pytest.approx(0.2)
     assert pooled["clip"]["change"]["ci95"] == pytest.approx([0.1, 0.3])
     assert pooled["clip"]["change"]["seeds"] == 2 and "kl" not in pooled
+    # the judge pools too, and the per-attribute table shows it: (+25 + +50) / 2 points
+    group = {"reward": "clip", "beta": 0.0, "seeds": [0, 1], "sets": {"test": pooled}}
+    reference = {"test": {"judge/correct": {"mean": 0.0}}}
+    row = judge_attributes("test", reference, [], [group])[-1]
+    assert row.startswith("| **clip, mean of seeds** | 0 | 0,1 | +37.5 [")
 
 
 def test_a_variant_is_compared_with_the_baseline_seed_by_seed():
