@@ -63,9 +63,13 @@ def set_table(set_name: str, reference: dict, runs: list[dict], pooled: list[dic
     for group in pooled:
         table = group["sets"][set_name]
         cells = [_cell(table[c]["change"], _is_rate(c)) if c in table else "" for c in cols]
-        lines.append(f"| **{group['reward']}, mean of seeds** | {group['beta']:g} | "
-                     f"{','.join(map(str, group['seeds']))} | " + " | ".join(cells) + " |")
+        lines.append(_pooled_head(group) + " | ".join(cells) + " |")
     return lines
+
+
+def _pooled_head(group: dict) -> str:
+    """The first cells of a row that pools a reward's seeds (pool_seeds), in every table that has one."""
+    return f"| **{group['reward']}, mean of seeds** | {group['beta']:g} | {','.join(map(str, group['seeds']))} | "
 
 
 def judge_attributes(set_name: str, reference: dict, runs: list[dict], pooled: list[dict] = ()) -> list[str]:
@@ -85,9 +89,8 @@ def judge_attributes(set_name: str, reference: dict, runs: list[dict], pooled: l
                          " | ".join(_cell(t[a].get("change"), True) for a in attrs) + " |")
     for group in pooled:
         t = group["sets"][set_name]
-        lines.append(f"| **{group['reward']}, mean of seeds** | {group['beta']:g} | "
-                     f"{','.join(map(str, group['seeds']))} | " +
-                     " | ".join(_cell(t[a]["change"], True) if a in t else "" for a in attrs) + " |")
+        lines.append(_pooled_head(group) + " | ".join(_cell(t[a]["change"], True) if a in t else "" for a in attrs)
+                     + " |")
     return lines
 
 
@@ -198,7 +201,8 @@ def write_outputs(out: Path, header: dict, reference: dict, runs: list[dict], pr
              "![heatmap](matrix.png)", ""]
     for set_name in reference:
         lines += [*set_table(set_name, reference, runs, pooled, header.get("captions", {}).get(set_name)),
-                  *judge_attributes(set_name, reference, runs, pooled), *compared_table(set_name, reference, compared), ""]
+                  *judge_attributes(set_name, reference, runs, pooled),
+                  *compared_table(set_name, reference, compared), ""]
     lines += ["Sample strips (image 0 of the first test prompts, reference above policy): "
               + ", ".join(f"[{name}](strips/{name}.png)" for name in stripped), ""]
     (out / "matrix.md").write_text("\n".join(lines))

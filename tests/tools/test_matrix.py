@@ -114,8 +114,8 @@ def test_seeds_pool_into_one_mean_whose_interval_resamples_them():
     from grpo_vision.tools.matrix_report import judge_attributes
 
     def scores(clip, correct=(0.0,) * 4):
-        return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {"correct": list(correct)}, "diversity": [0.5] * 4,
-                                  "entropy": [1.0] * 4, "kl": [0.0] * 4}}}
+        return {"sets": {"test": {"rewards": {"clip": clip}, "judge": {"correct": list(correct)},
+                                  "diversity": [0.5] * 4, "entropy": [1.0] * 4, "kl": [0.0] * 4}}}
 
     scorer = SimpleNamespace(captions={"test": ["a", "b", "c", "d"]}, strata={"test": [None] * 4})
     ref = scores([0.0] * 4)
