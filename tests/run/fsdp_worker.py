@@ -79,6 +79,9 @@ def main(world: str, out: str) -> None:
         result["optimizer_round_trip"] = all(torch.equal(flat(state, k), flat(again, k)) for k in state["state"])
         result["resumed_step_diff"] = max((after[0][k] - after[1][k]).abs().max().item() for k in after[0])
         Path(out).write_text(json.dumps(result))
+    # both ranks tear gloo down together: a rank that destroyed its group while the other still wrote
+    # aborted once under load ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
