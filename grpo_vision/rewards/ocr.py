@@ -57,6 +57,16 @@ class OcrOptions:
     rec_keys: str = ""  # its character list, one per line; "" = the list stored in rec_model's metadata
     threads: int = 0  # ONNX Runtime threads per model; 0 = its default (every core)
 
+    def __post_init__(self):  # checked as the config loads (`grpo-vision config`), before any model
+        if not self.quote:
+            raise ConfigError(f"{KEY}.quote is empty: give the mark that opens the text to render, e.g. '\"'")
+        if not 0.0 <= self.min_score <= 1.0:
+            raise ConfigError(f"{KEY}.min_score={self.min_score} is not a confidence in [0, 1] (PaddleOCR's is 0.5)")
+        if self.threads < 0:
+            raise ConfigError(f"{KEY}.threads={self.threads}: give a thread count, or 0 for ONNX Runtime's default")
+        if self.rec_keys and not self.rec_model:
+            raise ConfigError(f"{KEY}.rec_keys is given without rec_model: the packaged model has its own list")
+
 
 def quoted_text(prompt: str, quote: str = '"', close_quote: str = "") -> str | None:
     """The text between the first `quote` of `prompt` and the next `close_quote` (default `quote`); None where
@@ -131,21 +141,13 @@ def read_text(engine, image, min_score: float) -> str:
 
 
 def _check(opts: OcrOptions) -> dict[str, str]:
-    """ConfigError naming the option that is wrong or the missing package; the model files as strings."""
-    if not opts.quote:
-        raise ConfigError(f"{KEY}.quote is empty: give the mark that opens the text to render, e.g. '\"'")
-    if not 0.0 <= opts.min_score <= 1.0:
-        raise ConfigError(f"{KEY}.min_score={opts.min_score} is not a confidence in [0, 1] (PaddleOCR's is 0.5)")
-    if opts.threads < 0:
-        raise ConfigError(f"{KEY}.threads={opts.threads}: give a thread count, or 0 for ONNX Runtime's default")
+    """The model files given, as existing paths (ConfigError naming a missing one), once the package is found."""
     files = {}
     for key, what in (("det_model", "a PP-OCR text-detection ONNX file"),
                       ("rec_model", "a PP-OCR text-recognition ONNX file"),
                       ("rec_keys", "the recognition model's character list, one per line")):
         if value := getattr(opts, key):
             files[key] = str(_local_path(value, f"{KEY}.{key}", "ocr", what))
-    if opts.rec_keys and not opts.rec_model:
-        raise ConfigError(f"{KEY}.rec_keys is given without rec_model: the packaged model has its own list")
     if importlib.util.find_spec("rapidocr_onnxruntime") is None:
         raise ConfigError(f"reward 'ocr' needs the rapidocr-onnxruntime package (PP-OCRv4 on ONNX Runtime), which is "
                           f"not installed: {INSTALL}")

@@ -14,13 +14,14 @@ import pytest
 import torch
 from PIL import ImageFont
 
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, load_config
 from grpo_vision.grpo import group_advantages
 from grpo_vision.images import font
-from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, make_reward
+from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, check_options, make_reward
 from grpo_vision.rewards import ocr as ocr_module
 from grpo_vision.rewards.ocr import edit_distance, normalise, quoted_text, text_score
 from grpo_vision.tools.bench_reward import render_text
+from tests.helpers import MICRO
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 # the .[ocr] extra installs rapidocr-onnxruntime only where it has a release; below 3.13 a missing one fails here
@@ -75,7 +76,6 @@ def test_text_score_by_hand():
 @needs_ocr
 def test_a_prompt_without_quoted_text_is_nan_and_runs_no_ocr(monkeypatch):
     fn = make_reward("ocr", RewardContext(), OPTIONS)
-    monkeypatch.setattr(fn, "load", lambda: pytest.fail("the OCR ran on prompts that quote nothing"))
     monkeypatch.setattr(ocr_module, "_engine", lambda *a: pytest.fail("the OCR ran on prompts that quote nothing"))
     out = fn(torch.rand(3, 3, 32, 32), ["a red circle", 'an empty quote ""', 'a lone "quote'], [{}] * 3)
     assert out.shape == (3,) and out.isnan().all()
@@ -95,6 +95,9 @@ def test_bad_options_are_one_line_errors(tmp_path, monkeypatch):
     for options, message in cases:
         with pytest.raises(ConfigError, match=message):
             make_reward("ocr", ctx, options)
+    cfg = load_config(MICRO, ["reward.monitor=[ocr]", "reward.options.ocr.min_score=1.5"])
+    with pytest.raises(ConfigError, match=r"^reward.options.ocr.min_score=1.5 is not"):  # as the config loads
+        check_options(cfg)
     real = ocr_module.importlib.util.find_spec
     monkeypatch.setattr(ocr_module.importlib.util, "find_spec",
                         lambda name, *a: None if name == "rapidocr_onnxruntime" else real(name, *a))
