@@ -105,8 +105,6 @@ def text_score(read: str, target: str) -> float:
 
 def to_bgr(images: torch.Tensor) -> list:
     """`[B, 3, H, W]` floats in [0, 1] as B uint8 `[H, W, 3]` arrays in BGR order, rounded as Flow-GRPO rounds."""
-    if images.dim() != 4 or images.shape[1] != 3:
-        raise ValueError(f"images must be [B, 3, H, W] RGB in [0, 1], got shape {list(images.shape)}")
     pixels = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)  # [B, 3, H, W]
     return list(pixels.flip(1).permute(0, 2, 3, 1).cpu().numpy())  # B x [H, W, 3], BGR
 
@@ -163,6 +161,8 @@ def ocr_reward(ctx: RewardContext, opts: OcrOptions) -> RewardFn:
                            files.get("rec_keys", ""), opts.threads)
 
     def reward(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> torch.Tensor:
+        if images.dim() != 4 or images.shape[1] != 3:  # checked whether or not a prompt quotes text
+            raise ValueError(f"images must be [B, 3, H, W] RGB in [0, 1], got shape {list(images.shape)}")
         if len(prompts) != len(images):
             raise ValueError(f"{len(images)} images for {len(prompts)} prompts")
         targets = [quoted_text(p, opts.quote, opts.close_quote) for p in prompts]

@@ -149,6 +149,10 @@ def test_a_wrong_image_shape_is_one_line(ocr):
     with pytest.raises(RewardError, match=r"^reward 'ocr' failed: ValueError: images must be \[B, 3, H, W\] RGB in "
                                           r"\[0, 1\], got shape \[1, 1, 32, 32\]$"):
         scorer(torch.rand(1, 1, 32, 32), ['"x"'], [{}])
+    with pytest.raises(RewardError, match=r"got shape \[2, 32, 32\]$"):  # also where no prompt quotes text
+        scorer(torch.rand(2, 32, 32), ["a", "b"], [{}] * 2)
+    with pytest.raises(RewardError, match=r"^reward 'ocr' failed: ValueError: 2 images for 1 prompts$"):
+        scorer(torch.rand(2, 3, 32, 32), ['"x"'], [{}])
 
 
 @needs_ocr
