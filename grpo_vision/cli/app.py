@@ -301,6 +301,13 @@ def cmd_bench_trl(args) -> None:
                   args.json)
 
 
+def cmd_bench_reward(args) -> None:
+    from grpo_vision.tools.bench_reward import bench_reward
+
+    _print_result(bench_reward(args.reward, args.overrides, images=args.images, size=args.size,
+                               repeats=args.repeats, device=args.device), args.json)
+
+
 def _print_result(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
@@ -489,6 +496,16 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--steps-per-round", type=at_least_two, default=3,
                    help="steps per trainer and round; the first is not timed")
     p.set_defaults(func=cmd_bench_trl)
+    p = bench.add_parser("reward", help="images/s of one reward on rendered words whose prompts quote them "
+                                        "(bench reward ocr: the OCR reward on a CPU)")
+    p.add_argument("reward", help="a registered reward name, e.g. ocr")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. reward.options.ocr.threads=1")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--images", type=positive_int, default=16, help="images per timed call")
+    p.add_argument("--size", type=positive_int, default=256, help="image side in pixels")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed calls (median reported)")
+    p.add_argument("--device", default="cpu", help="the reward's device (RewardContext.device)")
+    p.set_defaults(func=cmd_bench_reward)
 
 
 def add_preset_options(p, help_text: str) -> None:

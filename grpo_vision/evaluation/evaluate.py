@@ -161,7 +161,8 @@ def summarize(paired: Paired, judge: Judge | None = None) -> dict:
     sides = {"policy": paired.policy, "reference": paired.reference}
     for name, scored in sides.items():
         table, by_form = judge_tables(judge, paired.images[name], prompts, scored.verdicts if judge else None)
-        result["models"][name] = {"rewards": {k: interval(v) for k, v in scored.raw.items()}, "judge": table,
+        result["models"][name] = {"rewards": {k: reward_interval(v, paired.n) for k, v in scored.raw.items()},
+                                  "judge": table,
                                   "judge_by_form": by_form}
     result["difference"] = {k: _diff(result, "rewards", k) for k in result["models"]["policy"]["rewards"]}
     # paired per image (the same prompt and seed on both sides); the interval resamples captions, all
@@ -185,6 +186,16 @@ def summarize(paired: Paired, judge: Judge | None = None) -> dict:
         diffs = paired_differences(paired.policy.plan_verdicts, paired.reference.plan_verdicts, keys)
         result["plan_judge_difference_ci"] = {k: caption_interval(d, prompts, strata) for k, d in diffs.items()}
     return result
+
+
+def reward_interval(values: torch.Tensor, n: int) -> dict:
+    """A reward's mean and interval over the images it applies to (NaN excluded, e.g. `ocr` on a prompt that quotes
+    no text); a reward that skips some prompts also says on how many it scored ("prompts": entries, n images each)."""
+    out = interval(values)
+    applies = ~values.isnan().view(-1, n)  # [E, n]
+    if not bool(applies.all()):
+        out["prompts"] = int(applies.any(1).sum())
+    return out
 
 
 def failure_summary(policy: list[list[tuple[str, str]]], reference: list[list[tuple[str, str]]],

@@ -82,7 +82,8 @@ def change_table(result: dict) -> list[str]:
         if name == twin:
             continue
         ref, pol = (result["models"][m]["rewards"][name] for m in ("reference", "policy"))
-        lines.append(f"| {name} | {reward_value(ref)} | {reward_value(pol)} | "
+        label = f"{name} ({pol['prompts']} of {result['prompts']} prompts)" if "prompts" in pol else name
+        lines.append(f"| {label} | {reward_value(ref)} | {reward_value(pol)} | "
                      f"{reward_change(result.get('difference_ci', {}).get(name))} |")
     if result["models"]["policy"]["judge"]:
         ref, pol = (result["models"][m]["judge"]["correct"] for m in ("reference", "policy"))

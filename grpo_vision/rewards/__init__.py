@@ -6,9 +6,11 @@ Importing this package registers the built-ins: jpeg_compressibility, jpeg_incom
 vision-language model's P(yes) (vlm_judge.py), and clip_refit, a CLIP that learns between iterations
 (refit.py); and geneval, GenEval's verdict from a detector and a colour CLIP (geneval_reward.py,
 detectors.py). Plugins register more (ShapesWorld: shapes_exact).
+ocr: the prompt's quoted text against the text PP-OCRv4 reads in the image (ocr.py, Flow-GRPO's; the .[ocr] extra).
 """
 
 from grpo_vision.rewards import geneval_reward, models, refit, simple, vlm_judge  # noqa: F401  (registers the built-in rewards)
+from grpo_vision.rewards import ocr  # noqa: F401  (registers ocr; rapidocr-onnxruntime loads at its first call)
 from grpo_vision.rewards.base import (
     REGISTRY,
     RewardContext,

@@ -194,8 +194,8 @@ def run_metadata(run_dir: Path) -> dict[str, dict]:
 
 def not_applying(scored: Scored) -> dict[str, str]:
     """Why each reward that scored none of the images, without failing, has no score."""
-    return {name: "does not apply to this prompt (no score: a reward that reads a prompt's metadata, such as "
-                  "GenEval's clauses, found none for it)"
+    return {name: "does not apply to this prompt (no score: a reward that reads something the prompt must carry, "
+                  "such as GenEval's clauses in its metadata or the quoted text ocr reads, found none)"
             for name, values in scored.raw.items() if name not in scored.notes and values.isnan().all()}
 
 

@@ -222,3 +222,30 @@ def test_a_graph_decode_run_read_without_cuda_samples_with_the_static_step():
 
     assert eval_params(load_config(MICRO, ["sample.decode=graph", "run.device=cpu"])).decode == "static"
     assert eval_params(load_config(MICRO, ["sample.decode=eager", "run.device=cpu"])).decode == "eager"
+
+
+def test_a_reward_that_skips_prompts_is_averaged_where_it_applies_and_says_on_how_many():
+    """`ocr` scores only prompts that quote text (NaN elsewhere): eval's mean is over those, its entry counts them,
+    and report.md's row says "k of P prompts"; a reward that applies everywhere keeps its plain entry."""
+    from grpo_vision.evaluation.evaluate import summarize
+    from grpo_vision.evaluation.report_text import change_table
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.rollouts import Paired, Scored
+
+    nan = float("nan")
+    entries = [PromptEntry(p) for p in ('a "river" sign', "a red circle", 'a "lake" sign') for _ in range(2)]
+    sides = {side: torch.tensor(values) for side, values in
+             (("policy", [1.0, 0.5, nan, nan, 0.0, 0.5]), ("reference", [0.5, 0.5, nan, nan, 0.0, 0.0]))}
+    scored = {side: Scored(total=v, raw={"ocr": v, "placebo": torch.zeros(6)}, weights={})
+              for side, v in sides.items()}
+    images = {side: torch.zeros(6, 3, 4, 4) for side in sides}
+    paired = Paired(2, entries, list(range(6)), scored["policy"], scored["reference"], images,
+                    {side: torch.zeros(6) for side in sides})
+    result = summarize(paired)
+    ocr = result["models"]["policy"]["rewards"]["ocr"]
+    assert (ocr["mean"], ocr["n"], ocr["prompts"]) == (0.5, 4, 2)  # (1 + 0.5 + 0 + 0.5) / 4, on 2 of 3 prompts
+    assert result["models"]["reference"]["rewards"]["ocr"]["mean"] == 0.25
+    assert result["difference_ci"]["ocr"]["captions"] == 2 and result["difference_ci"]["ocr"]["mean"] == 0.25
+    assert "prompts" not in result["models"]["policy"]["rewards"]["placebo"]
+    rows = change_table(result)
+    assert rows[2].startswith("| ocr (2 of 3 prompts) | 0.250 [") and rows[3].startswith("| placebo | 0.000")
