@@ -1,0 +1,98 @@
+"""`grpo-vision serve-reward` as a real process on loopback (started once for the module), scored through the
+`remote` reward: the same numbers as in this process, its health, version and options; and a training run whose
+served reward fails mid-run stops with a checkpoint and the server's one line."""
+
+import json
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from grpo_vision import __version__
+from grpo_vision.rewards import RewardContext, RewardError, make_reward
+from grpo_vision.rewards.remote import png_base64
+from grpo_vision.tools.reward_server import free_port, spawn
+from tests.helpers import micro_cfg
+from tests.rewards.fake_server import FakeServer, json_answer
+
+pytestmark = pytest.mark.e2e
+
+IMAGES = torch.rand(6, 3, 16, 16, generator=torch.Generator().manual_seed(1)).mul(255).round().div(255)
+PROMPTS = [f"prompt {i}" for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def served():
+    process, url = spawn(["jpeg_compressibility", "placebo", "--max-batch", "16"], free_port())
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("name", ["jpeg_compressibility", "placebo"])
+def test_served_scores_equal_in_process_scores_exactly(served, name):
+    remote = make_reward("remote", RewardContext(), {"url": served, "reward": name, "batch_size": 4})
+    local = make_reward(name, RewardContext())
+    assert torch.equal(remote(IMAGES, PROMPTS, [{}] * 6), local(IMAGES, PROMPTS, [{}] * 6))
+
+
+def test_concurrent_clients_each_get_their_own_scores(served):
+    remote = make_reward("remote", RewardContext(), {"url": served, "reward": "placebo"})
+    local = make_reward("placebo", RewardContext())
+    batches = [IMAGES[i:i + 2] for i in range(0, 6, 2)] * 3
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda b: remote(b, ["p", "q"], [{}, {}]), batches))
+    assert all(torch.equal(g, local(b, ["p", "q"], [{}, {}])) for g, b in zip(got, batches))
+
+
+def test_health_info_and_every_answer_say_the_version_and_options(served):
+    assert httpx.get(f"{served}/health").json() == {"status": "ok", "rewards": ["jpeg_compressibility", "placebo"]}
+    assert httpx.get(f"{served}/info").json() == {
+        "version": __version__, "max_batch": 16,
+        "rewards": [{"name": "jpeg_compressibility", "options": {}}, {"name": "placebo", "options": {}}]}
+    answer = httpx.post(f"{served}/score/placebo", json={"images": png_base64(IMAGES[:1]), "prompts": ["p"]}).json()
+    assert set(answer) == {"scores", "reward", "options", "version"}
+    assert (answer["reward"], answer["options"], answer["version"]) == ("placebo", {}, __version__)
+
+
+def test_a_request_the_server_refuses_is_one_line(served):
+    bad = {"images": ["not png"], "prompts": ["p"]}
+    answer = httpx.post(f"{served}/score/placebo", json=bad)
+    assert answer.status_code == 400
+    assert answer.json()["error"].startswith("images[0] is not a base64 PNG (")
+    remote = make_reward("remote", RewardContext(), {"url": served})  # two rewards served: which one?
+    with pytest.raises(RewardError, match=rf"^reward 'remote' failed: {re.escape(served)}/score: HTTP 404: this "
+                                          r"server serves jpeg_compressibility, placebo: POST /score/NAME \(the remote "
+                                          r"reward's `reward` option\) \(1 try in \d+\.\d s, not retried"):
+        remote(IMAGES, PROMPTS, [{}] * 6)
+
+
+def test_a_served_reward_failing_mid_run_stops_it_with_a_checkpoint(micro_world, tmp_path):
+    from grpo_vision.train import train
+
+    calls = []
+
+    def answer(path, body, headers):  # scores the first step, then fails as a crashed reward model does
+        calls.append(len(body["images"]))
+        if len(calls) > 1:
+            return json_answer({"error": "reward 'geneval' failed: CUDA out of memory"}, 500)
+        return json_answer({"scores": [math.sin(i) for i in range(len(body["images"]))]})
+
+    fake = FakeServer(answer)
+    try:
+        cfg = micro_cfg(micro_world, tmp_path, "run.name=remote", "reward.weights={remote: 1.0}",
+                        f"reward.options.remote.url={fake.url}", "reward.options.remote.retries=1",
+                        "reward.options.remote.backoff=0.01", "log.checkpoint_every=0")
+        with pytest.raises(RewardError) as e:
+            train(cfg, progress=False)
+    finally:
+        fake.close()
+    assert re.fullmatch(rf"reward 'remote' failed: {re.escape(fake.url)}/score: HTTP 500: reward 'geneval' failed: "
+                        rf"CUDA out of memory \(2 tries in \d+\.\d s\) \(checkpoint saved at step 1 in "
+                        rf"{re.escape(str(tmp_path / 'remote'))}\)", str(e.value)), str(e.value)
+    assert (tmp_path / "remote" / "checkpoints" / "latest").read_text() == "step_000001"
+    assert [json.loads(line)["step"] for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()] \
+        == [1]  # step 1 logged; step 2 stopped at its reward
