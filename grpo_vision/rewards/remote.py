@@ -72,7 +72,8 @@ def images_from_base64(encoded: Sequence[str]) -> torch.Tensor:
         raise ValueError(f"the images differ in size ({sorted({a.shape[:2] for a in arrays})}); send one size a call")
     if not arrays:
         return torch.zeros(0, 3, 1, 1)
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255  # [B, 3, H, W]
+    # contiguous, as the trainer's images are: a channels-last tensor convolves to other float roundings
+    return (torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255).contiguous()  # [B, 3, H, W]
 
 
 def scores_to_json(scores: torch.Tensor) -> list[float | None]:

@@ -17,6 +17,7 @@ bigger call fills it better than several small ones.
 
 import asyncio  # no `from __future__ import annotations`: FastAPI reads the request model from make_app's closures
 import dataclasses
+import os
 import socket
 import subprocess
 import sys
@@ -186,7 +187,8 @@ def listen(host: str, port: int) -> socket.socket:
     try:
         sock = socket.create_server((host, port))
     except OSError as e:
-        raise ConfigError(f"serve-reward: cannot listen on {host}:{port} ({e.strerror or e}); give another --port "
+        why = os.strerror(e.errno) if e.errno else str(e)  # create_server's strerror repeats the address
+        raise ConfigError(f"serve-reward: cannot listen on {host}:{port} ({why}); give another --port "
                           "or --host") from None
     return sock
 

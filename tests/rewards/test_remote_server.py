@@ -15,28 +15,35 @@ from grpo_vision import __version__
 from grpo_vision.rewards import RewardContext, RewardError, make_reward
 from grpo_vision.rewards.remote import png_base64
 from grpo_vision.tools.reward_server import free_port, spawn
-from tests.helpers import micro_cfg
+from tests.helpers import ROOT, micro_cfg
 from tests.rewards.fake_server import FakeServer, json_answer
 
 pytestmark = pytest.mark.e2e
 
+# ShapesWorld's tiny CLIP, from the repository (a policy kind's defaults are not applied by serve-reward)
+CLIP = {"model": str(ROOT / "grpo_vision" / "shapes" / "shapes_clip.json"),
+        "checkpoint": str(ROOT / "worlds" / "shapes" / "clip" / "clip.safetensors")}
 IMAGES = torch.rand(6, 3, 16, 16, generator=torch.Generator().manual_seed(1)).mul(255).round().div(255)
 PROMPTS = [f"prompt {i}" for i in range(6)]
 
 
 @pytest.fixture(scope="module")
 def served():
-    process, url = spawn(["jpeg_compressibility", "placebo", "--max-batch", "16"], free_port())
+    process, url = spawn(["jpeg_compressibility", "placebo", "clip", *(f"reward.options.clip.{k}={v}" for k, v in
+                                                                   CLIP.items()), "--max-batch", "16"], free_port())
     yield url
     process.terminate()
     process.wait(timeout=30)
 
 
-@pytest.mark.parametrize("name", ["jpeg_compressibility", "placebo"])
+@pytest.mark.parametrize("name", ["jpeg_compressibility", "placebo", "clip"])
 def test_served_scores_equal_in_process_scores_exactly(served, name):
+    # clip: before the server's decoded images were made contiguous, its scores were 1 ulp off (a channels-last
+    # tensor convolves to other roundings)
     remote = make_reward("remote", RewardContext(), {"url": served, "reward": name, "batch_size": 4})
-    local = make_reward(name, RewardContext())
-    assert torch.equal(remote(IMAGES, PROMPTS, [{}] * 6), local(IMAGES, PROMPTS, [{}] * 6))
+    local = make_reward(name, RewardContext(), CLIP if name == "clip" else None)
+    by_call = torch.cat([local(IMAGES[i:i + 4], PROMPTS[i:i + 4], [{}] * 4) for i in (0, 4)])  # a model's roundings
+    assert torch.equal(remote(IMAGES, PROMPTS, [{}] * 6), by_call)  # depend on its batch: the same calls as remote's
 
 
 def test_concurrent_clients_each_get_their_own_scores(served):
@@ -49,10 +56,12 @@ def test_concurrent_clients_each_get_their_own_scores(served):
 
 
 def test_health_info_and_every_answer_say_the_version_and_options(served):
-    assert httpx.get(f"{served}/health").json() == {"status": "ok", "rewards": ["jpeg_compressibility", "placebo"]}
+    assert httpx.get(f"{served}/health").json() == {"status": "ok",
+                                                     "rewards": ["jpeg_compressibility", "placebo", "clip"]}
     assert httpx.get(f"{served}/info").json() == {
         "version": __version__, "max_batch": 16,
-        "rewards": [{"name": "jpeg_compressibility", "options": {}}, {"name": "placebo", "options": {}}]}
+        "rewards": [{"name": "jpeg_compressibility", "options": {}}, {"name": "placebo", "options": {}},
+                    {"name": "clip", "options": {**CLIP, "trust_torchscript": False}}]}
     answer = httpx.post(f"{served}/score/placebo", json={"images": png_base64(IMAGES[:1]), "prompts": ["p"]}).json()
     assert set(answer) == {"scores", "reward", "options", "version"}
     assert (answer["reward"], answer["options"], answer["version"]) == ("placebo", {}, __version__)
@@ -65,7 +74,7 @@ def test_a_request_the_server_refuses_is_one_line(served):
     assert answer.json()["error"].startswith("images[0] is not a base64 PNG (")
     remote = make_reward("remote", RewardContext(), {"url": served})  # two rewards served: which one?
     with pytest.raises(RewardError, match=rf"^reward 'remote' failed: {re.escape(served)}/score: HTTP 404: this "
-                                          r"server serves jpeg_compressibility, placebo: POST /score/NAME \(the remote "
+                                          r"server serves jpeg_compressibility, placebo, clip: POST /score/NAME \(the remote "
                                           r"reward's `reward` option\) \(1 try in \d+\.\d s, not retried"):
         remote(IMAGES, PROMPTS, [{}] * 6)
 
