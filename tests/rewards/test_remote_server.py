@@ -105,3 +105,59 @@ def test_a_served_reward_failing_mid_run_stops_it_with_a_checkpoint(micro_world,
     assert (tmp_path / "remote" / "checkpoints" / "latest").read_text() == "step_000001"
     assert [json.loads(line)["step"] for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()] \
         == [1]  # step 1 logged; step 2 stopped at its reward
+
+
+FAKE_GENEVAL = '''
+import argparse
+from PIL import Image, ImageStat
+
+def parse_args():  # evaluate_images.py's arguments
+    parser = argparse.ArgumentParser()
+    parser.add_argument("imagedir")
+    parser.add_argument("--model-path", default="./")
+    parser.add_argument("--model-config", default=None)
+    parser.add_argument("--options", nargs="*", default=[])
+    args = parser.parse_args()
+    args.options = dict(opt.split("=", 1) for opt in args.options)
+    return args
+
+def load_models(args):
+    return "detector", ("clip", "transform", "tokenizer"), ["dog", "cat"]
+
+def evaluate_image(filepath, metadata):  # a stand-in verdict: bright enough for THRESHOLD, set by the server
+    assert object_detector == "detector" and metadata["prompt"]
+    brightness = ImageStat.Stat(Image.open(filepath).convert("L")).mean[0] / 255
+    return {"correct": brightness > THRESHOLD, "tag": metadata["tag"]}
+'''
+
+
+def test_the_geneval_server_script_speaks_the_remote_wire(tmp_path):
+    """docs/examples/geneval_server.py, run on a stand-in for GenEval's evaluate_images.py (GenEval itself needs
+    mmdet 2.x on a GPU): the remote reward gets its verdicts, null where a prompt has no GenEval tag."""
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "evaluation").mkdir()
+    (tmp_path / "evaluation" / "evaluate_images.py").write_text(FAKE_GENEVAL)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, str(ROOT / "docs" / "examples" / "geneval_server.py"), "--checkout",
+                                str(tmp_path), "--model-path", str(tmp_path), "--port", str(port),
+                                "--options", "threshold=0.5"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        images = torch.stack([torch.full((3, 8, 8), v) for v in (0.8, 0.2, 0.8)])
+        meta = [{"tag": "single_object", "include": [{"class": "dog", "count": 1}]}] * 2 + [{}]
+        remote = make_reward("remote", RewardContext(), {"url": url})
+        scores = remote(images, ["a photo of a dog"] * 3, meta)
+        assert scores[:2].tolist() == [1.0, 0.0] and math.isnan(scores[2])
+        assert httpx.get(f"{url}/info").json()["rewards"][0]["options"]["threshold"] == 0.5
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
