@@ -9,6 +9,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
+import pytest
+
 
 class FakeServer:
     """`answer(path, body, headers) -> (status, text)` answers every POST; `requests` keeps what came in."""
@@ -47,3 +49,16 @@ class FakeServer:
 
 def json_answer(value, status: int = 200) -> tuple[int, str]:
     return status, json.dumps(value)
+
+
+@pytest.fixture
+def server():
+    """`server(answer)` starts a FakeServer; every one started is closed after the test."""
+    servers = []
+
+    def start(answer):
+        servers.append(FakeServer(answer))
+        return servers[-1]
+    yield start
+    for s in servers:
+        s.close()

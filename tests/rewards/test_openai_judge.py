@@ -16,7 +16,7 @@ from PIL import Image
 from grpo_vision.config import ConfigError
 from grpo_vision.rewards import RewardContext, RewardError, make_reward
 from grpo_vision.rewards.vlm_judge import VlmJudgeOptions
-from tests.rewards.fake_server import FakeServer, json_answer
+from tests.rewards.fake_server import json_answer, server  # noqa: F401  (server: a fixture)
 
 # Two 8 x 8 images: a bright one the fake judge calls "Yes", a dark one "No"
 IMAGES = torch.stack([torch.full((3, 8, 8), 0.9), torch.full((3, 8, 8), 0.1)])
@@ -40,18 +40,6 @@ def judge(path, body, headers):
     png = base64.b64decode(url.removeprefix("data:image/png;base64,"))
     bright = Image.open(io.BytesIO(png)).convert("L").getpixel((0, 0)) > 128
     return json_answer(vllm_answer(BRIGHT if bright else DARK))
-
-
-@pytest.fixture
-def server():
-    servers = []
-
-    def start(answer):
-        servers.append(FakeServer(answer))
-        return servers[-1]
-    yield start
-    for s in servers:
-        s.close()
 
 
 def openai_judge(url, **options):

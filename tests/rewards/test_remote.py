@@ -17,7 +17,7 @@ from PIL import Image
 from grpo_vision.config import ConfigError
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, make_reward
 from grpo_vision.rewards.remote import images_from_base64, png_base64, scores_from_json, scores_to_json
-from tests.rewards.fake_server import FakeServer, json_answer
+from tests.rewards.fake_server import json_answer, server  # noqa: F401  (server: a fixture)
 
 IMAGES = torch.rand(3, 3, 8, 8, generator=torch.Generator().manual_seed(0)).mul(255).round().div(255)
 PROMPTS = ["a red circle", "a blue square", "two green triangles"]
@@ -32,18 +32,6 @@ def digest_score(png: str) -> float:
 def good(path, body, headers):
     return json_answer({"scores": [digest_score(p) for p in body["images"]], "reward": "fake", "options": {},
                         "version": "0"})
-
-
-@pytest.fixture
-def server(request):
-    servers = []
-
-    def start(answer):
-        servers.append(FakeServer(answer))
-        return servers[-1]
-    yield start
-    for s in servers:
-        s.close()
 
 
 def remote(url, **options):
