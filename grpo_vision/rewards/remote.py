@@ -125,8 +125,10 @@ def post_json(client, url: str, body: dict, parse: Callable[[Any], Any], name: s
             return parse(answer)
         except httpx.TimeoutException:
             what = f"no answer within {client.timeout.read:g} s (timeout)"
-        except httpx.TransportError as e:  # refused, reset, unknown host
+        except httpx.ConnectError as e:  # refused, unknown host
             what = f"cannot connect ({type(e).__name__}: {_excerpt(str(e)) or 'connection failed'}); is the server up?"
+        except httpx.TransportError as e:  # the connection broke mid-call (the server died while scoring)
+            what = f"the connection failed ({type(e).__name__}: {_excerpt(str(e)) or 'no details'})"
         except BadAnswer as e:
             what = str(e)
         if not again or tries > retries:

@@ -13,7 +13,8 @@ import pytest
 
 
 class FakeServer:
-    """`answer(path, body, headers) -> (status, text)` answers every POST; `requests` keeps what came in."""
+    """`answer(path, body, headers) -> (status, text)` answers every POST (None: the connection closes unanswered);
+    `requests` keeps what came in."""
 
     def __init__(self, answer: Callable[[str, dict, dict], tuple[int, str]]):
         self.answer, self.requests = answer, []
@@ -23,7 +24,11 @@ class FakeServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 owner.requests.append((self.path, body, dict(self.headers), time.monotonic()))
-                status, text = owner.answer(self.path, body, dict(self.headers))
+                answered = owner.answer(self.path, body, dict(self.headers))
+                if answered is None:  # a server that dies mid-call: the connection closes, nothing sent
+                    self.close_connection = True
+                    return
+                status, text = answered
                 data = text.encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")

@@ -111,6 +111,14 @@ def test_a_server_that_is_down_is_one_line(server):
         remote(url)(IMAGES, PROMPTS, [{}] * 3)
 
 
+def test_a_server_that_dies_mid_call_is_one_line(server):
+    fake = server(lambda path, body, headers: None)
+    with pytest.raises(RewardError, match=rf"^reward 'remote' failed: {re.escape(fake.url)}/score: the connection "
+                                          r"failed \(RemoteProtocolError: Server disconnected without sending a "
+                                          r"response\.\) \(3 tries in \d+\.\d s\)$"):
+        remote(fake.url)(IMAGES, PROMPTS, [{}] * 3)
+
+
 def test_a_slow_server_times_out_each_try(server):
     def slow(path, body, headers):
         time.sleep(0.6)
