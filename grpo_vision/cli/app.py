@@ -18,6 +18,7 @@ import warnings
 from grpo_vision import __version__
 from grpo_vision.cli.args import at_least_two, cfg_scale, int_list, non_negative_int, port, positive_int
 from grpo_vision.cli.runs import add_base_option, add_reader_options, add_reward_option, add_run_commands
+from grpo_vision.cli.serve import add_bench_reward_server, add_serve_command
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
 
@@ -417,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="the safetensors file to write (OUT.safetensors)")
     p.set_defaults(func=cmd_convert_clip)
 
+    add_serve_command(sub)
     add_bench_commands(sub)
     for add_commands in command_adders():  # plugins' own subcommands (ShapesWorld: world build | render | prompts)
         add_commands(sub)
@@ -506,6 +508,7 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, help="timed calls (median reported)")
     p.add_argument("--device", default="cpu", help="the reward's device (RewardContext.device)")
     p.set_defaults(func=cmd_bench_reward)
+    add_bench_reward_server(bench)
 
 
 def add_preset_options(p, help_text: str) -> None:

@@ -174,6 +174,8 @@ class CompositeReward:
             value = torch.as_tensor(self.fns[name](images, prompts, metadata), dtype=torch.float32).flatten().cpu()
         except KeyboardInterrupt:  # Ctrl-C, or a signal (signals.Interrupted): the run's own stop
             raise
+        except RewardError as e:  # a reward that words its own failure (remote: the URL and what came back)
+            raise RewardError(name, e.message) from e
         except BaseException as e:  # any failure inside a reward stops the run, naming the reward
             raise RewardError(name, _why(e)) from e
         if value.shape[0] != len(prompts):
