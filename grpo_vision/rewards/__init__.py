@@ -1,14 +1,14 @@
 """Rewards: the contract and registry (base), the weighted composite, and the built-in rewards.
 
-Import direction: base <- composite, simple, models <- refit, vlm_judge, geneval_reward; nothing imports back.
+Import direction: base <- composite, simple, models <- refit, vlm_judge, geneval_reward, hpsv3; nothing imports back.
 Importing this package registers the built-ins: jpeg_compressibility, jpeg_incompressibility, placebo
-(simple.py), the model rewards clip, aesthetic, pickscore, hpsv2 (models.py), vlm_judge, a
+(simple.py), the model rewards clip, aesthetic, pickscore, hpsv2 (models.py), hpsv3 (hpsv3.py), vlm_judge, a
 vision-language model's P(yes) (vlm_judge.py), and clip_refit, a CLIP that learns between iterations
 (refit.py); and geneval, GenEval's verdict from a detector and a colour CLIP (geneval_reward.py,
 detectors.py). Plugins register more (ShapesWorld: shapes_exact).
 """
 
-from grpo_vision.rewards import geneval_reward, models, refit, simple, vlm_judge  # noqa: F401  (registers the built-in rewards)
+from grpo_vision.rewards import geneval_reward, hpsv3, models, refit, simple, vlm_judge  # noqa: F401  (registers the built-in rewards)
 from grpo_vision.rewards.base import (
     REGISTRY,
     RewardContext,
