@@ -47,7 +47,8 @@ FACTOR = 28  # Qwen2-VL's patch 14 times its 2x2 merge
 HEAD_WIDTHS = (1024, 16)  # qwen2vl_trainer.py, the "ranknet" head without rm_head_kwargs
 
 # The instruction HPSv3 was trained and is run with (hpsv3/dataset/data_collator_qwen.py, INSTRUCTION and
-# prompt_with_special_token), word for word: the score is only defined for this text.
+# prompt_with_special_token), byte for byte with its trailing spaces: the score is only defined for this text
+# (tests/rewards/test_hpsv3.py compares the token ids with HPSv3's).
 INSTRUCTION = """
 You are tasked with evaluating a generated image based on Visual Quality and Text Alignment and give a overall score to estimate the human preference. Please provide a rating from 0 to 10, with 0 being the worst and 10 being the best. 
 
@@ -247,7 +248,11 @@ def hpsv3_reward(ctx: RewardContext, opts: HPSv3Options) -> RewardFn:
     _check_base(base)
     if opts.batch_size < 0:
         raise ConfigError(f"{KEY}.batch_size={opts.batch_size}: give a positive number, or 0 for reward.batch_size")
-    device = torch.device(opts.device) if opts.device else ctx.device
+    try:
+        device = torch.device(opts.device) if opts.device else ctx.device
+    except RuntimeError:
+        raise ConfigError(f"{KEY}.device={opts.device!r} is not a torch device: give e.g. cuda, cuda:1 or cpu, "
+                          "or leave it empty for the policy's device") from None
     dtype = opts.dtype if opts.dtype != "auto" else ("float32" if device.type == "cpu" else "bfloat16")
     key = (str(checkpoint), str(base), str(device), dtype)
 
