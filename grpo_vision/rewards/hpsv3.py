@@ -1,4 +1,4 @@
-"""HPSv3 (Ma et al., ICCV 2025, arXiv 2508.03789): a human-preference score from Qwen2-VL-7B-Instruct with a
+"""HPSv3 (Ma, Wu, Sun and Li, ICCV 2025; MizzenAI/HPSv3): a human-preference score from Qwen2-VL-7B-Instruct with a
 small head that reads one hidden state and gives a mean and an uncertainty per image.
 
     reward.options.hpsv3: {checkpoint: models/HPSv3.safetensors, base_model: models/Qwen2-VL-7B-Instruct}
