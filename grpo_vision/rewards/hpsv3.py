@@ -25,7 +25,6 @@ tests/data/hpsv3/SOURCE.md says how the golden outputs that pin this down were m
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -39,11 +38,13 @@ from torch import nn
 from grpo_vision.config import ConfigError
 from grpo_vision.rewards.base import RewardContext, RewardFn, batched, register_reward
 from grpo_vision.rewards.models import _local_path
+from grpo_vision.rewards.vlm_judge import _line, config_model_type
 
 KEY = "reward.options.hpsv3"
 REWARD_TOKEN = "<|Reward|>"
 PIXELS = 256 * 28 * 28  # inference.py prepare_batch: min_pixels = max_pixels
 FACTOR = 28  # Qwen2-VL's patch 14 times its 2x2 merge
+BASE_WHAT = "a Qwen2-VL-7B-Instruct directory (config.json and processor files)"
 HEAD_WIDTHS = (1024, 16)  # qwen2vl_trainer.py, the "ranknet" head without rm_head_kwargs
 
 # The instruction HPSv3 was trained and is run with (hpsv3/dataset/data_collator_qwen.py, INSTRUCTION and
@@ -150,10 +151,6 @@ class HPSv3:
         return self.head(hidden[at].float())  # [B, 2]
 
 
-def _line(e: BaseException, limit: int = 300) -> str:
-    return " ".join(str(e).split())[:limit]
-
-
 def _read_state(path: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's state dict; a .pth may wrap it as {"model": ...} (HPSv3's inference.py unwraps that)."""
     try:
@@ -226,13 +223,7 @@ def load_hpsv3(checkpoint: str, base_model: str, device: str, dtype: str) -> HPS
 
 
 def _check_base(base: Path) -> None:
-    config = base / "config.json"
-    if not config.is_file():
-        raise ConfigError(f"{KEY}.base_model={base} has no config.json: give a Qwen2-VL-7B-Instruct download")
-    try:
-        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        raise ConfigError(f"{KEY}.base_model={base}: config.json is not a JSON object ({_line(e)})") from None
+    kind = config_model_type(base, f"{KEY}.base_model", BASE_WHAT)
     if kind != "qwen2_vl":
         raise ConfigError(f"{KEY}.base_model={base} holds a {kind!r} model; HPSv3 is built on Qwen2-VL-7B-Instruct "
                           "(model_type 'qwen2_vl')")
@@ -243,8 +234,7 @@ def hpsv3_reward(ctx: RewardContext, opts: HPSv3Options) -> RewardFn:
     """HPSv3's mu per image: Qwen2-VL-7B reads the image and its prompt, a head on the <|Reward|> token scores it."""
     checkpoint = _local_path(opts.checkpoint, f"{KEY}.checkpoint", "hpsv3",
                              "HPSv3.safetensors from the MizzenAI/HPSv3 hub repo")
-    base = _local_path(opts.base_model, f"{KEY}.base_model", "hpsv3",
-                       "a Qwen2-VL-7B-Instruct directory (config.json and processor files)", directory=True)
+    base = _local_path(opts.base_model, f"{KEY}.base_model", "hpsv3", BASE_WHAT, directory=True)
     _check_base(base)
     if opts.batch_size < 0:
         raise ConfigError(f"{KEY}.batch_size={opts.batch_size}: give a positive number, or 0 for reward.batch_size")

@@ -138,7 +138,7 @@ def test_missing_or_unusable_paths_are_one_line_errors(tmp_path):
     _one_line_error(ConfigError, lambda: make_reward("hpsv3", RewardContext(), options(checkpoint=str(gone))),
                     rf"reward.options.hpsv3.checkpoint={gone} does not exist")
     _one_line_error(ConfigError, lambda: make_reward("hpsv3", RewardContext(), options(base_model=str(tmp_path))),
-                    rf"reward.options.hpsv3.base_model={tmp_path} has no config.json")
+                    rf"reward.options.hpsv3.base_model={tmp_path} is not a transformers model directory \(no config")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "clip"}))
     _one_line_error(ConfigError, lambda: make_reward("hpsv3", RewardContext(), options(base_model=str(tmp_path))),
                     r"holds a 'clip' model; HPSv3 is built on Qwen2-VL-7B-Instruct")
