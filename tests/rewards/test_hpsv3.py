@@ -146,6 +146,10 @@ def test_missing_or_unusable_paths_are_one_line_errors(tmp_path):
                     r"reward.options.hpsv3.chekpoint")
     _one_line_error(ConfigError, lambda: make_reward("hpsv3", RewardContext(), options(device="gpu:one")),
                     r"reward.options.hpsv3.device='gpu:one'")
+    _one_line_error(ConfigError, lambda: make_reward("hpsv3", RewardContext(), options(batch_size=-1)),
+                    r"reward.options.hpsv3.batch_size=-1: give a positive number")
+    _one_line_error(ConfigError, lambda: make_reward("hpsv3", RewardContext(), options(dtype="int8")),
+                    r"reward.options.hpsv3.dtype")
 
 
 def _broken(tmp_path, change):
