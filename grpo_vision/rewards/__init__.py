@@ -1,9 +1,9 @@
 """Rewards: the contract and registry (base), the weighted composite, and the built-in rewards.
 
-Import direction: base <- composite, simple, models, remote <- refit, vlm_judge, geneval_reward <- openai_judge;
-nothing imports back.
+Import direction: base <- composite, simple, models, remote <- refit, vlm_judge, geneval_reward, hpsv3 <-
+openai_judge; nothing imports back.
 Importing this package registers the built-ins: jpeg_compressibility, jpeg_incompressibility, placebo
-(simple.py), the model rewards clip, aesthetic, pickscore, hpsv2 (models.py), vlm_judge, a
+(simple.py), the model rewards clip, aesthetic, pickscore, hpsv2 (models.py), hpsv3 (hpsv3.py), vlm_judge, a
 vision-language model's P(yes) (vlm_judge.py), and clip_refit, a CLIP that learns between iterations
 (refit.py); and geneval, GenEval's verdict from a detector and a colour CLIP (geneval_reward.py,
 detectors.py); ocr, the prompt's quoted text against the text PP-OCRv4 reads in the image (ocr.py,
@@ -12,7 +12,7 @@ openai_judge, a judge's P(yes) from an OpenAI-compatible endpoint (openai_judge.
 (ShapesWorld: shapes_exact).
 """
 
-from grpo_vision.rewards import geneval_reward, models, refit, simple, vlm_judge  # noqa: F401  (registers the built-in rewards)
+from grpo_vision.rewards import geneval_reward, hpsv3, models, refit, simple, vlm_judge  # noqa: F401  (registers the built-in rewards)
 from grpo_vision.rewards import ocr  # noqa: F401  (registers ocr; rapidocr-onnxruntime loads at its first call)
 from grpo_vision.rewards import openai_judge, remote  # noqa: F401  (rewards behind a server)
 from grpo_vision.rewards.base import (

@@ -92,19 +92,25 @@ def _line(e: BaseException, limit: int = 300) -> str:
     return " ".join(str(e).split())[:limit]
 
 
+def config_model_type(path: Path, key: str, what: str) -> str | None:
+    """The `model_type` of the transformers directory `path`; a ConfigError naming `key` when it has no
+    config.json or that is not JSON (`what`: the directory the option wants, for the message)."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{key}={path} is not a transformers model directory (no config.json): give {what}")
+    try:
+        return json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise ConfigError(f"{key}={path}: config.json is not a JSON object ({_line(e)}); download it again") \
+            from None
+
+
 def _check_model_type(path: Path) -> None:
     """A ConfigError unless `path` holds a transformers config of an image-text-to-text architecture
     (a CLIP or a plain language model directory is refused here, before anything loads)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as KNOWN
 
-    config = path / "config.json"
-    if not config.is_file():
-        raise ConfigError(f"{KEY}.path={path} is not a transformers model directory (no config.json): give {WHAT}")
-    try:
-        kind = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (ValueError, UnicodeDecodeError, AttributeError) as e:
-        raise ConfigError(f"{KEY}.path={path}: config.json is not a JSON object ({_line(e)}); download it again") \
-            from None
+    kind = config_model_type(path, f"{KEY}.path", WHAT)
     if kind not in KNOWN:
         raise ConfigError(f"{KEY}.path={path} holds a {kind!r} model, which is not an image-text-to-text model "
                           f"(AutoModelForImageTextToText loads qwen2_vl, qwen2_5_vl, llava, internvl and "
