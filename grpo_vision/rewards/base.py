@@ -59,6 +59,13 @@ class RunModels:
     reference: Callable[[], tuple[Any, Any]]
     policy: Callable[[], tuple[Any, Any]]
 
+    @classmethod
+    def of(cls, model) -> RunModels:
+        """`model` as both (the matrix's base policy, which judges every run's images alike)."""
+        from contextlib import nullcontext
+
+        return cls(reference=lambda: (model, nullcontext()), policy=lambda: (model, nullcontext()))
+
 
 @dataclass
 class RewardContext:
@@ -117,8 +124,8 @@ def make_reward(name: str, ctx: RewardContext, options: dict[str, Any] | None = 
     parsed = reward_options(name, options)
     if REGISTRY[name].reads_policy and ctx.models is None:
         raise ConfigError(f"reward {name!r} scores with the run's own {' or '.join(REGISTRY[name].reads_policy)} "
-                          "model, and this command loads none: use it in train, eval or the demo, where the policy "
-                          "is loaded")
+                          "model, and this command loads none: use it in train, eval, matrix or the demo, which load "
+                          "the policy")
     return REGISTRY[name].factory(ctx) if parsed is None else REGISTRY[name].factory(ctx, parsed)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -63,7 +62,7 @@ def judge(models: RunModels, **options):
 
 def own(policy) -> RunModels:
     """`policy` as both networks: its own judge."""
-    return RunModels(reference=lambda: (policy, nullcontext()), policy=lambda: (policy, nullcontext()))
+    return RunModels.of(policy)
 
 
 def smooth(*shape):
@@ -178,7 +177,7 @@ def test_bad_images_and_options_are_refused(policy):
         judge(own(policy), question="Is this good?")
     with pytest.raises(ConfigError, match="yes_word='maybe' is unknown"):
         judge(own(policy), yes_word="maybe")
-    with pytest.raises(ConfigError, match="scores with the run's own janus model, and this command loads none"):
+    with pytest.raises(ConfigError, match="scores with the run.s own janus model, and this command loads none: use it in train"):
         make_reward("self_judge", RewardContext(), {})
 
 
@@ -209,3 +208,27 @@ def test_the_shipped_config_is_accepted(capsys):
     main(["config", str(ROOT / "configs/janus_pro_self_judge.yaml")])
     out = capsys.readouterr().out
     assert "self_judge" in out and "reference: adapter" in out
+
+
+def test_two_lora_steps_train_on_the_self_judge_and_its_forward_is_estimated(judge_janus, tmp_path, capsys):
+    """`train` through its entry point: the reward reaches the run's reference (the adapter disabled), logs finite
+    scores in [0, 1], the adapter moves, and the memory estimate prints the judging phase."""
+    from safetensors.torch import load_file
+
+    from grpo_vision.run.metrics import load_metrics
+    from grpo_vision.train import train
+    from tests.models.test_janus import write_config
+
+    path = write_config(tmp_path, judge_janus, "lora")
+    cfg = json.loads(path.read_text())
+    cfg["reward"] = {"weights": {"self_judge": 1.0}, "monitor": [], "batch_size": 4}
+    cfg["train"] |= {"steps": 1, "num_iterations": 1, "micro_batch_size": 2}
+    cfg["sample"] |= {"prompts_per_step": 1, "group_size": 2}
+    cfg["log"] |= {"sample_every": 0}
+    path.write_text(json.dumps(cfg))
+    run = train(load_config(path), progress=False)
+    scores = [m["reward/self_judge/mean"] for m in load_metrics(run)]
+    assert len(scores) == 1 and 0 < scores[0] < 1
+    after = load_file(run / "checkpoints" / "step_000001" / "policy.safetensors")
+    assert max(after[k].abs().max().item() for k in after if "lora_B" in k) > 0  # B starts at zero
+    assert "judging " in capsys.readouterr().out  # the estimate's part, beside sampling and training
