@@ -325,8 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="", help="comma-separated released sizes (default: janus-pro-1b, janus-pro-7b, "
                                                 "llamagen-t2i-xl)")
     p.add_argument("--gpu-memory", type=int_list, default=[24, 48, 80], help="GPU memory budgets in GB, e.g. 24,48,80")
-    p.add_argument("--judge-batch", type=non_negative_int, default=0, help="count a self_judge reward's understanding forward of "
-                                                            "this many images (reward.batch_size); 0: no self_judge")
+    p.add_argument("--judge-batch", type=non_negative_int, default=0,
+                   help="count a self_judge reward's understanding forward of this many images (reward.batch_size)")
     p.add_argument("--json", action="store_true", help="print JSON (default: a markdown table per model)")
     p.set_defaults(func=cmd_plan)
 
