@@ -232,3 +232,10 @@ def test_two_lora_steps_train_on_the_self_judge_and_its_forward_is_estimated(jud
     after = load_file(run / "checkpoints" / "step_000001" / "policy.safetensors")
     assert max(after[k].abs().max().item() for k in after if "lora_B" in k) > 0  # B starts at zero
     assert "judging " in capsys.readouterr().out  # the estimate's part, beside sampling and training
+
+    from grpo_vision.evaluation.evaluate import evaluate_run
+
+    result = evaluate_run(run, n=1)  # `eval RUN`: the reward rebuilt on the loaded run's reference
+    scored = result["sets"]["test"]["models"]
+    assert {"policy", "reference"} <= set(scored)
+    assert all(0 < m["rewards"]["self_judge"]["mean"] < 1 for m in scored.values())
