@@ -187,10 +187,10 @@ def policy_readers(cfg) -> list[str]:
 
 def check_reads_policy(name: str, kinds: tuple[str, ...], cfg, options) -> None:
     """ConfigError when reward `name`, which scores with the run's own network, cannot have one: a policy kind
-    not among `kinds`, or a judging reference (its `model: reference`) where train.reference is none."""
+    not among `kinds`, or a judging reference (options without `model: policy`) where train.reference is none."""
     if cfg.policy.kind not in kinds:
-        raise ConfigError(f"reward {name!r} scores with the policy's own understanding "
-                          f"branch, which policy kind {cfg.policy.kind!r} does not have: use it with policy.kind "
+        raise ConfigError(f"reward {name!r} scores with the policy's own network, which policy kind "
+                          f"{cfg.policy.kind!r} cannot give it: use it with policy.kind "
                           f"{' or '.join(map(repr, kinds))}, or drop it")
     if getattr(options, "model", "reference") == "reference" and cfg.train.reference == "none":
         raise ConfigError(f"reward {name!r} judges with the reference model, and "

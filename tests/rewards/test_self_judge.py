@@ -40,8 +40,8 @@ def judge_janus(tmp_path_factory):
         # transformers 5 reloads a saved LlamaTokenizer as a BPE over Metaspace pieces, dropping every word of this
         # word-level vocabulary but the first ("a red circle" -> "a"); its generic fast tokenizer reads
         # tokenizer.json as written, so the question and its answers are the words they spell
-        config = json.loads((path / "tokenizer_config.json").read_text())
-        (path / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": "PreTrainedTokenizerFast"}))
+        file = path / "tokenizer_config.json"
+        file.write_text(json.dumps({**json.loads(file.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
 
 
@@ -97,7 +97,8 @@ def test_pixels_equal_the_janus_image_processors(policy, size, pixels, given):
     tolerance = 1e-5 if exact else 1 / 255 / min(ip.image_std) + 1e-5
     assert (ours - theirs).abs().max() <= tolerance
     if size == (40, 24):  # the padding's columns: the processor's background level, normalised, in both
-        background = (torch.tensor(ip.background_color) / 255 - torch.tensor(ip.image_mean)) / torch.tensor(ip.image_std)
+        mean, std = torch.tensor(ip.image_mean), torch.tensor(ip.image_std)
+        background = (torch.tensor(ip.background_color) / 255 - mean) / std
         assert torch.allclose(ours[0, :, :, 0], background[:, None].expand(3, 32), atol=1e-6)
 
 
@@ -107,8 +108,8 @@ def test_the_score_equals_transformers_understanding_path(policy):
     u8, images = levels(3, 3, 32, 32, seed=1)
     processor, vocab = policy.processor, policy.processor.tokenizer.get_vocab()
     question = "Does this image show: {}? Answer yes or no."
-    texts = [processor.apply_chat_template([{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": question.format(p)}]}], add_generation_prompt=True) for p in PROMPTS]
+    texts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {
+        "type": "text", "text": question.format(p)}]}], add_generation_prompt=True) for p in PROMPTS]
     inputs = processor(text=texts, images=list(u8), padding=True, return_tensors="pt")
     with torch.no_grad():
         logits = policy.model(**inputs).logits[:, -1].float()  # [B, V]
@@ -177,7 +178,7 @@ def test_bad_images_and_options_are_refused(policy):
         judge(own(policy), question="Is this good?")
     with pytest.raises(ConfigError, match="yes_word='maybe' is unknown"):
         judge(own(policy), yes_word="maybe")
-    with pytest.raises(ConfigError, match="scores with the run.s own janus model, and this command loads none: use it in train"):
+    with pytest.raises(ConfigError, match="run.s own janus model, and this command loads none: use it in train"):
         make_reward("self_judge", RewardContext(), {})
 
 
@@ -196,7 +197,7 @@ def write(tmp_path: Path, judge_janus: Path, kind="janus", reference="adapter", 
 def test_config_time_refusals(tmp_path, judge_janus):
     check_options(load_config(write(tmp_path, judge_janus)))  # LoRA, its adapter-disabled reference: accepted
     check_options(load_config(write(tmp_path, judge_janus, reference="none", options={"model": "policy"})))
-    with pytest.raises(ConfigError, match="policy kind 'llama' does not have: use it with policy.kind 'janus'"):
+    with pytest.raises(ConfigError, match="kind 'llama' cannot give it: use it with policy.kind 'janus'"):
         check_options(load_config(write(tmp_path, judge_janus, kind="llama")))
     with pytest.raises(ConfigError, match="judges with the reference model, and train.reference is none"):
         check_options(load_config(write(tmp_path, judge_janus, reference="none")))
