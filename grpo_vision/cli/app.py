@@ -288,7 +288,7 @@ def cmd_plan(args) -> None:
     names = args.preset.split(",") if args.preset else PLANNED
     for name in names:
         preset(name)  # an unknown name: one line, before anything is built
-    reports = [plan(name, args.gpu_memory) for name in names]
+    reports = [plan(name, args.gpu_memory, args.judge_batch) for name in names]
     print(json.dumps(reports, indent=2) if args.json else "\n".join(markdown(r) for r in reports))
 
 
@@ -333,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="", help="comma-separated released sizes (default: janus-pro-1b, janus-pro-7b, "
                                                 "llamagen-t2i-xl)")
     p.add_argument("--gpu-memory", type=int_list, default=[24, 48, 80], help="GPU memory budgets in GB, e.g. 24,48,80")
+    p.add_argument("--judge-batch", type=non_negative_int, default=0,
+                   help="count a self_judge reward's understanding forward of this many images (reward.batch_size)")
     p.add_argument("--json", action="store_true", help="print JSON (default: a markdown table per model)")
     p.set_defaults(func=cmd_plan)
 

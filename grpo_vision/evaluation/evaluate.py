@@ -100,7 +100,8 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, n: int = 4, seed:
     where = source or (lambda name: name)
     check_prompts(run.policy, ((f"{where(name)}, line {e.line}", e.prompt) for name, v in sets.items() for e in v))
     used = next(run.policy.parameters()).device
-    scorer = CompositeReward.from_config(run.cfg.reward, used, run.bundle.reward_defaults, entries).load()
+    scorer = CompositeReward.from_config(run.cfg.reward, used, run.bundle.reward_defaults, entries,
+                                         run.reference.models(run.policy)).load()  # a self_judge judges as in training
     if run.learned_rewards:  # a reward that learned (clip_refit) scores as it had learned by this step
         scorer.load_state_dict(run.learned_rewards)
     params = eval_params(run.cfg, temperature)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from grpo_vision.config import ConfigError
 from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
+from grpo_vision.models.janus_understanding import JUDGE_TEXT_TOKENS, answer_logits
 from grpo_vision.run.load_checks import dtype_argument
 
 NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
@@ -117,9 +118,21 @@ class JanusImagePolicy(nn.Module):
         and so is the VQ model (counted in the parameters already, at its own dtype)."""
         t = self.model.config.text_config
         kv_bytes = 4 if self.model.device.type == "cpu" else None
+        judge_len = JUDGE_TEXT_TOKENS + self.processor.num_image_tokens + 2  # the image between its two markers
         return dict(layers=t.num_hidden_layers, dim=t.hidden_size, heads=t.num_attention_heads,
                     kv_heads=t.num_key_value_heads, ffn_dim=t.intermediate_size, cond_len=64,
-                    codebook=self.codebook_size, kv_bytes=kv_bytes)
+                    codebook=self.codebook_size, kv_bytes=kv_bytes, judge_len=judge_len, vocab=t.vocab_size)
+
+    # ------------------------------------------------------------------ understanding (the self_judge reward)
+    @property
+    def answer_tokenizer(self):
+        """The text tokenizer whose ids `answer_logits` scores."""
+        return self.processor.tokenizer
+
+    def answer_logits(self, images: torch.Tensor, questions: Sequence[str]) -> torch.Tensor:
+        """Next-token logits `[B, V]` after image b `[B, 3, H, W]` in [0, 1] and question b, through the model's
+        understanding branch (SigLIP, aligner, language model, text head: models/janus_understanding.py)."""
+        return answer_logits(self.model, self.processor, images, questions)
 
     def encode_prompts(self, prompts: Sequence[str]) -> torch.Tensor:
         texts = [self._user_turn(prompt) for prompt in prompts]

@@ -51,11 +51,29 @@ class RewardError(RuntimeError):
 
 
 @dataclass
+class RunModels:
+    """The run's own networks, for a reward registered with `reads_policy` (the `self_judge`): each call gives
+    `(model, context)`, the model to run inside `context`. `reference`: the KL reference (a frozen copy, or the
+    policy under `disable_adapter()`, step/reference.py `Reference.sampler`); `policy`: the policy as it trains."""
+
+    reference: Callable[[], tuple[Any, Any]]
+    policy: Callable[[], tuple[Any, Any]]
+
+    @classmethod
+    def of(cls, model) -> RunModels:
+        """`model` as both (the matrix's base policy, which judges every run's images alike)."""
+        from contextlib import nullcontext
+
+        return cls(reference=lambda: (model, nullcontext()), policy=lambda: (model, nullcontext()))
+
+
+@dataclass
 class RewardContext:
     """What every reward factory may read."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     batch_size: int = 64  # images per model call (reward.batch_size)
+    models: RunModels | None = None  # the run's own networks; only a command that loads a policy gives them
 
 
 @dataclass
@@ -63,18 +81,22 @@ class Registered:
     factory: Callable[..., RewardFn]  # factory(ctx) or, with options, factory(ctx, options)
     options: type | None = None  # the dataclass of `reward.options.<name>`; None: the reward takes none
     reads_plan: bool = False  # scores an image against its text plan (metadata["plan"]): needs sample.plan
+    reads_policy: tuple[str, ...] = ()  # scores with the run's own network (ctx.models), of these policy kinds
 
 
 REGISTRY: dict[str, Registered] = {}
 
 
-def register_reward(name: str, options: type | None = None, reads_plan: bool = False):
+def register_reward(name: str, options: type | None = None, reads_plan: bool = False,
+                    reads_policy: tuple[str, ...] = ()):
     """Register `factory` as reward `name`; with `options` (a dataclass), the factory is called as
     `factory(ctx, options_instance)`, the instance built strictly from `reward.options.<name>`. `reads_plan`: the
     reward scores an image against the text plan it was drawn from, so a config that trains on it without
-    `sample.plan` is refused (every image would score NaN, and the weight would silently do nothing)."""
+    `sample.plan` is refused (every image would score NaN, and the weight would silently do nothing).
+    `reads_policy`: the policy kinds whose own network the reward scores with (`ctx.models`, given by the commands
+    that load a policy); a config of another kind, or one without a reference to judge with, is refused."""
     def wrap(factory):
-        REGISTRY[name] = Registered(factory, options, reads_plan)
+        REGISTRY[name] = Registered(factory, options, reads_plan, tuple(reads_policy))
         return factory
     return wrap
 
@@ -100,6 +122,10 @@ def make_reward(name: str, ctx: RewardContext, options: dict[str, Any] | None = 
         raise ConfigError(f"unknown reward {brief(name)}; registered rewards: {', '.join(available_rewards())} "
                           f"({not_found_hint()})")
     parsed = reward_options(name, options)
+    if REGISTRY[name].reads_policy and ctx.models is None:
+        raise ConfigError(f"reward {name!r} scores with the run's own {' or '.join(REGISTRY[name].reads_policy)} "
+                          "model, and this command loads none: use it in train, eval, matrix or the demo, which load "
+                          "the policy")
     return REGISTRY[name].factory(ctx) if parsed is None else REGISTRY[name].factory(ctx, parsed)
 
 
@@ -145,8 +171,31 @@ def check_options(cfg) -> None:
             raise ConfigError(f"reward.weights.{name}: reward {name!r} scores each image against its text plan, and "
                               "this config samples none; set sample.plan.enabled=true (with a policy that plans) or "
                               "drop the reward")
+    for name in dict.fromkeys([*(n for n, w in cfg.reward.weights.items() if w), *cfg.reward.monitor]):
+        entry = REGISTRY.get(name) if is_registered(name) else None
+        if entry is not None and entry.reads_policy:
+            check_reads_policy(name, entry.reads_policy, cfg, reward_options(name, cfg.reward.options.get(name)))
     if cfg.policy.kind or cfg.policy.options:
         kind_options(cfg.policy)
+
+
+def policy_readers(cfg) -> list[str]:
+    """The rewards of the config (weights and monitors) that score with the run's own network (`reads_policy`)."""
+    names = dict.fromkeys([*cfg.reward.weights, *cfg.reward.monitor])
+    return [n for n in names if is_registered(n) and n in REGISTRY and REGISTRY[n].reads_policy]
+
+
+def check_reads_policy(name: str, kinds: tuple[str, ...], cfg, options) -> None:
+    """ConfigError when reward `name`, which scores with the run's own network, cannot have one: a policy kind
+    not among `kinds`, or a judging reference (options without `model: policy`) where train.reference is none."""
+    if cfg.policy.kind not in kinds:
+        raise ConfigError(f"reward {name!r} scores with the policy's own network, which policy kind "
+                          f"{cfg.policy.kind!r} cannot give it: use it with policy.kind "
+                          f"{' or '.join(map(repr, kinds))}, or drop it")
+    if getattr(options, "model", "reference") == "reference" and cfg.train.reference == "none":
+        raise ConfigError(f"reward {name!r} judges with the reference model, and "
+                          "train.reference is none: set train.reference=adapter (with train.adapter=lora: no second "
+                          f"copy of the weights) or frozen, or reward.options.{name}.model=policy")
 
 
 def register_callable(name: str, fn: RewardFn) -> None:

@@ -10,7 +10,9 @@ from typing import Sequence
 import torch
 
 from grpo_vision.config import ConfigError, brief
-from grpo_vision.rewards.base import RewardContext, RewardError, RewardFn, check_option_names, make_reward
+from grpo_vision.rewards.base import (
+    RewardContext, RewardError, RewardFn, RunModels, check_option_names, make_reward,
+)
 
 
 @dataclass
@@ -46,15 +48,16 @@ class CompositeReward:
 
     @classmethod
     def from_config(cls, reward_cfg, device: torch.device | str = "cpu", defaults: dict[str, dict] | None = None,
-                    entries: Sequence = ()) -> CompositeReward:
+                    entries: Sequence = (), models: RunModels | None = None) -> CompositeReward:
         """The rewards of a config.RewardConfig, plus any that prompt entries name in their own weights.
         Each reward's options are `defaults[name]` (what the policy kind ships, e.g. ShapesWorld's tiny
-        CLIP) overridden key by key by `reward.options[name]`."""
+        CLIP) overridden key by key by `reward.options[name]`. `models`: the run's own networks, for a reward
+        that scores with them (the self_judge); a command that loads a policy gives them."""
         check_option_names(reward_cfg.options)
         names = {*(defaults or {}), *reward_cfg.options}
         options = {n: {**(defaults or {}).get(n, {}), **reward_cfg.options.get(n, {})} for n in names}
         composite = cls(reward_cfg.weights, reward_cfg.monitor,
-                        RewardContext(torch.device(device), reward_cfg.batch_size), options)
+                        RewardContext(torch.device(device), reward_cfg.batch_size, models), options)
         for e in entries:
             try:
                 composite.add(sorted(e.rewards or ()))

@@ -117,10 +117,13 @@ def _check_model_type(path: Path) -> None:
                           f"{len(KNOWN) - 4} more): give {WHAT}")
 
 
-def answer_ids(tokenizer, word: str, key: str, case_variants: bool) -> list[int]:
+def answer_ids(tokenizer, word: str, key: str, case_variants: bool, spaced: bool = False) -> list[int]:
     """The token ids that answer `word`: the word as given (it must be one token of the vocabulary) and,
-    with `case_variants`, its lower / Capitalised / UPPER forms that are one token each."""
-    forms = dict.fromkeys([word, *((word.lower(), word.capitalize(), word.upper()) if case_variants else ())])
+    with `case_variants`, its lower / Capitalised / UPPER forms that are one token each; with `spaced`, also each
+    form after a space (" Yes") where that is one token: a prompt that ends at "Assistant:" is answered " Yes"
+    by a byte-level BPE tokenizer (Janus's chat template, the `self_judge` reward)."""
+    forms = [word, *((word.lower(), word.capitalize(), word.upper()) if case_variants else ())]
+    forms = dict.fromkeys([*forms, *((" " + f for f in forms) if spaced else ())])
     unk = getattr(tokenizer, "unk_token_id", None)
     ids = []
     for form in forms:
@@ -144,6 +147,19 @@ def questions_for(prompt: str, meta: dict | None, default: str) -> list[str]:
     return [q.replace("{prompt}", prompt) for q in asked]
 
 
+def questions_asked(prompts: Sequence[str], metadata: Sequence[dict], default: str) -> list[tuple[int, str]]:
+    """(image index, question) for every question asked of every image (`questions_for`)."""
+    return [(i, q) for i, (prompt, meta) in enumerate(zip(prompts, metadata))
+            for q in questions_for(prompt, meta, default)]
+
+
+def mean_per_image(asked: Sequence[tuple[int, object]], scores: torch.Tensor, images: int) -> torch.Tensor:
+    """Each image's mean `[images]` of the `scores` `[Q]` of its questions (`asked[q][0]`: question q's image)."""
+    owner = torch.tensor([i for i, _ in asked])  # [Q] the image each question was asked of
+    total = torch.zeros(images).index_add_(0, owner, scores.float())  # [B]
+    return total / torch.bincount(owner, minlength=images).clamp(min=1)  # [B]
+
+
 def prompt_text(processor, question: str, template: str) -> str:
     """The judge's input text for one image and `question`, ending where the answer begins."""
     if template:
@@ -162,8 +178,13 @@ def yes_probability(model, processor, images: torch.Tensor, texts: Sequence[str]
     inputs = inputs.to(model.device)
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)
-    logits = model(**inputs, logits_to_keep=1).logits[:, -1].float()  # [B, V] at the answer position
-    p = torch.softmax(logits[:, [*yes, *no]], dim=-1)  # [B, Y+N]: the softmax over the answer tokens only
+    return yes_share(model(**inputs, logits_to_keep=1).logits[:, -1], yes, no)  # logits [B, V] at the answer
+
+
+def yes_share(logits: torch.Tensor, yes: Sequence[int], no: Sequence[int]) -> torch.Tensor:
+    """P(yes) / (P(yes) + P(no)) `[B]` from next-token logits `[B, V]`: the softmax over the answer tokens only,
+    the yes variants' probabilities summed (VQAScore's normalisation, module docstring)."""
+    p = torch.softmax(logits.float()[:, [*yes, *no]], dim=-1)  # [B, Y+N]
     return p[:, :len(yes)].sum(-1)  # [B]
 
 
@@ -198,17 +219,14 @@ def vlm_judge_reward(ctx: RewardContext, opts: VlmJudgeOptions) -> RewardFn:
     @torch.no_grad()
     def reward(images, prompts, metadata):
         asked = [(i, prompt_text(processor, q, opts.template))  # (image index, text) for every question
-                 for i, (prompt, meta) in enumerate(zip(prompts, metadata))
-                 for q in questions_for(prompt, meta, opts.question)]
+                 for i, q in questions_asked(prompts, metadata, opts.question)]
         if not asked:
             return torch.zeros(0)
         model, n = _model(str(path), device, dtype), ctx.batch_size
         scores = torch.cat([yes_probability(model, processor, images[[i for i, _ in chunk]].float(),
                                             [t for _, t in chunk], yes, no).cpu()
                             for chunk in (asked[k:k + n] for k in range(0, len(asked), n))])  # [Q]
-        owner = torch.tensor([i for i, _ in asked])  # [Q] the image each question was asked of
-        total = torch.zeros(len(prompts)).index_add_(0, owner, scores)  # [B]
-        return total / torch.bincount(owner, minlength=len(prompts)).clamp(min=1)  # [B] mean over its questions
+        return mean_per_image(asked, scores, len(prompts))  # [B]
 
     reward.load = lambda: _model(str(path), device, dtype)
     return reward

@@ -2,8 +2,8 @@
 
 A batch that cannot fit is refused before any sampling (ConfigError naming the knob to lower), not
 minutes later by an out-of-memory traceback. The estimate counts the policy's side only (reward
-models are not counted). Policies that expose their sizes (`architecture()`: the built-in, LlamaGen
-and Janus) get every part: weights, optimizer, the step's buffers, the sampler's KV cache and logits,
+models are not counted; a reward that judges with the policy's own network, self_judge, is: its forward).
+Policies that expose their sizes (`architecture()`: the built-in, LlamaGen and Janus) get every part: weights, optimizer, the step's buffers, the sampler's KV cache and logits,
 and the update's saved activations and logits; a policy that does not gets weights and optimizer only,
 and the estimate says it is a lower bound. `bench step` logs it beside the measured peak
 (`perf/memory_estimate_gib`; docs/benchmarks.md compares them).
@@ -46,6 +46,8 @@ class PolicyShape:  # what the estimate needs from a policy; the architecture fi
     runtime_bytes: int = 0  # on a CPU, the process before any step: libraries, loaders' buffers
     adapter_bytes: int = 0  # per token, all layers: the inputs peft adapters copy to their own dtype (`adapter_copies`)
     adapter: bool = False  # the trainable weights are adapters (the base layers' weights are frozen)
+    judge_len: int | None = None  # tokens of an understanding prompt (text and image), where the policy reads images
+    vocab: int | None = None  # the text head's rows: an understanding forward's last-position logits
 
 
 def saved_bytes_per_token(dim: int, kv_dim: int, ffn: int, act_bytes: int, full: bool, weight_inputs: bool) -> int:
@@ -67,14 +69,16 @@ def saved_bytes_per_token(dim: int, kv_dim: int, ffn: int, act_bytes: int, full:
 def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_batch: int, guided: bool,
                     frozen_reference: bool, activation_bytes: int | None = None,
                     checkpointing: bool = False, merged: int = 0, plan_tokens: int = 0,
-                    plan_vocab: int = 0) -> dict[str, int]:
+                    plan_vocab: int = 0, judge_rows: int = 0) -> dict[str, int]:
     """Bytes per part of a step's peak on one process: `images` per process per step, `sample_batch`
     rows per sampler call, `micro_batch` rows per forward/backward; CFG doubles the rows. Activations are
     `activation_bytes` a value (2 under bf16 autocast; default the weights' dtype); `checkpointing` keeps
     one block's activations and every block's input. `merged`: the bytes of the merged weights sampling
     holds beside the originals (sample.merge_adapter; models/adapters.py merged_bytes). A text plan of up to
     `plan_tokens` over `plan_vocab` (sample.plan) lengthens the image condition by as much, and adds the update's
-    teacher-forced text rows (the prompt and the plan, without CFG rows) and their float32 plan logits."""
+    teacher-forced text rows (the prompt and the plan, without CFG rows) and their float32 plan logits.
+    `judge_rows`: images per understanding forward of a reward that reads the policy's own network (self_judge,
+    reward.batch_size), scored between sampling and the update."""
     s, pb, cfg_rows = shape, shape.param_bytes, 2 if guided else 1
     trainable_bytes = s.trainable_bytes if s.trainable_bytes is not None else s.trainable * pb
     parts = {
@@ -103,13 +107,31 @@ def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_ba
     parts["training"] = rows * seq * per_token + 3 * rows * s.image_tokens * s.codebook * 4
     if plan_tokens:  # the text rows' activations and plan logits, held with the image rows' until one backward
         parts["training"] += micro_batch * ((s.cond_len + plan_tokens) * per_token + 3 * plan_tokens * plan_vocab * 4)
+    if judge_rows and s.judge_len:
+        parts["judging"] = judging_bytes(s, judge_rows)
     return parts
 
 
+def judging_bytes(s: PolicyShape, rows: int) -> int:
+    """An understanding forward of `rows` images under no_grad and without a cache (models/janus_understanding.py):
+    no layer's activations outlive it, so its peak is one Llama block's working set over the `judge_len` tokens
+    (the residual, the norm's output, q, k, v, the attention's output and o_proj's: 5 x dim + 2 x kv_dim; SwiGLU's
+    gate, up and product: 3 x ffn), the attention weights of the math kernel a CPU runs (heads x T x T), and the
+    last position's float32 logits twice (the head's and the softmax's). The SigLIP tower runs before it over
+    fewer tokens (576 at 1024 wide for Janus-Pro) and is freed by then."""
+    T, head_dim = s.judge_len, s.dim // s.heads
+    block = T * (5 * s.dim + 2 * s.kv_heads * head_dim + 3 * s.ffn_dim) + s.heads * T * T
+    return rows * (block * s.param_bytes + 2 * (s.vocab or 0) * 4)
+
+
+PHASES = ("sampling", "judging", "training")  # a step's phases, one after the other
+
+
 def peak(parts: dict[str, int]) -> int:
-    """Weights, optimizer and step buffers stay; sampling and training come one after the other."""
-    stays = sum(v for k, v in parts.items() if k not in ("sampling", "training"))
-    return stays + max(parts.get("sampling", 0), parts.get("training", 0))
+    """Weights, optimizer and step buffers stay; sampling, judging (a self_judge's scoring) and training come one
+    after the other."""
+    stays = sum(v for k, v in parts.items() if k not in PHASES)
+    return stays + max(parts.get(k, 0) for k in PHASES)
 
 
 def policy_shape(policy, tokenizer, trainable: list[torch.Tensor], runtime_bytes: int = 0) -> PolicyShape:
@@ -172,6 +194,7 @@ KNOBS = {"weights": "a smaller policy, policy.dtype, or train.adapter=lora with 
          "step": "sample.prompts_per_step (or sample.group_size): every image of a step is held at once",
          "sampling": "sample.batch_size (sequences per sampler call), or sample.merge_adapter=off (no merged copy)",
          "training": "train.micro_batch_size (sequences per forward/backward) or train.gradient_checkpointing",
+         "judging": "reward.batch_size (images per understanding forward of the self_judge reward)",
          "runtime": "the other work in this process (it is what the process held before the run's first step)"}
 
 
@@ -195,11 +218,12 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
 
 def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,
                   device, loud: bool, runtime_bytes: int = 0, merged: int = 0,
-                  optional_merge: bool = False) -> tuple[int, bool]:
+                  optional_merge: bool = False, judge_rows: int = 0) -> tuple[int, bool]:
     """Estimate a run's peak memory for its config, print it (`loud`), warn when close, refuse when over;
     returns the estimated peak in bytes and whether rollouts merge the adapter. `runtime_bytes`: the process
     before the policy was loaded (a CPU's); `merged`: the merged weights' bytes when sampling merges, which
-    `optional_merge` (sample.merge_adapter=auto) drops, saying so, where only they make the estimate too close."""
+    `optional_merge` (sample.merge_adapter=auto) drops, saying so, where only they make the estimate too close;
+    `judge_rows`: images per understanding forward of a reward that reads the policy's network (estimate_memory)."""
     shape = policy_shape(policy, tokenizer, trainable, runtime_bytes)
     t = cfg.train
     available = available_memory(torch.device(device))
@@ -210,7 +234,7 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
                                activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
                                checkpointing=t.gradient_checkpointing, merged=merged_bytes,
                                plan_tokens=cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0,
-                               plan_vocab=getattr(policy, "plan_vocab_size", 0) or 0)
+                               plan_vocab=getattr(policy, "plan_vocab_size", 0) or 0, judge_rows=judge_rows)
     parts = parts_with(merged)
     if merged and optional_merge and available and peak(parts) > WARN_FRACTION * available \
             and peak(parts_with(0)) < peak(parts):

@@ -24,6 +24,7 @@ import torch
 
 from grpo_vision.grpo import mixup_state_dict
 from grpo_vision.models.adapters import ZERO_FACTORS, adapter_layers, is_adapter_weight
+from grpo_vision.rewards.base import RunModels
 from grpo_vision.sampling import SamplingParams, batched_logprobs
 
 
@@ -65,6 +66,11 @@ class Reference:
             device = next(policy.parameters()).device
             self._base = self._load_base().to(device).eval().requires_grad_(False)
         return self._base, nullcontext()
+
+    def models(self, policy) -> RunModels:
+        """The run's networks as a reward that scores with them sees them (rewards/base.py RunModels): this
+        reference, as `sampler` gives it, and the policy itself."""
+        return RunModels(reference=lambda: self.sampler(policy), policy=lambda: (policy, nullcontext()))
 
     @torch.no_grad()
     def sync(self, policy, weights: dict | None = None, alpha: float = 1.0) -> None:

@@ -14,7 +14,7 @@ import torch
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes
 from grpo_vision.models.adapters import add_adapter, merge_setting, merged_bytes
 from grpo_vision.policy import Bundle, check_planning, check_weighting_hooks, load_bundle
-from grpo_vision.rewards import CompositeReward
+from grpo_vision.rewards import CompositeReward, RunModels, policy_readers
 from grpo_vision.run.checkpoint import Resumed, base_identity, latest_checkpoint, load_training_state, resume_weights
 from grpo_vision.run.distributed import load_optimizer_state, prepare
 from grpo_vision.run.folder import record_other_base
@@ -69,13 +69,14 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
     # unmerged sampling where only its copy of the weights does not fit)
     memory_estimate, merge = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
                                            params.guided, acc.device, acc.is_main_process, before_load,
-                                           merged_bytes(policy) if merge else 0, cfg.sample.merge_adapter == "auto")
+                                           merged_bytes(policy) if merge else 0, cfg.sample.merge_adapter == "auto",
+                                           judge_rows(cfg, sizes["images_per_process"]))
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
     if cfg.train.zero_std_groups == "resample" and len(prompts.train) <= cfg.sample.prompts_per_step:
         raise ConfigError(f"train.zero_std_groups=resample replaces flat groups by prompts the step has not drawn, and "
                           f"the {len(prompts.train)} training prompts leave none beside sample.prompts_per_step="
                           f"{cfg.sample.prompts_per_step}: give more training prompts, or use train.zero_std_groups=drop")
-    rewards = load_rewards(cfg, acc, bundle, prompts)  # a missing model or a set it cannot score stops here
+    rewards = load_rewards(cfg, acc, bundle, prompts, reference.models(policy))  # a missing model stops here
     buffer = replay_buffer(cfg, bundle, rewards, reference)
     # a resume's checkpoint, checked against this run (train.steps, its base files, what it must hold), and its
     # weights loaded before accelerate shards them (FSDP); the optimizer's state after
@@ -145,12 +146,20 @@ def load_policy(cfg: Config, acc, params: SamplingParams, given: Bundle | None) 
     return bundle, policy
 
 
-def load_rewards(cfg: Config, acc, bundle: Bundle, prompts: PromptSets) -> CompositeReward:
-    """The run's rewards with their models loaded, checked against every prompt set they will score."""
-    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all())
+def load_rewards(cfg: Config, acc, bundle: Bundle, prompts: PromptSets, models: RunModels | None = None
+                 ) -> CompositeReward:
+    """The run's rewards with their models loaded, checked against every prompt set they will score; `models`: the
+    run's own networks, for a reward that scores with them (self_judge)."""
+    rewards = CompositeReward.from_config(cfg.reward, acc.device, bundle.reward_defaults, prompts.all(), models)
     rewards.load()
     rewards.check({"training": prompts.train, **prompts.named()})
     return rewards
+
+
+def judge_rows(cfg: Config, images: int) -> int:
+    """Images per understanding forward of a reward that judges with the run's own network (self_judge), for the
+    memory estimate: reward.batch_size, or a step's `images` where fewer; 0 without such a reward."""
+    return min(cfg.reward.batch_size, images) if policy_readers(cfg) else 0
 
 
 def replay_buffer(cfg: Config, bundle: Bundle, rewards: CompositeReward, reference: Reference) -> ReplayBuffer | None:

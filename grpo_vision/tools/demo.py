@@ -105,7 +105,8 @@ class DemoRun:
         latest = self.load(self.latest)
         self.cfg, self.bundle = latest.cfg, latest.bundle
         self.rewards = CompositeReward.from_config(self.cfg.reward, resolve_device(self.device, "--device"),
-                                                   self.bundle.reward_defaults).load()
+                                                   self.bundle.reward_defaults,
+                                                   models=latest.reference.models(latest.policy)).load()
         self.examples = run_examples(self.cfg, self.bundle)
         self.metadata = run_metadata(self.run_dir)
         self.reference_label = reference_label(latest.reference.mode, latest.reference.synced)

@@ -32,7 +32,7 @@ from grpo_vision.run.metrics import interval
 from grpo_vision.policy import load_bundle
 from grpo_vision.splits import prompt_lists
 from grpo_vision.run.machine import resolve_device
-from grpo_vision.rewards import CompositeReward
+from grpo_vision.rewards import CompositeReward, RunModels
 from grpo_vision.rollouts import (
     EVAL_SEED, decode_images, draw, eval_seeds, kl_to, plan_texts, repeat, score, verdict_rates,
 )
@@ -70,8 +70,8 @@ class Scorer:
         reporting its raw score (weights play no part in scoring)."""
         if tuple(names) not in self._composites:
             reward_cfg = replace(self.cfg.reward, weights={n: 1.0 for n in names}, monitor=[])
-            self._composites[tuple(names)] = CompositeReward.from_config(
-                reward_cfg, self.device, self.bundle.reward_defaults).load()
+            self._composites[tuple(names)] = CompositeReward.from_config(  # a self_judge: the base judges all runs
+                reward_cfg, self.device, self.bundle.reward_defaults, models=RunModels.of(self.base)).load()
         return self._composites[tuple(names)]
 
     def key(self, step: int) -> str:

@@ -10,7 +10,8 @@ images/s a GRPO step of that kind measured on one GPU (docs/benchmarks.md), wher
 
     grpo-vision plan --preset janus-pro-7b --gpu-memory 24,48,80
 
-The estimate counts the policy's side (the reward models are not counted) and leaves a fifth of the memory for
+The estimate counts the policy's side (the reward models are not counted; `--judge-batch N` adds the understanding
+forward of a self_judge reward, which judges with the policy's own network) and leaves a fifth of the memory for
 what it does not count: the CUDA context, the allocator's reserve (measured 26-36% above the allocated peak on one
 H200) and the rewards.
 """
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from grpo_vision.models.janus_understanding import JUDGE_TEXT_TOKENS
 from grpo_vision.run.memory import GIB, WARN_FRACTION, PolicyShape, estimate_memory, peak
 from grpo_vision.tools.presets import janus_config, llamagen_config, preset
 
@@ -88,7 +90,8 @@ def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> t
                                          model.lm_head) for q in part.parameters()}
             arch = dict(layers=t.num_hidden_layers, dim=t.hidden_size, heads=t.num_attention_heads,
                         kv_heads=t.num_key_value_heads, ffn_dim=t.intermediate_size, cond_len=64,
-                        codebook=config.vq_config.num_embeddings)
+                        codebook=config.vq_config.num_embeddings, vocab=t.vocab_size,
+                        judge_len=JUDGE_TEXT_TOKENS + config.vision_config.num_image_tokens + 2)
             image_size, tokens, extra = p.size.image_size, config.vision_config.num_image_tokens, 0
         else:
             from grpo_vision.models.llamagen import LlamaGenPolicy
@@ -122,11 +125,12 @@ def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> t
     return shape, adapted
 
 
-def estimate(shape: PolicyShape, adapted: int, s: Setting) -> float:
-    """GiB of the setting's estimated peak (run/memory.py), one prompt's group a step on one GPU."""
+def estimate(shape: PolicyShape, adapted: int, s: Setting, judge_batch: int = 0) -> float:
+    """GiB of the setting's estimated peak (run/memory.py), one prompt's group a step on one GPU; `judge_batch`:
+    images per understanding forward of a self_judge reward (reward.batch_size), 0 without one."""
     parts = estimate_memory(shape, images=s.group, sample_batch=s.group, micro_batch=s.micro_batch, guided=True,
                             frozen_reference=s.reference == "frozen", checkpointing=s.checkpointing,
-                            merged=adapted if s.merge else 0)
+                            merged=adapted if s.merge else 0, judge_rows=min(judge_batch, s.group))
     return peak(parts) / GIB
 
 
@@ -145,9 +149,11 @@ def candidates(mode: str, ranks=(64, 32, 16, 8)):
                             yield Setting("lora", group, micro, checkpointing, "adapter", merge, rank)
 
 
-def plan(name: str, budgets_gib: list[float]) -> dict:
+def plan(name: str, budgets_gib: list[float], judge_batch: int = 0) -> dict:
     """For each budget and each mode (full fine-tune, LoRA): the largest setting that fits, its estimate, and the
-    step's images/s where a step of that kind was measured."""
+    step's images/s where a step of that kind was measured. `judge_batch`: a self_judge reward's images per
+    understanding forward, counted in the estimate (its time is not in the measured images/s, which scored with
+    no reward model)."""
     shapes = {"full": preset_shape(name, "full")}
     shapes |= {("lora", r): preset_shape(name, "lora", r) for r in (64, 32, 16, 8)}
     rows = []
@@ -156,7 +162,7 @@ def plan(name: str, budgets_gib: list[float]) -> dict:
             chosen = None
             for s in candidates(mode):
                 shape, adapted = shapes["full"] if mode == "full" else shapes[("lora", s.rank)]
-                gib = estimate(shape, adapted, s)
+                gib = estimate(shape, adapted, s, judge_batch)
                 if gib <= WARN_FRACTION * budget:
                     chosen = (s, gib)
                     break
@@ -170,12 +176,14 @@ def plan(name: str, budgets_gib: list[float]) -> dict:
                                "images_per_s_measured": rate,
                                "measured_at": "G 16, the shipped config's micro-batch, one H200" if rate else None,
                                "overrides": s.overrides()})
-    return {"preset": name, "fraction": WARN_FRACTION, "rows": rows}
+    return {"preset": name, "fraction": WARN_FRACTION, "judge_batch": judge_batch, "rows": rows}
 
 
 def markdown(report: dict) -> str:
     lines = [f"{report['preset']}: the largest setting whose estimated peak is at most {report['fraction']:.0%} of the "
-             "GPU's memory (one prompt's group a step on the GPU, the model's CFG, bf16 weights)", "",
+             "GPU's memory (one prompt's group a step on the GPU, the model's CFG, bf16 weights"
+             + (f", a self_judge reward scoring {report['judge_batch']} images a forward" if report.get("judge_batch")
+                else "") + ")", "",
              "| GPU memory | mode | G | micro-batch | rank | checkpointing | reference | merged sampling "
              "| estimate GiB | images/s (measured, G 16) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:

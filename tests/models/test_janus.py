@@ -34,13 +34,15 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}<|User|>: {{ m['
 PROMPTS = ["a red circle", "a blue square left of a red circle", "a green square"]
 
 
-def build_tiny_janus(path: Path) -> Path:
+def build_tiny_janus(path: Path, words=WORDS, template: str = TEMPLATE, system_prompt: bool = False) -> Path:
+    """`words`: the vocabulary after the special tokens; `template`: the processor's chat template; `system_prompt`:
+    the processor's `use_default_system_prompt` (transformers' conversion script sets it for the released models)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import GenerationConfig, JanusConfig, JanusForConditionalGeneration, LlamaTokenizerFast
     from transformers.models.janus.image_processing_janus import JanusImageProcessor
     from transformers.models.janus.processing_janus import JanusProcessor
 
-    vocab = {t: i for i, t in enumerate(SPECIAL + WORDS)}
+    vocab = {t: i for i, t in enumerate(SPECIAL + list(words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.add_special_tokens(SPECIAL)
@@ -51,7 +53,7 @@ def build_tiny_janus(path: Path) -> Path:
         extra_special_tokens={"image_token": "<image_placeholder>", "boi_token": "<begin_of_image>",
                               "eoi_token": "<end_of_image>"})
     processor = JanusProcessor(JanusImageProcessor(size={"height": 32, "width": 32}), text_tokenizer,
-                               chat_template=TEMPLATE, num_image_tokens=16)
+                               chat_template=template, num_image_tokens=16, use_default_system_prompt=system_prompt)
     config = JanusConfig(  # projection_dim and image_token_embed_dim must equal the text width
         text_config=dict(model_type="llama", vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -47,6 +47,20 @@ def test_a_text_plan_lengthens_the_condition_and_adds_the_text_rows_and_their_lo
     assert planned["sampling"] == 4224 and planned["training"] == 19584 + 1920 + 5944
 
 
+def test_a_self_judge_adds_its_understanding_forward_as_a_phase_of_its_own():
+    judged = replace(SHAPE, judge_len=5, vocab=7)
+    parts = estimate_memory(judged, images=10, sample_batch=3, micro_batch=2, guided=True, frozen_reference=True,
+                            judge_rows=3)
+    # T = 5 tokens, kv_dim 4: one block's working set 5 x (5 x 8 + 2 x 4 + 3 x 16) = 480 values, the attention's
+    #   2 heads x 5 x 5 = 50: 530 x 4 B = 2120 a row, + the last position's logits twice, 2 x 7 x 4 B = 56: 2176 a row
+    assert parts["judging"] == 3 * 2176 and parts["training"] == 14976
+    assert peak(parts) == 8000 + 12000 + 2240 + 14976  # judging comes between sampling and training
+    more = estimate_memory(judged, 10, 3, 2, True, True, judge_rows=10)  # 21760 B: now the largest phase
+    assert peak(more) == 8000 + 12000 + 2240 + 10 * 2176
+    assert "judging" not in estimate_memory(SHAPE, 10, 3, 2, True, True, judge_rows=10)  # a policy that reads none
+    assert "judging" not in estimate_memory(judged, 10, 3, 2, True, True)  # no self_judge
+
+
 def test_checkpointing_bf16_activations_and_what_lies_beside_the_weights():
     deep = replace(SHAPE, layers=3, trainable_bytes=100, weight_bytes=3000, extra_bytes=500, runtime_bytes=7,
                    kv_bytes=2)

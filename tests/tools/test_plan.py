@@ -24,7 +24,7 @@ def test_a_presets_shape_on_the_meta_device_is_the_loaded_models(name, targets, 
     loaded = policy_shape(policy, bundle.tokenizer, trainable)
     counted, adapted = planner.preset_shape(name, mode, rank=4)
     for field in ("params", "trainable", "trainable_bytes", "adapter_bytes", "adapter", "layers", "dim", "heads",
-                  "kv_heads", "ffn_dim", "codebook", "image_tokens", "image_values"):
+                  "kv_heads", "ffn_dim", "codebook", "image_tokens", "image_values", "judge_len", "vocab"):
         assert getattr(counted, field) == getattr(loaded, field), field
     # on a CPU Janus runs its frozen VQ model in float32 (models/janus.py); on a GPU, as planned, in bf16
     vq = sum(p.numel() for p in bundle.policy.model.model.vqmodel.parameters()) if "janus" in name else 0
@@ -65,3 +65,20 @@ def test_the_command_prints_a_table_per_model_and_names_an_unknown_size(capsys):
         main(["plan", "--preset", "janus-pro-3b"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.strip().count("\n") == 0 and "unknown --preset 'janus-pro-3b'" in err
+
+
+def test_a_self_judge_batch_is_counted_and_said(capsys):
+    """--judge-batch adds the understanding forward (run/memory.py's judging phase, its arithmetic tested there) of
+    min(batch, G) images; the released sizes sample more than they judge, so the settings stay, and the table says
+    what it counted."""
+    from grpo_vision.cli import main
+    from grpo_vision.run.memory import estimate_memory
+
+    shape, adapted = planner.preset_shape("janus-pro-1b", "lora", 8)
+    s = planner.Setting("lora", 16, 1, True, "adapter", False, 8)
+    parts = estimate_memory(shape, 16, 16, 1, True, False, checkpointing=True, judge_rows=16)
+    # 16 rows x 706 tokens (128 of text, 576 placeholders, 2 markers) of 24 blocks 2048 wide: under a GiB, below sampling
+    assert 0.5 < parts["judging"] / 2**30 < parts["sampling"] / 2**30
+    assert planner.estimate(shape, adapted, s, judge_batch=64) == planner.estimate(shape, adapted, s)
+    main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", "24", "--judge-batch", "16"])
+    assert "a self_judge reward scoring 16 images a forward" in capsys.readouterr().out
