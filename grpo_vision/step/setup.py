@@ -181,6 +181,7 @@ def make_learner(cfg: Config, acc, policy, trainable: list, sizes: dict, resumed
     if resumed is not None:
         load_training_state(ckpt, optimizer, scheduler,
                             lambda opt_state: load_optimizer_state(model, optimizer, opt_state))
+        apply_settings(optimizer, scheduler, cfg)
     low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
     health = RunHealth(resumed.counters if resumed else None, t.max_skipped_updates, loud=acc.is_main_process,
                        drift_limit=DRIFT_WARN["low_precision" if low_precision else "float32"])
@@ -191,6 +192,19 @@ def make_learner(cfg: Config, acc, policy, trainable: list, sizes: dict, resumed
         if resumed is not None and resumed.entropy is not None:
             entropy.load(resumed.entropy)
     return Learner(model, trainable, optimizer, scheduler, acc, health, entropy)
+
+
+def apply_settings(optimizer, scheduler, cfg: Config) -> None:
+    """The config's lr, betas and weight decay over a checkpoint's: torch's Optimizer.load_state_dict restores each
+    param group's hyperparameters and LambdaLR's its base_lrs, so a resume's train.lr=... was written to config.yaml
+    and never trained with. The lr is LambdaLR's own `base_lr * lambda(last_epoch)`: the same float an unchanged
+    resume read back, so such a resume stays exact."""
+    t = cfg.train
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(initial_lr=t.lr, lr=t.lr * factor(scheduler.last_epoch), betas=tuple(t.adam_betas),
+                     weight_decay=t.weight_decay)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports until a step
 
 
 def lr_factor(update: int, cfg: Config, total_updates: int) -> float:
