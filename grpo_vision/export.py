@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from grpo_vision.config import ConfigError
-from grpo_vision.files import write_file
+from grpo_vision.files import disk_full, write_file
 
 
 @dataclass
@@ -61,8 +61,10 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     if exporter(base) is None:
         raise ConfigError(f"policy kind {kind!r} ({type(base).__name__}) has no export(directory): its weights are "
                           f"the run's checkpoints; load them with grpo_vision.evaluation.evaluate.load_run({str(run_dir)!r})")
-    with staging(out) as folder:  # written whole into a sibling, then renamed: no half export under --out's name
-        if adapter and not merge and getattr(base, "adapter_root", None) is not None:
+    as_adapter = adapter and not merge and getattr(base, "adapter_root", None) is not None
+    # written whole into a sibling, then renamed: no half export under --out's name
+    with staging(out, tensor_bytes(policy, as_adapter)) as folder:
+        if as_adapter:
             files, form = write_adapter(policy, base.adapter_root, run.cfg.train.adapter_targets, folder,
                                         base_path=run.cfg.policy.path), "adapter"
         else:
@@ -106,10 +108,24 @@ def check_export_target(out: Path) -> None:
         raise ConfigError(f"--out {out}: {existing} is not writable; name a folder where you can write")
 
 
+def tensor_bytes(policy, adapter_only: bool) -> int:
+    """About what an export writes: the bytes of the policy's tensors (each storage once: tied weights), or of its
+    peft adapter's."""
+    if adapter_only:
+        from peft import get_peft_model_state_dict
+
+        tensors = get_peft_model_state_dict(policy).values()
+    else:
+        tensors = policy.state_dict().values()
+    return sum({(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()): t.untyped_storage().nbytes()
+                for t in tensors}.values())
+
+
 @contextmanager
-def staging(out: Path):
+def staging(out: Path, needed: int = 0):
     """A new hidden sibling of `out` to write into, renamed to `out` once the body ends; removed if it fails (a
-    full disk is a ConfigError line naming --out), so no half-written folder ever carries the export's name."""
+    full disk is a ConfigError line naming --out and about `needed` bytes), so no half-written folder ever carries
+    the export's name."""
     import errno
     import os
     import secrets
@@ -125,7 +141,12 @@ def staging(out: Path):
         os.rename(folder, out)
     except BaseException as e:
         shutil.rmtree(folder, ignore_errors=True)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        if disk_full(e):  # an OSError, or safetensors' own error naming it (files.disk_full)
+            free = shutil.disk_usage(out.parent).free
+            raise ConfigError(f"--out {out}: no space left on {out.parent}: the export's tensors take about "
+                              f"{needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free (the partial export was "
+                              "removed); free some space, or export to a folder on another disk") from None
+        if isinstance(e, OSError) and e.errno in (errno.EROFS, errno.EACCES):
             raise ConfigError(f"--out {out}: writing the export failed ({e.strerror}); nothing was left there") from None
         raise
 

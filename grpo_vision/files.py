@@ -105,6 +105,13 @@ def check_writable(path: str | Path, fix: str) -> None:
         raise FolderError(f"cannot write in {here} ({why}): {fix}")
 
 
+def disk_full(e: BaseException) -> bool:
+    """No space or quota left: an OSError, or safetensors' SafetensorError, which names the OS error only in its
+    text ("I/O error: No space left on device (os error 28)", from a full tmpfs)."""
+    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+    return (isinstance(e, OSError) and e.errno in codes) or any(f"os error {c})" in str(e) for c in codes)
+
+
 def check_output_file(path: str | Path, option: str) -> None:
     """Refuse, before any work, the file an option names (`--verdicts F`, `--out F`) where it cannot be
     written: a folder holds its name, a file stands where one of its folders belongs, or its folder cannot

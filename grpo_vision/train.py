@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo_vision.config import Config, save_config
+from grpo_vision.config import Config
 from grpo_vision.grpo import frac_zero_std, group_advantages
 from grpo_vision.policy import Bundle
 from grpo_vision.prompts import PromptEntry, save_prompts
@@ -34,7 +34,7 @@ from grpo_vision.rollouts import EVAL_SEED, Scored, compare, plan_texts
 from grpo_vision.run.alerts import RunAlerts, watcher_for
 from grpo_vision.run.checkpoint import latest_checkpoint, save_checkpoint
 from grpo_vision.run.distributed import full_weights, is_fsdp, optimizer_state, trainable_weights
-from grpo_vision.run.folder import resume_command, save_origin
+from grpo_vision.run.folder import resume_command, save_origin, save_run_config
 from grpo_vision.run.health import NonFiniteWeightsError, warn
 from grpo_vision.run.lock import RunLock
 from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics
@@ -67,11 +67,12 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
            prompts: dict[str, list[PromptEntry]] | None, allow_other_base: bool) -> Path:
     st = set_up(cfg, resume, bundle, prompts, allow_other_base)  # every model, reward and prompt; a bad input stops
     s, t, main = cfg.sample, cfg.train, st.acc.is_main_process
-    lock = RunLock(st.run_dir, fresh=not resume) if main else None  # one run per directory, until train returns
+    # one run per directory, until train returns: a resume took it before reading its checkpoint (set_up)
+    lock = st.lock or (RunLock(st.run_dir, fresh=True) if main and not resume else None)
     # only once everything has loaded, so a bad override never reaches the run's config; and not by a resume of a
     # finished run, which trains no step: its overrides would be recorded as settings no step used
     if main and not (resume and st.start >= t.steps):
-        save_run_files(st, cfg)
+        save_run_files(st, cfg, resume)
     logger = MetricsLogger(st.run_dir, st.start, Trackers(st.acc, st.run_dir, cfg, st.start)) if main else None
     alerts = RunAlerts(st.run_dir, st.start, watcher_for(cfg), load_metrics(st.run_dir), cfg.log.stop_on) \
         if main else None  # after the logger, which drops the rows past the resumed step
@@ -196,9 +197,10 @@ def log_samples(st: RunState, step: int, logger: MetricsLogger | None, samples: 
                                  plan_texts(samples))
 
 
-def save_run_files(st: RunState, cfg: Config) -> None:
-    """The run's config, where its relative paths are relative to, and its prompts (fixed in the run)."""
-    save_config(cfg, st.run_dir / "config.yaml")
+def save_run_files(st: RunState, cfg: Config, resume) -> None:
+    """The run's config (a resume's changes recorded in resumes.jsonl), where its relative paths are relative to,
+    and its prompts (fixed in the run)."""
+    save_run_config(st.run_dir, cfg, st.start if resume else None)
     save_origin(st.run_dir)  # eval RUN works from anywhere
     save_reward_origins(st.run_dir, cfg, st.prompts.all())  # a reward made in a script is named later, not unknown
     for name, entries in (("train", st.prompts.train), *st.prompts.scored().items()):

@@ -7,9 +7,12 @@ float32). A run folder as `policy.path` continues from the trained weights.
 """
 
 import json
+import re
+import subprocess
 
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from grpo_vision.cli import main
 from grpo_vision.config import ConfigError, PolicyConfig, load_config
@@ -236,16 +239,44 @@ def test_export_refuses_a_place_inside_a_run_folder_and_bad_paths_before_loading
     assert not (run / "exports").exists()
 
 
-def test_a_failed_export_leaves_nothing_under_its_name(llama_runs, tmp_path, monkeypatch):
+FULL_DISK = rf"^--out {{out}}: no space left on {{disk}}: the export's tensors take about (\d+\.\d) MiB and " \
+            r"\d+\.\d MiB are free \(the partial export was removed\); free some space, or export to a folder on " \
+            r"another disk$"
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   # safetensors' own error, as a full tmpfs raises it from save_file
+                                   SafetensorError("Error while serializing: I/O error: No space left on device "
+                                                   "(os error 28)")])
+def test_a_failed_export_leaves_nothing_under_its_name(llama_runs, tmp_path, monkeypatch, error):
+    """Before, safetensors' error was a traceback (an OSError was one line without the sizes)."""
     def full_disk(policy, directory):
         (directory / "model.safetensors").write_bytes(b"half")
-        raise OSError(28, "No space left on device")
+        raise error
 
     monkeypatch.setattr("grpo_vision.models.llama_hf.export", full_disk)
-    with pytest.raises(ConfigError, match=r"^--out .*out: writing the export failed \(No space left on device\); "
-                                          r"nothing was left there$"):
-        export_run(llama_runs[False], tmp_path / "out")
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=FULL_DISK.format(out=re.escape(str(out)), disk=re.escape(str(tmp_path)))):
+        export_run(llama_runs[False], out)
     assert list(tmp_path.iterdir()) == []  # no folder named out, no hidden half-written sibling
+
+
+def test_an_export_onto_a_full_disk_through_the_real_writers(llama_runs, tmp_path):
+    """On a 64 KiB tmpfs (where the machine lets the test mount one): the size said is the weights file's."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root); the monkeypatched test covers the logic")
+    try:
+        with pytest.raises(ConfigError) as err:
+            export_run(llama_runs[False], disk / "out")
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+    said = re.match(FULL_DISK.format(out=re.escape(str(disk / "out")), disk=re.escape(str(disk))), str(err.value))
+    assert said, str(err.value)
+    written = export_run(llama_runs[False], tmp_path / "roomy").directory / "model.safetensors"
+    assert abs(float(said[1]) - written.stat().st_size / 2**20) <= 0.1
 
 
 # ---------------------------------------------------------------------------- llamagen

@@ -686,3 +686,14 @@ def test_a_resume_of_a_finished_run_records_no_override(micro_world, tmp_path):
     assert (run / "config.yaml").read_bytes() == recorded
     train(load_config(run / "config.yaml", ["train.steps=2"]), resume=run, progress=False)  # a step trains: kept
     assert "steps: 2" in (run / "config.yaml").read_text()
+
+
+def test_a_resume_trains_at_its_own_lr(micro_world, tmp_path):
+    """A resume's train.lr=0.01 was written to config.yaml, and every step trained at the checkpoint's 1e-5: the
+    optimizer's saved param groups and the schedule's base_lrs brought the old lr back."""
+    run = train(micro_cfg(micro_world, tmp_path, "train.steps=1", "log.report=false"), progress=False)
+    train(load_config(run / "config.yaml", ["train.steps=2", "train.lr=0.01"]), resume=run, progress=False)
+    assert [m["lr"] for m in load_metrics(run)] == [1e-5, 0.01]
+    a, b = (load_file(run / "checkpoints" / f"step_{s:06d}" / "policy.safetensors") for s in (1, 2))
+    # AdamW moves a weight by about lr per update (two here): at 1e-5 no weight moves 1e-3
+    assert max((a[k] - b[k]).abs().max().item() for k in a) > 1e-3

@@ -545,6 +545,6 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: Config, path: str | Path) -> None:
-    """Write the resolved config atomically (a resumed run reads it back)."""
-    write_file(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
+def save_config(cfg: Config, path: str | Path, header: str = "") -> None:
+    """Write the resolved config atomically (a resumed run reads it back), after the comment `header`."""
+    write_file(path, header + yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -55,8 +55,10 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "run",
     where this machine has it, else the best one here). Loads no reward: no code the run folder names runs.
     Refuses base files other than those the checkpoint was trained from, unless `allow_other_base`."""
     run_dir = Path(run_dir)
-    cfg = read_run_config(run_dir, device=device)
-    ckpt = find_checkpoint(run_dir, step)
+    read_run_config(run_dir, device=device)  # not a run folder: said before its checkpoints are looked for
+    ckpt = find_checkpoint(run_dir, step)  # named step_NNNNNN
+    # the settings that trained this checkpoint: a later resume may have changed its plan (run/resumes.py)
+    cfg = read_run_config(run_dir, device=device, step=int(ckpt.name.removeprefix("step_")))
     other = check_base(ckpt / "trainer_state.json", recorded_base(ckpt), base_identity(cfg.policy), allow_other_base)
     if other:
         warnings.warn(f"--allow-other-base: {other}", stacklevel=2)

@@ -11,6 +11,7 @@ from grpo_vision.evaluation.evaluate import eval_temperatures, save_sample_grid,
 from grpo_vision.run.alerts import load_alerts, report_lines as alert_lines
 from grpo_vision.run.health import run_summary
 from grpo_vision.run.metrics import load_metrics
+from grpo_vision.run.resumes import resume_lines
 from grpo_vision.evaluation.plots import curves_figure, judge_figure, save_figure
 from grpo_vision.evaluation.report_text import (change_table, duplicate_of_judge, interval_heading, plan_section,
                                                 rate_change, rate_value, reward_change, reward_value, rollout_trend,
@@ -166,7 +167,7 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
              f"{last.get('step', 0)} steps, {cfg.sample.prompts_per_step} prompts x {cfg.sample.group_size} images "
              f"per step, trained on rewards {cfg.reward.weights}, reference `{cfg.train.reference}`, "
              f"beta {cfg.train.beta}, loss `{cfg.train.loss_type}`.", "",
-             *_warning_paragraph(warnings), *alert_lines(load_alerts(run_dir)),
+             *_warning_paragraph(warnings), *alert_lines(load_alerts(run_dir)), *resume_lines(run_dir),
              *what_changed(result, trained, list(cfg.reward.monitor), kl if cfg.train.reference != "none" else [],
                            rollout_trend(metrics, twin) if twin else None),
              f"Evaluation: {result['prompts']} test prompts ({result['captions']} distinct captions of the training "

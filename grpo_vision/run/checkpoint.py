@@ -21,7 +21,6 @@ aside before the new one is renamed in, so some complete copy of that step exist
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -35,7 +34,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from grpo_vision.files import folder, write_file
+from grpo_vision.files import disk_full, folder, write_file
 from grpo_vision.run.safe_state import load_state, save_state
 
 
@@ -81,7 +80,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, optimizer, scheduler, refe
         _fsync_dir(tmp)
     except Exception as e:
         _remove(tmp)  # never leave a partial step behind
-        if not _disk_full(e):
+        if not disk_full(e):
             raise
         kept = latest_checkpoint(run_dir)
         raise CheckpointError(f"no space left on the disk of {run_dir} while writing the checkpoint of step {step}; "
@@ -103,12 +102,6 @@ def _remove(path: Path) -> None:
         path.unlink()
     else:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _disk_full(e: Exception) -> bool:
-    """No space or quota left; safetensors reports it as a SafetensorError naming the OS error."""
-    codes = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
-    return (isinstance(e, OSError) and e.errno in codes) or any(f"os error {c})" in str(e) for c in codes)
 
 
 def _fsync_dir(directory: Path) -> None:

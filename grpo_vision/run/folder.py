@@ -23,9 +23,11 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_vision.config import Config, ConfigError, apply_override, from_dict, read_yaml, validate
+from grpo_vision.config import Config, ConfigError, apply_override, from_dict, read_yaml, save_config, validate
 from grpo_vision.files import open_kept, write_file
 from grpo_vision.reading import json_value, read_text
+from grpo_vision.run.resumes import (config_at, config_changes, format_changes, in_force_header, record_resume,
+                                     resume_records)
 
 ORIGIN = "origin.json"  # where `train` ran: {"cwd": absolute, "cwd_from_run": relative to the run folder}
 PATH_KEYS = (("policy", "path"), ("policy", "tokenizer"), ("data", "train_prompts"), ("data", "eval_prompts"),
@@ -39,16 +41,21 @@ def save_origin(run_dir: str | Path) -> None:
     write_file(run_dir / ORIGIN, json.dumps(record, indent=2) + "\n")  # whole, never through a link
 
 
-def read_run_config(run_dir: str | Path, overrides: list[str] | tuple = (), device: str | None = None) -> Config:
+def read_run_config(run_dir: str | Path, overrides: list[str] | tuple = (), device: str | None = None,
+                    step: int | None = None) -> Config:
     """A run folder's config.yaml with its relative paths resolved from here, then `overrides` (relative
     to the current directory, as typed). `device`, when given, replaces the saved run.device, which
     names where the run trained, perhaps a device this machine lacks: "run" keeps it where this machine
-    has it (sampling there reproduces the run's own report), else takes the best one here."""
+    has it (sampling there reproduces the run's own report), else takes the best one here. `step`: the
+    config that trained that checkpoint, where a later resume changed settings (run/resumes.py)."""
     run_dir = Path(run_dir)
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = from_dict(Config, read_yaml(path), where=str(path))
+    raw = read_yaml(path)
+    if step is not None and isinstance(raw, dict):
+        raw = config_at(raw, resume_records(run_dir), step)
+    cfg = from_dict(Config, raw, where=str(path))
     resolve_paths(cfg, path_bases(run_dir))
     if device == "run":
         device = cfg.run.device if _available(cfg.run.device) else "auto"
@@ -66,6 +73,25 @@ def resume_config(run_dir: str | Path, overrides: list[str]) -> Config:
     if not path.is_file():
         raise FileNotFoundError(f"cannot resume: {path} not found (is {run_dir} a run directory?)")
     return read_run_config(run_dir, overrides)  # its relative paths resolved, from any directory
+
+
+def save_run_config(run_dir: Path, cfg: Config, start: int | None) -> None:
+    """The run's config.yaml; a resume from checkpoint `start` first appends what it changes to resumes.jsonl (read
+    back against the config.yaml it replaces), and the file then says from which step it holds."""
+    if start is not None:
+        record_resume(run_dir, start, config_changes(read_run_config(run_dir), cfg))
+    save_config(cfg, run_dir / "config.yaml", header=in_force_header(resume_records(run_dir)))
+
+
+def refused_resume(run_dir: Path, holder: str, cfg: Config) -> str:
+    """The line for a resume of a run another train holds: nothing of it was applied, its changes named."""
+    try:
+        changes = format_changes(config_changes(read_run_config(run_dir), cfg))
+    except (ConfigError, OSError):  # config.yaml unreadable here: the refusal still stands
+        changes = ""
+    applied = f"its overrides ({changes}) were not applied" if changes else "nothing was changed there"
+    return (f"{run_dir} is in use by a running train ({holder or 'another process'}); this resume did not start and "
+            f"{applied}: wait for that train to end, or stop it, then resume again")
 
 
 def record_other_base(run_dir: Path, step: int, change: str) -> None:

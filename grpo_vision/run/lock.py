@@ -22,11 +22,15 @@ from grpo_vision.files import FolderError, check_writable, open_kept, refuse_lin
 from grpo_vision.reading import what_is
 
 LOCK_NAME = "run.lock"
-KEPT = (LOCK_NAME, "metrics.jsonl", "alerts.jsonl")  # files train keeps open, or reads back on resume
+KEPT = (LOCK_NAME, "metrics.jsonl", "alerts.jsonl", "resumes.jsonl")  # files train keeps open, or reads on resume
 
 
 class RunLockedError(RuntimeError):
-    """Another live train holds this run directory."""
+    """Another live train holds this run directory; `holder` names it ('pid 12 on HOST, started TIME', or '')."""
+
+    def __init__(self, message: str, holder: str = ""):
+        super().__init__(message)
+        self.holder = holder
 
 
 def check_run_dir(run_dir: Path, fresh: bool) -> None:
@@ -99,9 +103,9 @@ def _lock_or_refuse(f, mode: int, run_dir: Path, tries: int = 10) -> None:
             if attempt + 1 < tries:
                 time.sleep(0.1)
     f.seek(0)
-    holder = _holder(f.read()) or "another process"
-    raise RunLockedError(f"{run_dir} is in use by a running train ({holder}); wait for it to end or stop it "
-                         "first, or train in another directory (run.name=NEW_NAME)")
+    holder = _holder(f.read())
+    raise RunLockedError(f"{run_dir} is in use by a running train ({holder or 'another process'}); wait for it to end "
+                         "or stop it first, or train in another directory (run.name=NEW_NAME)", holder)
 
 
 def _holder(text: str) -> str:

@@ -17,9 +17,9 @@ from grpo_vision.policy import Bundle, check_planning, check_weighting_hooks, lo
 from grpo_vision.rewards import CompositeReward, RunModels, policy_readers
 from grpo_vision.run.checkpoint import Resumed, base_identity, latest_checkpoint, load_training_state, resume_weights
 from grpo_vision.run.distributed import load_optimizer_state, prepare
-from grpo_vision.run.folder import record_other_base
+from grpo_vision.run.folder import record_other_base, refused_resume
 from grpo_vision.run.health import DRIFT_WARN, RunHealth
-from grpo_vision.run.lock import check_run_dir
+from grpo_vision.run.lock import RunLock, RunLockedError, check_run_dir
 from grpo_vision.run.machine import check_load, resolve_device, set_threads
 from grpo_vision.run.memory import report_memory, resident_bytes
 from grpo_vision.run.trackers import accelerator_options
@@ -47,12 +47,23 @@ class RunState:  # everything set-up builds before the first step, on this proce
     base: dict  # the identity of the base files (run/checkpoint.py base_identity), kept in every checkpoint
     memory_estimate: int = 0  # bytes: run/memory.py's estimated peak, logged beside the measured one
     merge: bool = False  # sample.merge_adapter resolved: rollouts sample with the adapter folded into the weights
+    lock: RunLock | None = None  # a resume's run lock, held from before its checkpoint was read (the main process)
 
 
 def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None = None,
            given_prompts: dict | None = None, allow_other_base: bool = False) -> RunState:
     """Load everything a run needs, or fail naming the problem before the run directory is written."""
-    acc, run_dir, sizes = open_run(cfg, resume)  # the processes; a folder in use (or already a run) refused
+    acc, run_dir, sizes, lock = open_run(cfg, resume)  # the processes; a folder in use (or already a run) refused
+    try:
+        return _set_up(cfg, resume, given_bundle, given_prompts, allow_other_base, acc, run_dir, sizes, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: bool, acc, run_dir: Path,
+            sizes: dict, lock) -> RunState:
     params, plan = SamplingParams.from_config(cfg.sample), UpdatePlan.from_config(cfg)
     before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
     bundle, policy = load_policy(cfg, acc, params, given_bundle)  # the kind's files, its adapter
@@ -96,13 +107,16 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
         if resumed is not None and resumed.other_base:  # said with --allow-other-base: the run's log keeps it
             record_other_base(run_dir, resumed.step, resumed.other_base)
     return RunState(acc, run_dir, params, plan, bundle, policy, learner, reference, rewards, prompts,
-                    resumed.step if resumed else 0, buffer, base, memory_estimate, merge)
+                    resumed.step if resumed else 0, buffer, base, memory_estimate, merge, lock)
 
 
 
-def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict]:
+def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict, RunLock | None]:
     """The accelerator, the run folder (one in use, or on a fresh start already a run, refused before any model
-    loads) and the batch sizes per process; the threads set."""
+    loads), the batch sizes per process and a resume's run lock; the threads set. A resume holds the lock from
+    here: another train that took the run while this one loaded would have moved it past the checkpoint this one
+    reads, and the folder is written only by its holder. A fresh start takes it once loaded (train.py), so that a
+    bad input leaves no folder behind."""
     from accelerate import Accelerator
 
     device = resolve_device(cfg.run.device)
@@ -110,14 +124,20 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict
     acc = Accelerator(cpu=device == "cpu", mixed_precision=cfg.train.mixed_precision,
                       **accelerator_options(cfg, run_dir))  # log.trackers: started by train() once the folder is ours
     sizes = derived_sizes(cfg, acc.num_processes)
-    check_run_dir(run_dir, fresh=not resume)
-    acc.wait_for_everyone()  # every process has looked before the main one writes anything there
+    try:
+        check_run_dir(run_dir, fresh=not resume)
+        acc.wait_for_everyone()  # every process has looked before the main one writes anything there
+        lock = RunLock(run_dir, fresh=False) if resume and acc.is_main_process else None
+    except RunLockedError as e:
+        if not resume:
+            raise
+        raise RunLockedError(refused_resume(run_dir, e.holder, cfg), e.holder) from None
     threads = set_threads(cfg.run.threads, acc.num_processes)
     if acc.is_main_process:
         print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}  threads={threads}", flush=True)
         if busy := check_load():
             warnings.warn(busy, stacklevel=3)
-    return acc, run_dir, sizes
+    return acc, run_dir, sizes, lock
 
 
 def load_policy(cfg: Config, acc, params: SamplingParams, given: Bundle | None) -> tuple[Bundle, torch.nn.Module]:
@@ -190,6 +210,7 @@ def make_learner(cfg: Config, acc, policy, trainable: list, sizes: dict, resumed
     if resumed is not None:
         load_training_state(ckpt, optimizer, scheduler,
                             lambda opt_state: load_optimizer_state(model, optimizer, opt_state))
+        apply_settings(optimizer, scheduler, cfg)
     low_precision = t.mixed_precision != "no" or cfg.policy.dtype != "float32"
     health = RunHealth(resumed.counters if resumed else None, t.max_skipped_updates, loud=acc.is_main_process,
                        drift_limit=DRIFT_WARN["low_precision" if low_precision else "float32"])
@@ -200,6 +221,19 @@ def make_learner(cfg: Config, acc, policy, trainable: list, sizes: dict, resumed
         if resumed is not None and resumed.entropy is not None:
             entropy.load(resumed.entropy)
     return Learner(model, trainable, optimizer, scheduler, acc, health, entropy)
+
+
+def apply_settings(optimizer, scheduler, cfg: Config) -> None:
+    """The config's lr, betas and weight decay over a checkpoint's: torch's Optimizer.load_state_dict restores each
+    param group's hyperparameters and LambdaLR's its base_lrs, so a resume's train.lr=... was written to config.yaml
+    and never trained with. The lr is LambdaLR's own `base_lr * lambda(last_epoch)`: the same float an unchanged
+    resume read back, so such a resume stays exact."""
+    t = cfg.train
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(initial_lr=t.lr, lr=t.lr * factor(scheduler.last_epoch), betas=tuple(t.adam_betas),
+                     weight_decay=t.weight_decay)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports until a step
 
 
 def lr_factor(update: int, cfg: Config, total_updates: int) -> float:

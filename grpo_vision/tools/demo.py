@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import threading
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Sequence
@@ -141,6 +141,9 @@ class DemoRun:
         entries = [PromptEntry(prompt, metadata=self.metadata_for(prompt))] * len(seeds)
         with self.lock:
             model, ctx, label = self.sampler(choice)
+            # each checkpoint draws with the text plan it trained with: a resume may have changed it (run/resumes.py)
+            trained = self.load(self.latest if choice == REFERENCE else int(str(choice).removeprefix("step "))).cfg
+            params = replace(params, plan=SamplingParams.from_config(trained.sample).plan)
             return draw_side(label, model, ctx, self.bundle.tokenizer, self.rewards, self.bundle.judge, entries,
                              seeds, params)
 
