@@ -16,7 +16,7 @@ import sys
 import warnings
 
 from grpo_vision import __version__
-from grpo_vision.cli.args import at_least_two, cfg_scale, int_list, non_negative_int, port, positive_int
+from grpo_vision.cli.args import at_least_two, cfg_scale, gib_list, int_list, non_negative_int, port, positive_int
 from grpo_vision.cli.runs import add_base_option, add_reader_options, add_reward_option, add_run_commands
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
 from grpo_vision.plugins import command_adders
@@ -320,11 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=positive_int, default=1, help="check divisibility for this many processes")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("plan", help="what fits in 24 / 48 / 80 GB of GPU memory, and its measured images/s, for the "
+    p = sub.add_parser("plan", help="what fits in 24 / 48 / 80 GiB of GPU memory, and its measured images/s, for the "
                                     "released model sizes (nothing is loaded)")
     p.add_argument("--preset", default="", help="comma-separated released sizes (default: janus-pro-1b, janus-pro-7b, "
                                                 "llamagen-t2i-xl)")
-    p.add_argument("--gpu-memory", type=int_list, default=[24, 48, 80], help="GPU memory budgets in GB, e.g. 24,48,80")
+    p.add_argument("--gpu-memory", type=gib_list, default=[24, 48, 80],
+                   help="GPU memory budgets in GiB (nvidia-smi's MiB / 1024), e.g. 24,48,79.6")
     p.add_argument("--json", action="store_true", help="print JSON (default: a markdown table per model)")
     p.set_defaults(func=cmd_plan)
 
