@@ -231,6 +231,10 @@ def cmd_bench_sampler(args) -> None:
         run = load_run(args.run, device=args.device)
         policy, s = run.policy, run.cfg.sample
         settings = {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k}
+        if s.plan.enabled:  # its images are drawn after a text plan: the bench draws the plans as training does
+            from grpo_vision.sampling import SamplingParams
+
+            settings["plan"] = SamplingParams.from_config(s).plan
     elif args.policy:
         from grpo_vision.models.llama import LlamaImagePolicy
 
@@ -438,8 +442,8 @@ def add_bench_commands(sub) -> None:
                         "--top-k 0); with --preset, the speculative path beside the others")
     p.add_argument("--group-size", type=positive_int, default=8, help="seeds per prompt (--speculative-window)")
     p.add_argument("--run", default="",
-                   help="a run folder: --speculative-window on its latest checkpoint, at the run's CFG, temperature "
-                        "and top-k")
+                   help="a run folder: --speculative-window on its latest checkpoint, at the run's CFG, temperature, "
+                        "top-k and text plan (drawn first, as training does)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where --speculative-window runs")
     p.set_defaults(func=cmd_bench_sampler)
     p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
