@@ -4,7 +4,6 @@ decode lines from the commands that sample a run (eval_params)."""
 
 import pytest
 
-from grpo_vision.sampling import decode_note
 from tests.helpers import micro_cfg
 
 
@@ -31,6 +30,8 @@ def test_a_decode_path_slower_than_it_sounds_is_said_at_the_start(decode, line, 
 
 
 def test_the_decode_notes_by_device():
+    from grpo_vision.sampling import decode_note
+
     assert decode_note("compiled", "cuda").endswith("once per process and shape (inside the CUDA graph)")
     assert decode_note("speculative", "cuda") is None  # the passes it saves are the figure there
     assert all(decode_note(mode, "cpu") is None for mode in ("auto", "eager", "static"))
@@ -55,6 +56,7 @@ def test_merge_adapter_off_or_no_adapter_says_nothing(micro_world, tmp_path, cap
 
 def test_a_command_that_samples_a_run_says_the_decode_note_on_stderr(micro_world, tmp_path, capsys):
     from grpo_vision.evaluation.evaluate import eval_params
+    from grpo_vision.sampling import decode_note
 
     capsys.readouterr()
     params = eval_params(micro_cfg(micro_world, tmp_path, "sample.decode=speculative"))
