@@ -127,6 +127,18 @@ def check_output_file(path: str | Path, option: str) -> None:
     check_writable(path.absolute().parent, f"make it writable, or {fix}")
 
 
+def check_output_folder(path: str | Path, option: str) -> None:
+    """Refuse, before any work, the folder an option names (`--out DIR`) where it cannot be made or written: a
+    file holds its name or a name above it, or the nearest existing folder cannot be written."""
+    path, fix = Path(path), f"choose another {option}"
+    here = path.absolute()
+    while not os.path.lexists(here) and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise FolderError(f"{option} {path}: {here} is a file, not a folder; {fix}")
+    check_writable(here, f"make it writable, or {fix}")
+
+
 def write_output_file(path: str | Path, data: str | bytes, option: str) -> Path:
     """`write_file` for a file an option names: an OS error names the option and the user's path, not the
     hidden temporary file it was writing."""

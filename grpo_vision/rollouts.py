@@ -76,6 +76,17 @@ class Scored:  # every reward and the judge on a set of images (training: every 
     plan_verdicts: list = field(default_factory=list)  # [n] the judge's verdicts on each image's plan (with plans)
 
 
+def condition(policy, prompts: Sequence[str], seeds: Sequence[int], params: SamplingParams,
+              batch_size: int) -> tuple[torch.Tensor, Plan | None]:
+    """The image stage's condition rows `[n, L]` for `prompts`, and their text plans: with `params.plan` the plan is
+    drawn first (row i from `seeds[i]`) and the image is conditioned on the prompt and its plan; else None."""
+    if params.plan is None:
+        return policy.encode_prompts(list(prompts)), None  # [n, L]
+    plan = Plan.cat([sample_plan(policy, prompts[i:i + batch_size], seeds[i:i + batch_size], params.plan)
+                     for i in range(0, len(prompts), batch_size)], policy.encode_plan_prompts)
+    return policy.plan_condition(list(prompts), plan.token_lists(policy.plan_end_id)), plan  # [n, L']
+
+
 def draw(policy, tokenizer, entries: Sequence[PromptEntry], seeds: Sequence[int], params: SamplingParams,
          batch_size: int, timer=None) -> Samples:
     """`policy`'s images for `entries`, row i from `seeds[i]`, decoded: the one place a rollout is drawn (the
@@ -86,13 +97,7 @@ def draw(policy, tokenizer, entries: Sequence[PromptEntry], seeds: Sequence[int]
     device = next(iter(policy.parameters())).device if isinstance(policy, torch.nn.Module) else None
     with torch.autocast(getattr(device, "type", "cpu"), torch.bfloat16, enabled=params.mixed_precision == "bf16",
                         cache_enabled=False):  # no cast cache: a CUDA graph must record the casts
-        plan = None
-        if params.plan is not None:  # the text stage first: the image is drawn from the prompt and its plan
-            plan = Plan.cat([sample_plan(policy, prompts[i:i + batch_size], seeds[i:i + batch_size], params.plan)
-                             for i in range(0, len(prompts), batch_size)], policy.encode_plan_prompts)
-            cond = policy.plan_condition(prompts, plan.token_lists(policy.plan_end_id))  # [n, L']
-        else:
-            cond = policy.encode_prompts(prompts)  # [n, L]
+        cond, plan = condition(policy, prompts, seeds, params, batch_size)
         rollout = sample_batched(policy, cond, seeds, params, batch_size)
         rollout.plan = plan
     with timer("decode") if timer is not None else nullcontext():

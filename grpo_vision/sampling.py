@@ -287,6 +287,23 @@ def decode_mode(policy: ImagePolicy, requested: str, device: torch.device) -> st
     return requested
 
 
+def decode_note(decode: str, device: torch.device | str) -> str | None:
+    """The line a command prints before its first rollout where `sample.decode` costs time a user would not guess
+    (None: nothing to say). Measured figures: docs/benchmarks.md (the compiled step on a CPU: 0.86-1.1 s a sampler
+    call against eager's 0.48-0.52 at the built-in policy's size) and docs/experiments/speculative_rollouts.md (a
+    main-job step took 14 s speculative against 9.3 plain on a CPU)."""
+    cpu = torch.device(device).type == "cpu"
+    if decode == "compiled":
+        return ("sample.decode=compiled: compiling the decode step at the first rollout, once per process and shape "
+                + ("(about 30 s on a CPU); on a CPU the compiled step has measured slower than eager decoding at the "
+                   "built-in policy's size (docs/benchmarks.md)" if cpu else "(inside the CUDA graph)"))
+    if decode == "speculative" and cpu:
+        return ("sample.decode=speculative on a CPU: exact, but slower than plain decoding here (a pass over W tokens "
+                "costs about W single-token steps; a main-job step took 14 s against 9.3); its fewer passes are "
+                "meant for a GPU (docs/experiments/speculative_rollouts.md)")
+    return None
+
+
 def draw(logits: torch.Tensor, u: torch.Tensor, col: torch.Tensor, out: Rollout,
          params: SamplingParams) -> torch.Tensor:
     """Token `col` of every row from `logits` `[B or 2B, K]` (CFG's null rows after the B conditional ones) with

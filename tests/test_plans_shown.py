@@ -251,3 +251,33 @@ def test_sample_writes_each_images_plan_beside_it(planned, tmp_path, monkeypatch
     assert [(p["file"], p["seed"]) for p in plans] == [("samples/00000.png", 0), ("samples/00001.png", 1)]
     # image j's plan is the one drawn with seed j in the index layout above (the same prompt, the same seeds)
     assert [p["plan"] for p in plans] == [r["plan"] for r in index[:2]]
+
+
+def test_bench_sampler_on_a_planning_run_draws_its_plans(planned, monkeypatch, capsys, one_thread):
+    """`bench sampler --run` on a run with a text plan reported passes per image "at the run's settings" without
+    drawing the run's plans: each image's plan is now drawn first, as training draws it, and the JSON says so."""
+    import grpo_vision.evaluation.evaluate as evaluate
+    from grpo_vision.cli import main
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.rollouts import draw
+    from grpo_vision.sampling import SamplingParams
+    from grpo_vision.tools.bench import SPECULATIVE_PROMPTS
+    from grpo_vision.tools.timing import sig
+
+    run, cfg, bundle = planned
+    loaded = evaluate.LoadedRun(cfg, bundle, bundle.policy, types.SimpleNamespace(), 2)
+    monkeypatch.setattr(evaluate, "load_run", lambda *args, **kwargs: loaded)
+    capsys.readouterr()
+    main(["bench", "sampler", "--json", "--run", str(run), "--speculative-window", "4", "--group-size", "1",
+          "--repeats", "1"])
+    result = json.loads(capsys.readouterr().out)
+    plan = result["plan"]
+    assert (plan["max_tokens"], plan["template"]) == (5, cfg.sample.plan.template) and "image stage" in plan["note"]
+    # the plans and condition rows that training's rollouts draw for these prompts and seeds
+    entries = [PromptEntry(p) for p in SPECULATIVE_PROMPTS]
+    with torch.no_grad():
+        samples = draw(bundle.policy, bundle.tokenizer, entries, range(4), SamplingParams.from_config(cfg.sample), 4)
+    lengths = samples.rollout.plan.mask.sum(1).double()
+    assert plan["condition_tokens"] == samples.cond.shape[1] > bundle.policy.encode_prompts(["a red circle"]).shape[1]
+    assert plan["tokens_per_plan"] == sig(lengths.mean().item()) and 1 <= plan["tokens_per_plan"] <= 5
+    assert result["coupled"]["forwards_per_image"] <= result["image_tokens"]  # the image stage's passes

@@ -16,7 +16,7 @@ import sys
 import warnings
 
 from grpo_vision import __version__
-from grpo_vision.cli.args import at_least_two, cfg_scale, int_list, non_negative_int, port, positive_int
+from grpo_vision.cli.args import at_least_two, cfg_scale, gib_list, int_list, non_negative_int, port, positive_int
 from grpo_vision.cli.runs import add_base_option, add_reader_options, add_reward_option, add_run_commands
 from grpo_vision.cli.serve import add_bench_reward_server, add_serve_command
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
@@ -232,6 +232,10 @@ def cmd_bench_sampler(args) -> None:
         run = load_run(args.run, device=args.device)
         policy, s = run.policy, run.cfg.sample
         settings = {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k}
+        if s.plan.enabled:  # its images are drawn after a text plan: the bench draws the plans as training does
+            from grpo_vision.sampling import SamplingParams
+
+            settings["plan"] = SamplingParams.from_config(s).plan
     elif args.policy:
         from grpo_vision.models.llama import LlamaImagePolicy
 
@@ -328,11 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=positive_int, default=1, help="check divisibility for this many processes")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("plan", help="what fits in 24 / 48 / 80 GB of GPU memory, and its measured images/s, for the "
+    p = sub.add_parser("plan", help="what fits in 24 / 48 / 80 GiB of GPU memory, and its measured images/s, for the "
                                     "released model sizes (nothing is loaded)")
     p.add_argument("--preset", default="", help="comma-separated released sizes (default: janus-pro-1b, janus-pro-7b, "
                                                 "llamagen-t2i-xl)")
-    p.add_argument("--gpu-memory", type=int_list, default=[24, 48, 80], help="GPU memory budgets in GB, e.g. 24,48,80")
+    p.add_argument("--gpu-memory", type=gib_list, default=[24, 48, 80],
+                   help="GPU memory budgets in GiB (nvidia-smi's MiB / 1024), e.g. 24,48,79.6")
     p.add_argument("--judge-batch", type=non_negative_int, default=0,
                    help="count a self_judge reward's understanding forward of this many images (reward.batch_size)")
     p.add_argument("--json", action="store_true", help="print JSON (default: a markdown table per model)")
@@ -448,8 +453,8 @@ def add_bench_commands(sub) -> None:
                         "--top-k 0); with --preset, the speculative path beside the others")
     p.add_argument("--group-size", type=positive_int, default=8, help="seeds per prompt (--speculative-window)")
     p.add_argument("--run", default="",
-                   help="a run folder: --speculative-window on its latest checkpoint, at the run's CFG, temperature "
-                        "and top-k")
+                   help="a run folder: --speculative-window on its latest checkpoint, at the run's CFG, temperature, "
+                        "top-k and text plan (drawn first, as training does)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where --speculative-window runs")
     p.set_defaults(func=cmd_bench_sampler)
     p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")

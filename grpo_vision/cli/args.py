@@ -42,6 +42,24 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+MAX_GPU_GIB = 4096  # no one GPU holds more; a larger budget is a typo (10**400 was an OverflowError in `plan`)
+
+
+def gib_list(text: str) -> list[float]:
+    """Comma-separated GPU memory budgets in GiB, each finite, > 0 and at most MAX_GPU_GIB: 24,48,79.6."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and 0 < value <= MAX_GPU_GIB):
+            raise argparse.ArgumentTypeError(f"expected comma-separated GiB from above 0 to {MAX_GPU_GIB}, like "
+                                             f"24,48,79.6 (nvidia-smi's memory.total in MiB / 1024), got {brief(text)}")
+        values.append(value)
+    return values
+
+
 def at_least_two(text: str) -> int:
     """argparse type: a whole number >= 2 (a round's first step is not timed)."""
     return _whole(text, 2, " (the first step is a warm-up)")

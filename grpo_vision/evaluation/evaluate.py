@@ -9,6 +9,7 @@ seed, so differences come from the weights, not from the sampling noise.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import textwrap
 import warnings
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from grpo_vision.models.adapters import add_adapter
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.files import write_file
 from grpo_vision.rollouts import EVAL_SEED, Paired, check_seeds, compare
-from grpo_vision.sampling import SamplingParams
+from grpo_vision.sampling import SamplingParams, decode_note
 
 
 @dataclass
@@ -143,8 +144,11 @@ def eval_params(cfg: Config, temperature: float | None = None) -> SamplingParams
     trained with sample.decode=graph, read where run.device has no CUDA, decodes with the same fixed-shape step
     unrecorded (`static`): the same tokens for the same seeds (sampling.py)."""
     params = SamplingParams.from_config(cfg.sample, temperature or eval_temperatures(cfg)[0])
-    if params.decode == "graph" and not resolve_device(cfg.run.device).startswith("cuda"):
+    device = resolve_device(cfg.run.device)
+    if params.decode == "graph" and not device.startswith("cuda"):
         params = dataclasses.replace(params, decode="static")
+    if note := decode_note(params.decode, device):  # as train says it at its start; stdout keeps the results
+        print(f"[sampling] {note}", file=sys.stderr, flush=True)
     return params
 
 

@@ -96,7 +96,9 @@ def merge_problem(policy, lora_only: bool) -> str | None:
         if type(base) is not torch.nn.Linear or not base.weight.is_floating_point():
             return f"an adapter sits on a {type(base).__name__} ({where}), not a floating-point nn.Linear"
         if lora_only and not isinstance(module, LoraLayer):
-            return f"the adapter is {where.split('.')[-1]} (LyCORIS), which auto leaves unmerged"
+            # peft names every kind's layer Linear: its package (peft.tuners.loha.layer) names the kind
+            kind = type(module).__module__.split(".")[-2] if "." in type(module).__module__ else where
+            return f"the adapter is {kind} (LyCORIS), which auto leaves unmerged"
         if isinstance(module, LoraLayer) and name in getattr(module, "lora_variant", {}):
             return f"the LoRA layer {where} has a variant (DoRA) whose output is not a weight delta"
     return None
@@ -108,22 +110,22 @@ def merged_bytes(policy) -> int:
     return sum(m.base_layer.weight.numel() * m.base_layer.weight.element_size() for m in modules)
 
 
-def merge_setting(cfg, policy, acc) -> bool:
-    """sample.merge_adapter resolved for this run: True when rollouts sample with the adapter merged. `on` where
-    it cannot merge exactly, or under FSDP (each process holds a shard of the weights it would fold into), is a
-    ConfigError naming why; `auto` is then off."""
+def merge_setting(cfg, policy, acc) -> tuple[bool, str]:
+    """sample.merge_adapter resolved for this run: whether rollouts sample with the adapter merged, and why not
+    where they do not. `on` where it cannot merge exactly, or under FSDP (each process holds a shard of the weights
+    it would fold into), is a ConfigError naming why; `auto` is then off."""
     setting = cfg.sample.merge_adapter
     if setting == "off" or cfg.train.adapter == "none":
-        return False
+        return False, "sample.merge_adapter=off" if setting == "off" else "no adapter"
     if str(acc.distributed_type).endswith("FSDP"):
         if setting == "on":
             raise ConfigError("sample.merge_adapter=on folds the adapter into whole weights, and FSDP shards them "
                               "across processes: set sample.merge_adapter to auto or off under FSDP")
-        return False
+        return False, "FSDP shards the weights it would fold into"
     problem = merge_problem(policy, lora_only=setting == "auto")
     if problem and setting == "on":
         raise ConfigError(f"sample.merge_adapter=on cannot merge exactly: {problem}; set sample.merge_adapter=off")
-    return problem is None
+    return problem is None, problem or ""
 
 
 

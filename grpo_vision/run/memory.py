@@ -216,6 +216,19 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
     return line, f"the estimated peak is {100 * need / available:.0f}% of the available memory; {advice}"
 
 
+def config_parts(shape: PolicyShape, cfg, images_per_process: int, guided: bool, merged: int = 0,
+                 plan_vocab: int = 0, judge_rows: int = 0) -> dict[str, int]:
+    """`estimate_memory` at a config's settings: what `train` estimates, and what `grpo-vision plan` checks its
+    rows' overrides against (tools/plan.py); `judge_rows` as `estimate_memory`'s."""
+    t = cfg.train
+    return estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
+                           frozen_reference=t.reference == "frozen",
+                           activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
+                           checkpointing=t.gradient_checkpointing, merged=merged,
+                           plan_tokens=cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0,
+                           plan_vocab=plan_vocab, judge_rows=judge_rows)
+
+
 def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,
                   device, loud: bool, runtime_bytes: int = 0, merged: int = 0,
                   optional_merge: bool = False, judge_rows: int = 0) -> tuple[int, bool]:
@@ -225,16 +238,11 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
     `optional_merge` (sample.merge_adapter=auto) drops, saying so, where only they make the estimate too close;
     `judge_rows`: images per understanding forward of a reward that reads the policy's network (estimate_memory)."""
     shape = policy_shape(policy, tokenizer, trainable, runtime_bytes)
-    t = cfg.train
     available = available_memory(torch.device(device))
 
     def parts_with(merged_bytes: int) -> dict[str, int]:
-        return estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
-                               frozen_reference=t.reference == "frozen",
-                               activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
-                               checkpointing=t.gradient_checkpointing, merged=merged_bytes,
-                               plan_tokens=cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0,
-                               plan_vocab=getattr(policy, "plan_vocab_size", 0) or 0, judge_rows=judge_rows)
+        return config_parts(shape, cfg, images_per_process, guided, merged_bytes,
+                            getattr(policy, "plan_vocab_size", 0) or 0, judge_rows)
     parts = parts_with(merged)
     if merged and optional_merge and available and peak(parts) > WARN_FRACTION * available \
             and peak(parts_with(0)) < peak(parts):

@@ -23,7 +23,7 @@ from grpo_vision.run.lock import RunLock, RunLockedError, check_run_dir
 from grpo_vision.run.machine import check_load, resolve_device, set_threads
 from grpo_vision.run.memory import report_memory, resident_bytes
 from grpo_vision.run.trackers import accelerator_options
-from grpo_vision.sampling import SamplingParams, decode_mode
+from grpo_vision.sampling import SamplingParams, decode_mode, decode_note
 from grpo_vision.splits import PromptSets, checked_prompt_sets
 from grpo_vision.step.iterative import ReplayBuffer
 from grpo_vision.step.reference import Reference
@@ -75,13 +75,17 @@ def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: 
                           f"{acc.num_processes}: use train.zero_std_groups=keep, or one process")
     reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    merge = merge_setting(cfg, policy, acc)
+    merge, unmerged = merge_setting(cfg, policy, acc)
     # before any sampling: a batch that cannot fit stops here, naming the knob to lower (auto's merge falls back to
-    # unmerged sampling where only its copy of the weights does not fit)
-    memory_estimate, merge = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
-                                           params.guided, acc.device, acc.is_main_process, before_load,
-                                           merged_bytes(policy) if merge else 0, cfg.sample.merge_adapter == "auto",
-                                           judge_rows(cfg, sizes["images_per_process"]))
+    # unmerged sampling where only its copy of the weights does not fit, and says so)
+    memory_estimate, fits = report_memory(policy, bundle.tokenizer, trainable, cfg, sizes["images_per_process"],
+                                          params.guided, acc.device, acc.is_main_process, before_load,
+                                          merged_bytes(policy) if merge else 0, cfg.sample.merge_adapter == "auto",
+                                          judge_rows(cfg, sizes["images_per_process"]))
+    if acc.is_main_process and cfg.sample.merge_adapter == "auto" and cfg.train.adapter != "none" and fits == merge:
+        print(f"[train] sample.merge_adapter=auto: " + (f"merged ({cfg.train.adapter} on {acc.device})" if merge
+                                                        else f"not merged ({unmerged})"), flush=True)
+    merge = fits
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
     if cfg.train.zero_std_groups == "resample" and len(prompts.train) <= cfg.sample.prompts_per_step:
         raise ConfigError(f"train.zero_std_groups=resample replaces flat groups by prompts the step has not drawn, and "
@@ -154,6 +158,8 @@ def load_policy(cfg: Config, acc, params: SamplingParams, given: Bundle | None) 
         decode_mode(policy, params.decode, acc.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if acc.is_main_process and (note := decode_note(params.decode, acc.device)):
+        print(f"[train] {note}", flush=True)  # a path slower than it sounds, or a first step longer than the others
     if t.gradient_checkpointing:
         if not hasattr(policy, "gradient_checkpointing_enable"):
             raise ConfigError(f"policy kind {cfg.policy.kind!r} cannot recompute activations: set "

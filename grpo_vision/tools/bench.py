@@ -20,7 +20,7 @@ import torch
 
 from grpo_vision.models.llama_hf import to_hf_llama
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.sampling import SamplingParams, sample
+from grpo_vision.sampling import PlanParams, SamplingParams, sample
 from grpo_vision.tools.timing import interleaved, seconds, sig
 
 BENCH_WORDS = "a an on of left right above below small large red green blue yellow purple orange " \
@@ -81,21 +81,29 @@ SPECULATIVE_PROMPTS = ["a red circle", "a red circle right of a purple triangle"
 
 def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, group: int = 8, repeats: int = 1,
                       cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
-                      prompts: list[str] = SPECULATIVE_PROMPTS, device: str = "cpu") -> dict:
+                      prompts: list[str] = SPECULATIVE_PROMPTS, device: str = "cpu",
+                      plan: PlanParams | None = None) -> dict:
     """Speculative decoding (speculative.py) against plain decoding: forward passes per image and tokens accepted
     per pass (the figure that transfers across devices: a GPU's decode step costs about the same for 1 or W tokens a
     row), with the wall-clock beside it (a CPU is bound by arithmetic, so W tokens a row cost about W times one).
     `group` seeds per prompt, as a GRPO group; both draft kinds at window `window`. Plain decoding is the fixed-shape
-    step (`static`), recorded as a CUDA graph on a GPU (`graph`, training's default there)."""
+    step (`static`), recorded as a CUDA graph on a GPU (`graph`, training's default there). With a text `plan`
+    (a run's sample.plan) each image's plan is drawn first by training's own function (rollouts.condition), once
+    for all paths, and the image stage is timed on the condition it makes (the prompt and its plan)."""
+    from grpo_vision.rollouts import condition
     from grpo_vision.speculative import sample_speculative
 
     torch.manual_seed(0)
     policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval().to(device)
     N = policy.num_image_tokens
-    cond = policy.encode_prompts([p for p in prompts for _ in range(group)]).to(device)  # [P*G, L]
-    seeds = list(range(cond.shape[0]))
+    rows = [p for p in prompts for _ in range(group)]
+    seeds = list(range(len(rows)))
     plain = "graph" if torch.device(device).type == "cuda" else "static"
-    base = SamplingParams(cfg_scale, temperature, top_k, decode=plain, speculative_window=window)
+    base = SamplingParams(cfg_scale, temperature, top_k, decode=plain, speculative_window=window, plan=plan)
+    made = []
+    with torch.no_grad():  # the condition rows [P*G, L or L'] and the plans
+        plan_s = seconds(lambda: made.extend(condition(policy, rows, seeds, base, batch_size=len(rows))))
+    cond, drawn = made[0].to(device), made[1]
     stats = {}
 
     def speculative(draft):
@@ -111,7 +119,14 @@ def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, 
     result = {"images": cond.shape[0], "prompts": len(prompts), "group_size": group, "image_tokens": N,
               "window": window, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k,
               "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
-              "repeats": repeats, "device": str(device), "plain_decode": plain}
+              "repeats": repeats, "device": str(device), "plain_decode": plain, "plan": None}
+    if drawn is not None:  # the plan stage, the same for every path: its passes come before each image's
+        lengths = drawn.mask.sum(1).double()  # [P*G] plan tokens, the end token included
+        result["plan"] = {"max_tokens": plan.max_tokens, "template": plan.template,
+                          "tokens_per_plan": sig(lengths.mean().item()), "condition_tokens": cond.shape[1],
+                          "seconds": sig(plan_s),
+                          "note": "forwards_per_image and seconds count the image stage; each image's plan took "
+                                  "tokens_per_plan passes before it, alike for every path"}
     plain_s = statistics.median(times["plain"])
     result["plain"] = {"forwards_per_image": N, "tokens_per_forward": 1.0, "seconds": sig(plain_s),
                        "images_per_s": sig(cond.shape[0] / plain_s)}

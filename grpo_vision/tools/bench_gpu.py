@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from grpo_vision.config import ConfigError
+from grpo_vision.files import check_output_folder, write_output_file
 from grpo_vision.tools.presets import preset, preset_overrides, prompts_for
 from grpo_vision.tools.timing import median_seconds, sig
 
@@ -181,9 +183,7 @@ def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | N
     items whose "what" (e.g. "sampler", "step: LoRA, reference = adapter off") is listed. `generate=False`: the
     sampler items leave out transformers' generate (the slowest path: a baseline measured once is enough)."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     preset_dir = Path(preset_dir) if preset_dir else out / "presets"
-    deadline = time.monotonic() + budget_s
     names = [n + ("-tiny" if tiny else "") for n in (presets or ORDER)]
     # float32 for the tiny twins on a CPU (bf16 matrix products are slow there); the released dtype on a GPU
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -197,14 +197,24 @@ def bench_gpu(out: str | Path, budget_s: float = 420, preset_dir: str | Path | N
         if sampler:
             items.append((name, "sampler", lambda name=name: bench_preset_sampler(name, preset_dir / name, groups,
                                                                                   dtype=dtype, generate=generate)))
+    selectable = sorted({what.removeprefix("step: ") for _, what, _ in items})  # under these flags
+    if not selectable:  # a preset without step settings under --steps-only: nothing to run, said
+        raise ConfigError(f"--steps-only leaves nothing to run: {', '.join(names)} "
+                          f"{'has' if len(names) == 1 else 'have'} no step settings; drop --steps-only")
     if only:
         known = {"sampler"} | {label for n in names for label, *_ in STEPS.get(n.removesuffix("-tiny"), [])}
         if unknown := [w for w in only if w not in known]:  # a misspelt label would run nothing, silently
-            from grpo_vision.config import ConfigError
-
             raise ConfigError(f"--only names {', '.join(map(repr, unknown))}, which none of these presets has: "
                               f"choose among {'; '.join(sorted(known))}")
+        if idle := [w for w in only if w not in selectable]:  # the sampler, left out by --steps-only
+            raise ConfigError(f"--only {', '.join(map(repr, idle))} selects nothing under --steps-only (no sampler "
+                              f"items): choose among {'; '.join(selectable)}, or drop --steps-only")
         items = [i for i in items if i[1] in only or i[1].removeprefix("step: ") in only]
+    # before any item runs: a results folder that cannot be made or written was a traceback after the first one
+    check_output_folder(out, "--out")
+    check_output_folder(preset_dir, "--preset-dir")
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget_s
     for name, what, fn in items:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -274,8 +284,8 @@ def _item_main(spec: dict) -> None:
 
 
 def _write(report: dict, out: Path) -> None:
-    (out / "bench_gpu.json").write_text(json.dumps(report, indent=2))
-    (out / "bench_gpu.md").write_text(markdown(report))
+    write_output_file(out / "bench_gpu.json", json.dumps(report, indent=2), "--out")
+    write_output_file(out / "bench_gpu.md", markdown(report), "--out")
 
 
 def markdown(report: dict) -> str:

@@ -6,7 +6,12 @@ all" (deepseek-ai/Janus issue #41, CaraJ7/T2I-R1 issues #9 and #14, krennic999/S
 byte of weights, and run/memory.py's estimate (the one `train` prints and refuses by, checked against measured
 peaks in docs/benchmarks.md) is computed for each candidate setting. For each memory budget the largest setting
 whose estimate stays under the fraction `train` warns at is printed, for a full fine-tune and for LoRA, with the
-images/s a GRPO step of that kind measured on one GPU (docs/benchmarks.md), where one was measured.
+images/s a GRPO step of that kind measured on one GPU (docs/benchmarks.md), where one was measured, and the config
+overrides that make it: every setting the estimate assumes, so that a shipped config with them applied is
+estimated alike by `train` (tests/tools/test_plan.py checks this against each shipped config).
+
+Budgets are GiB (2^30 bytes), as `train` reads the GPU's memory (torch.cuda.mem_get_info) and as `nvidia-smi`'s
+MiB divide to: a "24 GB" card holds 23.99 GiB, an "80 GB" H100 79.6 GiB.
 
     grpo-vision plan --preset janus-pro-7b --gpu-memory 24,48,80
 
@@ -18,7 +23,7 @@ H200) and the rewards.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -27,7 +32,9 @@ from grpo_vision.run.memory import GIB, WARN_FRACTION, PolicyShape, estimate_mem
 from grpo_vision.tools.presets import janus_config, llamagen_config, preset
 
 # A GRPO step of one prompt's group (G = 16, the model's CFG, one update of micro-batches), images/s on one H200
-# (docs/benchmarks.md, 2026-11-27 and 2026-11-28 rows): (preset, mode, reference, merged sampling) -> images/s
+# (docs/benchmarks.md, 2026-11-27 and 2026-11-28 rows; `bench gpu` trains the presets with bf16 weights):
+# (preset, mode, reference, merged sampling) -> images/s
+MEASURED_DTYPE = "bfloat16"
 MEASURED = {
     ("janus-pro-7b", "lora", "adapter", True): 1.54,
     ("janus-pro-1b", "lora", "adapter", True): 3.25,
@@ -43,6 +50,18 @@ JANUS_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 LLAMAGEN_TARGETS = ("wqkv", "wo", "w1", "w2", "w3")
 PLANNED = ["janus-pro-1b", "janus-pro-7b", "llamagen-t2i-xl"]  # what `plan` prints without --preset
 T5_XL_ENCODER = 1_220_000_000  # flan-t5-xl's encoder parameters: LlamaGen-T2I keeps it beside the GPT
+# The weights each mode trains, as the shipped configs do: a full fine-tune keeps float32 master weights under bf16
+# autocast (configs/janus_pro_1b.yaml, configs/llamagen_t2i.yaml: bf16 weights would round AdamW's ~1e-6 steps
+# away); LoRA keeps the frozen base in bf16 (configs/janus_pro_7b_lora.yaml). mode -> (policy.dtype, mixed_precision)
+PRECISION = {"full": ("float32", "bf16"), "lora": ("bfloat16", "no")}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# The shipped config a row's overrides are written for, per policy kind and mode (any shipped config of the kind
+# without a text plan estimates alike with them)
+CONFIGS = {("janus", "full"): "configs/janus_pro_1b.yaml", ("janus", "lora"): "configs/janus_pro_7b_lora.yaml",
+           ("llamagen", "full"): "configs/llamagen_t2i.yaml", ("llamagen", "lora"): "configs/llamagen_t2i.yaml"}
+# A step's images are split into this many updates in the shipped configs (train.minibatches_per_pass), and each
+# must hold whole micro-batches (config/schema.py derived_sizes): a row's micro-batch divides G / 2
+MINIBATCHES = 2
 
 
 @dataclass(frozen=True)
@@ -51,20 +70,30 @@ class Setting:
     group: int  # G: one prompt's images a step on the GPU (the sampler's batch too)
     micro_batch: int  # sequences a forward/backward (CFG doubles the rows)
     checkpointing: bool  # train.gradient_checkpointing
-    reference: str  # frozen | none (full) | adapter (LoRA)
+    reference: str  # frozen | none (full, with beta 0: no KL) | adapter (LoRA)
     merge: bool  # sample.merge_adapter on (LoRA)
     rank: int = 0  # LoRA rank
 
-    def overrides(self) -> list[str]:
-        """The config overrides that make this setting."""
-        out = [f"sample.group_size={self.group}", f"sample.batch_size={self.group}",
+    @property
+    def dtype(self) -> str:  # policy.dtype
+        return PRECISION[self.mode][0]
+
+    def overrides(self, targets: tuple[str, ...]) -> list[str]:
+        """The config overrides that make this setting: every one the estimate reads (`config_parts`), so that
+        they make it on any shipped config; `targets`: the modules LoRA adapts."""
+        dtype, autocast = PRECISION[self.mode]
+        out = [f"policy.dtype={dtype}", f"train.mixed_precision={autocast}", "sample.prompts_per_step=1",
+               f"sample.group_size={self.group}", f"sample.batch_size={self.group}",
                f"train.micro_batch_size={self.micro_batch}",
-               f"train.gradient_checkpointing={str(self.checkpointing).lower()}", f"train.reference={self.reference}"]
+               f"train.gradient_checkpointing={str(self.checkpointing).lower()}"]
         if self.mode == "lora":
             out += ["train.adapter=lora", f"train.adapter_rank={self.rank}",
+                    f"train.adapter_targets=[{','.join(targets)}]", "train.reference=adapter",
                     f"sample.merge_adapter={'on' if self.merge else 'off'}"]
-        elif self.reference == "none":
-            out.append("train.beta=0.0")
+        else:
+            out += ["train.adapter=none", f"train.reference={self.reference}"]
+            if self.reference == "none":  # no reference to measure a KL against
+                out.append("train.beta=0.0")
         return out
 
 
@@ -74,9 +103,12 @@ class Linear:  # an adapted projection of one block: its input and output widths
     fan_out: int
 
 
-def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> tuple[PolicyShape, int]:
-    """The estimate's shape of preset `name` trained in full or with LoRA of `rank` on every projection (bf16
-    weights, float32 adapters as peft keeps them), and the bytes of the weights LoRA adapts (a merged copy's)."""
+def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int | None = None,
+                 targets: tuple[str, ...] | None = None) -> tuple[PolicyShape, int]:
+    """The estimate's shape of preset `name` trained in full or with LoRA of `rank` on `targets` (default: every
+    projection), its weights `dtype_bytes` each (default: the mode's, PRECISION; float32 adapters as peft keeps
+    them), and the bytes of the weights LoRA adapts (a merged copy's)."""
+    dtype_bytes = dtype_bytes or DTYPE_BYTES[PRECISION[mode][0]]
     p = preset(name)
     with torch.device("meta"):
         if p.kind == "janus":
@@ -109,7 +141,7 @@ def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> t
     widths = {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d), "gate_proj": (d, f),
               "up_proj": (d, f), "down_proj": (f, d),  # transformers' Llama (Janus)
               "wqkv": (d, d + 2 * kv), "wo": (d, d), "w1": (d, f), "w3": (d, f), "w2": (f, d)}  # LlamaGen's gpt.py
-    block = [Linear(*widths[name]) for name in (JANUS_TARGETS if p.kind == "janus" else LLAMAGEN_TARGETS)]
+    block = [Linear(*widths[name]) for name in (targets or kind_targets(p.kind))]
     adapted = arch["layers"] * sum(x.fan_in * x.fan_out for x in block) * dtype_bytes
     if mode == "lora":  # peft keeps the adapters in float32, and a bf16 layer's input is copied to float32 for them
         trainable = arch["layers"] * rank * sum(x.fan_in + x.fan_out for x in block)
@@ -125,11 +157,17 @@ def preset_shape(name: str, mode: str, rank: int = 0, dtype_bytes: int = 2) -> t
     return shape, adapted
 
 
+def kind_targets(kind: str) -> tuple[str, ...]:
+    """LoRA's targets in the shipped configs of a policy kind."""
+    return JANUS_TARGETS if kind == "janus" else LLAMAGEN_TARGETS
+
+
 def estimate(shape: PolicyShape, adapted: int, s: Setting, judge_batch: int = 0) -> float:
     """GiB of the setting's estimated peak (run/memory.py), one prompt's group a step on one GPU; `judge_batch`:
     images per understanding forward of a self_judge reward (reward.batch_size), 0 without one."""
     parts = estimate_memory(shape, images=s.group, sample_batch=s.group, micro_batch=s.micro_batch, guided=True,
                             frozen_reference=s.reference == "frozen", checkpointing=s.checkpointing,
+                            activation_bytes=2 if PRECISION[s.mode][1] == "bf16" else None,
                             merged=adapted if s.merge else 0, judge_rows=min(judge_batch, s.group))
     return peak(parts) / GIB
 
@@ -139,7 +177,7 @@ def candidates(mode: str, ranks=(64, 32, 16, 8)):
     micro-batch, a frozen reference (full) or merged sampling (LoRA), a higher rank."""
     for group in (16, 8, 4):
         for checkpointing in (False, True):
-            for micro in (m for m in (8, 4, 2, 1) if m <= group and group % m == 0):
+            for micro in (m for m in (8, 4, 2, 1) if group % (MINIBATCHES * m) == 0):
                 if mode == "full":
                     for reference in ("frozen", "none"):
                         yield Setting("full", group, micro, checkpointing, reference, False)
@@ -150,10 +188,11 @@ def candidates(mode: str, ranks=(64, 32, 16, 8)):
 
 
 def plan(name: str, budgets_gib: list[float], judge_batch: int = 0) -> dict:
-    """For each budget and each mode (full fine-tune, LoRA): the largest setting that fits, its estimate, and the
-    step's images/s where a step of that kind was measured. `judge_batch`: a self_judge reward's images per
-    understanding forward, counted in the estimate (its time is not in the measured images/s, which scored with
-    no reward model)."""
+    """For each budget (GiB) and each mode (full fine-tune, LoRA): the largest setting that fits, its estimate, the
+    overrides that make it on the mode's shipped config, and the step's images/s where a step of that kind was
+    measured. `judge_batch`: a self_judge reward's images per understanding forward, counted in the estimate (its
+    time is not in the measured images/s, which scored with no reward model)."""
+    kind = preset(name).kind
     shapes = {"full": preset_shape(name, "full")}
     shapes |= {("lora", r): preset_shape(name, "lora", r) for r in (64, 32, 16, 8)}
     rows = []
@@ -166,32 +205,51 @@ def plan(name: str, budgets_gib: list[float], judge_batch: int = 0) -> dict:
                 if gib <= WARN_FRACTION * budget:
                     chosen = (s, gib)
                     break
-            row = {"gpu_memory_gib": budget, "mode": mode}
+            row = {"gpu_memory_gib": budget, "mode": mode, "dtype": PRECISION[mode][0],
+                   "mixed_precision": PRECISION[mode][1], "config": CONFIGS[(kind, mode)]}
             if chosen is None:
                 rows.append(row | {"fits": False})
                 continue
             s, gib = chosen
             rate = MEASURED.get((name, mode, s.reference, s.merge))
-            rows.append(row | {"fits": True, **asdict(s), "estimate_gib": round(gib, 1),
+            rows.append(row | {"fits": True, **asdict(s), "kl": s.reference != "none", "estimate_gib": round(gib, 1),
                                "images_per_s_measured": rate,
-                               "measured_at": "G 16, the shipped config's micro-batch, one H200" if rate else None,
-                               "overrides": s.overrides()})
-    return {"preset": name, "fraction": WARN_FRACTION, "judge_batch": judge_batch, "rows": rows}
+                               "measured_at": f"G 16, the shipped config's micro-batch, {MEASURED_DTYPE} weights, "
+                                              "one H200" if rate else None,
+                               "overrides": s.overrides(kind_targets(kind))})
+    return {"preset": name, "fraction": WARN_FRACTION, "unit": "GiB", "judge_batch": judge_batch, "rows": rows}
+
+
+def _reference(row: dict) -> str:
+    """The reference and the KL a row trains with, in words."""
+    return {"frozen": "frozen copy", "adapter": "adapter disabled", "none": "none: beta 0, no KL"}[row["reference"]]
+
+
+def _rate(row: dict) -> str:
+    rate = row["images_per_s_measured"]
+    if not rate:
+        return "not measured"
+    return f"{rate}" if row["dtype"] == MEASURED_DTYPE else f"{rate} with {MEASURED_DTYPE} weights"
 
 
 def markdown(report: dict) -> str:
     lines = [f"{report['preset']}: the largest setting whose estimated peak is at most {report['fraction']:.0%} of the "
-             "GPU's memory (one prompt's group a step on the GPU, the model's CFG, bf16 weights"
-             + (f", a self_judge reward scoring {report['judge_batch']} images a forward" if report.get("judge_batch")
+             "GPU's memory (one prompt's group a step on the GPU, the model's CFG, no text plan; a full fine-tune "
+             "with float32 master weights under bf16 autocast, LoRA on bf16 weights, as the shipped configs"
+             + (f"; a self_judge reward scoring {report['judge_batch']} images a forward" if report.get("judge_batch")
                 else "") + ")", "",
-             "| GPU memory | mode | G | micro-batch | rank | checkpointing | reference | merged sampling "
-             "| estimate GiB | images/s (measured, G 16) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPU memory (GiB) | mode | weights | G | micro-batch | rank | checkpointing | reference | merged sampling "
+             "| estimate (GiB) | images/s (measured, G 16) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         if not r["fits"]:
-            lines.append(f"| {r['gpu_memory_gib']:g} GB | {r['mode']} | does not fit | | | | | | | |")
+            lines.append(f"| {r['gpu_memory_gib']:g} | {r['mode']} | {r['dtype']} | does not fit | | | | | | | |")
             continue
-        lines.append(f"| {r['gpu_memory_gib']:g} GB | {r['mode']} | {r['group']} | {r['micro_batch']} | "
-                     f"{r['rank'] or ''} | {'on' if r['checkpointing'] else 'off'} | {r['reference']} | "
+        lines.append(f"| {r['gpu_memory_gib']:g} | {r['mode']} | {r['dtype']} | {r['group']} | {r['micro_batch']} | "
+                     f"{r['rank'] or ''} | {'on' if r['checkpointing'] else 'off'} | {_reference(r)} | "
                      f"{'on' if r['merge'] else 'off' if r['mode'] == 'lora' else ''} | {r['estimate_gib']} | "
-                     f"{r['images_per_s_measured'] or 'not measured'} |")
+                     f"{_rate(r)} |")
+    lines += ["", "Each row's overrides (also in `--json`), on its shipped config with policy.path at the model's files:",
+              ""]
+    lines += [f"- {r['gpu_memory_gib']:g} GiB, {r['mode']}: `{r['config']} {' '.join(r['overrides'])}`"
+              for r in report["rows"] if r["fits"]]
     return "\n".join(lines) + "\n"

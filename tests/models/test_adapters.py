@@ -273,20 +273,24 @@ def test_merge_adapter_resolves_per_adapter_and_refuses_what_cannot_merge_in_one
     from grpo_vision.config import ConfigError
     from grpo_vision.models.adapters import merge_setting
 
-    def resolve(policy, setting, adapter="lora", distributed="NO"):
+    def resolve(policy, setting, adapter="lora", distributed="NO", why=None):
         cfg = load_config(None, [f"train.adapter={adapter}", "train.reference=adapter",
                                  f"sample.merge_adapter={setting}"])
-        return merge_setting(cfg, policy, SimpleNamespace(distributed_type=distributed))
+        merge, unmerged = merge_setting(cfg, policy, SimpleNamespace(distributed_type=distributed))
+        assert why is None or unmerged == why  # what train's start-up line says when auto does not merge
+        return merge
 
     lora = lora_with_delta(copy.deepcopy(tiny_policy))
     assert resolve(lora, "auto") and resolve(lora, "on") and not resolve(lora, "off")
     assert resolve(lora, "auto", distributed="DistributedType.MULTI_GPU")  # DDP: each process holds whole weights
-    assert not resolve(lora, "auto", distributed="DistributedType.FSDP")
+    assert not resolve(lora, "auto", distributed="DistributedType.FSDP",
+                       why="FSDP shards the weights it would fold into")
     with pytest.raises(ConfigError) as err:
         resolve(lora, "on", distributed="DistributedType.FSDP")
     assert "\n" not in str(err.value) and "FSDP shards them" in str(err.value)
     loha = lora_with_delta(copy.deepcopy(tiny_policy), kind="loha")
-    assert not resolve(loha, "auto", "loha") and resolve(loha, "on", "loha")  # auto merges LoRA only
+    assert resolve(loha, "on", "loha")  # auto merges LoRA only
+    assert not resolve(loha, "auto", "loha", why="the adapter is loha (LyCORIS), which auto leaves unmerged")
     from peft import LoraConfig, get_peft_model
 
     dora = get_peft_model(copy.deepcopy(tiny_policy), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))

@@ -6,6 +6,7 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,3 +116,50 @@ def test_an_item_runs_in_a_process_of_its_own_and_a_crash_is_its_line(tmp_path):
                                   "dtype": "float32"}, timeout_s=120)
     assert crashed["error"].startswith("the item's process exited 1 without a result") and "KeyError" in \
         crashed["traceback"]
+
+
+def test_an_only_that_selects_nothing_under_steps_only_is_one_line(tmp_path, capsys):
+    """--steps-only --only sampler ran nothing and wrote empty tables with rc 0."""
+    from grpo_vision.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "gpu", "--tiny", "--budget", "1", "--presets", "janus-pro-1b", "--steps-only", "--only",
+              "sampler", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "\n" not in err
+    assert err == ("grpo-vision: error: --only 'sampler' selects nothing under --steps-only (no sampler items): "
+                   "choose among " + "; ".join(sorted(label for label, *_ in bench.STEPS["janus-pro-1b"]))
+                   + ", or drop --steps-only")
+    assert not (tmp_path / "out").exists()  # nothing written either
+    with pytest.raises(SystemExit):  # a preset without step settings: --steps-only alone runs nothing
+        main(["bench", "gpu", "--tiny", "--presets", "llamagen-c2i-xl", "--steps-only", "--out", str(tmp_path / "o")])
+    assert capsys.readouterr().err.strip() == ("grpo-vision: error: --steps-only leaves nothing to run: "
+                                               "llamagen-c2i-xl-tiny has no step settings; drop --steps-only")
+
+
+@pytest.mark.parametrize("where", ["file", "under a file", "read-only"])
+def test_an_out_that_cannot_be_written_is_one_line_before_any_item(where, tmp_path, capsys, monkeypatch):
+    """--out a file, a path under a file or a read-only folder were tracebacks (FileExistsError,
+    NotADirectoryError; PermissionError once the first item had run)."""
+    import os
+
+    from grpo_vision.cli import main
+
+    (tmp_path / "f").write_text("kept")
+    out = {"file": tmp_path / "f", "under a file": tmp_path / "f" / "bench", "read-only": tmp_path / "ro"}[where]
+    if where == "read-only":  # root passes permission checks: the folder's refusal is simulated where it is asked
+        out.mkdir()
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != out and real(p, mode, **kw))
+    for name in ("run_item", "run_isolated"):
+        monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("an item ran"))
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "gpu", "--tiny", "--presets", "llamagen-c2i-xl", "--only", "sampler", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and "\n" not in err and "Traceback" not in err
+    expected = {"file": f"--out {out}: {out} is a file, not a folder; choose another --out",
+                "under a file": f"--out {out}: {tmp_path / 'f'} is a file, not a folder; choose another --out",
+                "read-only": f"cannot write in {out} (no permission to write): make it writable, or choose "
+                             "another --out"}[where]
+    assert err == f"grpo-vision: error: {expected}"
+    assert (tmp_path / "f").read_text() == "kept"
