@@ -133,6 +133,25 @@ def check_planning(policy, kind: str, max_tokens: int) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_plan_template(policy, template: str, prompts: Iterable[str]) -> None:
+    """ConfigError when the text stage cannot read `template` (sample.plan.template) as captions are read: words
+    the policy does not know (every plan prompt would read them as <unk>; a caption with one is refused, see
+    prompt_problem), or more words with the longest of `prompts` than the policy's caption slots (else a ValueError
+    at the first rollout)."""
+    own = template.format(prompt="")  # the template's words besides the caption
+    if unknown := unknown_words(policy, own):
+        raise ConfigError(f"sample.plan.template {brief(template)} has words the policy does not know: "
+                          f"{', '.join(map(brief, unknown[:5]))} (every plan prompt would read them as <unk>): write "
+                          "it in the policy's caption words, or set it to {prompt}")
+    longest = max(prompts, key=lambda p: len(p.split()), default="")
+    try:
+        policy.encode_plan_prompts([template.format(prompt=longest)])
+    except ValueError as e:  # e.g. the caption slots of a ShapesWorld policy (max_caption_words)
+        raise ConfigError(f"sample.plan.template {brief(template)} adds {len(own.split())} words to each caption, and "
+                          f"with the longest prompt {brief(longest)}: {e}; shorten the template (or the prompts), or "
+                          "set it to {prompt}") from None
+
+
 def unknown_words(policy, prompt: str) -> list[str]:
     """The words of `prompt` that `policy` cannot read; none for a policy that reads any text."""
     check = getattr(policy, "unknown_words", None)
