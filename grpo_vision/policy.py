@@ -278,6 +278,7 @@ class PolicyKind:
     load: Callable[[PolicyConfig, torch.device | str], Bundle]
     prompts: PromptSplits | None = None  # its PromptSets when data.* names no files
     options: type | None = None  # the dataclass of `policy.options`; None: the kind takes none
+    check: Callable[[PolicyConfig], None] | None = None  # conflicts its files show without a model loaded (check_files)
 
 
 REGISTRY: dict[str, PolicyKind] = {}
@@ -292,14 +293,16 @@ def register_path_loader(recognises: Callable[[str], Any], load: Callable[[Polic
     PATH_LOADERS.append((recognises, load))
 
 
-def register_policy_kind(name: str, prompts: PromptSplits | None = None, options: type | None = None):
+def register_policy_kind(name: str, prompts: PromptSplits | None = None, options: type | None = None,
+                         check: Callable[[PolicyConfig], None] | None = None):
     """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
-    kind's default PromptSets, `options` is the dataclass of its `policy.options` (None: it takes none).
+    kind's default PromptSets, `options` is the dataclass of its `policy.options` (None: it takes none), `check`
+    a ConfigError for what its files show conflicts with the config, read without loading a model (check_files).
     The built-in kinds register first, so a user's kind of the same name wins."""
     load_built_in()
 
     def wrap(load):
-        REGISTRY[name] = PolicyKind(name, load, prompts, options)
+        REGISTRY[name] = PolicyKind(name, load, prompts, options, check)
         return load
     return wrap
 
@@ -326,6 +329,14 @@ def kind_options(pcfg: PolicyConfig) -> Any:
                               f"{pcfg.kind!r}; remove it")
         return None
     return from_dict(kind.options, dict(pcfg.options), where="config", prefix="policy.options.")
+
+
+def check_files(pcfg: PolicyConfig) -> None:
+    """The kind's `check` of the files policy.* names: `grpo-vision config` and the start of `train` (through
+    rewards.check_options) find what the loader would find once it read the weights."""
+    kind = policy_kind(pcfg.kind)
+    if kind.check is not None and pcfg.path:
+        kind.check(pcfg)
 
 
 def load_bundle(pcfg: PolicyConfig, device) -> Bundle:
