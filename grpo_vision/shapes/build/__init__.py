@@ -177,7 +177,9 @@ def unchanged_record(world: Path, before: dict | None, preset: str, seed: int, h
     fingerprint that runs trained on it recorded (run/checkpoint.py base_identity reads every .json) still matches;
     new timings would otherwise refuse them all as trained on another base."""
     # an older version's world.json (worlds/shapes_plan is of version 2) describes the same files as well as a new one
-    if not before or before.get("version") not in VERSIONS or (before.get("preset"), before.get("seed")) != (preset, seed):
+    if not before or before.get("version") not in VERSIONS:
+        return None
+    if (before.get("preset"), before.get("seed")) != (preset, seed):
         return None
     infos = before.get("stages")
     if not isinstance(infos, dict) or any(not isinstance(infos.get(n), dict) or infos[n].get("recipe") != hashes[n]
