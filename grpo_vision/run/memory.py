@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -175,8 +176,23 @@ KNOBS = {"weights": "a smaller policy, policy.dtype, or train.adapter=lora with 
          "runtime": "the other work in this process (it is what the process held before the run's first step)"}
 
 
-def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool) -> tuple[str, str | None]:
-    """(the line to print, a warning or None); ConfigError when the estimate exceeds `available`."""
+def plan_cap_advice(parts_at: Callable[[int], dict[str, int]], max_tokens: int, available: int | None) -> str | None:
+    """The advice to lower sample.plan.max_tokens, naming its value and the largest that fits, when it is what
+    takes the estimate `parts_at(plan tokens)` over `available` (the run fits with a short plan); else None."""
+    if not max_tokens or not available or peak(parts_at(max_tokens)) <= available or peak(parts_at(1)) > available:
+        return None
+    fits, over = 1, max_tokens  # the peak grows with the plan's length: bisect for the longest plan that fits
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if peak(parts_at(mid)) <= available else (fits, mid)
+    return (f"sample.plan.max_tokens={max_tokens} lengthens every row's condition and adds the plan's rows and "
+            f"logits: at most {fits} fits, so lower sample.plan.max_tokens to {fits} or less")
+
+
+def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool,
+                 advice: str | None = None) -> tuple[str, str | None]:
+    """(the line to print, a warning or None); ConfigError when the estimate exceeds `available`, with `advice`
+    (else the knob of the largest part)."""
     need = peak(parts)
     what = "at least " if lower_bound else "about "
     line = (f"memory: {what}{need / GIB:.2f} GiB estimated peak ("
@@ -186,7 +202,8 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
     if not available or need <= WARN_FRACTION * available:
         return line, None
     largest = max(parts, key=parts.get)
-    advice = f"the largest part is {largest} ({parts[largest] / GIB:.2f} GiB): lower {KNOBS[largest]}"
+    advice = advice if need > available and advice else \
+        f"the largest part is {largest} ({parts[largest] / GIB:.2f} GiB): lower {KNOBS[largest]}"
     if need > available:
         raise ConfigError(f"this run needs {what}{need / GIB:.1f} GiB but {available / GIB:.1f} GiB are "
                           f"available; {advice}")
@@ -204,13 +221,14 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
     t = cfg.train
     available = available_memory(torch.device(device))
 
-    def parts_with(merged_bytes: int) -> dict[str, int]:
+    plan_tokens = cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0
+
+    def parts_with(merged_bytes: int, plan: int = plan_tokens) -> dict[str, int]:
         return estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
                                frozen_reference=t.reference == "frozen",
                                activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
                                checkpointing=t.gradient_checkpointing, merged=merged_bytes,
-                               plan_tokens=cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0,
-                               plan_vocab=getattr(policy, "plan_vocab_size", 0) or 0)
+                               plan_tokens=plan, plan_vocab=getattr(policy, "plan_vocab_size", 0) or 0)
     parts = parts_with(merged)
     if merged and optional_merge and available and peak(parts) > WARN_FRACTION * available \
             and peak(parts_with(0)) < peak(parts):
@@ -225,7 +243,8 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
         if return_freed_memory() and loud:  # glibc's arenas would keep what each phase freed (docs/benchmarks.md)
             print("[train] a large step for this CPU's memory: freed memory goes back to the system at once "
                   "(glibc's mmap threshold 64 KiB)", flush=True)
-    line, too_close = check_memory(parts, available, lower_bound=shape.layers is None)
+    line, too_close = check_memory(parts, available, lower_bound=shape.layers is None,
+                                   advice=plan_cap_advice(lambda n: parts_with(merged, n), plan_tokens, available))
     if loud:
         print(f"[train] {line}", flush=True)
         if too_close:
