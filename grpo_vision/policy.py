@@ -115,7 +115,8 @@ class PlanningPolicy(Protocol):
         ...
 
     # and `forward(cond, tokens, plan=None)`: with a `sampling.Plan`, (image logits, plan logits), so that one call
-    # of the module (DDP's and FSDP's hooks) gives both segments of a training forward
+    # of the module (DDP's and FSDP's hooks) gives both segments of a training forward; optionally
+    # `plan_prompting(template) -> dict`, how it wraps both stages' text, which an export records (export.py)
 
 
 def check_planning(policy, kind: str, max_tokens: int) -> None:
