@@ -334,7 +334,7 @@ def kind_options(pcfg: PolicyConfig) -> Any:
 
 def check_files(pcfg: PolicyConfig) -> None:
     """The kind's `check` of the files policy.* names: `grpo-vision config` and the start of `train` (through
-    rewards.check_options) find what the loader would find once it read the weights."""
+    rewards.check_named_files) find what the loader would find once it read the weights."""
     kind = policy_kind(pcfg.kind)
     if kind.check is not None and pcfg.path:
         kind.check(pcfg)

@@ -149,7 +149,6 @@ def check_options(cfg) -> None:
                               "drop the reward")
     if cfg.policy.kind or cfg.policy.options:
         kind_options(cfg.policy)
-        check_files(cfg.policy)  # e.g. LlamaGen's image size against its file's
 
 
 FILE_OPTION = re.compile(r"(path|checkpoint)$")  # an options field that names a local file or folder
@@ -171,8 +170,11 @@ def named_files(cfg) -> list[tuple[str, str]]:
 
 
 def check_named_files(cfg) -> None:
-    """One ConfigError naming every file the config names that is not there (`grpo-vision config` and `train`,
-    before any model loads), rather than one at a time as each loader reaches its own."""
+    """What `grpo-vision config` and `train` check of the files the config names before any model loads: the
+    policy kind's own check (policy.check_files: LlamaGen's image size against its file's, a missing world), then
+    one ConfigError naming every file that is not there, rather than one at a time as each loader reaches its own."""
+    if cfg.policy.kind:
+        check_files(cfg.policy)
     missing = [f"{key} {path}" for key, path in named_files(cfg) if not Path(path).exists()]
     if missing:
         raise ConfigError(f"{len(missing)} file(s) the config names are missing: {'; '.join(missing)}; put them "

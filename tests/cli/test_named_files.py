@@ -49,5 +49,13 @@ def test_config_passes_once_every_named_file_is_there(tmp_path, monkeypatch, cap
 def test_a_reward_not_trained_on_or_monitored_names_no_file(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     err = error_of(["config", str(ROOT / "configs" / "shapes.yaml"), "reward.options.hpsv2.checkpoint=nowhere.pt",
-                    "policy.path=no_world"], capsys)
-    assert err.startswith("grpo-vision: error: 1 file(s) the config names are missing: policy.path no_world; ")
+                    f"policy.path={ROOT / 'worlds' / 'shapes'}", "data.train_prompts=none.txt"], capsys)
+    assert err.startswith("grpo-vision: error: 1 file(s) the config names are missing: data.train_prompts none.txt; ")
+
+
+def test_a_missing_world_is_named_with_the_command_that_builds_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for command in ("config", "train"):
+        assert error_of([command, str(ROOT / "configs" / "shapes_micro.yaml")], capsys) == (
+            "grpo-vision: error: world directory not found: worlds/shapes_micro; build it with: grpo-vision world "
+            "build --out worlds/shapes_micro\n")

@@ -221,7 +221,8 @@ def test_a_files_own_image_size_wins_and_a_conflicting_option_is_one_line(tmp_pa
 def test_config_finds_the_image_size_conflict_that_train_finds_without_loading_the_model(source, tmp_path, capsys,
                                                                                         monkeypatch):
     """`grpo-vision config` passed what `train` refused once it had read the weights: the same check (the kind's
-    `check`, through check_options) now runs in both, from the file's arguments or name, or the run's config."""
+    `check`, through rewards.check_named_files) now runs in both, from the file's arguments or name, or the run's
+    config."""
     from grpo_vision.cli import main
     from grpo_vision.config import load_config, save_config
 
