@@ -72,9 +72,21 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
             files, form = exporter(model)(folder), "model"
         record = {"run": str(run_dir), "step": run.step, "kind": kind, "form": form, "base": run.cfg.policy.path,
                   "adapter": run.cfg.train.adapter, "merged": adapter and form == "model",
-                  "dtype": run.cfg.policy.dtype}
+                  "dtype": run.cfg.policy.dtype, "text_stage": text_stage(run.cfg, base)}
         write_file(folder / "export.json", json.dumps(record, indent=2) + "\n")
     return Exported(out, kind, form, run.step, [out / f.relative_to(folder) for f in files] + [out / "export.json"])
+
+
+def text_stage(cfg, policy) -> dict | None:
+    """How the run's rollouts prompted the text plan before each image (sample.plan; None without one): the
+    template, the plan's sampling settings, and the kind's own wrapping of both stages (`plan_prompting`, e.g.
+    Janus's system prompt, chat turns and "{prompt}. {plan}" image condition), so the export alone rebuilds it."""
+    p = cfg.sample.plan
+    if not p.enabled:
+        return None
+    wrapping = policy.plan_prompting(p.template) if hasattr(policy, "plan_prompting") else {}
+    return {"template": p.template, "max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k,
+            "top_p": p.top_p, **wrapping}
 
 
 def run_folder_around(path: Path) -> Path | None:

@@ -115,7 +115,8 @@ class PlanningPolicy(Protocol):
         ...
 
     # and `forward(cond, tokens, plan=None)`: with a `sampling.Plan`, (image logits, plan logits), so that one call
-    # of the module (DDP's and FSDP's hooks) gives both segments of a training forward
+    # of the module (DDP's and FSDP's hooks) gives both segments of a training forward; optionally
+    # `plan_prompting(template) -> dict`, how it wraps both stages' text, which an export records (export.py)
 
 
 def check_planning(policy, kind: str, max_tokens: int) -> None:
@@ -131,6 +132,25 @@ def check_planning(policy, kind: str, max_tokens: int) -> None:
         policy.new_plan_cache(1, max_tokens)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def check_plan_template(policy, template: str, prompts: Iterable[str]) -> None:
+    """ConfigError when the text stage cannot read `template` (sample.plan.template) as captions are read: words
+    the policy does not know (every plan prompt would read them as <unk>; a caption with one is refused, see
+    prompt_problem), or more words with the longest of `prompts` than the policy's caption slots (else a ValueError
+    at the first rollout)."""
+    own = template.format(prompt="")  # the template's words besides the caption
+    if unknown := unknown_words(policy, own):
+        raise ConfigError(f"sample.plan.template {brief(template)} has words the policy does not know: "
+                          f"{', '.join(map(brief, unknown[:5]))} (every plan prompt would read them as <unk>): write "
+                          "it in the policy's caption words, or set it to {prompt}")
+    longest = max(prompts, key=lambda p: len(p.split()), default="")
+    try:
+        policy.encode_plan_prompts([template.format(prompt=longest)])
+    except ValueError as e:  # e.g. the caption slots of a ShapesWorld policy (max_caption_words)
+        raise ConfigError(f"sample.plan.template {brief(template)} adds {len(own.split())} words to each caption, and "
+                          f"with the longest prompt {brief(longest)}: {e}; shorten the template (or the prompts), or "
+                          "set it to {prompt}") from None
 
 
 def unknown_words(policy, prompt: str) -> list[str]:
@@ -259,6 +279,7 @@ class PolicyKind:
     load: Callable[[PolicyConfig, torch.device | str], Bundle]
     prompts: PromptSplits | None = None  # its PromptSets when data.* names no files
     options: type | None = None  # the dataclass of `policy.options`; None: the kind takes none
+    check: Callable[[PolicyConfig], None] | None = None  # conflicts its files show without a model loaded (check_files)
 
 
 REGISTRY: dict[str, PolicyKind] = {}
@@ -273,14 +294,16 @@ def register_path_loader(recognises: Callable[[str], Any], load: Callable[[Polic
     PATH_LOADERS.append((recognises, load))
 
 
-def register_policy_kind(name: str, prompts: PromptSplits | None = None, options: type | None = None):
+def register_policy_kind(name: str, prompts: PromptSplits | None = None, options: type | None = None,
+                         check: Callable[[PolicyConfig], None] | None = None):
     """Register `load(policy_config, device) -> Bundle` as policy kind `name`; `prompts(cfg)` gives the
-    kind's default PromptSets, `options` is the dataclass of its `policy.options` (None: it takes none).
+    kind's default PromptSets, `options` is the dataclass of its `policy.options` (None: it takes none), `check`
+    a ConfigError for what its files show conflicts with the config, read without loading a model (check_files).
     The built-in kinds register first, so a user's kind of the same name wins."""
     load_built_in()
 
     def wrap(load):
-        REGISTRY[name] = PolicyKind(name, load, prompts, options)
+        REGISTRY[name] = PolicyKind(name, load, prompts, options, check)
         return load
     return wrap
 
@@ -307,6 +330,14 @@ def kind_options(pcfg: PolicyConfig) -> Any:
                               f"{pcfg.kind!r}; remove it")
         return None
     return from_dict(kind.options, dict(pcfg.options), where="config", prefix="policy.options.")
+
+
+def check_files(pcfg: PolicyConfig) -> None:
+    """The kind's `check` of the files policy.* names: `grpo-vision config` and the start of `train` (through
+    rewards.check_named_files) find what the loader would find once it read the weights."""
+    kind = policy_kind(pcfg.kind)
+    if kind.check is not None and pcfg.path:
+        kind.check(pcfg)
 
 
 def load_bundle(pcfg: PolicyConfig, device) -> Bundle:

@@ -11,7 +11,7 @@ import torch
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.grpo import LossParams, TokenWeights, grpo_loss, k3_kl
 from grpo_vision.models.llama import BOI, BOS, NULL, PAD, LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.policy import check_planning
+from grpo_vision.policy import check_plan_template, check_planning
 from grpo_vision.sampling import (
     PlanParams, SamplingParams, batched_logprobs, sample, sample_plan, sequence_logprobs, token_logprobs,
 )
@@ -186,6 +186,8 @@ def test_a_kind_without_a_text_stage_is_refused_in_one_line_naming_it(tiny_polic
 
 @pytest.mark.parametrize("override, key", [
     ("sample.plan.template=draw it", "sample.plan.template"),
+    ("sample.plan.template='{prompt!r}'", "sample.plan.template"),  # the caption in quotes
+    ("sample.plan.template='draw {prompt:>40}'", "sample.plan.template"),  # padded with spaces
     ("sample.plan.max_tokens=0", "sample.plan.max_tokens"),
     ("train.token_weighting=stage", "train.token_weighting"),
     ("train.plan_weight=-1", "train.plan_weight"),
@@ -196,6 +198,39 @@ def test_bad_plan_settings_are_refused_in_one_line_naming_the_key(override, key)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         load_config(MICRO, ["sample.plan.enabled=true", override])
     assert "\n" not in str(e.value)
+
+
+def test_a_plan_template_is_read_as_captions_are_before_the_first_rollout(planner):
+    """Words outside the caption vocabulary would be <unk> in every plan prompt; a template that does not fit the
+    caption slots (8 here) with the longest prompt would stop the first rollout."""
+    with pytest.raises(ConfigError) as e:
+        check_plan_template(planner, "please draw {prompt}", PROMPTS)
+    assert str(e.value) == ("sample.plan.template 'please draw {prompt}' has words the policy does not know: "
+                            "'please', 'draw' (every plan prompt would read them as <unk>): write it in the policy's "
+                            "caption words, or set it to {prompt}")
+    with pytest.raises(ConfigError) as e:  # the longest prompt has 8 words
+        check_plan_template(planner, "a {prompt} a", PROMPTS)
+    assert str(e.value) == ("sample.plan.template 'a {prompt} a' adds 2 words to each caption, and with the longest "
+                            "prompt 'a blue square left of a red circle': caption 'a a blue square left of a red "
+                            "circle a' has 10 words; this policy takes at most 8 (max_caption_words); shorten the "
+                            "template (or the prompts), or set it to {prompt}")
+    check_plan_template(planner, "a {prompt} a", ["a red circle", "a blue square"])  # 5 words: they fit
+    check_plan_template(planner, "{prompt}", PROMPTS)
+
+
+def test_train_refuses_a_plan_template_of_unknown_words_before_a_step(micro_world, tmp_path):
+    from grpo_vision.policy import load_bundle
+    from grpo_vision.train import train
+    from tests.helpers import micro_cfg
+
+    cfg = micro_cfg(micro_world, tmp_path, "sample.plan.enabled=true", "sample.plan.max_tokens=4",
+                    "sample.plan.template='please draw {prompt}'")
+    bundle = load_bundle(cfg.policy, "cpu")
+    bundle.policy = LlamaImagePolicy(dataclasses.replace(bundle.policy.cfg, plan_words=PLAN_WORDS, max_plan_tokens=4))
+    with pytest.raises(ConfigError, match=r"^sample.plan.template 'please draw \{prompt\}' has words the policy "
+                                          r"does not know: 'please', 'draw' "):
+        train(cfg, progress=False, bundle=bundle)
+    assert not (tmp_path / cfg.run.name / "checkpoints").exists()
 
 
 def test_two_planned_steps_train_the_plan_and_log_the_drift_of_both_segments(micro_world, tmp_path):

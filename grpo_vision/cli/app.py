@@ -44,9 +44,11 @@ def cmd_config(args) -> None:
     import yaml
 
     from grpo_vision.rewards import check_options
+    from grpo_vision.rewards.base import check_named_files
 
     cfg = load_config(args.config, args.overrides)
     check_options(cfg)  # reward.options and policy.options against their registered dataclasses
+    check_named_files(cfg)  # every file it names, as train checks them before any model loads
     sizes = derived_sizes(cfg, args.num_processes)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     print("# derived: " + format_sizes(sizes))
@@ -112,6 +114,7 @@ def cmd_train(args) -> None:
     from grpo_vision.run.health import say_done
     from grpo_vision.splits import run_prompt_sets
     from grpo_vision.rewards import check_options, check_rewards
+    from grpo_vision.rewards.base import check_named_files
     from grpo_vision.run.folder import refuse_code, resume_config
     from grpo_vision.train import train
 
@@ -130,6 +133,7 @@ def cmd_train(args) -> None:
             raise ConfigError("grpo-vision train needs a config file, e.g. configs/shapes.yaml")
         cfg = load_config(args.config, overrides)
         check_options(cfg)  # a misspelt option is named now, not once the models have loaded
+    check_named_files(cfg)  # all missing files in one line, not one at a time as each model loads
     try:
         run_dir = train(cfg, resume=args.resume or None, allow_other_base=args.allow_other_base)
     except KeyboardInterrupt as e:  # 130 after Ctrl-C, 143 after SIGTERM: what a shell reports for a killed command

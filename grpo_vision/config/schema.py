@@ -400,7 +400,8 @@ def _plan_checks(cfg: Config) -> list[tuple[bool, str]]:
         (p.max_tokens >= 1, f"sample.plan.max_tokens must be >= 1 (the longest plan in tokens), got {p.max_tokens}"),
         (p.top_k >= 0, "sample.plan.top_k must be >= 0 (0 keeps every token)"),
         (_has_prompt_slot(p.template), f"sample.plan.template {brief(p.template)} must contain {{prompt}} once, where the "
-                                       "caption goes (and no other {...}; write {{ and }} for braces)"),
+                                       "caption goes, as is (no other {...}, no !r or :spec; write {{ and }} for "
+                                       "braces)"),
         # per-token terms that read image tokens only (entropies, code vectors, a sequence ratio) or regroup rows
         (t.token_weighting == "none", f"train.token_weighting={t.token_weighting} weighs image tokens only and does not "
                                       "apply with sample.plan.enabled: set train.token_weighting to none"),
@@ -417,14 +418,15 @@ def _plan_checks(cfg: Config) -> list[tuple[bool, str]]:
 
 
 def _has_prompt_slot(template: str) -> bool:
-    """True when `template` has exactly one {prompt} field and no other (str.format's parse)."""
+    """True when `template` has exactly one {prompt} field, without a conversion or format spec (`{prompt!r}`
+    quotes the caption, `{prompt:>10}` pads it), and no other field (str.format's parse)."""
     import string
 
     try:
-        fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
     except ValueError:  # an unmatched brace
         return False
-    return fields == ["prompt"]
+    return fields == [("prompt", "", None)]
 
 
 def _float_ranges(cfg: Config) -> list[tuple[str, float, str, Any]]:

@@ -313,6 +313,19 @@ class JanusImagePolicy(nn.Module):
         return self.encode_prompts([f"{prompt}. {self.plan_text(plan)}" for prompt, plan in zip(prompts, plans,
                                                                                                  strict=True)])
 
+    def plan_prompting(self, template: str) -> dict:
+        """How `encode_plan_prompts` and `plan_condition` prompt the two stages, as strings that str.format fills
+        (`prompt`, the caption; `plan`, the plan's text): what an export records (export.json's `text_stage`), so
+        that the exported folder alone rebuilds a rollout with transformers' own Janus."""
+        return {"system_prompt": PLAN_SYSTEM_PROMPT,
+                "text_stage_input": f"{PLAN_SYSTEM_PROMPT}\n\n{self._user_turn(template)}",
+                "text_stage_encoding": "processor.tokenizer(text_stage_input.format(prompt=...)): it adds <bos>; "
+                                       "the plan is sampled until the end-of-sentence token",
+                "image_prompt": "{prompt}. {plan}",
+                "image_stage_input": self._user_turn("{prompt}. {plan}"),
+                "image_stage_encoding": "processor(text=image_stage_input.format(prompt=..., plan=...), "
+                                        "generation_mode='image'): it adds <bos> and <begin_of_image>"}
+
     # ------------------------------------------------------------------ internals
     def _user_turn(self, prompt: str) -> str:
         r"""One user turn and the assistant's opening in the model's chat template (Janus-Pro's:

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from grpo_vision.config import ConfigError, PolicyConfig
-from grpo_vision.models.llamagen_load import LlamaGenOptions
+from grpo_vision.models.llamagen_load import LlamaGenOptions, check_llamagen_files
 from grpo_vision.policy import Bundle, Deferred, register_path_loader, register_policy_kind
 
 
@@ -43,7 +43,7 @@ def load_janus(pcfg: PolicyConfig, device) -> Bundle:
     return Bundle(policy, policy.image_tokenizer(), source=Path(pcfg.path))  # the tokenizer shares the VQ model
 
 
-@register_policy_kind("llamagen", options=LlamaGenOptions)
+@register_policy_kind("llamagen", options=LlamaGenOptions, check=check_llamagen_files)
 def load_llamagen(pcfg: PolicyConfig, device) -> Bundle:
     """LlamaGen's released GPT (`policy.path`, c2i or t2i), its VQ (`policy.tokenizer`), `policy.options`."""
     from grpo_vision.models.llamagen_load import load_llamagen as load
@@ -98,20 +98,12 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
     run_dir, step = run_folder_of(pcfg.path)
     check_chain(run_dir)
     cfg = read_run_config(run_dir)
-    own = cfg.policy
-    if pcfg.kind != own.kind:
-        raise ConfigError(f"policy.path {pcfg.path} is a run folder of policy kind {own.kind!r}: set policy.kind "
-                          f"to {own.kind!r}")
+    own = check_weight_options(pcfg, cfg.policy)
     if pcfg.tokenizer:
         raise ConfigError(f"policy.path {pcfg.path} is a run folder, which brings its own policy.tokenizer: leave "
                           "it empty")
     # the run's own options, each that policy.options gives replaced: a setting of this run rather than of the
     # model (ShapesWorld's world_train_split), or a file that moved since (llamagen's text_encoder)
-    for key in WEIGHT_OPTIONS:  # what the trained weights are, not a setting of the new run
-        if key in own.options and key in pcfg.options and own.options[key] != pcfg.options[key]:
-            raise ConfigError(f"policy.options.{key} is {pcfg.options[key]}, but the run folder {run_dir} trained at "
-                              f"{own.options[key]}: remove policy.options.{key} (the run's own is used) or set it to "
-                              f"{own.options[key]}")
     own = dataclasses.replace(own, options={**own.options, **pcfg.options})
     bundle = load_bundle(own, device)  # the run's own base (itself a run folder, for a chain of runs)
     policy, t = bundle.policy, cfg.train
@@ -127,6 +119,25 @@ def trained_bundle(pcfg: PolicyConfig, device) -> Bundle:
             p.requires_grad_(name not in frozen)
     bundle.policy = policy.to(getattr(torch, pcfg.dtype))
     return bundle
+
+
+def check_weight_options(pcfg: PolicyConfig, own: PolicyConfig | None = None) -> PolicyConfig:
+    """The policy config of the run folder in `pcfg.path` (`own`, else read from it), once `pcfg` asks for its
+    kind and for no other WEIGHT_OPTIONS than those it trained with (what the trained weights are, not a setting
+    of the new run). trained_bundle calls it, and so does a kind's `check` before any model loads."""
+    from grpo_vision.run.folder import read_run_config
+
+    run_dir = run_folder_of(pcfg.path)[0]
+    own = own or read_run_config(run_dir).policy
+    if pcfg.kind != own.kind:
+        raise ConfigError(f"policy.path {pcfg.path} is a run folder of policy kind {own.kind!r}: set policy.kind "
+                          f"to {own.kind!r}")
+    for key in WEIGHT_OPTIONS:
+        if key in own.options and key in pcfg.options and own.options[key] != pcfg.options[key]:
+            raise ConfigError(f"policy.options.{key} is {pcfg.options[key]}, but the run folder {run_dir} trained at "
+                              f"{own.options[key]}: remove policy.options.{key} (the run's own is used) or set it to "
+                              f"{own.options[key]}")
+    return own
 
 
 def check_chain(run_dir: Path) -> None:

@@ -168,6 +168,51 @@ def released_image_size(path: Path) -> int:
     return int(m.group(1)) if m else 0
 
 
+def checked_image_size(options: LlamaGenOptions, path: Path, args: dict) -> tuple[int, str]:
+    """(the size `path` was trained at, 0 where neither its `args` nor its name say it; where that came from).
+    A ConfigError when policy.options.image_size names another: a 16-token model sampled 4096 tokens an image."""
+    recorded, where, source = arg_int(args, "image_size", path), "args.image_size", f"args.image_size of {path.name}"
+    if not recorded:
+        recorded, where, source = released_image_size(path), "name", f"the name {path.name}"
+    if options.image_size and recorded and options.image_size != recorded:
+        raise ConfigError(f"policy.options.image_size is {options.image_size}, but {path} was trained at {recorded} "
+                          f"(its {where}): remove policy.options.image_size (the file's own size is used) or set it "
+                          f"to {recorded}")
+    return recorded, source
+
+
+def checkpoint_args(path: Path) -> dict:
+    """A checkpoint's training arguments without reading its weights (safetensors' metadata; a .pt memory-mapped),
+    {} where they cannot be read so: the loader reads the whole file and names what is wrong with it."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                args = json.loads((f.metadata() or {}).get("args", "{}"))
+        else:
+            with torch.serialization.safe_globals([argparse.Namespace]):
+                raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            args = raw.get("args") if isinstance(raw, dict) else None
+            args = vars(args) if isinstance(args, argparse.Namespace) else args
+    except Exception:  # unreadable, unsafe, not a zip archive (mmap needs one): left to the loader
+        return {}
+    return args if isinstance(args, dict) else {}
+
+
+def check_llamagen_files(pcfg) -> None:
+    """The image-size conflict load_policy finds, checked from the file's name and arguments only (the kind's
+    `check`: `grpo-vision config` and the start of `train` run it before any model loads). A run folder's own
+    size is checked as trained_bundle checks it."""
+    from grpo_vision.models.kinds import check_weight_options, run_folder_of
+    from grpo_vision.policy import kind_options
+
+    if run_folder_of(pcfg.path):
+        check_weight_options(pcfg)
+    elif Path(pcfg.path).is_file():  # a missing file is named when the model loads
+        checked_image_size(kind_options(pcfg), Path(pcfg.path), checkpoint_args(Path(pcfg.path)))
+
+
 def head_count(state: dict, gpt: str, heads: int, path: Path) -> int:
     """Attention heads: `heads` if given, else the named size's, else the size whose width and depth the
     weights have. A ConfigError when a named size does not fit the weights."""
@@ -253,13 +298,7 @@ def load_policy(path: str | Path, options: LlamaGenOptions, device, dtype: str, 
     if "cls_embedding.embedding_table.weight" not in state and "cls_embedding.uncond_embedding" not in state:
         raise CheckpointError(f"policy.path {path} has neither a class embedding (c2i) nor a caption embedder's "
                               "uncond_embedding (t2i): it is not a LlamaGen GPT checkpoint")
-    recorded, where, source = arg_int(args, "image_size", path), "args.image_size", f"args.image_size of {path.name}"
-    if not recorded:
-        recorded, where, source = released_image_size(path), "name", f"the name {path.name}"
-    if options.image_size and recorded and options.image_size != recorded:  # a 16-token model sampled 4096 tokens
-        raise ConfigError(f"policy.options.image_size is {options.image_size}, but {path} was trained at {recorded} "
-                          f"(its {where}): remove policy.options.image_size (the file's own size is used) or set it "
-                          f"to {recorded}")
+    recorded, source = checked_image_size(options, path, args)
     size = options.image_size or recorded
     if options.image_size:
         source = "policy.options.image_size"

@@ -21,10 +21,12 @@ their own callable with `python:package.module:function` (the function is the re
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import inspect
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +37,7 @@ import torch
 from grpo_vision.config import ConfigError, brief, from_dict
 from grpo_vision.files import write_file
 from grpo_vision.plugins import load_plugins, not_found_hint
-from grpo_vision.policy import kind_options
+from grpo_vision.policy import check_files, kind_options
 from grpo_vision.run.folder import REWARDS, reward_records
 
 RewardFn = Callable[[torch.Tensor, Sequence[str], Sequence[dict]], torch.Tensor]
@@ -196,6 +198,37 @@ def check_reads_policy(name: str, kinds: tuple[str, ...], cfg, options) -> None:
         raise ConfigError(f"reward {name!r} judges with the reference model, and "
                           "train.reference is none: set train.reference=adapter (with train.adapter=lora: no second "
                           f"copy of the weights) or frozen, or reward.options.{name}.model=policy")
+
+
+FILE_OPTION = re.compile(r"(path|checkpoint)$")  # an options field that names a local file or folder
+
+
+def named_files(cfg) -> list[tuple[str, str]]:
+    """(key, path) of every file or folder the config names: the policy's, the prompts files, and each option of a
+    reward it trains on or monitors whose name ends in path or checkpoint (reward.options.hpsv2.checkpoint, ...)."""
+    d = cfg.data
+    named = [("policy.path", cfg.policy.path), ("policy.tokenizer", cfg.policy.tokenizer),
+             ("data.train_prompts", d.train_prompts), ("data.eval_prompts", d.eval_prompts),
+             ("data.heldout_prompts", d.heldout_prompts)]
+    used = [n for n, w in cfg.reward.weights.items() if w] + list(cfg.reward.monitor)
+    for name in dict.fromkeys(used):
+        options = reward_options(name, cfg.reward.options.get(name)) if is_registered(name) else None
+        named += [(f"reward.options.{name}.{f.name}", getattr(options, f.name))
+                  for f in (dataclasses.fields(options) if options is not None else ()) if FILE_OPTION.search(f.name)]
+    return [(key, path) for key, path in named if isinstance(path, str) and path]
+
+
+def check_named_files(cfg) -> None:
+    """What `grpo-vision config` and `train` check of the files the config names before any model loads: the
+    policy kind's own check (policy.check_files: LlamaGen's image size against its file's, a missing world), then
+    one ConfigError naming every file that is not there, rather than one at a time as each loader reaches its own."""
+    if cfg.policy.kind:
+        check_files(cfg.policy)
+    missing = [f"{key} {path}" for key, path in named_files(cfg) if not Path(path).exists()]
+    if missing:
+        raise ConfigError(f"{len(missing)} file(s) the config names are missing: {'; '.join(missing)}; put them "
+                          "there or point the keys elsewhere (docs/real_models.md says where each model comes from "
+                          "and how to make a prompts file)")
 
 
 def register_callable(name: str, fn: RewardFn) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -198,8 +199,23 @@ KNOBS = {"weights": "a smaller policy, policy.dtype, or train.adapter=lora with 
          "runtime": "the other work in this process (it is what the process held before the run's first step)"}
 
 
-def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool) -> tuple[str, str | None]:
-    """(the line to print, a warning or None); ConfigError when the estimate exceeds `available`."""
+def plan_cap_advice(parts_at: Callable[[int], dict[str, int]], max_tokens: int, available: int | None) -> str | None:
+    """The advice to lower sample.plan.max_tokens, naming its value and the largest that fits, when it is what
+    takes the estimate `parts_at(plan tokens)` over `available` (the run fits with a short plan); else None."""
+    if not max_tokens or not available or peak(parts_at(max_tokens)) <= available or peak(parts_at(1)) > available:
+        return None
+    fits, over = 1, max_tokens  # the peak grows with the plan's length: bisect for the longest plan that fits
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if peak(parts_at(mid)) <= available else (fits, mid)
+    return (f"sample.plan.max_tokens={max_tokens} lengthens every row's condition and adds the plan's rows and "
+            f"logits: at most {fits} fits, so lower sample.plan.max_tokens to {fits} or less")
+
+
+def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool,
+                 advice: str | None = None) -> tuple[str, str | None]:
+    """(the line to print, a warning or None); ConfigError when the estimate exceeds `available`, with `advice`
+    (else the knob of the largest part)."""
     need = peak(parts)
     what = "at least " if lower_bound else "about "
     line = (f"memory: {what}{need / GIB:.2f} GiB estimated peak ("
@@ -209,7 +225,8 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
     if not available or need <= WARN_FRACTION * available:
         return line, None
     largest = max(parts, key=parts.get)
-    advice = f"the largest part is {largest} ({parts[largest] / GIB:.2f} GiB): lower {KNOBS[largest]}"
+    advice = advice if need > available and advice else \
+        f"the largest part is {largest} ({parts[largest] / GIB:.2f} GiB): lower {KNOBS[largest]}"
     if need > available:
         raise ConfigError(f"this run needs {what}{need / GIB:.1f} GiB but {available / GIB:.1f} GiB are "
                           f"available; {advice}")
@@ -217,15 +234,17 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
 
 
 def config_parts(shape: PolicyShape, cfg, images_per_process: int, guided: bool, merged: int = 0,
-                 plan_vocab: int = 0, judge_rows: int = 0) -> dict[str, int]:
+                 plan_vocab: int = 0, judge_rows: int = 0, plan_tokens: int | None = None) -> dict[str, int]:
     """`estimate_memory` at a config's settings: what `train` estimates, and what `grpo-vision plan` checks its
-    rows' overrides against (tools/plan.py); `judge_rows` as `estimate_memory`'s."""
+    rows' overrides against (tools/plan.py); `judge_rows` as `estimate_memory`'s; `plan_tokens` in place of the
+    config's plan cap (the refusal's search for the longest plan that fits)."""
     t = cfg.train
     return estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,
                            frozen_reference=t.reference == "frozen",
                            activation_bytes=2 if t.mixed_precision in ("bf16", "fp16") else None,
                            checkpointing=t.gradient_checkpointing, merged=merged,
-                           plan_tokens=cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0,
+                           plan_tokens=(cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0)
+                           if plan_tokens is None else plan_tokens,
                            plan_vocab=plan_vocab, judge_rows=judge_rows)
 
 
@@ -240,9 +259,11 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
     shape = policy_shape(policy, tokenizer, trainable, runtime_bytes)
     available = available_memory(torch.device(device))
 
-    def parts_with(merged_bytes: int) -> dict[str, int]:
+    plan_tokens = cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0
+
+    def parts_with(merged_bytes: int, plan: int = plan_tokens) -> dict[str, int]:
         return config_parts(shape, cfg, images_per_process, guided, merged_bytes,
-                            getattr(policy, "plan_vocab_size", 0) or 0, judge_rows)
+                            getattr(policy, "plan_vocab_size", 0) or 0, judge_rows, plan)
     parts = parts_with(merged)
     if merged and optional_merge and available and peak(parts) > WARN_FRACTION * available \
             and peak(parts_with(0)) < peak(parts):
@@ -257,7 +278,8 @@ def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_
         if return_freed_memory() and loud:  # glibc's arenas would keep what each phase freed (docs/benchmarks.md)
             print("[train] a large step for this CPU's memory: freed memory goes back to the system at once "
                   "(glibc's mmap threshold 64 KiB)", flush=True)
-    line, too_close = check_memory(parts, available, lower_bound=shape.layers is None)
+    line, too_close = check_memory(parts, available, lower_bound=shape.layers is None,
+                                   advice=plan_cap_advice(lambda n: parts_with(merged, n), plan_tokens, available))
     if loud:
         print(f"[train] {line}", flush=True)
         if too_close:

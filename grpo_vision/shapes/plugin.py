@@ -104,7 +104,16 @@ def interleave(drawn: dict[str, list[str]]) -> list[str]:
     return [v[i] for i in range(share) for v in drawn.values() if v]
 
 
-@register_policy_kind("shapes", prompts=world_prompts, options=ShapesOptions)
+def check_world(pcfg) -> None:
+    """A missing world is named with the command that builds it, as load_world names it, before any model loads
+    (`grpo-vision config`, the start of `train`); what a present world holds is checked when it loads."""
+    from grpo_vision.shapes.world import check_world_dir
+
+    if not Path(pcfg.path).exists():
+        check_world_dir(pcfg.path)
+
+
+@register_policy_kind("shapes", prompts=world_prompts, options=ShapesOptions, check=check_world)
 def load_shapes(pcfg, device) -> Bundle:
     """A ShapesWorld directory (`policy.path`): its base policy in `policy.dtype` (saved in float32, cast as
     the llama kind casts), its tokenizer, judge and reward models. Its options choose prompts, not weights.

@@ -13,7 +13,7 @@ import torch
 
 from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes
 from grpo_vision.models.adapters import add_adapter, merge_setting, merged_bytes
-from grpo_vision.policy import Bundle, check_planning, check_weighting_hooks, load_bundle
+from grpo_vision.policy import Bundle, check_plan_template, check_planning, check_weighting_hooks, load_bundle
 from grpo_vision.rewards import CompositeReward, RunModels, policy_readers
 from grpo_vision.run.checkpoint import Resumed, base_identity, latest_checkpoint, load_training_state, resume_weights
 from grpo_vision.run.distributed import load_optimizer_state, prepare
@@ -87,6 +87,9 @@ def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: 
                                                         else f"not merged ({unmerged})"), flush=True)
     merge = fits
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)
+    if cfg.sample.plan.enabled:  # the template read as the policy reads captions, around the longest prompt
+        check_plan_template(bundle.policy, cfg.sample.plan.template,
+                            [e.prompt for entries in (prompts.train, prompts.test, prompts.heldout) for e in entries])
     if cfg.train.zero_std_groups == "resample" and len(prompts.train) <= cfg.sample.prompts_per_step:
         raise ConfigError(f"train.zero_std_groups=resample replaces flat groups by prompts the step has not drawn, and "
                           f"the {len(prompts.train)} training prompts leave none beside sample.prompts_per_step="

@@ -11,6 +11,9 @@ import pytest
 
 from tests.helpers import ROOT, cli_cmd, run_cli
 
+# `config` checks that every file a config names is there: the micro world is built by the tests, not committed
+MICRO_WORLD = "policy.path=worlds/shapes"
+
 
 @pytest.mark.e2e
 def test_config_prints_resolved_values_and_sizes():
@@ -86,7 +89,7 @@ def test_overrides_are_taken_anywhere_on_the_line(monkeypatch, capsys):
     cli.main(["bench", "step", "c.yaml", "--steps", "2", "a=1"])
     cli.main(["bench", "trl", "c.yaml", "--rounds", "2", "a=1", "--json", "b=2"])
     assert seen["cmd_bench_step"].overrides == ["a=1"] and seen["cmd_bench_trl"].overrides == ["a=1", "b=2"]
-    cli.main(["config", "configs/shapes_micro.yaml", "--num-processes", "1", "train.steps=3"])
+    cli.main(["config", "configs/shapes_micro.yaml", "--num-processes", "1", "train.steps=3", MICRO_WORLD])
     assert "  steps: 3\n" in capsys.readouterr().out
     for args, needle in [(["matrix", "c.yaml", "--out", "o", "--rewards", "clip", "a=1", "--bogus=2", "stray"],
                           "unrecognized arguments: --bogus=2 stray"),  # anything else is refused as before
@@ -174,7 +177,8 @@ def test_every_numeric_option_refuses_a_value_outside_its_range(tmp_path, capsys
 @pytest.mark.e2e
 def test_a_warning_is_one_line_like_an_error():
     # not Python's format, "<file>:<line>: UserWarning: ..." with the library's source line under it
-    out = run_cli("config", "configs/shapes_micro.yaml", "train.adapter=lora", "train.reference=frozen", timeout=120)
+    out = run_cli("config", "configs/shapes_micro.yaml", "train.adapter=lora", "train.reference=frozen", MICRO_WORLD,
+                  timeout=120)
     assert out.returncode == 0 and out.stderr == (
         "grpo-vision: warning: train.adapter with train.reference: frozen keeps a second full copy of the policy as "
         "the reference; train.reference: adapter is the same reference (the adapter disabled) without it\n")
@@ -186,8 +190,8 @@ def test_a_closed_stdout_ends_the_command_quietly():
     # as a command a closed pipe stopped does, and says nothing
     read, write = os.pipe()
     os.close(read)  # the reader has gone before the command writes
-    out = subprocess.run(cli_cmd("config", "configs/shapes_micro.yaml"), cwd=ROOT, stdout=write, stderr=subprocess.PIPE,
-                         text=True, timeout=120)
+    out = subprocess.run(cli_cmd("config", "configs/shapes_micro.yaml", MICRO_WORLD), cwd=ROOT, stdout=write,
+                         stderr=subprocess.PIPE, text=True, timeout=120)
     os.close(write)
     assert out.returncode == 141 and out.stderr == ""
 
@@ -199,7 +203,8 @@ def test_every_command_ends_the_process_group_it_ran_under(tmp_path, capsys):
 
     from grpo_vision.cli import main
 
-    for n, (args, code) in enumerate([(["config", "configs/shapes_micro.yaml", "--num-processes", "1"], None),
+    for n, (args, code) in enumerate([(["config", "configs/shapes_micro.yaml", "--num-processes", "1", MICRO_WORLD],
+                                       None),
                                       (["train"], 2)]):  # a config error exits 2
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{n}'}", rank=0, world_size=1)
         try:

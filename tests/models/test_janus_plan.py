@@ -196,3 +196,34 @@ def test_two_planned_steps_train_with_no_drift_on_either_segment(janus_dir, tmp_
     before = load_file(janus_dir / "model.safetensors")
     moved = {k for k in after if not torch.equal(after[k], before[k.removeprefix("model.")])}
     assert any("language_model.layers" in k for k in moved) and not any("lm_head" in k for k in after)
+
+
+def test_an_export_records_how_the_text_stage_is_prompted_and_the_folder_alone_rebuilds_it(janus_dir, policy,
+                                                                                            tmp_path):
+    """export.json's `text_stage`: the template, the plan's settings, the system prompt and both stages' inputs as
+    strings; the exported processor encodes them to the ids the run's policy conditioned on."""
+    import json
+
+    from transformers import JanusProcessor
+
+    from grpo_vision.export import export_run, text_stage
+
+    overrides = ["sample.plan.enabled=true", "sample.plan.max_tokens=4", "sample.plan.template='Plan: {prompt}'",
+                 "sample.plan.top_k=5", "train.steps=1", "train.num_iterations=1", "log.report=false",
+                 "log.sample_every=0"]
+    cfg = load_config(write_config(tmp_path, janus_dir, "frozen"), overrides)
+    out = export_run(train(cfg, progress=False), tmp_path / "out").directory
+    stage = json.loads((out / "export.json").read_text())["text_stage"]
+    assert {k: stage[k] for k in ("template", "max_tokens", "temperature", "top_k", "top_p", "system_prompt",
+                                  "image_prompt")} == {
+        "template": "Plan: {prompt}", "max_tokens": 4, "temperature": 1.0, "top_k": 5, "top_p": 1.0,
+        "system_prompt": PLAN_SYSTEM_PROMPT, "image_prompt": "{prompt}. {plan}"}
+    processor = JanusProcessor.from_pretrained(out)  # the folder only
+    prompt, plan = PROMPTS[1], processor.tokenizer.encode("a red circle on the left", add_special_tokens=False)
+    text = processor.tokenizer(stage["text_stage_input"].format(prompt=prompt), return_tensors="pt").input_ids
+    assert torch.equal(text, policy.encode_plan_prompts([f"Plan: {prompt}"]))  # one row: no padding
+    image = processor(text=[stage["image_stage_input"].format(prompt=prompt, plan=policy.plan_text(plan))],
+                      generation_mode="image", return_tensors="pt").input_ids
+    assert torch.equal(image, policy.plan_condition([prompt], [plan]))
+    assert text_stage(dataclasses.replace(cfg, sample=dataclasses.replace(
+        cfg.sample, plan=dataclasses.replace(cfg.sample.plan, enabled=False))), policy) is None  # no plan: none

@@ -217,6 +217,44 @@ def test_a_files_own_image_size_wins_and_a_conflicting_option_is_one_line(tmp_pa
                               "set it to 8")
 
 
+@pytest.mark.parametrize("source", ["args", "name", "run folder"])
+def test_config_finds_the_image_size_conflict_that_train_finds_without_loading_the_model(source, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """`grpo-vision config` passed what `train` refused once it had read the weights: the same check (the kind's
+    `check`, through rewards.check_named_files) now runs in both, from the file's arguments or name, or the run's
+    config."""
+    from grpo_vision.cli import main
+    from grpo_vision.config import load_config, save_config
+
+    path = {"args": lambda: with_args(tmp_path, "own.pt", {"image_size": 8}),
+            "name": lambda: with_args(tmp_path, "t2i_XL_stage1_384.pt", None),
+            "run folder": lambda: tmp_path / "run"}[source]()
+    if source == "run folder":
+        (path / "checkpoints").mkdir(parents=True)
+        own = pcfg("c2i")  # trained at 8 px (OPTIONS)
+        save_config(load_config(None, ["policy.kind=llamagen", f"policy.path={own.path}", f"policy.tokenizer="
+                                       f"{own.tokenizer}", f"policy.options={json.dumps(own.options)}"]),
+                    path / "config.yaml")
+    (tmp_path / "train.txt").write_text("a red circle\n")
+    config = tmp_path / "c.yaml"
+    save_config(load_config(None, ["policy.kind=llamagen", f"policy.path={path}", 'policy.options={"image_size": 256}',
+                                   f"data.train_prompts={tmp_path / 'train.txt'}"]
+                            + ([] if source == "run folder" else [f"policy.tokenizer={DATA / 'vq_tiny.pt'}"])),
+                config)
+    loaded = []
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", lambda *a, **k: loaded.append(a))
+    with pytest.raises(SystemExit) as e:
+        main(["config", str(config)])
+    assert e.value.code == 2 and not loaded
+    recorded = {"args": "8 (its args.image_size)", "name": "384 (its name)"}
+    assert capsys.readouterr().err == "grpo-vision: error: " + (
+        f"policy.options.image_size is 256, but {path} was trained at {recorded[source]}: remove "
+        "policy.options.image_size (the file's own size is used) or set it to " + recorded[source].split()[0]
+        if source != "run folder" else
+        f"policy.options.image_size is 256, but the run folder {path} trained at 8: remove policy.options.image_size "
+        "(the run's own is used) or set it to 8") + "\n"
+
+
 def test_caption_length_comes_from_options_then_the_checkpoints_args_then_120(tmp_path, t5_dir):
     def length(path, **options):
         config = pcfg("t2i", t5_dir, path=str(path), options={**OPTIONS, "text_encoder": str(t5_dir), **options})

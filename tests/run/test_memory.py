@@ -111,6 +111,37 @@ def test_the_shape_of_the_built_in_policy(tiny_policy):
     assert shape.fused_copy and shape.runtime_bytes == 0
 
 
+def test_a_plan_cap_that_takes_the_run_over_is_named_with_the_longest_plan_that_fits(monkeypatch):
+    """A huge sample.plan.max_tokens was refused with advice to lower the micro-batch or turn on checkpointing
+    (already on); the cap that took the estimate over is named, with its value and the longest plan that fits."""
+    from grpo_vision.config import load_config
+    from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+    from tests.helpers import MICRO
+
+    policy = LlamaImagePolicy(LlamaPolicyConfig(words=["a", "red", "circle"], max_caption_words=4, codebook_size=16,
+                                                image_grid=(2, 3), dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                ffn_dim=64, plan_words=["red", "circle"], max_plan_tokens=4))
+    cfg = load_config(MICRO, ["sample.plan.enabled=true", "sample.plan.max_tokens=5000",
+                              "train.gradient_checkpointing=true"])
+    trainable = list(policy.parameters())
+    shape = policy_shape(policy, Decoder(), trainable)
+
+    def need(plan: int) -> int:  # the peak report_memory estimates for this config at a plan of `plan` tokens
+        return peak(estimate_memory(shape, 8, cfg.sample.batch_size, cfg.train.micro_batch_size, True,
+                                    frozen_reference=cfg.train.reference == "frozen", checkpointing=True,
+                                    plan_tokens=plan, plan_vocab=policy.plan_vocab_size))
+    available = (need(300) + need(301)) // 2  # a plan of 300 tokens fits, one of 301 does not
+    monkeypatch.setattr(memory, "available_memory", lambda device: available)
+    with pytest.raises(ConfigError) as e:
+        memory.report_memory(policy, Decoder(), trainable, cfg, 8, True, "cpu", loud=False)
+    assert str(e.value).endswith("available; sample.plan.max_tokens=5000 lengthens every row's condition and adds "
+                                 "the plan's rows and logits: at most 300 fits, so lower sample.plan.max_tokens to "
+                                 "300 or less")
+    monkeypatch.setattr(memory, "available_memory", lambda device: need(1) - 1)  # no plan fits: the usual knob
+    with pytest.raises(ConfigError, match=r"available; the largest part is sampling \(.* GiB\): lower sample\.batch_"):
+        memory.report_memory(policy, Decoder(), trainable, cfg, 8, True, "cpu", loud=False)
+
+
 @pytest.mark.parametrize("name", ["janus-pro-1b-tiny", "llamagen-t2i-xl-tiny"])
 def test_janus_and_llamagen_expose_their_architecture(name, tmp_path):
     from grpo_vision.config import load_config

@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from grpo_vision.shapes.world import (INPUTS, STAGES, WORLD_VERSION, WorldError, check_world_dir, checksum_problem,
-                                      file_checksums, stage_problem, with_dependents)
+from grpo_vision.shapes.world import (INPUTS, STAGES, VERSIONS, WORLD_VERSION, WorldError, check_world_dir,
+                                      checksum_problem, file_checksums, stage_problem, with_dependents)
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -99,6 +99,8 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     world = Path(out)
     hashes = recipe_hashes(preset)
     presets = {n: stages.stage_preset(preset, n) for n in STAGES}
+    refuse_another_world(world, preset, seed, presets)  # before a stage is copied over or deleted
+    before = read_json(world / "world.json")  # what runs trained on this world fingerprinted, timings included
     if start_from is not None:
         copy_stages(Path(start_from), world, presets, seed, hashes, log)
     recorded = recorded_files(world)
@@ -127,6 +129,10 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
         build = getattr(stages, f"build_{name}")
         infos[name] = run_stage(world, name, presets[name], seed, hashes[name],
                                 lambda tmp: build(world, tmp, presets[name], seed, progress), log)
+    if kept := unchanged_record(world, before, preset, seed, hashes):
+        log(f"[world] {world}: the stages built are the files world.json recorded, to the byte; its figures and "
+            "timings are kept")
+        return kept
     log("[world] evaluating")
     figures = stages.evaluate_world(world, preset, seed, progress)
     stages.contact_sheet(world, world / "contact_sheet.png", seed)
@@ -135,6 +141,56 @@ def build_world(out: str | Path, preset: str = "default", seed: int = 0, progres
     write_json(world / "world.json", info)
     log(f"[world] done: {world / 'world.json'}")
     return info
+
+
+def refuse_another_world(world: Path, preset: str, seed: int, presets: dict[str, str]) -> None:
+    """WorldError when `world` holds a finished stage of another preset or seed than this build's: the build would
+    delete it and train this preset's in its place (a complete world is kept, never replaced by another)."""
+    other = {}
+    for name in STAGES:
+        marker = read_json(world / "stages" / f"{name}.json") if (world / name).is_dir() else None
+        if marker and (marker.get("preset"), marker.get("seed")) != (presets[name], seed):
+            other[name] = (marker.get("preset"), marker.get("seed"))
+    if other:
+        recorded = read_json(world / "world.json") or {}
+        held = recorded.get("preset"), recorded.get("seed")
+        if held[0] is None:  # no world.json yet (an unfinished build): the policy's preset names its world
+            held = other.get("policy") or next(iter(other.values()))
+        raise WorldError(f"--out {world} holds a world of preset '{held[0]}' (seed {held[1]}) and building preset "
+                         f"'{preset}' (seed {seed}) there would replace its {', '.join(other)}: choose another --out, "
+                         f"or finish or check that world with --preset {held[0]} --seed {held[1]}")
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None (absent, unreadable, not an object)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def unchanged_record(world: Path, before: dict | None, preset: str, seed: int, hashes: dict[str, str]) -> dict | None:
+    """`before` (world.json as the build found it), written back with the stage markers it holds, when the stages
+    now in `world` are the very files it recorded, of this preset, seed and recipes; else None. A rebuild that
+    trains the same bytes (the build is deterministic) then leaves every file of the world as it was, so the
+    fingerprint that runs trained on it recorded (run/checkpoint.py base_identity reads every .json) still matches;
+    new timings would otherwise refuse them all as trained on another base."""
+    # an older version's world.json (worlds/shapes_plan is of version 2) describes the same files as well as a new one
+    if not before or before.get("version") not in VERSIONS:
+        return None
+    if (before.get("preset"), before.get("seed")) != (preset, seed):
+        return None
+    infos = before.get("stages")
+    if not isinstance(infos, dict) or any(not isinstance(infos.get(n), dict) or infos[n].get("recipe") != hashes[n]
+                                          for n in STAGES):
+        return None
+    if before.get("files") != file_checksums(world):
+        return None
+    for name in STAGES:
+        write_json(world / "stages" / f"{name}.json", infos[name])
+    write_json(world / "world.json", before)
+    return before
 
 
 def copy_stages(source: Path, world: Path, presets: dict[str, str], seed: int, hashes: dict[str, str], log) -> None:
@@ -163,10 +219,7 @@ def copy_stages(source: Path, world: Path, presets: dict[str, str], seed: int, h
 def recorded_files(world: Path) -> dict:
     """The file checksums world.json records, or {} (no world.json yet, or one without them: the build
     rewrites it)."""
-    try:
-        files = json.loads((world / "world.json").read_text()).get("files")
-    except (OSError, ValueError, AttributeError):  # absent, unreadable, not an object: the build rewrites it
-        return {}
+    files = (read_json(world / "world.json") or {}).get("files")  # absent, unreadable: the build rewrites it
     return files if isinstance(files, dict) else {}
 
 
