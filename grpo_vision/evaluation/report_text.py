@@ -214,11 +214,16 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
             if moved:
                 said.append(f"{verb} beyond their intervals: "
                             f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in moved)}.")
-        unclear = [a for a in attrs if not _sign(judged[a], rate=True) and _has_interval(judged[a])
-                   and abs(judged[a]["mean"]) >= 0.05]  # 5 points or more, inside the interval
+        big = [a for a in attrs if not _sign(judged[a], rate=True) and judged[a].get("mean") is not None
+               and abs(judged[a]["mean"]) >= 0.05]  # 5 points or more, not beyond an interval
+        unclear = [a for a in big if _has_interval(judged[a]) and judged[a]["ci95"][1] > judged[a]["ci95"][0]]
         if unclear:
             said.append(f"Moved 5 points or more but within their intervals (more images would tell): "
                         f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in unclear)}.")
+        thin = [a for a in big if a not in unclear]  # no interval, or one of no width: nothing to tell noise by
+        if thin:
+            said.append(f"Moved 5 points or more on too few captions to tell from noise (more prompts that name "
+                        f"them would tell): {'; '.join(f'{a} {rate_change(judged[a])}' for a in thin)}.")
     judge_down = [a for a in judged if a != "correct" and _sign(judged[a], rate=True) < 0]
     all_right_down = _sign(judged.get("correct"), rate=True) < 0
     if up(trained) and (judge_down or all_right_down or watched_down):

@@ -173,3 +173,16 @@ def test_a_change_that_prints_as_zero_is_not_a_rise_or_a_fall():
     assert "The trained rewards clip and aesthetic did not move beyond their intervals." in text
     r["difference_ci"]["clip"] = entry(0.002, 0.0006, 0.0034)  # +0.002 [+0.001, +0.003]: shown, and a rise
     assert "The trained reward clip rose" in " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
+
+
+def test_an_attribute_change_with_an_interval_of_no_width_is_not_called_within_it():
+    """Six eval prompts, two of which name a size: size -25 points on each, an interval [-25, -25] that says
+    nothing about noise, was 'within their intervals (more images would tell)'."""
+    r = result()
+    r["judge_difference_ci"] = {"correct": entry(0.0, -0.083, 0.083), "size": entry(-0.25, -0.25, -0.25),
+                                "color": entry(0.083, -0.05, 0.2), "count": {"mean": 0.5, "ci95": None, "captions": 1}}
+    text = " ".join(what_changed(r, ["clip"], [], []))
+    assert "Moved 5 points or more but within their intervals (more images would tell): color +8.3 pts " \
+           "[-5.0, +20.0]." in text
+    assert "Moved 5 points or more on too few captions to tell from noise (more prompts that name them would " \
+           "tell): size -25.0 pts [-25.0, -25.0]; count +50.0 pts (no interval: 1 caption)." in text
