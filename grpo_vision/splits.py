@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.config import Config, ConfigError
+from grpo_vision.config import Config, ConfigError, GrpoVisionWarning
 from grpo_vision.policy import Bundle, policy_kind, prompt_problem
 from grpo_vision.prompts import PromptEntry, PromptsError, load_prompts
 
@@ -89,7 +89,7 @@ def _sets(cfg: Config, train: list[PromptEntry], test: list[PromptEntry] | None,
         if len({e.prompt for e in sets.train}) < cfg.sample.prompts_per_step:
             raise ConfigError(f"{line}, fewer than sample.prompts_per_step={cfg.sample.prompts_per_step}: train on "
                               "other prompts, evaluate on others, or lower sample.prompts_per_step")
-        warnings.warn(line, stacklevel=3)
+        warnings.warn(line, GrpoVisionWarning, stacklevel=3)
     kept = {e.prompt for e in sets.train}
     sets.train_sample = [e for e in own.train_sample if e.prompt in kept] if own and own.train_sample else \
         _draw(sets.train, d.eval_size)

@@ -257,3 +257,39 @@ def test_prompts_in_memory_take_the_place_of_a_shipped_configs_files(capsys):
     out = capsys.readouterr().out
     assert "[trainer] the 3 train prompts given replace data.train_prompts (data/t2i_train.txt)" in out
     assert "[trainer] the 1 eval prompts given replace data.eval_prompts (data/t2i_eval.txt)" in out
+
+
+def test_the_librarys_warnings_print_in_one_line_from_a_script():
+    """Python's default form is `file:line: UserWarning: ...` and then the library's source line: from a script,
+    the library's warnings print as the command line prints them, one line; anyone else's as Python prints them."""
+    import warnings
+
+    from grpo_vision.config import GrpoVisionWarning, load_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(MICRO, ["train.adapter=lora", "train.reference=frozen"])
+    said = caught[0]
+    assert issubclass(said.category, GrpoVisionWarning) and issubclass(said.category, UserWarning)
+    line = warnings.formatwarning(said.message, said.category, said.filename, said.lineno, "  source line")
+    assert line == f"grpo-vision: warning: {said.message}\n" and line.count("\n") == 1
+    other = warnings.formatwarning("theirs", UserWarning, "their.py", 3, "  their source")
+    assert "their.py:3: UserWarning: theirs" in other and "their source" in other
+
+
+def test_every_warning_the_library_says_is_of_its_category():
+    """Each `warnings.warn` call of the package names GrpoVisionWarning (or a function giving it), so none prints
+    in Python's two-line form."""
+    import ast
+
+    bare = []
+    for path in (ROOT / "grpo_vision").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warn"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "warnings"):
+                category = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "category"), None)
+                if not (category is not None and "GrpoVisionWarning" in ast.unparse(category)
+                        or ast.unparse(category or ast.Constant(None)) == "_category()"):
+                    bare.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert bare == []

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from grpo_vision.config.load import ConfigError, apply_override, brief, from_dict, read_yaml
+from grpo_vision.config.load import ConfigError, GrpoVisionWarning, apply_override, brief, from_dict, read_yaml
 from grpo_vision.files import write_file
 
 
@@ -384,11 +384,11 @@ def validate(cfg: Config) -> None:
     if t.adapter != "none" and t.reference == "frozen":
         warnings.warn("train.adapter with train.reference: frozen keeps a second full copy of the policy as the "
                       "reference; train.reference: adapter is the same reference (the adapter disabled) without it",
-                      stacklevel=2)
+                      GrpoVisionWarning, stacklevel=2)
     if t.reference == "adapter" and t.ref_sync_every and cfg.policy.dtype != "float32":
         warnings.warn(f"train.ref_sync_every folds the adapter into {cfg.policy.dtype} base weights, which rounds "
                       "it: after a sync the policy moves by that rounding and the reference equals it only "
-                      "approximately", stacklevel=2)
+                      "approximately", GrpoVisionWarning, stacklevel=2)
 
 
 def _plan_checks(cfg: Config) -> list[tuple[bool, str]]:
