@@ -352,8 +352,8 @@ def test_data_prompt_column_reaches_every_prompts_file_of_the_config(tmp_path):
     evals = write(tmp_path, "eval.jsonl", '{"text": "prompt 3"}\n')
     heldout = write(tmp_path, "heldout.txt", "prompt 9\n")  # a text file has no column: read as before
     llama = ["policy.kind=llama", f"data.train_prompts={train}", f"data.eval_prompts={evals}"]
-    with pytest.warns(UserWarning, match=r"^1 of the 3 training prompts of .*train.csv are also in data.eval_prompts "
-                                         r"\(.*eval.jsonl\) and are not trained on"):
+    with pytest.warns(UserWarning, match=r"^1 of the 3 training prompts of .*train.csv is also in data.eval_prompts "
+                                         r"\(.*eval.jsonl\) and is not trained on"):
         sets = prompt_lists(load_config(None, [*llama, "data.prompt_column=text", f"data.heldout_prompts={heldout}",
                                                "sample.prompts_per_step=2"]))
     assert [[e.prompt for e in s] for s in (sets.train, sets.test, sets.heldout)] == [
