@@ -259,22 +259,25 @@ def test_prompts_in_memory_take_the_place_of_a_shipped_configs_files(capsys):
     assert "[trainer] the 1 eval prompts given replace data.eval_prompts (data/t2i_eval.txt)" in out
 
 
-def test_the_librarys_warnings_print_in_one_line_from_a_script():
-    """Python's default form is `file:line: UserWarning: ...` and then the library's source line: from a script,
+def test_the_librarys_warnings_print_in_one_line_from_a_script(tmp_path):
+    """Python's default form is `file:line: UserWarning: ...` and then the library's source line: from a script
+    (a fresh interpreter: the command line, which some tests run in this process, formats every warning itself),
     the library's warnings print as the command line prints them, one line; anyone else's as Python prints them."""
-    import warnings
-
-    from grpo_vision.config import GrpoVisionWarning, load_config
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        load_config(MICRO, ["train.adapter=lora", "train.reference=frozen"])
-    said = caught[0]
-    assert issubclass(said.category, GrpoVisionWarning) and issubclass(said.category, UserWarning)
-    line = warnings.formatwarning(said.message, said.category, said.filename, said.lineno, "  source line")
-    assert line == f"grpo-vision: warning: {said.message}\n" and line.count("\n") == 1
-    other = warnings.formatwarning("theirs", UserWarning, "their.py", 3, "  their source")
-    assert "their.py:3: UserWarning: theirs" in other and "their source" in other
+    script = textwrap.dedent(f"""
+        import warnings
+        from grpo_vision.config import GrpoVisionWarning, load_config
+        load_config({str(MICRO)!r}, ["train.adapter=lora", "train.reference=frozen"])
+        warnings.warn("theirs", UserWarning)
+    """)
+    (tmp_path / "script.py").write_text(script)
+    out = subprocess.run([sys.executable, tmp_path / "script.py"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = out.stderr.splitlines()
+    assert out.returncode == 0 and lines[0] == (
+        "grpo-vision: warning: train.adapter with train.reference: frozen keeps a second full copy of the policy as "
+        "the reference; train.reference: adapter is the same reference (the adapter disabled) without it"), lines
+    assert lines[1].endswith(": UserWarning: theirs") and lines[2].strip() == 'warnings.warn("theirs", UserWarning)'
+    assert len(lines) == 3
 
 
 def test_every_warning_the_library_says_is_of_its_category():
