@@ -95,7 +95,7 @@ def duplicate_of_judge(result: dict) -> str | None:
 
 def interval_heading(result: dict) -> str:
     """What a change column's interval resamples, with the number of captions it rests on."""
-    return f"change (paired; 95% interval over {result.get('captions', result['prompts'])} captions)"
+    return f"change (paired; 95% interval over {_count(result.get('captions', result['prompts']), 'caption')})"
 
 
 def change_table(result: dict) -> list[str]:
@@ -235,9 +235,8 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
     rising = [n for n in unknown if changes[n]["mean"] > 0]
     judged_all = judged.get("correct") or {}
     if rising and (judged_all.get("mean") or 0) < 0 and not _has_interval(judged_all):
-        said.append(f"{_names(rising)} up while the judge's rate went down is the pattern of reward hacking, "
-                    "but the report names it only when intervals over prompts show both changes, and here "
-                    "neither has one.")
+        said.append(f"Up on {_names(rising)} and down on the judge's rate is the pattern of reward hacking; the "
+                    "report names it only when intervals over prompts show both changes, and here neither has one.")
     said += failure_sentences(result)
     said += _rollouts_sentence(rollouts, up(trained))
     if kl:

@@ -147,7 +147,9 @@ def test_a_change_over_one_caption_says_it_has_no_interval_and_is_not_called_fla
     assert "went from 100.0% to 50.0% (-50.0 pts (no interval: 1 caption), 1 caption)" in text
     # the hacking line rests on intervals over prompts: not named, but the pattern is, with why it is not
     assert "**Possible reward hacking:**" not in text
-    assert "brightness up while the judge's rate went down is the pattern of reward hacking" in text
+    assert "Up on brightness and down on the judge's rate is the pattern of reward hacking; the report names it " \
+           "only when intervals over prompts show both changes, and here neither has one." in text
+    assert "95% interval over 1 caption)" in table
     # two captions give an interval: then the same changes are a rise, a fall, and the hacking line
     r["captions"] = r["prompts"] = 2
     r["difference_ci"]["brightness"] |= {"ci95": [0.03, 0.09], "captions": 2}
