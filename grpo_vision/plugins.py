@@ -48,7 +48,7 @@ def load_plugins() -> None:
             entry.load()
         except Exception as e:  # a broken third-party plugin must not take the built-in kinds down with it
             warnings.warn(f"plugin {entry.name!r} ({entry.value}) did not load: {type(e).__name__}: {e}",
-                          stacklevel=2)
+                          _category(), stacklevel=2)
 
 
 def command_adders() -> list:
@@ -59,7 +59,7 @@ def command_adders() -> list:
             adders.append(entry.load())
         except Exception as e:
             warnings.warn(f"command plugin {entry.name!r} ({entry.value}) did not load: {type(e).__name__}: {e}",
-                          stacklevel=2)
+                          _category(), stacklevel=2)
     return adders
 
 
@@ -67,3 +67,9 @@ def not_found_hint() -> str:
     """What to tell a user whose name was not found in any registry."""
     return (f"plugins register more through the '{PLUGINS}' entry point of an installed package "
             "(pip install -e . registers ShapesWorld's)")
+
+
+def _category():
+    from grpo_vision.config.load import GrpoVisionWarning  # the library's one-line warnings, loaded when one is said
+
+    return GrpoVisionWarning

@@ -47,6 +47,7 @@ image tokens of a (condition, seed) are the same with or without a plan stage be
 from __future__ import annotations
 
 import dataclasses
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -82,8 +83,12 @@ class SamplingParams:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
         if self.mixed_precision not in ("no", "bf16"):
             raise ValueError(f"mixed_precision must be 'no' or 'bf16', got {self.mixed_precision!r}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        # as config/schema.py checks sample.temperature and sample.cfg_scale: NaN passes `<= 0` and inf is a
+        # number, and either turns every logit into NaN (every token the same code, NaN log-probs) without an error
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature}")
+        if not (math.isfinite(self.cfg_scale) and self.cfg_scale >= 0):
+            raise ValueError(f"cfg_scale must be a finite number >= 0, got {self.cfg_scale}")
         if self.speculative_window < 1:
             raise ValueError(f"speculative_window must be >= 1, got {self.speculative_window}")
         if self.speculative_draft not in ("jacobi", "coupled"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.config import Config, ConfigError
+from grpo_vision.config import Config, ConfigError, GrpoVisionWarning
 from grpo_vision.policy import Bundle, policy_kind, prompt_problem
 from grpo_vision.prompts import PromptEntry, PromptsError, load_prompts
 
@@ -83,12 +83,13 @@ def _sets(cfg: Config, train: list[PromptEntry], test: list[PromptEntry] | None,
     dropped = sum(any(e.prompt in v for v in given.values()) for e in train)  # also evaluation prompts given
     if dropped:
         where = " and ".join(k for k, v in given.items() if v & {e.prompt for e in train})
-        line = (f"{dropped} of the {len(train)} training prompts of {source or KIND_PROMPTS} are also in {where} "
-                f"and are not trained on (evaluation prompts never are); {len(sets.train)} remain")
+        are, left = "is" if dropped == 1 else "are", len(sets.train)  # "1 of the 3 ... is"; "1 remains"
+        line = (f"{dropped} of the {len(train)} training prompts of {source or KIND_PROMPTS} {are} also in {where} "
+                f"and {are} not trained on (evaluation prompts never are); {left} remain{'s' if left == 1 else ''}")
         if len({e.prompt for e in sets.train}) < cfg.sample.prompts_per_step:
             raise ConfigError(f"{line}, fewer than sample.prompts_per_step={cfg.sample.prompts_per_step}: train on "
                               "other prompts, evaluate on others, or lower sample.prompts_per_step")
-        warnings.warn(line, stacklevel=3)
+        warnings.warn(line, GrpoVisionWarning, stacklevel=3)
     kept = {e.prompt for e in sets.train}
     sets.train_sample = [e for e in own.train_sample if e.prompt in kept] if own and own.train_sample else \
         _draw(sets.train, d.eval_size)

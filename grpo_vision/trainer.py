@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_vision.config import (
-    EVAL_SEED, Config, ConfigError, PolicyConfig, apply_override, brief, from_dict, load_config, validate,
+    EVAL_SEED, Config, ConfigError, GrpoVisionWarning, PolicyConfig, apply_override, brief, from_dict, load_config,
+    validate,
 )
 from grpo_vision.config.trl_names import accumulation, trl_overrides
 
@@ -67,7 +68,7 @@ class GRPOTrainer:
             named = f"({p.kind}: {p.path}), which must name the same model" if p.kind else \
                 "(it names none yet: set policy.kind and policy.path to the model given here)"
             warnings.warn(f"a policy given in memory trains now; eval, demo and --resume on the run folder load "
-                          f"config.policy {named}", stacklevel=2)
+                          f"config.policy {named}", GrpoVisionWarning, stacklevel=2)
         if prompt_column:
             self.cfg.data.prompt_column = prompt_column
         self.prompts = {"train": self._prompts(train_prompts, "train"), "eval": self._prompts(eval_prompts, "eval")}

@@ -352,8 +352,8 @@ def test_data_prompt_column_reaches_every_prompts_file_of_the_config(tmp_path):
     evals = write(tmp_path, "eval.jsonl", '{"text": "prompt 3"}\n')
     heldout = write(tmp_path, "heldout.txt", "prompt 9\n")  # a text file has no column: read as before
     llama = ["policy.kind=llama", f"data.train_prompts={train}", f"data.eval_prompts={evals}"]
-    with pytest.warns(UserWarning, match=r"^1 of the 3 training prompts of .*train.csv are also in data.eval_prompts "
-                                         r"\(.*eval.jsonl\) and are not trained on"):
+    with pytest.warns(UserWarning, match=r"^1 of the 3 training prompts of .*train.csv is also in data.eval_prompts "
+                                         r"\(.*eval.jsonl\) and is not trained on"):
         sets = prompt_lists(load_config(None, [*llama, "data.prompt_column=text", f"data.heldout_prompts={heldout}",
                                                "sample.prompts_per_step=2"]))
     assert [[e.prompt for e in s] for s in (sets.train, sets.test, sets.heldout)] == [
@@ -417,12 +417,17 @@ def test_training_prompts_that_are_evaluation_prompts_are_counted_and_too_few_re
 
     (tmp_path / "train.txt").write_text("a red circle\na blue square\na red square\n")
     (tmp_path / "eval.txt").write_text("a red circle\na blue square\n")
+    (tmp_path / "one.txt").write_text("a red circle\n")
     base = [f"data.train_prompts={tmp_path / 'train.txt'}", f"data.eval_prompts={tmp_path / 'eval.txt'}"]
     with pytest.warns(UserWarning) as said:
         sets = prompt_lists(load_config(MICRO, [*base, "sample.prompts_per_step=1"]))
     assert [e.prompt for e in sets.train] == ["a red square"]
     assert str(said[0].message) == (f"2 of the 3 training prompts of {tmp_path / 'train.txt'} are also in "
                                     f"data.eval_prompts ({tmp_path / 'eval.txt'}) and are not trained on (evaluation "
-                                    "prompts never are); 1 remain")
-    with pytest.raises(ConfigError, match=r"; 1 remain, fewer than sample.prompts_per_step=2: train on other prompts"):
+                                    "prompts never are); 1 remains")
+    with pytest.warns(UserWarning, match=r"^1 of the 3 training prompts .* is also in .* and is not trained on .*; "
+                                         r"2 remain$"):  # singular and plural as English has them
+        prompt_lists(load_config(MICRO, [f"data.train_prompts={tmp_path / 'train.txt'}", "sample.prompts_per_step=1",
+                                         f"data.eval_prompts={tmp_path / 'one.txt'}"]))
+    with pytest.raises(ConfigError, match=r"; 1 remains, fewer than sample.prompts_per_step=2: train on other prompts"):
         prompt_lists(load_config(MICRO, [*base, "sample.prompts_per_step=2"]))

@@ -217,7 +217,7 @@ def test_bad_params_are_refused(tiny_policy):
         sample(_NoStatic(tiny_policy), cond, [1, 2, 3], SamplingParams(decode="static"))
     with pytest.raises(ValueError, match="logprob_mode must be one of"):
         SamplingParams(logprob_mode="cfg")
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0"):
         SamplingParams(temperature=0.0)
 
 

@@ -257,3 +257,42 @@ def test_prompts_in_memory_take_the_place_of_a_shipped_configs_files(capsys):
     out = capsys.readouterr().out
     assert "[trainer] the 3 train prompts given replace data.train_prompts (data/t2i_train.txt)" in out
     assert "[trainer] the 1 eval prompts given replace data.eval_prompts (data/t2i_eval.txt)" in out
+
+
+def test_the_librarys_warnings_print_in_one_line_from_a_script(tmp_path):
+    """Python's default form is `file:line: UserWarning: ...` and then the library's source line: from a script
+    (a fresh interpreter: the command line, which some tests run in this process, formats every warning itself),
+    the library's warnings print as the command line prints them, one line; anyone else's as Python prints them."""
+    script = textwrap.dedent(f"""
+        import warnings
+        from grpo_vision.config import GrpoVisionWarning, load_config
+        load_config({str(MICRO)!r}, ["train.adapter=lora", "train.reference=frozen"])
+        warnings.warn("theirs", UserWarning)
+    """)
+    (tmp_path / "script.py").write_text(script)
+    out = subprocess.run([sys.executable, tmp_path / "script.py"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = out.stderr.splitlines()
+    assert out.returncode == 0 and lines[0] == (
+        "grpo-vision: warning: train.adapter with train.reference: frozen keeps a second full copy of the policy as "
+        "the reference; train.reference: adapter is the same reference (the adapter disabled) without it"), lines
+    assert lines[1].endswith(": UserWarning: theirs") and lines[2].strip() == 'warnings.warn("theirs", UserWarning)'
+    assert len(lines) == 3
+
+
+def test_every_warning_the_library_says_is_of_its_category():
+    """Each `warnings.warn` call of the package names GrpoVisionWarning (or a function giving it), so none prints
+    in Python's two-line form."""
+    import ast
+
+    bare = []
+    for path in (ROOT / "grpo_vision").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "warn"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "warnings"):
+                category = node.args[1] if len(node.args) > 1 else next(
+                    (k.value for k in node.keywords if k.arg == "category"), None)
+                if not (category is not None and "GrpoVisionWarning" in ast.unparse(category)
+                        or ast.unparse(category or ast.Constant(None)) == "_category()"):
+                    bare.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert bare == []

@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +34,21 @@ BRIEF_WORK = 100_000  # characters of a value's repr that `brief` builds at most
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key and how to fix it."""
+
+
+class GrpoVisionWarning(UserWarning):
+    """What the library warns its user of (a setting that costs memory, prompts left out of training): one line,
+    `grpo-vision: warning: ...`, from a script as from the command line (cli/app.py), not Python's default of
+    file:line and the library's source line, which name the library's code rather than what the user set."""
+
+
+def _one_line(message, category, filename, lineno, line=None, *, _python=warnings.formatwarning) -> str:
+    if issubclass(category, GrpoVisionWarning):
+        return f"grpo-vision: warning: {message}\n"
+    return _python(message, category, filename, lineno, line)  # anyone else's warnings as Python prints them
+
+
+warnings.formatwarning = _one_line  # once, at the library's first import: every module that warns imports this one
 
 
 def brief(value: Any, limit: int = 80) -> str:

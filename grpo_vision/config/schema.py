@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from grpo_vision.config.load import ConfigError, apply_override, brief, from_dict, read_yaml
+from grpo_vision.config.load import ConfigError, GrpoVisionWarning, apply_override, brief, from_dict, read_yaml
 from grpo_vision.files import write_file
 
 
@@ -133,8 +133,9 @@ class TrainConfig:
     # "Beyond the 80/20 rule" keeps 0.2); the KL term still covers every token
     top_entropy_quantile: float = 1.0
     adv_scale: Literal["group", "batch", "none"] = "group"  # divide advantages by this std
-    # train a peft adapter instead of every weight: LoRA, or LoHa / LoKr of the LyCORIS family; none = full fine-tune
-    adapter: Literal["none", "lora", "loha", "lokr"] = "none"
+    # train a peft adapter instead of every weight: LoRA, DoRA (LoRA with a learned magnitude per output row, peft's
+    # use_dora), or LoHa / LoKr of the LyCORIS family; none = full fine-tune
+    adapter: Literal["none", "lora", "dora", "loha", "lokr"] = "none"
     # where reference log-probs come from: a frozen copy, the policy with its adapter disabled (multiplier 0;
     # needs train.adapter; no second copy), or none
     reference: Literal["frozen", "adapter", "none"] = "frozen"
@@ -340,7 +341,7 @@ def validate(cfg: Config) -> None:
          "set sample.merge_adapter to auto or off, or train.adapter to lora"),
         (t.reference != "adapter" or t.adapter != "none",
          "train.reference: adapter is the policy with its adapter disabled, and train.adapter is none: set "
-         "train.adapter to lora, loha or lokr, or train.reference to frozen"),
+         "train.adapter to lora, dora, loha or lokr, or train.reference to frozen"),
         (len(t.adam_betas) == 2, "train.adam_betas must have two entries, e.g. [0.9, 0.999]"),
         # AdamW on float16 weights: grad**2 and eps (1e-8) underflow to 0, and 0/0 makes the weights NaN
         (cfg.policy.dtype != "float16" or t.adapter != "none", "policy.dtype float16 cannot be fine-tuned in full "
@@ -384,11 +385,11 @@ def validate(cfg: Config) -> None:
     if t.adapter != "none" and t.reference == "frozen":
         warnings.warn("train.adapter with train.reference: frozen keeps a second full copy of the policy as the "
                       "reference; train.reference: adapter is the same reference (the adapter disabled) without it",
-                      stacklevel=2)
+                      GrpoVisionWarning, stacklevel=2)
     if t.reference == "adapter" and t.ref_sync_every and cfg.policy.dtype != "float32":
         warnings.warn(f"train.ref_sync_every folds the adapter into {cfg.policy.dtype} base weights, which rounds "
                       "it: after a sync the policy moves by that rounding and the reference equals it only "
-                      "approximately", stacklevel=2)
+                      "approximately", GrpoVisionWarning, stacklevel=2)
 
 
 def _plan_checks(cfg: Config) -> list[tuple[bool, str]]:

@@ -21,7 +21,7 @@ import torch
 from grpo_vision.run.checkpoint import (
     base_identity, check_base, find_checkpoint, load_checkpoint, load_iterative_state, recorded_base,
 )
-from grpo_vision.config import Config, ConfigError
+from grpo_vision.config import Config, ConfigError, GrpoVisionWarning
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.evaluation.intervals import caption_interval
 from grpo_vision.policy import Judge
@@ -62,7 +62,7 @@ def load_run(run_dir: str | Path, step: int | None = None, device: str = "run",
     cfg = read_run_config(run_dir, device=device, step=int(ckpt.name.removeprefix("step_")))
     other = check_base(ckpt / "trainer_state.json", recorded_base(ckpt), base_identity(cfg.policy), allow_other_base)
     if other:
-        warnings.warn(f"--allow-other-base: {other}", stacklevel=2)
+        warnings.warn(f"--allow-other-base: {other}", GrpoVisionWarning, stacklevel=2)
     device = resolve_device(cfg.run.device, "--device")
     bundle = load_bundle(cfg.policy, device)
     policy = bundle.policy

@@ -13,31 +13,55 @@ or a monitored reward falls.
 
 from __future__ import annotations
 
+import math
 from statistics import fmean, variance
 
 from grpo_vision.run.trackers import table_cell
 
 
-def _sign(change: dict | None) -> int:
-    """+1 / -1 when the change's 95% interval excludes 0, else 0 (also for an interval of no width:
-    identical paired differences, or a single one, say nothing about noise)."""
-    if not change or change.get("mean") is None or not change.get("ci95"):
+def _sign(change: dict | None, rate: bool = False) -> int:
+    """+1 / -1 when the change's 95% interval excludes 0 at the precision the report prints it (a rate's
+    to 0.1 points, a reward's to 0.001), else 0: an interval of no width (identical paired differences, or a
+    single one) says nothing about noise, and a change that prints as 0.000 [-0.000, -0.000] (two steps
+    that barely moved the weights) is not a rise or a fall whatever its sign."""
+    if not _has_interval(change):
         return 0
-    lo, hi = change["ci95"]
+    scale, digits = (100, 1) if rate else (1, 3)
+    lo, hi = (round(scale * v, digits) for v in change["ci95"])
     if not hi > lo:
         return 0
     return 1 if lo > 0 else -1 if hi < 0 else 0
 
 
+def _has_interval(change: dict | None) -> bool:
+    """A change with a mean and a finite 95% interval (none over fewer than two captions or images)."""
+    return bool(change) and change.get("mean") is not None and bool(change.get("ci95")) and all(
+        math.isfinite(v) for v in change["ci95"])
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _no_interval(entry: dict) -> str:
+    """Why `entry` has no interval: it rests on one caption (a change resamples captions) or one image."""
+    if "captions" in entry:
+        return f"no interval: {_count(entry['captions'], 'caption')}"
+    return f"no interval: {_count(entry.get('n') or 0, 'image')}"
+
+
 def _fmt(entry: dict | None, scale: float, signed: bool, unit: str, rate: bool = False) -> str:
-    """'mean [lo, hi]' scaled, with the sign shown for changes; a rate's interval kept in [0, 100]."""
+    """'mean [lo, hi]' scaled, with the sign shown for changes; a rate's interval kept in [0, 100]; 'mean (no
+    interval: 1 caption)' where there is nothing to resample."""
     if not entry or entry.get("mean") is None:
         return "n/a"
-    lo, hi = entry["ci95"] or (float("nan"), float("nan"))
-    if rate:  # a rate's normal-approximation interval can leave [0, 1]
-        lo, hi = max(lo, 0.0), min(hi, 1.0)
     digits, sign = 1 if scale == 100 else 3, "+" if signed else ""  # points to 0.1, rewards to 0.001
     f = lambda v: f"{scale * v:{sign}.{digits}f}"  # noqa: E731
+    if not _has_interval(entry):
+        return f"{f(entry['mean'])}{unit} ({_no_interval(entry)})"
+    lo, hi = entry["ci95"]
+    if rate:  # a rate's normal-approximation interval can leave [0, 1]
+        lo, hi = max(lo, 0.0), min(hi, 1.0)
     return f"{f(entry['mean'])}{unit} [{f(lo)}, {f(hi)}]"
 
 
@@ -71,7 +95,7 @@ def duplicate_of_judge(result: dict) -> str | None:
 
 def interval_heading(result: dict) -> str:
     """What a change column's interval resamples, with the number of captions it rests on."""
-    return f"change (paired; 95% interval over {result.get('captions', result['prompts'])} captions)"
+    return f"change (paired; 95% interval over {_count(result.get('captions', result['prompts']), 'caption')})"
 
 
 def change_table(result: dict) -> list[str]:
@@ -118,7 +142,7 @@ def _rollouts_sentence(trend: dict | None, trained_up: list[str]) -> list[str]:
         return []
     rates = (f"{100 * trend['first']:.1f}% over the first {trend['steps']} steps' rollouts and "
              f"{100 * trend['last']:.1f}% over the last {trend['steps']} ({rate_change(trend['change'])})")
-    if trained_up and not _sign(trend["change"]):
+    if trained_up and not _sign(trend["change"], rate=True):
         return [f"**On its own training rollouts the judge did not move** ({rates}) while {_names(trained_up)} "
                 "rose: what RL taught here is mostly the trained rewards, not the task the judge checks."]
     return [f"On the training rollouts the judge's rate was {rates}."]
@@ -136,8 +160,8 @@ def failure_sentences(result: dict) -> list[str]:
         parts = [f"{kind} {100 * ref[kind]:.1f}% -> {100 * pol[kind]:.1f}% ({rate_change(change[kind])})"
                  for kind in summary["kinds"]]
         said.append(f"Images failing a clause of {name}'s, by what failed (reference -> policy): {'; '.join(parts)}.")
-        moved = [(kind, "fewer" if _sign(change[kind]) < 0 else "more") for kind in summary["kinds"]
-                 if _sign(change[kind])]
+        moved = [(kind, "fewer" if _sign(change[kind], rate=True) < 0 else "more") for kind in summary["kinds"]
+                 if _sign(change[kind], rate=True)]
         if moved:
             said.append(f"Beyond their intervals: {_names([f'{how} {kind} failures' for kind, how in moved])}.")
         if summary["policy"]["common"]:
@@ -160,7 +184,15 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
         if names:
             said.append(f"The trained reward{'s' if len(names) > 1 else ''} {_names(names)} {verb} "
                         f"({'; '.join(f'{n} {reward_change(changes[n])}' for n in names)}).")
-    flat = [n for n in trained if n not in up(trained) + down(trained)]
+    unknown = [n for n in trained if changes.get(n) and changes[n].get("mean") is not None
+               and not _has_interval(changes[n])]
+    if unknown:  # one caption: a change, but nothing to tell it from the noise of drawing other captions
+        by = (reward_change(changes[unknown[0]]) if len(unknown) == 1 else
+              "; ".join(f"{n} {reward_change(changes[n])}" for n in unknown))
+        said.append(f"The trained reward{'s' if len(unknown) > 1 else ''} {_names(unknown)} changed by {by}, which "
+                    f"{_count(changes[unknown[0]].get('captions', 0), 'caption')} cannot tell from noise: evaluate "
+                    "on more prompts (two or more; a few per prompt form) to call it a rise or a fall.")
+    flat = [n for n in trained if n not in up(trained) + down(trained) + unknown]
     if flat:
         said.append(f"The trained reward{'s' if len(flat) > 1 else ''} {_names(flat)} did not move beyond "
                     f"{'its interval' if len(flat) == 1 else 'their intervals'}.")
@@ -175,26 +207,37 @@ def what_changed(result: dict, trained: list[str], monitored: list[str], kl: lis
         ref = result["models"]["reference"]["judge"]["correct"]["mean"]
         pol = result["models"]["policy"]["judge"]["correct"]["mean"]
         said.append(f"The exact judge's all-attributes-right rate went from {100 * ref:.1f}% to {100 * pol:.1f}% "
-                    f"({rate_change(judged.get('correct'))}, {result.get('captions', result['prompts'])} captions).")
+                    f"({rate_change(judged.get('correct'))}, "
+                    f"{_count(result.get('captions', result['prompts']), 'caption')}).")
         attrs = [a for a in judged if a != "correct"]
         for verb, sign in (("Rose", 1), ("Fell", -1)):
-            moved = [a for a in attrs if _sign(judged[a]) == sign]
+            moved = [a for a in attrs if _sign(judged[a], rate=True) == sign]
             if moved:
                 said.append(f"{verb} beyond their intervals: "
                             f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in moved)}.")
-        unclear = [a for a in attrs if not _sign(judged[a]) and judged[a].get("mean") is not None
-                   and abs(judged[a]["mean"]) >= 0.05]  # 5 points or more, inside the interval
+        big = [a for a in attrs if not _sign(judged[a], rate=True) and judged[a].get("mean") is not None
+               and abs(judged[a]["mean"]) >= 0.05]  # 5 points or more, not beyond an interval
+        unclear = [a for a in big if _has_interval(judged[a]) and judged[a]["ci95"][1] > judged[a]["ci95"][0]]
         if unclear:
             said.append(f"Moved 5 points or more but within their intervals (more images would tell): "
                         f"{'; '.join(f'{a} {rate_change(judged[a])}' for a in unclear)}.")
-    judge_down = [a for a in judged if a != "correct" and _sign(judged[a]) < 0]
-    all_right_down = _sign(judged.get("correct")) < 0
+        thin = [a for a in big if a not in unclear]  # no interval, or one of no width: nothing to tell noise by
+        if thin:
+            said.append(f"Moved 5 points or more on too few captions to tell from noise (more prompts that name "
+                        f"them would tell): {'; '.join(f'{a} {rate_change(judged[a])}' for a in thin)}.")
+    judge_down = [a for a in judged if a != "correct" and _sign(judged[a], rate=True) < 0]
+    all_right_down = _sign(judged.get("correct"), rate=True) < 0
     if up(trained) and (judge_down or all_right_down or watched_down):
         fell = (["the judge's all-attributes-right rate"] if all_right_down else []) + \
                ([f"the judge's {_names(judge_down)} accuracy"] if judge_down else []) + watched_down
         said.append(f"**Possible reward hacking:** {_names(up(trained))} rose while {_names(fell)} fell: the "
                     "policy may be learning what the reward model scores rather than what the prompts ask. "
                     "Look at the samples below before trusting the trained reward's gain.")
+    rising = [n for n in unknown if changes[n]["mean"] > 0]
+    judged_all = judged.get("correct") or {}
+    if rising and (judged_all.get("mean") or 0) < 0 and not _has_interval(judged_all):
+        said.append(f"Up on {_names(rising)} and down on the judge's rate is the pattern of reward hacking; the "
+                    "report names it only when intervals over prompts show both changes, and here neither has one.")
     said += failure_sentences(result)
     said += _rollouts_sentence(rollouts, up(trained))
     if kl:

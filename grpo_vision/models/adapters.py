@@ -12,7 +12,7 @@ import torch
 
 from grpo_vision.config import ConfigError, brief
 
-ADAPTERS = ("lora", "loha", "lokr")
+ADAPTERS = ("lora", "dora", "loha", "lokr")
 # The factor of each adapter that peft initialises to zero (LoRA's B, LoHa's second Hadamard factor,
 # LoKr's first Kronecker factor): zero, it makes the adapter's update zero whatever the others hold
 ZERO_FACTORS = ("lora_B", "hada_w2_b", "lokr_w1", "lokr_w1_a")
@@ -30,6 +30,10 @@ def add_adapter(policy, kind: str, rank: int, alpha: float, targets: list[str]):
     check_targets(policy, targets, scope)
     targets = target_pattern(scope, targets)
     config = {"lora": lambda: LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0),
+              # DoRA (Liu et al. 2024, arXiv 2402.09353): LoRA's direction plus a learned magnitude per output row,
+              # peft's `use_dora`; the magnitude starts at the base weight's row norms, so the update starts at zero
+              "dora": lambda: LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0,
+                                         use_dora=True),
               "loha": lambda: LoHaConfig(r=rank, alpha=alpha, target_modules=targets),
               "lokr": lambda: LoKrConfig(r=rank, alpha=alpha, target_modules=targets)}[kind]()
     return get_peft_model(policy, config)

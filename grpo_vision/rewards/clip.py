@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from grpo_vision.config import GrpoVisionWarning
 from grpo_vision.run.load_checks import non_finite
 from grpo_vision.run.safe_state import UnsafeFileError, is_torchscript, quiet_protocol_note, refusal, torch_reason
 
@@ -88,7 +89,7 @@ def load_clip(model_name: str, checkpoint: str | Path, device: str = "cpu", trus
     if (torchscript or "openai" in str(path).lower()) and not _uses_quick_gelu(name):
         warnings.warn(f"{path} looks like OpenAI CLIP weights, which need QuickGELU, but open_clip architecture "
                       f"{name!r} uses GELU: the embeddings will be wrong. Use the '-quickgelu' variant "
-                      f"(e.g. ViT-L-14-quickgelu).", stacklevel=2)
+                      f"(e.g. ViT-L-14-quickgelu).", GrpoVisionWarning, stacklevel=2)
     try:
         # Pickled checkpoints are read with weights_only=True (tensors and numbers, nothing that runs);
         # a (trusted) TorchScript archive is read by torch.jit.load alone, below.

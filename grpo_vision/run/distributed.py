@@ -22,6 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
+from grpo_vision.config import GrpoVisionWarning
+
 
 def process_slice(total: int, acc) -> slice:
     """This process's share of `total` items split evenly in process order: of the step's B prompts, or
@@ -48,7 +50,7 @@ def prepare(acc, policy: torch.nn.Module, optimizer: torch.optim.Optimizer, adap
     fsdp = str(acc.distributed_type).endswith("FSDP")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not fsdp:
         warnings.warn(f"an FSDP config was given, but accelerate runs {acc.distributed_type} here (it enables FSDP on "
-                      "GPUs only): the policy is not sharded", stacklevel=2)
+                      "GPUs only): the policy is not sharded", GrpoVisionWarning, stacklevel=2)
     if fsdp:
         if adapter != "none":  # peft's merge (reference sync) and adapter-only state dicts assume full tensors
             raise ValueError("FSDP shards a full fine-tune; with train.adapter the trainable weights are small: "

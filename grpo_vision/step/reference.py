@@ -83,7 +83,12 @@ class Reference:
             self.model.load_state_dict(weights)
         elif self.mode == "adapter":
             for module, name in adapter_layers(policy):  # fold each adapter into its base weight, then zero it
-                module.base_layer.weight += module.get_delta_weight(name)
+                merged = module.base_layer.weight + module.get_delta_weight(name)  # [out, in]
+                magnitude = getattr(module, "lora_magnitude_vector", {})
+                if name in magnitude:  # DoRA: W' = m (W + sBA) / ||W + sBA|| per output row (peft's merge), whose
+                    m = magnitude[name].weight  # rows have norm m: with B zeroed, m W' / ||W'|| is W' itself
+                    merged = merged * (m / torch.linalg.norm(merged, dim=1))[:, None]
+                module.base_layer.weight.copy_(merged)
                 for factor in ZERO_FACTORS:
                     if name in getattr(module, factor, {}):
                         weight = getattr(module, factor)[name]

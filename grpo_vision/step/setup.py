@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.config import Config, ConfigError, derived_sizes, format_sizes
+from grpo_vision.config import Config, ConfigError, GrpoVisionWarning, derived_sizes, format_sizes
 from grpo_vision.models.adapters import add_adapter, merge_setting, merged_bytes
 from grpo_vision.policy import Bundle, check_plan_template, check_planning, check_weighting_hooks, load_bundle
 from grpo_vision.rewards import CompositeReward, RunModels, policy_readers
@@ -143,7 +143,7 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict
     if acc.is_main_process:
         print(f"[train] run directory {run_dir}\n[train] sizes: {format_sizes(sizes)}  threads={threads}", flush=True)
         if busy := check_load():
-            warnings.warn(busy, stacklevel=3)
+            warnings.warn(busy, GrpoVisionWarning, stacklevel=3)
     return acc, run_dir, sizes, lock
 
 
@@ -203,7 +203,7 @@ def replay_buffer(cfg: Config, bundle: Bundle, rewards: CompositeReward, referen
         return ReplayBuffer(cfg.reward.replay_capacity)
     if t.iterations > 1 and reference.mode == "none":
         warnings.warn(f"train.iterations={t.iterations} does nothing here: there is no reference to reset "
-                      "(train.reference: none) and no reward that learns", stacklevel=3)
+                      "(train.reference: none) and no reward that learns", GrpoVisionWarning, stacklevel=3)
     return None
 
 

@@ -259,6 +259,11 @@ def run_matrix(config: str, overrides: list[str], rewards: list[str], betas: lis
         cfg = load_config(config, overrides)
         specs = plan(cfg, rewards, betas, seeds, variants)
         check_options(config, overrides, cfg, specs, images)
+        if against is not None:  # a damaged OTHER is refused now, not after every run trained and scored
+            from grpo_vision.splits import prompt_lists
+
+            read_against(against, {k: [e.prompt for e in v] for k, v in prompt_lists(cfg).scored().items()},
+                         images or cfg.log.eval_images)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"--out {out} is a file; give a folder")
         check_writable(out, "make it writable, or choose another --out")
@@ -307,6 +312,63 @@ def score_and_write(cfg: Config, config: str, overrides: list[str], specs: list[
     return {"reference": reference, "runs": runs, "pooled": pooled, "compared": compared}
 
 
+def read_against(other: Path, sets: dict[str, list[str]], n: int) -> tuple[dict, dict]:
+    """`--against OTHER`'s matrix.json and the per-image scores it reads ({"reference" and each run that matrix
+    scored: its scores/NAME.json}; runs/ is never read), checked against this matrix's `sets` (per eval set, its
+    prompts) and `n` images per prompt; a ConfigError naming the first file that is missing, unreadable or
+    shaped otherwise, so a damaged folder is one line (checked before anything trains, and again when compared)."""
+    def load(name: str, fix: str):
+        path = other / name
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"--against {other}: {name} is missing; {fix}") from None
+        except (OSError, ValueError) as err:  # unreadable, not UTF-8, or not JSON (a torn or edited copy)
+            raise ConfigError(f"--against {other}: {name} is not readable JSON ({brief(str(err), 60)}); {fix}") from None
+
+    rerun = "run that matrix's command again (it scores what scores/ lacks), or give another matrix's --out"
+    header = load("matrix.json", "give the --out folder of a finished matrix")
+    runs = header.get("runs") if isinstance(header, dict) else None
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and isinstance(r.get("name"), str)
+                                             and Path(r["name"]).name == r["name"] not in ("", ".", "..") for r in runs):
+        raise ConfigError(f"--against {other}: matrix.json lists no runs (not a finished matrix's); "
+                          "give the --out folder of a finished matrix")
+    if header.get("sets") != sets:
+        raise ConfigError(f"--against {other}: that matrix scored other prompts; run both on the same config data")
+    if header.get("images_per_prompt") != n:
+        raise ConfigError(f"--against {other}: that matrix scored {header.get('images_per_prompt')} images per "
+                          f"prompt, this one {n}; give both the same --images")
+    theirs = {}
+    for name in ["reference", *(r["name"] for r in runs if r.get("summary") is not None)]:
+        scores = load(f"scores/{name}.json", rerun)
+        if problem := _scores_problem(scores, sets, n):
+            raise ConfigError(f"--against {other}: scores/{name}.json {problem}; {rerun}")
+        theirs[name] = scores
+    return header, theirs
+
+
+def _scores_problem(scores, sets: dict[str, list[str]], n: int) -> str | None:
+    """What keeps `scores` (a model's scores/NAME.json) from pairing with this matrix's, or None: per eval set,
+    every measure a list of one value per image (diversity: per prompt), as matrix_score.Scorer.score writes."""
+    if not isinstance(scores, dict) or not isinstance(scores.get("sets"), dict):
+        return "holds no per-set scores"
+    for set_name, prompts in sets.items():
+        s = scores["sets"].get(set_name)
+        if not isinstance(s, dict):
+            return f"has no scores of the {set_name} prompts"
+        sized = {"entropy": len(prompts) * n, "kl": len(prompts) * n, "diversity": len(prompts)}
+        lists = [(k, s.get(k), size) for k, size in sized.items()]
+        for group in ("rewards", "judge"):
+            if not isinstance(s.get(group), dict):
+                return f"has no {group} of the {set_name} prompts"
+            lists += [(f"{group}/{k}", v, len(prompts) * n) for k, v in s[group].items()]
+        for key, values, size in lists:
+            if not (isinstance(values, list) and len(values) == size
+                    and all(v is None or isinstance(v, (int, float)) for v in values)):
+                return f"does not hold {size} numbers for {key} of the {set_name} prompts"
+    return None
+
+
 def compare_matrices(scorer, other: Path, runs: list[dict], raw: dict, their_reward: str | None = None) -> list[dict]:
     """`--against OTHER`: this matrix's runs minus OTHER's runs of the same name (reward, KL, seed, variant), paired
     per image and per seed (matrix_score.against_baseline), and this reference minus OTHER's: what a change of
@@ -316,20 +378,7 @@ def compare_matrices(scorer, other: Path, runs: list[dict], raw: dict, their_rew
     prompts."""
     from grpo_vision.tools.matrix_score import against_baseline
 
-    try:
-        header = json.loads((other / "matrix.json").read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"--against {other}: no readable matrix.json there; give another matrix's --out") from None
-    if header.get("sets") != {k: [e.prompt for e in v] for k, v in scorer.sets.items()}:
-        raise ConfigError(f"--against {other}: that matrix scored other prompts; run both on the same config data")
-    if header.get("images_per_prompt") != scorer.n:
-        raise ConfigError(f"--against {other}: that matrix scored {header.get('images_per_prompt')} images per "
-                          f"prompt, this one {scorer.n}; give both the same --images")
-    theirs = {"reference": json.loads((other / "scores" / "reference.json").read_text())}
-    for run in header["runs"]:
-        path = other / "scores" / f"{run['name']}.json"
-        if run.get("summary") is not None and path.is_file():
-            theirs[run["name"]] = json.loads(path.read_text())
+    _, theirs = read_against(other, {k: [e.prompt for e in v] for k, v in scorer.sets.items()}, scorer.n)
     label = f"{other.name}{f' [{their_reward}]' if their_reward else ''} (--against)"
     rows = [{"reward": "reference", "beta": 0.0, "variant": "", "baseline": label, "seeds": [],
              "sets": against_baseline(scorer, [theirs["reference"]], [raw["reference"]])}]

@@ -157,8 +157,11 @@ def cached_scores(scorer: Scorer, path: Path, step: int, load_model) -> dict:
     """A model's scores from `path` when they were made with the same settings (a reward they lack added
     from the cached tokens), else scored now; with the rewards of this call only."""
     key, tokens_path = scorer.key(step), path.with_suffix(".tokens.pt")
-    cached = json.loads(path.read_text()) if path.is_file() else {}
-    if cached.get("key") == key:
+    try:
+        cached = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:  # a cache torn or edited by hand is scored again, as unreadable tokens are sampled again
+        cached = {}
+    if isinstance(cached, dict) and cached.get("key") == key:
         have = set.intersection(*(set(s["rewards"]) for s in cached["sets"].values()))
         missing = [n for n in scorer.names if n not in have]
         if not missing:

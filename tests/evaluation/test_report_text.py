@@ -118,3 +118,73 @@ def test_the_reasons_of_failing_clauses_are_said_by_kind_with_the_most_frequent(
     r["reasons"]["geneval"]["kinds"] = []
     assert failure_sentences(r) == ["No image failed a clause of geneval's, on either side."]
     assert failure_sentences(result()) == []  # no reward gave reasons
+
+
+def one_caption():
+    """The README's GRPOTrainer example as it was: one eval prompt x 4 images; brightness rose, the judge fell from
+    100% to 50%; a change over one caption has no interval (intervals.caption_interval: ci95 None)."""
+    r = result()
+    r["prompts"] = r["captions"] = 1
+    r["models"]["reference"]["rewards"] = {"brightness": {"mean": 0.40, "ci95": [0.38, 0.42], "n": 4}}
+    r["models"]["policy"]["rewards"] = {"brightness": {"mean": 0.46, "ci95": [0.44, 0.48], "n": 4}}
+    r["models"]["reference"]["judge"]["correct"] = {"mean": 1.0, "ci95": [1.0, 1.0], "n": 4}
+    r["models"]["policy"]["judge"]["correct"] = {"mean": 0.5, "ci95": [0.0, 1.0], "n": 4}
+    r["difference_ci"] = {"brightness": {"mean": 0.06, "ci95": None, "n": 4, "captions": 1}}
+    r["judge_difference_ci"] = {"correct": {"mean": -0.5, "ci95": None, "n": 4, "captions": 1}}
+    return r
+
+
+def test_a_change_over_one_caption_says_it_has_no_interval_and_is_not_called_flat():
+    r = one_caption()
+    table = "\n".join(change_table(r))
+    assert "nan" not in table
+    assert "| brightness | 0.400 [0.380, 0.420] | 0.460 [0.440, 0.480] | +0.060 (no interval: 1 caption) |" in table
+    assert "-50.0 pts (no interval: 1 caption) |" in table
+    text = " ".join(what_changed(r, ["brightness"], [], [0.01]))
+    assert "nan" not in text and "did not move" not in text
+    assert ("The trained reward brightness changed by +0.060 (no interval: 1 caption), which 1 caption "
+            "cannot tell from noise: evaluate on more prompts") in text
+    assert "went from 100.0% to 50.0% (-50.0 pts (no interval: 1 caption), 1 caption)" in text
+    # the hacking line rests on intervals over prompts: not named, but the pattern is, with why it is not
+    assert "**Possible reward hacking:**" not in text
+    assert "Up on brightness and down on the judge's rate is the pattern of reward hacking; the report names it " \
+           "only when intervals over prompts show both changes, and here neither has one." in text
+    assert "95% interval over 1 caption)" in table
+    # two captions give an interval: then the same changes are a rise, a fall, and the hacking line
+    r["captions"] = r["prompts"] = 2
+    r["difference_ci"]["brightness"] |= {"ci95": [0.03, 0.09], "captions": 2}
+    r["judge_difference_ci"]["correct"] |= {"ci95": [-0.75, -0.25], "captions": 2}
+    text = " ".join(what_changed(r, ["brightness"], [], []))
+    assert "The trained reward brightness rose (brightness +0.060 [+0.030, +0.090])" in text
+    assert "**Possible reward hacking:** brightness rose while the judge's all-attributes-right rate fell" in text
+    assert "pattern of reward hacking" not in text
+
+
+def test_a_value_over_one_image_says_so():
+    assert reward_change({"mean": 0.5, "ci95": [float("nan"), float("nan")], "n": 1}) == "+0.500 (no interval: 1 image)"
+
+
+def test_a_change_that_prints_as_zero_is_not_a_rise_or_a_fall():
+    """Two smoke steps move the weights a little: every paired difference of one sign, an interval that
+    excludes 0 by 1e-6, printed as -0.000 [-0.000, -0.000]. That is not called a fall (nor a rate's 0.04 points a rise)."""
+    r = result()
+    r["difference_ci"] = {"clip": entry(-2e-6, -3e-6, -1e-6), "aesthetic": entry(1e-6, 5e-7, 2e-6)}
+    r["judge_difference_ci"] = {"correct": entry(0.0004, 0.0001, 0.0007)}
+    text = " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
+    assert " rose" not in text and " fell" not in text
+    assert "The trained rewards clip and aesthetic did not move beyond their intervals." in text
+    r["difference_ci"]["clip"] = entry(0.002, 0.0006, 0.0034)  # +0.002 [+0.001, +0.003]: shown, and a rise
+    assert "The trained reward clip rose" in " ".join(what_changed(r, ["clip", "aesthetic"], [], []))
+
+
+def test_an_attribute_change_with_an_interval_of_no_width_is_not_called_within_it():
+    """Six eval prompts, two of which name a size: size -25 points on each, an interval [-25, -25] that says
+    nothing about noise, was 'within their intervals (more images would tell)'."""
+    r = result()
+    r["judge_difference_ci"] = {"correct": entry(0.0, -0.083, 0.083), "size": entry(-0.25, -0.25, -0.25),
+                                "color": entry(0.083, -0.05, 0.2), "count": {"mean": 0.5, "ci95": None, "captions": 1}}
+    text = " ".join(what_changed(r, ["clip"], [], []))
+    assert "Moved 5 points or more but within their intervals (more images would tell): color +8.3 pts " \
+           "[-5.0, +20.0]." in text
+    assert "Moved 5 points or more on too few captions to tell from noise (more prompts that name them would " \
+           "tell): size -25.0 pts [-25.0, -25.0]; count +50.0 pts (no interval: 1 caption)." in text

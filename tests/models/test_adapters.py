@@ -315,3 +315,38 @@ def test_a_lora_run_samples_merged_and_trains_as_unmerged_in_float32(micro_world
         for key in ("reward/total/mean", "policy/entropy", "loss/kl"):
             assert merged[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
         assert merged["rollout/logp_drift"] < 1e-4
+
+
+def test_a_dora_run_trains_its_magnitudes_and_exports_an_adapter_peft_loads(micro_world, tmp_path):
+    """train.adapter=dora is peft's LoRA with use_dora: each adapted layer gains a magnitude per output row,
+    trained and checkpointed with the adapter, and the export is a peft adapter that `PeftModel.from_pretrained`
+    puts on the user's own LlamaForCausalLM with the run's logits."""
+    import dataclasses
+    import json
+
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from grpo_vision.export import export_run
+    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.models.llama import LlamaImagePolicy
+    from grpo_vision.models.llama_hf import to_hf_llama
+    from tests.test_export import LLAMA_PROMPTS, close, hf_image_logits, image_logits, llama_config
+
+    cfg = llama_config(micro_world, tmp_path, adapter=True)
+    cfg.train = dataclasses.replace(cfg.train, adapter="dora")
+    run = train(cfg, progress=False)
+    saved = load_file(run / "checkpoints" / "step_000002" / "policy.safetensors")
+    magnitudes = {k: v for k, v in saved.items() if "lora_magnitude_vector" in k}
+    assert magnitudes and all(is_adapter_weight(k) for k in saved)  # only the adapter, its magnitudes with it
+    fresh = add_adapter(LlamaImagePolicy.from_pretrained(micro_world / "policy"), "dora", 4, 32.0,
+                        cfg.train.adapter_targets).state_dict()  # magnitudes start at the base rows' norms
+    assert any(not torch.equal(v, fresh[k]) for k, v in magnitudes.items())  # ... and training moved them
+
+    to_hf_llama(LlamaImagePolicy.from_pretrained(micro_world / "policy")).save_pretrained(tmp_path / "base")
+    assert export_run(run, tmp_path / "adapter").form == "adapter"
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
+    hf = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
+    loaded = load_run(run, device="cpu")
+    ours, cond, tokens = image_logits(loaded.policy, LLAMA_PROMPTS)
+    assert close(hf_image_logits(hf, loaded.policy.get_base_model(), cond, tokens), ours)

@@ -3,6 +3,7 @@
 
 import fcntl
 import json
+import re
 import math
 import os
 import signal
@@ -507,3 +508,82 @@ def test_against_pairs_each_run_with_the_other_matrixs_run_of_the_same_name(tmp_
     assert compare_matrices(scorer, other, swapped, mine)[1:] == []  # by name, nothing of theirs matches
     with pytest.raises(ConfigError, match="--against-reward 'aesthetic': .* holds no scored run of that reward"):
         compare_matrices(scorer, other, swapped, mine, "aesthetic")
+
+
+def test_a_damaged_against_folder_is_one_line_naming_the_file_and_the_fix(tmp_path):
+    """`--against OTHER` reads OTHER's matrix.json and scores/ (never runs/): a file missing, torn or of
+    another shape is a ConfigError naming it, not a traceback, and a run matrix.json says was scored but whose
+    scores are gone is refused rather than left out of the comparison without a word."""
+    from types import SimpleNamespace
+
+    from grpo_vision.prompts import PromptEntry
+    from grpo_vision.tools.matrix import compare_matrices
+
+    def scores(clip):
+        return {"sets": {"test": {"rewards": {"clip": [clip] * 4}, "judge": {"correct": [0.0, 1.0, None, 0.0]},
+                                  "diversity": [0.5] * 2, "entropy": [1.0] * 4, "kl": [0.0] * 4}}}
+
+    scorer = SimpleNamespace(captions={"test": ["a", "b"]}, strata={"test": [None] * 2}, n=2,
+                             sets={"test": [PromptEntry("a"), PromptEntry("b")]})
+    runs = [{"name": "clip-kl0-s0", "reward": "clip", "beta": 0.0, "seed": 0, "summary": {}}]
+    ours = {"reference": scores(0.2), "clip-kl0-s0": scores(0.5)}
+    header = {"sets": {"test": ["a", "b"]}, "images_per_prompt": 2, "runs": runs}
+
+    def folder(name, matrix=header, files=(("reference", scores(0.1)), ("clip-kl0-s0", scores(0.3)))):
+        other = tmp_path / name
+        (other / "scores").mkdir(parents=True)
+        (other / "matrix.json").write_text(matrix if isinstance(matrix, str) else json.dumps(matrix))
+        for stem, content in files:
+            (other / "scores" / f"{stem}.json").write_text(content if isinstance(content, str) else json.dumps(content))
+        return other
+
+    whole = folder("whole")  # no runs/ folder at all: what --against reads is all there
+    assert compare_matrices(scorer, whole, runs, ours)[1]["sets"]["test"]["clip"]["mean"] == pytest.approx(0.2)
+    wrong_length = scores(0.3)
+    wrong_length["sets"]["test"]["rewards"]["clip"] = [0.3] * 3
+    for other, message in [
+        (folder("no_reference", files=[("clip-kl0-s0", scores(0.3))]), "scores/reference.json is missing; run that "
+                                                                       "matrix's command again"),
+        (folder("no_run_scores", files=[("reference", scores(0.1))]), "scores/clip-kl0-s0.json is missing"),
+        (folder("torn_reference", files=[("reference", '{"sets": '), ("clip-kl0-s0", scores(0.3))]),
+         "scores/reference.json is not readable JSON"),
+        (folder("torn_run", files=[("reference", scores(0.1)), ("clip-kl0-s0", "[1, 2")]),
+         "scores/clip-kl0-s0.json is not readable JSON"),
+        (folder("torn_matrix", matrix='{"runs": ['), "matrix.json is not readable JSON"),
+        (folder("no_runs_listed", matrix={k: v for k, v in header.items() if k != "runs"}), "matrix.json lists no runs"),
+        (folder("a_list", matrix=[1, 2]), "matrix.json lists no runs"),
+        (folder("outside", matrix={**header, "runs": [{**runs[0], "name": "../../x"}]}), "matrix.json lists no runs"),
+        (folder("no_sets", files=[("reference", {"key": "k"}), ("clip-kl0-s0", scores(0.3))]),
+         "scores/reference.json holds no per-set scores"),
+        (folder("short", files=[("reference", scores(0.1)), ("clip-kl0-s0", wrong_length)]),
+         "scores/clip-kl0-s0.json does not hold 4 numbers for rewards/clip of the test prompts"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{re.escape(f'--against {other}: {message}')}") as err:
+            compare_matrices(scorer, other, runs, ours)
+        assert "\n" not in str(err.value)
+    failed = [{**runs[0], "summary": None}]  # a run that failed there has no scores to read
+    assert len(compare_matrices(scorer, folder("failed", matrix={**header, "runs": failed},
+                                               files=[("reference", scores(0.1))]), runs, ours)) == 1
+
+
+def test_a_damaged_against_folder_is_refused_before_anything_trains(micro_world, tmp_path):
+    out = tmp_path / "matrix"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "matrix.json").write_text('{"runs": []')
+    with pytest.raises(ConfigError, match="--against .*other: matrix.json is not readable JSON"):
+        run_matrix("configs/shapes_micro.yaml", _overrides(micro_world, tmp_path), ["placebo"], [0.0], [0], out,
+                   against=other)
+    assert not out.exists()
+
+
+def test_a_torn_score_cache_of_this_matrix_is_scored_again(micro_world, tmp_path):
+    from grpo_vision.tools.matrix_score import Scorer, cached_scores
+
+    scorer = Scorer(load_config("configs/shapes_micro.yaml", _overrides(micro_world, tmp_path)), 2)
+    scorer.use_rewards(["placebo"])
+    path = tmp_path / "scores" / "reference.json"
+    path.parent.mkdir()
+    path.write_text('{"key": ')
+    result = cached_scores(scorer, path, 0, lambda: scorer.base)
+    assert json.loads(path.read_text())["key"] == result["key"] == scorer.key(0)

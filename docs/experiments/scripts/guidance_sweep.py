@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from grpo_vision.config import ConfigError, validate
 from grpo_vision.evaluation.evaluate import eval_params, load_run, run_eval_sets
 from grpo_vision.rollouts import draw, eval_seeds, repeat, verdict_rates
 
@@ -42,7 +43,22 @@ def rates(verdicts, forms) -> dict:
     return dict(sorted(out.items()))
 
 
+def checked(cfg, text: str, values: dict) -> dict:
+    """`values` as the run's own sample.cfg_scale / sample.temperature would be checked (config/schema.py's
+    validate: finite, guidance >= 0, temperature > 0; the sampler draws, it has no greedy T=0): NaN or inf
+    guidance turns every logit into NaN, and the judge then rates images of one token code as a result."""
+    try:
+        validate(dataclasses.replace(cfg, sample=dataclasses.replace(cfg.sample, **values)))
+    except ConfigError as err:
+        raise SystemExit(f"guidance_sweep: setting {text!r}: {err}") from None
+    return values
+
+
 def main(argv: list[str]) -> None:
+    from grpo_vision.files import FolderError
+    from grpo_vision.prompts import PromptsError
+    from grpo_vision.run.checkpoint import CheckpointError
+
     ap = argparse.ArgumentParser(prog="guidance_sweep.py", description=__doc__.splitlines()[0])
     ap.add_argument("run")
     ap.add_argument("set", nargs="?", default="test")
@@ -54,10 +70,15 @@ def main(argv: list[str]) -> None:
     settings = {text: parse(text) for text in args.settings.split(";")}
     try:
         run = load_run(run_dir, args.step)
-    except FileNotFoundError as err:
+        sets = run_eval_sets(run_dir, run.cfg)
+    except (ConfigError, CheckpointError, FileNotFoundError, FolderError, PromptsError) as err:
         raise SystemExit(f"guidance_sweep: {err}: give a run folder, as `grpo-vision train` or a matrix writes it, "
-                         "and a step it has a checkpoint of")
-    sets = run_eval_sets(run_dir, run.cfg)
+                         "and a step it has a checkpoint of") from None
+    if run.bundle.judge is None:  # the rates are the ShapesWorld judge's verdicts
+        raise SystemExit(f"guidance_sweep: {run_dir} trained a {run.cfg.policy.kind} policy, which brings no judge: "
+                         "the sweep reports the judge's rates, so give a run on a ShapesWorld policy (policy.kind "
+                         "shapes)")
+    settings = {text: checked(run.cfg, text, values) for text, values in settings.items()}
     if set_name not in sets:
         raise SystemExit(f"guidance_sweep: set {set_name!r}: choose one of {', '.join(sets)}")
     captions, n = sets[set_name], run.cfg.log.eval_images

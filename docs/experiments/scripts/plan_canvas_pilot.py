@@ -10,7 +10,7 @@
 #           embeddings of the object's colour, shape and size (a layout map, as layout-to-image models condition).
 # Each is sampled (CFG 3, T 1, KV-cached through the policy's own forward) from ground-truth plans of N_CAPTIONS
 # relation captions x 2 images and judged. Usage: python THIS STEPS [N_CAPTIONS [ARMS]]   (ARMS: canvas,tied)
-import dataclasses, json, sys, time
+import argparse, dataclasses, json, sys, time
 
 import numpy as np
 import torch
@@ -24,12 +24,10 @@ from grpo_vision.shapes.checker import check, find_regions
 from grpo_vision.shapes.layout import scene_for_caption
 from grpo_vision.shapes.plan import COLUMNS, MAX_PLAN_TOKENS, ROWS, parse_plan, plan_words, scene_plan
 from grpo_vision.shapes.rewards import layout_agreement, planned_box
-from grpo_vision.shapes.scene import COLORS, SHAPES, SIZES, all_captions, all_words
-from grpo_vision.shapes.world import load_world
+from grpo_vision.shapes.scene import COLORS, SHAPES, SIZES, all_words
 
-STEPS = int(sys.argv[1])
-N_CAPTIONS = int(sys.argv[2]) if len(sys.argv) > 2 else 48
-ARMS = sys.argv[3].split(",") if len(sys.argv) > 3 else ["canvas", "tied"]
+from pilot_args import count, plan_world, relation_captions
+
 ATTRS = [*COLORS, *SHAPES, *SIZES]
 
 
@@ -152,16 +150,40 @@ def judge(policy, tok, captions, rng_seed=777):
     return rates | {"layout": float(np.mean(layout))}
 
 
-world = load_world("worlds/shapes_plan")
-tok = world.tokenizer
-p = dataclasses.replace(tp.POLICY_PRESETS["plan"], steps=STEPS)
-codes, captions, plans = tp.tokenize_dataset(tok, p.examples, 1, False)
-canvases = torch.stack([canvas_of(pl) for pl in plans])  # [n, N, A]
-rel = all_captions("train", "relation")
-captions_eval = [rel[i] for i in np.random.default_rng(0).choice(len(rel), N_CAPTIONS, replace=False)] * 2
-out = {"steps": STEPS, "captions": N_CAPTIONS, "images": len(captions_eval)}
-for name in ARMS:
-    policy, loss, seconds = train({"canvas": Canvas, "tied": Tied}[name], tok, codes, captions, plans, canvases, p)
-    out[name] = {"loss": loss, "train_s": seconds} | judge(policy, tok, captions_eval)
-    print(json.dumps({name: out[name]}), flush=True)
-print(json.dumps(out, indent=1))
+def arms(text: str) -> list[str]:
+    names = text.split(",")
+    if not names or any(n not in ("canvas", "tied") for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give canvas, tied or canvas,tied")
+    return names
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="plan_canvas_pilot.py", description="plan-world policies from scratch that "
+                                 "read their plan as a canvas or through tied positions, judged on relation captions")
+    ap.add_argument("steps", type=count)
+    ap.add_argument("n_captions", type=count, nargs="?", default=48)
+    ap.add_argument("arms", type=arms, nargs="?", default=["canvas", "tied"], help="canvas,tied (the default)")
+    args = ap.parse_args(argv)
+    args.relation = relation_captions(ap, args.n_captions)
+    args.world = plan_world(ap)
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    STEPS, N_CAPTIONS, ARMS, world, rel = args.steps, args.n_captions, args.arms, args.world, args.relation
+    tok = world.tokenizer
+    p = dataclasses.replace(tp.POLICY_PRESETS["plan"], steps=STEPS)
+    codes, captions, plans = tp.tokenize_dataset(tok, p.examples, 1, False)
+    canvases = torch.stack([canvas_of(pl) for pl in plans])  # [n, N, A]
+    captions_eval = [rel[i] for i in np.random.default_rng(0).choice(len(rel), N_CAPTIONS, replace=False)] * 2
+    out = {"steps": STEPS, "captions": N_CAPTIONS, "images": len(captions_eval)}
+    for name in ARMS:
+        policy, loss, seconds = train({"canvas": Canvas, "tied": Tied}[name], tok, codes, captions, plans, canvases, p)
+        out[name] = {"loss": loss, "train_s": seconds} | judge(policy, tok, captions_eval)
+        print(json.dumps({name: out[name]}), flush=True)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

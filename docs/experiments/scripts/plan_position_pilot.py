@@ -4,7 +4,7 @@
 # conditioned on its plan), one as the library builds it (1D RoPE only), one with a learned row and column
 # embedding added at the input position that predicts each image token. Each is then sampled (CFG 3, T 1, KV-cached
 # through the policy's own forward) from ground-truth plans of relation captions and judged. Usage: python THIS STEPS [N_CAPTIONS [EXAMPLES]]
-import dataclasses, json, sys, time
+import argparse, dataclasses, json, sys, time
 
 import numpy as np
 import torch
@@ -18,12 +18,22 @@ from grpo_vision.shapes.checker import check, find_regions
 from grpo_vision.shapes.layout import scene_for_caption
 from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, plan_words, scene_plan
 from grpo_vision.shapes.rewards import layout_agreement
-from grpo_vision.shapes.scene import all_captions, all_words
-from grpo_vision.shapes.world import load_world
+from grpo_vision.shapes.scene import all_words
 
-STEPS = int(sys.argv[1])
-N_CAPTIONS = int(sys.argv[2]) if len(sys.argv) > 2 else 48
-EXAMPLES = int(sys.argv[3]) if len(sys.argv) > 3 else None  # default: the preset's 30,000
+from pilot_args import count, plan_world, relation_captions
+
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="plan_position_pilot.py", description="two plan-world policies from scratch, "
+                                 "without and with a learned 2D position embedding, judged on relation captions")
+    ap.add_argument("steps", type=count)
+    ap.add_argument("n_captions", type=count, nargs="?", default=48)
+    ap.add_argument("examples", type=count, nargs="?", default=None, help="default: the preset's 30,000")
+    args = ap.parse_args(argv)
+    args.relation = relation_captions(ap, args.n_captions)
+    args.world = plan_world(ap)
+    return args
 
 
 class Positioned(LlamaImagePolicy):
@@ -107,15 +117,20 @@ def judge(policy, tok, captions, rng_seed=777):
             "correct": float(np.mean([v.correct for v in verdicts])), "layout": float(np.mean(layout))}
 
 
-world = load_world("worlds/shapes_plan")
-tok = world.tokenizer
-p = dataclasses.replace(tp.POLICY_PRESETS["plan"], steps=STEPS, examples=EXAMPLES or tp.POLICY_PRESETS["plan"].examples)
-codes, captions, plans = tp.tokenize_dataset(tok, p.examples, 1, False)
-rel = all_captions("train", "relation")
-captions_eval = [rel[i] for i in np.random.default_rng(0).choice(len(rel), N_CAPTIONS, replace=False)] * 2
-out = {"steps": STEPS, "captions": N_CAPTIONS, "images": len(captions_eval)}
-for name, cls in (("rope_only", LlamaImagePolicy), ("rope_plus_2d_embedding", Positioned)):
-    policy, loss, seconds = train(cls, tok, codes, captions, plans, p)
-    out[name] = {"loss": loss, "train_s": seconds} | judge(policy, tok, captions_eval)
-    print(json.dumps(out[name]), flush=True)
-print(json.dumps(out, indent=1))
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    STEPS, N_CAPTIONS, EXAMPLES, world, rel = args.steps, args.n_captions, args.examples, args.world, args.relation
+    tok = world.tokenizer
+    p = dataclasses.replace(tp.POLICY_PRESETS["plan"], steps=STEPS, examples=EXAMPLES or tp.POLICY_PRESETS["plan"].examples)
+    codes, captions, plans = tp.tokenize_dataset(tok, p.examples, 1, False)
+    captions_eval = [rel[i] for i in np.random.default_rng(0).choice(len(rel), N_CAPTIONS, replace=False)] * 2
+    out = {"steps": STEPS, "captions": N_CAPTIONS, "images": len(captions_eval)}
+    for name, cls in (("rope_only", LlamaImagePolicy), ("rope_plus_2d_embedding", Positioned)):
+        policy, loss, seconds = train(cls, tok, codes, captions, plans, p)
+        out[name] = {"loss": loss, "train_s": seconds} | judge(policy, tok, captions_eval)
+        print(json.dumps(out[name]), flush=True)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
