@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, GrpoVisionWarning
 from grpo_vision.rewards.base import RewardContext, RewardFn, register_reward
 from grpo_vision.rewards.remote import BadAnswer, check_limits, check_url, png_base64, post_json
-from grpo_vision.rewards.vlm_judge import VlmJudgeOptions, questions_for
+from grpo_vision.rewards.vlm_judge import VlmJudgeOptions, mean_per_image, questions_asked
 
 KEY = "reward.options.openai_judge"
 
@@ -107,25 +107,15 @@ def openai_judge_reward(ctx: RewardContext, opts: OpenAIJudgeOptions) -> RewardF
     def reward(images, prompts, metadata):
         metadata = list(metadata) if metadata is not None else [{} for _ in prompts]
         encoded = png_base64(images)
-        owner, jobs = [], []  # the image each question is asked of; (image, question) per request
-        for i, (prompt, meta) in enumerate(zip(prompts, metadata)):
-            for q in questions_for(prompt, meta, opts.question):
-                owner.append(i)
-                jobs.append((encoded[i], q))
+        asked = questions_asked(prompts, metadata, opts.question)  # (image, question) per request
+        jobs = [(encoded[i], q) for i, q in asked]
         with ThreadPoolExecutor(max_workers=opts.concurrency) as pool:
             answers = torch.tensor(list(pool.map(ask, jobs)), dtype=torch.float32)  # [Q]
         unread = int(answers.isnan().sum())
         if unread:
             warnings.warn(f"{KEY}: {url} answered neither {opts.yes_word!r} nor {opts.no_word!r} among the top "
                           f"{opts.top_logprobs} log-probs for {unread} of {len(jobs)} questions; those score NaN "
-                          "(does not apply)", stacklevel=2)
-        return _mean_per_image(answers, torch.tensor(owner, dtype=torch.long), len(prompts))
+                          "(does not apply)", GrpoVisionWarning, stacklevel=2)
+        return mean_per_image(asked, answers, len(prompts))
     return reward
 
-
-def _mean_per_image(answers: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tensor:
-    """`[count]`: each image's mean over its answered questions (NaN when none of them was answered)."""
-    read = ~answers.isnan()  # [Q]
-    total = torch.zeros(count).index_add_(0, owner[read], answers[read])  # [count]
-    asked = torch.bincount(owner[read], minlength=count).float()  # [count]
-    return torch.where(asked > 0, total / asked.clamp(min=1), torch.full((count,), math.nan))

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from grpo_vision.config import ConfigError
+from grpo_vision.config import ConfigError, GrpoVisionWarning
 from grpo_vision.images import to_uint8
 from grpo_vision.rewards.base import RewardContext, RewardError, RewardFn, register_reward
 
@@ -219,7 +219,8 @@ def remote_reward(ctx: RewardContext, opts: RemoteOptions) -> RewardFn:
             if state["all_nan"] >= ALL_NAN_CALLS and not state["warned"]:
                 state["warned"] = True
                 warnings.warn(f"{KEY}: {url} answered NaN (does not apply) for every image of {ALL_NAN_CALLS} calls "
-                              "in a row; check that it serves the reward you meant (GET /info)", stacklevel=2)
+                              "in a row; check that it serves the reward you meant (GET /info)", GrpoVisionWarning,
+                              stacklevel=2)
             out.append(scores)
         return torch.cat(out) if out else torch.zeros(0)
     return reward

@@ -23,6 +23,7 @@ a batch scores as one image at a time. docs/real_models.md lists the released ju
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -154,10 +155,14 @@ def questions_asked(prompts: Sequence[str], metadata: Sequence[dict], default: s
 
 
 def mean_per_image(asked: Sequence[tuple[int, object]], scores: torch.Tensor, images: int) -> torch.Tensor:
-    """Each image's mean `[images]` of the `scores` `[Q]` of its questions (`asked[q][0]`: question q's image)."""
-    owner = torch.tensor([i for i, _ in asked])  # [Q] the image each question was asked of
-    total = torch.zeros(images).index_add_(0, owner, scores.float())  # [B]
-    return total / torch.bincount(owner, minlength=images).clamp(min=1)  # [B]
+    """Each image's mean `[images]` of the `scores` `[Q]` of its questions (`asked[q][0]`: question q's image); a
+    NaN score (a question left unanswered: openai_judge) is left out, and an image with none answered is NaN."""
+    owner = torch.tensor([i for i, _ in asked], dtype=torch.long)  # [Q] the image each question was asked of
+    scores = scores.float()
+    read = ~scores.isnan()  # [Q]
+    total = torch.zeros(images).index_add_(0, owner[read], scores[read])  # [B]
+    answered = torch.bincount(owner[read], minlength=images)  # [B]
+    return torch.where(answered > 0, total / answered.clamp(min=1), torch.full((images,), math.nan))  # [B]
 
 
 def prompt_text(processor, question: str, template: str) -> str:
