@@ -100,7 +100,8 @@ def test_a_held_run_directory_is_refused_naming_the_holder(tmp_path):
     lock = RunLock(run, fresh=True)
     holder = f"is in use by a running train (pid {os.getpid()} on {socket.gethostname()}, started "
     try:
-        for args in ([MICRO, f"run.out_dir={tmp_path}"], ["--resume", run]):
+        # a world that exists: train checks the files a config names before it takes the run's lock
+        for args in ([MICRO, f"run.out_dir={tmp_path}", f"policy.path={ROOT / 'worlds' / 'shapes'}"], ["--resume", run]):
             (run / "config.yaml").write_text("run:\n  name: shapes_micro\npolicy:\n  kind: shapes\n  path: worlds/shapes\n")
             out = run_cli("train", *args, timeout=TIMEOUT)
             assert out.returncode == 2 and holder in out.stderr, out.stderr[-2000:]
