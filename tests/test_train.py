@@ -593,7 +593,7 @@ def test_training_runs_on_the_device(micro_world, tmp_path, device):
 def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once(micro_world, tmp_path, monkeypatch):
     # train.reference=none: sample grids at every step and the report still compare with the base
     # policy, which is loaded once (not once a grid), on the run's device (not a hard-coded CPU).
-    import grpo_vision.step.setup as setup_module
+    import grpo_vision.step.load as load_module
     from grpo_vision.policy import load_bundle
     from grpo_vision.run.machine import resolve_device
 
@@ -603,7 +603,7 @@ def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once
         loads.append(str(device))
         return load_bundle(pcfg, device)
 
-    monkeypatch.setattr(setup_module, "load_bundle", counting)
+    monkeypatch.setattr(load_module, "load_bundle", counting)
     device = resolve_device("auto")
     run = train(micro_cfg(micro_world, tmp_path, "run.device=auto", "train.reference=none", "train.beta=0",
                           "train.steps=2", "log.sample_every=1"), progress=False)
