@@ -1,5 +1,5 @@
-"""The commands that read a run folder: `sample`, `eval`, `report` and `alerts` here, and the options they share with `demo`
-and `bench demo` (cli/app.py). A run folder may come from someone else, so these commands load no code it
+"""The commands that read a run folder: `sample`, `eval`, `report` and `alerts` here, and the options they share with
+`demo` and `bench demo` (cli/app.py). A run folder may come from someone else, so these commands load no code it
 names without --trust-run (run/folder.py), sample where the run trained when this machine has that device
 (else on the best one here), and refuse prompts the policy cannot read, as `train` does.
 """

@@ -160,9 +160,9 @@ def final_report(run_dir: Path, run: LoadedRun, rewards, sets: dict) -> dict:
              f"Evaluation: {result['prompts']} test prompts ({result['captions']} distinct captions of the training "
              f"prompts' distribution, never trained on; prompts/test.jsonl) x {result['images_per_prompt']} images, "
              f"the same seeds for policy and reference, sampled at temperature {result['temperature']} (training "
-             f"sampled at {full['train_temperature']}); mean [95% interval]. Changes are paired per image; their interval "
-             "resamples the captions, all their images with them (a reader's other draw of captions), within "
-             "each prompt form; eval.json also holds the per-image interval, which holds the captions fixed "
+             f"sampled at {full['train_temperature']}); mean [95% interval]. Changes are paired per image; their "
+             "interval resamples the captions, all their images with them (a reader's other draw of captions), "
+             "within each prompt form; eval.json also holds the per-image interval, which holds the captions fixed "
              "(`*_per_image`).", "",
              *sets_table(result, twin), "## Test prompts", "", *change_table(result)]
     if result["models"]["policy"]["judge"]:
@@ -227,7 +227,7 @@ def read_eval(path: str | Path) -> dict:
         return data
     old = {k: v for k, v in data.items() if k not in ("eval_set", "temperature", "train_temperature", "by_temperature",
                                                      "heldout", "train_sample")}
+    others = {k: data[k] for k in ("heldout", "train_sample") if k in data}
     return {"run": None, "step": None, "device": None, "temperature": data.get("temperature"),
-            "train_temperature": data.get("train_temperature"),
-            "sets": {data.get("eval_set", "test"): old, **{k: data[k] for k in ("heldout", "train_sample") if k in data}},
+            "train_temperature": data.get("train_temperature"), "sets": {data.get("eval_set", "test"): old, **others},
             **({"by_temperature": data["by_temperature"]} if "by_temperature" in data else {})}

@@ -90,8 +90,9 @@ def load_for_eval(run_dir: str | Path, step: int | None = None, seed: int = EVAL
                   device: str = "run", sets: dict[str, list[PromptEntry]] | None = None, draw: int = 1,
                   trust: bool = False, rewards: Sequence[str] = (), source: Callable[[str], str] | None = None,
                   allow_other_base: bool = False) -> tuple[LoadedRun, CompositeReward, dict[str, list[PromptEntry]]]:
-    """A run loaded to be measured, as evaluation/evaluate.py's `evaluate_run` takes its arguments: the checkpoint (load_run), its rewards
-    (with what a learning reward had learned by then) and the sets to score, each checked before any image is drawn."""
+    """A run loaded to be measured, as evaluation/evaluate.py's `evaluate_run` takes its arguments: the checkpoint
+    (load_run), its rewards (with what a learning reward had learned by then) and the sets to score (the run's own by
+    default: splits.run_prompt_sets), each checked before any image is drawn."""
     cfg = read_run_config(run_dir, device=device)
     own = sets is None
     if own:

@@ -69,7 +69,7 @@ def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: 
     before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
     # the kind's files, its adapter and reference
     bundle, policy, reference = load_policy(cfg, acc.device, given_bundle, cfg.train.gradient_checkpointing)
-    check_decode(cfg, acc, bundle.policy, params)
+    check_decode(acc, bundle.policy, params)
     check_weighting_hooks(cfg.train.token_weighting, cfg.policy.kind, bundle.policy, bundle.tokenizer)
     if cfg.sample.plan.enabled:
         check_planning(bundle.policy, cfg.policy.kind, cfg.sample.plan.max_tokens)
@@ -149,7 +149,7 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict
     return acc, run_dir, sizes, lock
 
 
-def check_decode(cfg: Config, acc, policy, params: SamplingParams) -> None:
+def check_decode(acc, policy, params: SamplingParams) -> None:
     """A decode path this policy or device cannot run, refused before the run folder is written; a path slower than
     it sounds, or a first step longer than the others, said."""
     try:
