@@ -48,8 +48,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
                allow_other_base: bool = False) -> Exported:
     """Write the policy of `run_dir`'s checkpoint (the latest, or `step`) into `out` (see the module docstring);
     `merge`: an adapter run's adapter folded into the weights, the whole model written; `allow_other_base`: as
-    evaluate.load_run."""
-    from grpo_vision.evaluation.evaluate import load_run
+    step/load.load_run."""
+    from grpo_vision.step.load import load_run
     from grpo_vision.models.kinds import exporter
 
     run_dir, out = Path(run_dir), Path(out)
@@ -60,7 +60,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None, me
     base = policy.get_base_model() if adapter else policy
     if exporter(base) is None:
         raise ConfigError(f"policy kind {kind!r} ({type(base).__name__}) has no export(directory): its weights are "
-                          f"the run's checkpoints; load them with grpo_vision.evaluation.evaluate.load_run({str(run_dir)!r})")
+                          f"the run's checkpoints; load them with grpo_vision.step.load.load_run({str(run_dir)!r})")
     as_adapter = adapter and not merge and getattr(base, "adapter_root", None) is not None
     # written whole into a sibling, then renamed: no half export under --out's name
     with staging(out, tensor_bytes(policy, as_adapter)) as folder:

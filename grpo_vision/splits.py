@@ -6,8 +6,7 @@ The files named by `data.*`, else the policy kind's own splits; a resumed run re
 from __future__ import annotations
 
 import warnings
-
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -129,16 +128,29 @@ def _draw(entries: list[PromptEntry], n: int) -> list[PromptEntry]:
     return [distinct[i] for i in sorted(order.tolist())]
 
 
-def run_prompt_sets(cfg: Config, run_dir: str | Path | None = None, given: dict | None = None) -> PromptSets:
+def run_prompt_sets(cfg: Config, run_dir: str | Path | None = None, given: dict | None = None,
+                    draw: int = 1) -> PromptSets:
     """The prompts a run saved at its start (`run_dir`/prompts/*.jsonl), so that a resumed run trains on
-    what it trained on whatever a later version of a kind's draw gives; else `prompt_lists(cfg, given)`."""
+    what it trained on, and eval and the report score what it scored, whatever a later version of a kind's draw
+    gives; else `prompt_lists(cfg, given)`. `draw` 2, 3, ... (`eval --draw`): the test and held-out sets of the
+    policy kind's draw `draw` in place of the run's (data.eval_draw; the training prompts stay the run's)."""
     folder = Path(run_dir) / "prompts" if run_dir else None
     files = [folder / f"{name}.jsonl" for name in ("train", "test", "heldout", "train_sample")] if folder else []
     # a link is never read as the run's own (files.py): such a folder falls back to its config's prompts
     if not files or not files[0].is_file() or any(f.is_symlink() for f in (folder, *files)):
-        return prompt_lists(cfg, given)
-    # save_prompts wrote them with the key 'prompt', whatever column each source named (data.*prompt_column)
-    return PromptSets(*(load_prompts(f, column="prompt") if f.is_file() else [] for f in files))
+        sets = prompt_lists(cfg, given)
+    else:  # save_prompts wrote them with the key 'prompt', whatever column each source named (data.*prompt_column)
+        sets = PromptSets(*(load_prompts(f, column="prompt") if f.is_file() else [] for f in files))
+    if draw == 1:
+        return sets
+    d = cfg.data
+    drawn = prompt_lists(replace(cfg, data=replace(d, eval_draw=draw)))
+    if d.eval_prompts or d.heldout_prompts or d.train_prompts or [e.prompt for e in drawn.train] != [
+            e.prompt for e in sets.train]:
+        raise ConfigError(f"--draw {draw}: {run_dir} takes its eval sets from prompts files, or trained on other "
+                          "prompts than its policy kind draws now (prompts/train.jsonl); give the prompts to score "
+                          "with --prompts")
+    return PromptSets(sets.train, drawn.test, drawn.heldout)
 
 
 def checked_prompt_sets(cfg: Config, bundle: Bundle, run_dir: str | Path | None = None,

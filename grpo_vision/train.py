@@ -139,7 +139,7 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
     else:  # still under the lock: the report is part of the run
         signals.at_once()  # no step is left to finish: a signal now stops at once
         if cfg.log.report:
-            write_report(st, cfg, signals)
+            write_report(st, cfg, signals, step + 1 if stopped else step)
     finally:
         signals.restore()
         if logger:
@@ -177,7 +177,7 @@ def log_samples(st: RunState, step: int, logger: MetricsLogger | None, samples: 
     """Policy and reference on the eval seeds (rollouts.compare: the images `eval` scores), four test prompts and
     four of the report's training prompts: samples/step_N.png, and to the trackers with each image's rewards,
     verdict and text plan (sample.plan); and the step's rollouts to the trackers (the main process's)."""
-    from grpo_vision.evaluation.evaluate import save_sample_grid
+    from grpo_vision.evaluation.grid import save_sample_grid
 
     with full_weights(st.learner.model):  # every process: FSDP gathers the shards together
         if logger is None:
@@ -223,18 +223,20 @@ def checkpoint(st: RunState, step: int) -> None:
     st.acc.wait_for_everyone()
 
 
-def write_report(st: RunState, cfg: Config, stop: GracefulStop) -> None:
-    """The final report; a signal while it is written (or since the last step) stops it, saying that the
-    training itself finished and how to write the report again."""
+def write_report(st: RunState, cfg: Config, stop: GracefulStop, step: int) -> None:
+    """The final report of the checkpoint at `step`, with the result `eval RUN` gives for it (evaluate_loaded); a
+    signal while it is written (or since the last step) stops it, saying that the training itself finished and how
+    to write the report again."""
     from grpo_vision.evaluation.report import final_report
+    from grpo_vision.step.load import LoadedRun
 
     try:
         if signum := stop.agreed(st.acc):  # every process, or one would wait in full_weights for the others
             raise Interrupted(signum)
         with full_weights(st.learner.model):  # every process: FSDP gathers the shards together
             if st.acc.is_main_process:
-                final_report(st.run_dir, st.policy, st.reference, st.bundle.tokenizer, st.rewards, st.prompts,
-                             st.params, cfg, st.bundle.judge)
+                run = LoadedRun(cfg, st.bundle, st.policy, st.reference, step)
+                final_report(st.run_dir, run, st.rewards, st.prompts.scored())
     except Interrupted as e:
         print(f"\n[train] stopped by {signal.Signals(e.signum).name} while writing the report; the training finished "
               f"(checkpoint at step {cfg.train.steps}): {resume_command(st.run_dir, cfg, st.prompts.all())} writes the "

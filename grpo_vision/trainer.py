@@ -103,11 +103,12 @@ class GRPOTrainer:
         say_done(self.run_dir, self.cfg)  # the CLI's last line and warnings (a reward NaN everywhere), here too
         return self.run_dir
 
-    def evaluate(self, step: int | None = None, n: int = 4, seed: int = EVAL_SEED, prompts=None,
+    def evaluate(self, step: int | None = None, n: int | None = None, seed: int = EVAL_SEED, prompts=None,
                  device: str = "run") -> dict:
         """`grpo-vision eval RUN`'s result for the trained run: each reward's mean and 95% interval, policy and
-        reference, on the run's eval sets (or on `prompts`: a path or prompts in memory, as train_prompts). The
-        seeds are eval's and the report's (EVAL_SEED), so the three score the same images."""
+        reference, on the run's eval sets (or on `prompts`: a path or prompts in memory, as train_prompts), `n`
+        images per prompt (default: the run's log.eval_images). The seeds are eval's and the report's (EVAL_SEED),
+        so the three score the same images: without `prompts`, the result equals the run's eval.json."""
         from grpo_vision.evaluation.evaluate import evaluate_run
 
         sets = {"prompts": self._prompts(prompts, "prompts")} if prompts is not None else None

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 
 from grpo_vision.cli import main
 from grpo_vision.config import ConfigError, PolicyConfig, load_config
-from grpo_vision.evaluation.evaluate import load_run
+from grpo_vision.step.load import load_run
 from grpo_vision.policy import load_bundle
 from grpo_vision.export import export_run
 from grpo_vision.train import train

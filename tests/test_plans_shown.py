@@ -12,7 +12,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from grpo_vision.evaluation.evaluate import plan_lines
+from grpo_vision.evaluation.grid import plan_lines
 from grpo_vision.models.llama import LlamaImagePolicy
 from tests.helpers import micro_cfg
 
@@ -78,7 +78,7 @@ def test_the_grid_shows_and_returns_each_sides_plans(planned, tmp_path, one_thre
     from PIL import Image
 
     from grpo_vision.config import EVAL_SEED
-    from grpo_vision.evaluation.evaluate import save_sample_grid
+    from grpo_vision.evaluation.grid import save_sample_grid
     from grpo_vision.prompts import load_prompts
     from grpo_vision.rollouts import compare
     from grpo_vision.sampling import SamplingParams
@@ -155,7 +155,7 @@ def test_the_report_judges_the_plans_and_quotes_a_few(planned):
     from tests.evaluation.test_report import rate, rate_change, section, table
 
     run = planned[0]
-    result = json.loads((run / "eval.json").read_text())
+    result = json.loads((run / "eval.json").read_text())["sets"]["test"]
     report = (run / "report.md").read_text()
     text = section(report, "The plans against their prompts")
     rows = table(text)
@@ -222,12 +222,12 @@ def test_the_demo_shows_each_sides_plans(planned, tmp_path, one_thread):
 def test_sample_writes_each_images_plan_beside_it(planned, tmp_path, monkeypatch, capsys, one_thread):
     """`grpo-vision sample` through the command line. Its run is the planned run in memory: loading a planning run
     from its folder needs a world whose base policy plans (worlds/shapes_plan), which the tests do not build."""
-    import grpo_vision.evaluation.evaluate as evaluate
+    import grpo_vision.step.load as load
     from grpo_vision.cli import main
 
     run, cfg, bundle = planned
-    loaded = evaluate.LoadedRun(cfg, bundle, bundle.policy, types.SimpleNamespace(), 2)
-    monkeypatch.setattr(evaluate, "load_run", lambda *args: loaded)
+    loaded = load.LoadedRun(cfg, bundle, bundle.policy, types.SimpleNamespace(), 2)
+    monkeypatch.setattr(load, "load_run", lambda *args: loaded)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\na blue square\n")
     capsys.readouterr()
@@ -256,7 +256,7 @@ def test_sample_writes_each_images_plan_beside_it(planned, tmp_path, monkeypatch
 def test_bench_sampler_on_a_planning_run_draws_its_plans(planned, monkeypatch, capsys, one_thread):
     """`bench sampler --run` on a run with a text plan reported passes per image "at the run's settings" without
     drawing the run's plans: each image's plan is now drawn first, as training draws it, and the JSON says so."""
-    import grpo_vision.evaluation.evaluate as evaluate
+    import grpo_vision.step.load as load
     from grpo_vision.cli import main
     from grpo_vision.prompts import PromptEntry
     from grpo_vision.rollouts import draw
@@ -265,8 +265,8 @@ def test_bench_sampler_on_a_planning_run_draws_its_plans(planned, monkeypatch, c
     from grpo_vision.tools.timing import sig
 
     run, cfg, bundle = planned
-    loaded = evaluate.LoadedRun(cfg, bundle, bundle.policy, types.SimpleNamespace(), 2)
-    monkeypatch.setattr(evaluate, "load_run", lambda *args, **kwargs: loaded)
+    loaded = load.LoadedRun(cfg, bundle, bundle.policy, types.SimpleNamespace(), 2)
+    monkeypatch.setattr(load, "load_run", lambda *args, **kwargs: loaded)
     capsys.readouterr()
     main(["bench", "sampler", "--json", "--run", str(run), "--speculative-window", "4", "--group-size", "1",
           "--repeats", "1"])

@@ -363,7 +363,7 @@ def test_data_prompt_column_reaches_every_prompts_file_of_the_config(tmp_path):
 
 
 def test_prompt_column_on_the_command_line_reaches_the_loader(tmp_path, monkeypatch, capsys):
-    import grpo_vision.evaluation.evaluate as evaluate
+    import grpo_vision.step.load as load
     import grpo_vision.prompts as prompts
     from grpo_vision.cli import main
     from grpo_vision.config import ConfigError
@@ -376,7 +376,7 @@ def test_prompt_column_on_the_command_line_reaches_the_loader(tmp_path, monkeypa
     def stop(*args, **kwargs):  # the prompts are read before the model is loaded: stop there
         raise ConfigError("no model here")
 
-    monkeypatch.setattr(evaluate, "load_run", stop)
+    monkeypatch.setattr(load, "load_run", stop)
     table = write(tmp_path, "p.csv", "caption,text\na red circle,a blue square\n")
     for column, needle in (("", "p.csv has both 'caption' and 'text'"), ("text", "no model here")):
         with pytest.raises(SystemExit) as exit_info:

@@ -108,7 +108,7 @@ def test_the_sweep_refuses_a_run_whose_policy_brings_no_judge(micro_run, monkeyp
     cfg = load_config(str(micro_run / "config.yaml"), ["policy.kind=janus"])
     run = SimpleNamespace(cfg=cfg, bundle=SimpleNamespace(judge=None))
     monkeypatch.setattr(module, "load_run", lambda run_dir, step: run)
-    monkeypatch.setattr(module, "run_eval_sets", lambda run_dir, cfg: {"test": []})
+    monkeypatch.setattr(module, "run_prompt_sets", lambda cfg, run_dir: SimpleNamespace(scored=lambda: {"test": []}))
     line = sweep_error(module, ["runs/janus_run"])
     assert line == ("guidance_sweep: runs/janus_run trained a janus policy, which brings no judge: the sweep reports "
                     "the judge's rates, so give a run on a ShapesWorld policy (policy.kind shapes)")

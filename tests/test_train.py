@@ -110,10 +110,11 @@ def test_the_grids_show_the_images_eval_scores_drawn_by_the_last_checkpoint(micr
     from PIL import Image
 
     from grpo_vision.config import EVAL_SEED
-    from grpo_vision.evaluation.evaluate import load_run, save_sample_grid
+    from grpo_vision.evaluation.grid import save_sample_grid
     from grpo_vision.prompts import load_prompts
     from grpo_vision.rollouts import compare
     from grpo_vision.sampling import SamplingParams
+    from grpo_vision.step.load import load_run
 
     run = load_run(micro_run, device="cpu")
     assert run.step == 2
@@ -142,19 +143,19 @@ def test_the_final_sample_sheet_has_a_row_per_test_prompt_and_the_ground_truth(m
 
     # 8 test prompts, one row each, 128 px tiles and verdicts; the images eval.json scored: up to 2 of each prompt
     sheet = Image.open(micro_run / "final_samples.png")
-    k = min(2, json.loads((micro_run / "eval.json").read_text())["images_per_prompt"])
+    k = min(2, json.loads((micro_run / "eval.json").read_text())["sets"]["test"]["images_per_prompt"])
     assert sheet.height >= 8 * 128 and sheet.width >= 2 * k * 128 + 128  # policy x k, reference x k, ground truth
 
 
 def test_a_run_never_trains_on_its_eval_prompts_and_eval_scores_its_own_sets(micro_run):
-    from grpo_vision.evaluation.evaluate import run_eval_sets  # what `eval RUN` scores without --prompts
     from grpo_vision.prompts import load_prompts
+    from grpo_vision.splits import run_prompt_sets  # what `eval RUN` scores without --prompts
 
     test, heldout, trained, sample = (load_prompts(micro_run / "prompts" / f"{n}.jsonl")
                                       for n in ("test", "heldout", "train", "train_sample"))
     assert not {e.prompt for e in trained} & {e.prompt for e in (*test, *heldout)}
     assert {e.prompt for e in sample} <= {e.prompt for e in trained}  # scored beside them, never held out
-    scored = run_eval_sets(micro_run, load_config(micro_run / "config.yaml"))
+    scored = run_prompt_sets(load_config(micro_run / "config.yaml"), micro_run).scored()
     assert {k: [e.prompt for e in v] for k, v in scored.items()} == {
         "test": [e.prompt for e in test], "heldout": [e.prompt for e in heldout],
         "train_sample": [e.prompt for e in sample]}
@@ -592,7 +593,7 @@ def test_training_runs_on_the_device(micro_world, tmp_path, device):
 def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once(micro_world, tmp_path, monkeypatch):
     # train.reference=none: sample grids at every step and the report still compare with the base
     # policy, which is loaded once (not once a grid), on the run's device (not a hard-coded CPU).
-    import grpo_vision.step.setup as setup_module
+    import grpo_vision.step.load as load_module
     from grpo_vision.policy import load_bundle
     from grpo_vision.run.machine import resolve_device
 
@@ -602,13 +603,13 @@ def test_without_a_reference_grids_and_report_sample_the_base_policy_loaded_once
         loads.append(str(device))
         return load_bundle(pcfg, device)
 
-    monkeypatch.setattr(setup_module, "load_bundle", counting)
+    monkeypatch.setattr(load_module, "load_bundle", counting)
     device = resolve_device("auto")
     run = train(micro_cfg(micro_world, tmp_path, "run.device=auto", "train.reference=none", "train.beta=0",
                           "train.steps=2", "log.sample_every=1"), progress=False)
     assert len(loads) == 2 and all(d.startswith(device) for d in loads)  # the policy, then the base once
     assert (run / "samples" / "step_000002.png").exists() and (run / "eval.json").exists()
-    result = json.loads((run / "eval.json").read_text())
+    result = json.loads((run / "eval.json").read_text())["sets"]["test"]
     assert result["models"]["reference"]["rewards"]["clip"]["n"] == result["models"]["policy"]["rewards"]["clip"]["n"]
 
 

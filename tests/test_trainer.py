@@ -209,8 +209,10 @@ def test_evaluate_scores_the_images_eval_and_the_report_score(micro_run):
 
     trainer = GRPOTrainer(str(micro_run / "config.yaml"))
     trainer.run_dir = micro_run
-    ours, cli = trainer.evaluate(n=1, device="cpu"), evaluate_run(micro_run, n=1, device="cpu")
+    ours, cli = trainer.evaluate(device="cpu"), evaluate_run(micro_run, n=1, device="cpu")
     assert ours["sets"] == cli["sets"]
+    # n: the run's log.eval_images (tests/helpers.py: 1), the report's, where it was 4
+    assert ours["sets"]["test"]["images_per_prompt"] == trainer.cfg.log.eval_images == 1
     assert trainer.evaluate(n=1, device="cpu", seed=0)["sets"] != cli["sets"]  # seed 0, the old default: other images
 
 

@@ -231,7 +231,7 @@ def cmd_bench_sampler(args) -> None:
             raise ConfigError("bench sampler --device cuda: this machine has no CUDA device; use --device cpu")
     policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100}
     if args.run:  # the run's latest checkpoint at its own sampling settings, unless the flags say otherwise
-        from grpo_vision.evaluation.evaluate import load_run
+        from grpo_vision.step.load import load_run
 
         run = load_run(args.run, device=args.device)
         policy, s = run.policy, run.cfg.sample

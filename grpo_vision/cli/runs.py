@@ -1,5 +1,5 @@
-"""The commands that read a run folder: `sample`, `eval` and `alerts` here, and the options they share with `demo`
-and `bench demo` (cli/app.py). A run folder may come from someone else, so these commands load no code it
+"""The commands that read a run folder: `sample`, `eval`, `report` and `alerts` here, and the options they share with
+`demo` and `bench demo` (cli/app.py). A run folder may come from someone else, so these commands load no code it
 names without --trust-run (run/folder.py), sample where the run trained when this machine has that device
 (else on the best one here), and refuse prompts the policy cannot read, as `train` does.
 """
@@ -44,7 +44,7 @@ def add_reward_option(p) -> None:
 
 
 def add_run_commands(sub) -> None:
-    """`sample` and `eval`, on the subparsers `sub`."""
+    """`sample`, `eval`, `report` and `alerts`, on the subparsers `sub`."""
     for name, help_text in (("sample", "write PNGs from a run's policy or reference"),
                             ("eval", "JSON: each reward's mean and 95%% interval, policy vs reference")):
         p = sub.add_parser(name, help=help_text)
@@ -57,7 +57,9 @@ def add_run_commands(sub) -> None:
         p.add_argument("--prompt-column", default="", metavar="NAME",
                        help="the column (JSONL: the key) of --prompts that holds the prompts (default: prompt, else "
                             "caption or text)")
-        p.add_argument("--n", type=positive_int, default=4, help="images per prompt")
+        p.add_argument("--n", type=positive_int, default=4 if name == "sample" else None,
+                       help="images per prompt" + ("" if name == "sample" else " (default: the run's log.eval_images, "
+                                                                            "the images its report scored)"))
         p.add_argument("--seed", type=seed, default=0 if name == "sample" else EVAL_SEED,
                        help="image j of each prompt uses seed + j" if name == "sample" else
                        "image j of prompt i uses seed + 1000 i + j, so a repeated prompt gets fresh images (default "
@@ -85,11 +87,23 @@ def add_run_commands(sub) -> None:
                                 "metadata.jsonl in each (--prompts: its evaluation_metadata.jsonl or `prompts geneval "
                                 "--out`'s file); flat: <prompt>_<k>.png (T2I-CompBench style)")
         p.set_defaults(func=cmd_sample if name == "sample" else cmd_eval)
+    p = sub.add_parser("report", help="write a finished or stopped run's report.md, eval.json and figures from its "
+                                      "checkpoint (the latest, or --step), as training writes them at its end")
+    p.add_argument("run", help="run directory")
+    p.add_argument("--step", type=positive_int, default=None, help="checkpoint step (default: the latest)")
+    add_reader_options(p, rewards=True)
+    p.set_defaults(func=cmd_report)
     p = sub.add_parser("alerts", help="replay the training alerts over a run's metrics.jsonl: one JSON line per "
                                       "alert (step, name, evidence, advice), e.g. under other thresholds")
     p.add_argument("run", help="run directory")
     p.add_argument("overrides", nargs="*", help="other thresholds, e.g. log.alerts.window=20 log.alerts.sigmas=2.5")
     p.set_defaults(func=cmd_alerts)
+
+
+def cmd_report(args) -> None:
+    from grpo_vision.evaluation.report import report_run
+
+    report_run(args.run, args.step, args.device, args.trust_run, args.reward, args.allow_other_base)
 
 
 def cmd_alerts(args) -> None:
@@ -104,7 +118,8 @@ def cmd_alerts(args) -> None:
 
 def cmd_sample(args) -> None:
     from grpo_vision.evaluation import image_layouts
-    from grpo_vision.evaluation.evaluate import eval_params, load_run
+    from grpo_vision.evaluation.evaluate import eval_params
+    from grpo_vision.step.load import load_run
     from grpo_vision.policy import check_prompts
     from grpo_vision.prompts import load_prompts
     from grpo_vision.files import check_writable
@@ -160,7 +175,8 @@ def cmd_benchmark(args) -> None:
     seeds, GenEval's verdicts from the run's `geneval` reward options, its summary and the paired change."""
     import dataclasses
 
-    from grpo_vision.evaluation.evaluate import eval_params, load_run
+    from grpo_vision.evaluation.evaluate import eval_params
+    from grpo_vision.step.load import load_run
     from grpo_vision.evaluation.geneval_bench import benchmark
     from grpo_vision.files import check_output_file, write_output_file
     from grpo_vision.policy import check_prompts

@@ -17,7 +17,9 @@ from typing import Sequence
 import torch
 
 from grpo_vision.policy import Judge, Verdict
+from grpo_vision.rollouts import verdict_rates
 from grpo_vision.run.metrics import interval
+
 
 def judge_tables(judge: Judge | None, images: torch.Tensor, prompts: list[str],
                  results: list[Verdict | None] | None = None) -> tuple[dict | None, dict | None]:
@@ -30,13 +32,10 @@ def judge_tables(judge: Judge | None, images: torch.Tensor, prompts: list[str],
     results = judge.verdicts(images, prompts) if results is None else results
     if any(r is None for r in results):
         return None, None
+    rates = verdict_rates(results, ["correct", *judge.attributes])  # [n] 1 / 0, NaN where it does not apply
+    table = {k: interval(v) for k, v in rates.items()}  # interval leaves the NaN out
     forms = [judge.form(p) for p in prompts]
-    table = {"correct": interval(torch.tensor([float(r["correct"]) for r in results]))}
-    for a in judge.attributes:
-        vals = [float(r[a]) for r in results if r.get(a) is not None]
-        table[a] = interval(torch.tensor(vals)) if vals else {"mean": None, "ci95": None, "n": 0}
-    by_form = {f: interval(torch.tensor([float(r["correct"]) for g, r in zip(forms, results) if g == f]))
-               for f in judge.forms if f in forms}
+    by_form = {f: interval(rates["correct"][torch.tensor([g == f for g in forms])]) for f in judge.forms if f in forms}
     return table, by_form
 
 
@@ -44,6 +43,5 @@ def paired_differences(policy: list[Verdict | None], reference: list[Verdict | N
                        keys: Sequence[str]) -> dict[str, torch.Tensor]:
     """Per attribute: policy minus reference per image (the same prompt and seed), as 0/1 differences;
     NaN where either has no verdict or the attribute does not apply to the prompt."""
-    return {key: torch.tensor([float(p[key]) - float(r[key]) if p is not None and r is not None and
-                               p.get(key) is not None and r.get(key) is not None else float("nan")
-                               for p, r in zip(policy, reference)], dtype=torch.float64) for key in keys}
+    p, r = verdict_rates(policy, keys), verdict_rates(reference, keys)
+    return {key: p[key].double() - r[key].double() for key in keys}

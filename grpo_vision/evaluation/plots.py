@@ -73,7 +73,7 @@ def curves_figure(metrics: list[dict]):
 
 
 def judge_figure(result: dict):
-    """The judge's accuracy per attribute, reference beside policy (an eval.json result)."""
+    """The judge's accuracy per attribute, reference beside policy (one set's result, eval.json's `sets`)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter
 

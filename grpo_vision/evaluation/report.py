@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
-from grpo_vision.rollouts import EVAL_SEED, compare
-from grpo_vision.evaluation.evaluate import eval_temperatures, save_sample_grid, summarize
+from grpo_vision.evaluation.evaluate import evaluate_loaded
+from grpo_vision.evaluation.grid import save_sample_grid
+from grpo_vision.step.load import LoadedRun
 from grpo_vision.run.alerts import load_alerts, report_lines as alert_lines
 from grpo_vision.run.health import run_summary
 from grpo_vision.run.metrics import load_metrics
@@ -127,35 +127,22 @@ def plan_examples(paired, count: int = PLAN_EXAMPLES) -> list[dict]:
             for row in range(0, len(paired.entries), paired.n)[:count]]
 
 
-def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, params, cfg, judge=None) -> dict:
-    """Evaluate policy and reference on the run's eval sets (`sets`, a PromptSets): the test prompts at
-    every eval temperature (the headline), the held-out compositions and the sample of training prompts
-    at the first; write eval.json, the figures and report.md."""
-    run_dir = Path(run_dir)
-    policy.eval()
-    temperatures = eval_temperatures(cfg)
-    n, seed = cfg.log.eval_images, EVAL_SEED  # the images `eval RUN` and the matrix score (rollouts.eval_seeds)
+def final_report(run_dir: Path, run: LoadedRun, rewards, sets: dict) -> dict:
+    """Evaluate the loaded `run` (policy against reference) on its scored sets `sets` (name -> entries, the test
+    prompts first) with `rewards`, as `eval RUN` does (evaluate_loaded), and write eval.json (that result),
+    final_samples.png, the figures and report.md; returns the result."""
+    run_dir, judge, cfg = Path(run_dir), run.bundle.judge, run.cfg
+    run.policy.eval()
     examples = []  # with sample.plan: the first plans of the headline's test prompts, on both sides
 
-    def run_eval(entries, t, what, grid: bool = False):
-        print(f"[report] evaluating on {len(entries)} {what} x {n} images at temperature {t}", flush=True)
-        paired = compare(policy, reference, tokenizer, entries, n, replace(params, temperature=t), seed, rewards, judge)
-        if grid:  # final_samples.png shows images eval.json scores, painted before the next draw takes the memory
-            save_sample_grid([paired], run_dir / "final_samples.png", judge, prompts=8)
-            examples.extend(plan_examples(paired))
-        return summarize(paired, judge)
+    def headline(paired):  # final_samples.png shows images eval.json scores
+        save_sample_grid([paired], run_dir / "final_samples.png", judge, prompts=8)
+        examples.extend(plan_examples(paired))
 
-    # the same prompts and seeds at each temperature; the headline's grid
-    by_temperature = {t: run_eval(sets.test, t, "test prompts", grid=t == temperatures[0]) for t in temperatures}
-    result = {**by_temperature[temperatures[0]], "eval_set": "test", "temperature": temperatures[0],
-              "train_temperature": params.temperature}
-    if len(temperatures) > 1:
-        result["by_temperature"] = {str(t): r for t, r in by_temperature.items()}
-    if sets.heldout:
-        result["heldout"] = run_eval(sets.heldout, temperatures[0], "held-out-composition prompts")
-    if sets.train_sample:
-        result["train_sample"] = run_eval(sets.train_sample, temperatures[0], "training prompts (a sample)")
-    write_file(run_dir / "eval.json", json.dumps(result, indent=2))
+    full = evaluate_loaded(run_dir, run, rewards, sets, headline=headline,
+                           say=lambda line: print(f"[report] {line}", flush=True))
+    write_file(run_dir / "eval.json", json.dumps(full, indent=2))
+    result, by_temperature = headline_view(full), full.get("by_temperature", {})
     metrics = load_metrics(run_dir)
     twin = duplicate_of_judge(result)
     save_figure(curves_figure(metrics), run_dir / "curves.png")
@@ -173,9 +160,9 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
              f"Evaluation: {result['prompts']} test prompts ({result['captions']} distinct captions of the training "
              f"prompts' distribution, never trained on; prompts/test.jsonl) x {result['images_per_prompt']} images, "
              f"the same seeds for policy and reference, sampled at temperature {result['temperature']} (training "
-             f"sampled at {params.temperature}); mean [95% interval]. Changes are paired per image; their interval "
-             "resamples the captions, all their images with them (a reader's other draw of captions), within "
-             "each prompt form; eval.json also holds the per-image interval, which holds the captions fixed "
+             f"sampled at {full['train_temperature']}); mean [95% interval]. Changes are paired per image; their "
+             "interval resamples the captions, all their images with them (a reader's other draw of captions), "
+             "within each prompt form; eval.json also holds the per-image interval, which holds the captions fixed "
              "(`*_per_image`).", "",
              *sets_table(result, twin), "## Test prompts", "", *change_table(result)]
     if result["models"]["policy"]["judge"]:
@@ -195,4 +182,52 @@ def final_report(run_dir: Path, policy, reference, tokenizer, rewards, sets, par
               "![samples](final_samples.png)", ""]
     write_file(run_dir / "report.md", "\n".join(lines))
     print(f"[report] {run_dir / 'report.md'}", flush=True)
-    return result
+    return full
+
+
+def report_run(run_dir: str | Path, step: int | None = None, device: str = "run", trust: bool = False,
+               rewards=(), allow_other_base: bool = False) -> dict:
+    """`grpo-vision report RUN`: report.md, eval.json and the figures of a finished or stopped run, from its
+    checkpoint at `step` (the latest by default), without training's set-up. Refused while a train holds the run
+    (its lock): that train writes the folder, and a finishing run writes its own report."""
+    from grpo_vision.run.folder import read_run_config
+    from grpo_vision.run.lock import RunLock, RunLockedError
+    from grpo_vision.step.load import load_for_eval
+
+    run_dir = Path(run_dir)
+    read_run_config(run_dir, device=device)  # not a run folder: said before a lock file is made in it
+    try:
+        lock = RunLock(run_dir, fresh=False)  # held while the run is read and written: no train starts meanwhile
+    except RunLockedError as e:
+        raise RunLockedError(f"report: {run_dir} is in use by a running train ({e.holder or 'another process'}); "
+                             "run report once it ends, or stop it first", e.holder) from None
+    try:
+        run, scorer, sets = load_for_eval(run_dir, step, device=device, trust=trust, rewards=rewards,
+                                          allow_other_base=allow_other_base)
+        return final_report(run_dir, run, scorer, sets)
+    finally:
+        lock.release()
+
+
+def headline_view(result: dict) -> dict:
+    """An eval result (evaluate_loaded's) as report.md's text reads it: the headline set's numbers at the top, the
+    held-out and training-sample sets under their names, and the temperatures."""
+    sets = result["sets"]
+    return {**sets["test"], "temperature": result["temperature"], "train_temperature": result["train_temperature"],
+            **{k: sets[k] for k in ("heldout", "train_sample") if k in sets}}
+
+
+def read_eval(path: str | Path) -> dict:
+    """A run's eval.json in the shape `eval RUN` prints: {run, step, device, temperature, train_temperature, sets:
+    {test, heldout, train_sample}, by_temperature}. An eval.json written before the report and `eval` shared one
+    result held the test set's numbers at the top, its other sets beside them and no run, step or device; it is
+    read into the same shape, those three None."""
+    data = json.loads(Path(path).read_text())
+    if "sets" in data:
+        return data
+    old = {k: v for k, v in data.items() if k not in ("eval_set", "temperature", "train_temperature", "by_temperature",
+                                                     "heldout", "train_sample")}
+    others = {k: data[k] for k in ("heldout", "train_sample") if k in data}
+    return {"run": None, "step": None, "device": None, "temperature": data.get("temperature"),
+            "train_temperature": data.get("train_temperature"), "sets": {data.get("eval_set", "test"): old, **others},
+            **({"by_temperature": data["by_temperature"]} if "by_temperature" in data else {})}

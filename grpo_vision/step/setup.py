@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from grpo_vision.config import Config, ConfigError, GrpoVisionWarning, derived_sizes, format_sizes
-from grpo_vision.models.adapters import add_adapter, merge_setting, merged_bytes
-from grpo_vision.policy import Bundle, check_plan_template, check_planning, check_weighting_hooks, load_bundle
+from grpo_vision.models.adapters import merge_setting, merged_bytes
+from grpo_vision.policy import Bundle, check_plan_template, check_planning, check_weighting_hooks
 from grpo_vision.rewards import CompositeReward, RunModels, policy_readers
 from grpo_vision.run.checkpoint import Resumed, base_identity, latest_checkpoint, load_training_state, resume_weights
 from grpo_vision.run.distributed import load_optimizer_state, prepare
@@ -26,6 +26,7 @@ from grpo_vision.run.trackers import accelerator_options
 from grpo_vision.sampling import SamplingParams, decode_mode, decode_note
 from grpo_vision.splits import PromptSets, checked_prompt_sets
 from grpo_vision.step.iterative import ReplayBuffer
+from grpo_vision.step.load import load_policy
 from grpo_vision.step.reference import Reference
 from grpo_vision.step.update import EntropyControl, Learner, UpdatePlan
 
@@ -66,14 +67,15 @@ def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: 
             sizes: dict, lock) -> RunState:
     params, plan = SamplingParams.from_config(cfg.sample), UpdatePlan.from_config(cfg)
     before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
-    bundle, policy = load_policy(cfg, acc, params, given_bundle)  # the kind's files, its adapter
+    # the kind's files, its adapter and reference
+    bundle, policy, reference = load_policy(cfg, acc.device, given_bundle, cfg.train.gradient_checkpointing)
+    check_decode(acc, bundle.policy, params)
     check_weighting_hooks(cfg.train.token_weighting, cfg.policy.kind, bundle.policy, bundle.tokenizer)
     if cfg.sample.plan.enabled:
         check_planning(bundle.policy, cfg.policy.kind, cfg.sample.plan.max_tokens)
     if plan.drop_flat_groups and acc.num_processes > 1:  # each process would make a different number of updates
         raise ConfigError(f"train.zero_std_groups={cfg.train.zero_std_groups} runs on one process, and this run has "
                           f"{acc.num_processes}: use train.zero_std_groups=keep, or one process")
-    reference = Reference(policy, cfg.train.reference, load_base=lambda: load_bundle(cfg.policy, acc.device).policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     merge, unmerged = merge_setting(cfg, policy, acc)
     # before any sampling: a batch that cannot fit stops here, naming the knob to lower (auto's merge falls back to
@@ -147,32 +149,15 @@ def open_run(cfg: Config, resume: str | Path | None) -> tuple[object, Path, dict
     return acc, run_dir, sizes, lock
 
 
-def load_policy(cfg: Config, acc, params: SamplingParams, given: Bundle | None) -> tuple[Bundle, torch.nn.Module]:
-    """The policy kind's bundle (or a script's, moved to this process's device) and the policy to train: its
-    decode path checked, activations recomputed, an adapter added as train.* says."""
-    t = cfg.train
-    bundle = given or load_bundle(cfg.policy, acc.device)
-    if given is not None:  # a script's policy, loaded wherever it was: onto this process's device
-        for part in (bundle.policy, bundle.tokenizer):
-            if isinstance(part, torch.nn.Module):
-                part.to(acc.device)
-    policy = bundle.policy
-    try:  # a decode path this policy or device cannot run: refused here, before the run folder is written
+def check_decode(acc, policy, params: SamplingParams) -> None:
+    """A decode path this policy or device cannot run, refused before the run folder is written; a path slower than
+    it sounds, or a first step longer than the others, said."""
+    try:
         decode_mode(policy, params.decode, acc.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if acc.is_main_process and (note := decode_note(params.decode, acc.device)):
-        print(f"[train] {note}", flush=True)  # a path slower than it sounds, or a first step longer than the others
-    if t.gradient_checkpointing:
-        if not hasattr(policy, "gradient_checkpointing_enable"):
-            raise ConfigError(f"policy kind {cfg.policy.kind!r} cannot recompute activations: set "
-                              "train.gradient_checkpointing=false")
-        policy.gradient_checkpointing_enable()
-    if t.adapter != "none":  # its random factors drawn from run.seed: two runs of one script start alike
-        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-            torch.manual_seed(cfg.run.seed)
-            policy = add_adapter(policy, t.adapter, t.adapter_rank, t.adapter_alpha, t.adapter_targets)
-    return bundle, policy
+        print(f"[train] {note}", flush=True)
 
 
 def load_rewards(cfg: Config, acc, bundle: Bundle, prompts: PromptSets, models: RunModels | None = None

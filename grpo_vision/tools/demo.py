@@ -30,7 +30,7 @@ import torch
 
 from grpo_vision.run.checkpoint import checkpoint_steps, find_checkpoint
 from grpo_vision.config import MAX_SEED, ConfigError, brief
-from grpo_vision.evaluation.evaluate import LoadedRun, load_run, plan_lines
+from grpo_vision.evaluation.grid import plan_lines
 from grpo_vision.images import Cell, paint_grid, to_uint8
 from grpo_vision.run.metrics import nanmean
 from grpo_vision.run.machine import resolve_device
@@ -40,6 +40,7 @@ from grpo_vision.rewards import CompositeReward, check_rewards
 from grpo_vision.run.folder import read_run_config, refuse_code
 from grpo_vision.rollouts import Scored, draw, eval_seeds, plan_texts, score
 from grpo_vision.sampling import SamplingParams
+from grpo_vision.step.load import LoadedRun, load_run
 
 MAX_IMAGES = 16  # images per side
 MAX_PROMPT_CHARS = 200  # longer prompts are refused before tokenising

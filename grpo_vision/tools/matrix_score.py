@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from grpo_vision.evaluation.evaluate import eval_params, load_run
+from grpo_vision.evaluation.evaluate import eval_params
 from grpo_vision.files import write_file
 from grpo_vision.images import to_uint8
 from grpo_vision.evaluation.intervals import caption_interval
 from grpo_vision.run.metrics import interval
 from grpo_vision.policy import load_bundle
 from grpo_vision.splits import prompt_lists
+from grpo_vision.step.load import load_run
 from grpo_vision.run.machine import resolve_device
 from grpo_vision.rewards import CompositeReward, RunModels
 from grpo_vision.rollouts import (

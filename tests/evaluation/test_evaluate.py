@@ -39,7 +39,7 @@ def test_judge_tables_count_renders_right_per_form():
 
 
 def test_failure_summary_by_hand():
-    from grpo_vision.evaluation.evaluate import failure_summary
+    from grpo_vision.evaluation.summary import failure_summary
 
     # two captions x 2 images; the policy fixed both position failures of "a" and failed one object in "b"
     reference = [[("position", "p1")], [("position", "p1"), ("object", "o1")], [], []]
@@ -94,7 +94,7 @@ def prompts_file(path: Path, text: str = "a red circle\n") -> Path:
 
 
 def test_a_run_folder_reads_from_any_directory(project_run, tmp_path, monkeypatch, capsys):
-    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.step.load import load_run
     from grpo_vision.run.folder import read_run_config
 
     project, prompts = project_run.parents[1], prompts_file(tmp_path / "p.txt")
@@ -227,7 +227,7 @@ def test_a_graph_decode_run_read_without_cuda_samples_with_the_static_step():
 def test_a_reward_that_skips_prompts_is_averaged_where_it_applies_and_says_on_how_many():
     """`ocr` scores only prompts that quote text (NaN elsewhere): eval's mean is over those, its entry counts them,
     and report.md's row says "k of P prompts"; a reward that applies everywhere keeps its plain entry."""
-    from grpo_vision.evaluation.evaluate import summarize
+    from grpo_vision.evaluation.summary import summarize
     from grpo_vision.evaluation.report_text import change_table
     from grpo_vision.prompts import PromptEntry
     from grpo_vision.rollouts import Paired, Scored
@@ -249,3 +249,17 @@ def test_a_reward_that_skips_prompts_is_averaged_where_it_applies_and_says_on_ho
     assert "prompts" not in result["models"]["policy"]["rewards"]["placebo"]
     rows = change_table(result)
     assert rows[2].startswith("| ocr (2 of 3 prompts) | 0.250 [") and rows[3].startswith("| placebo | 0.000")
+
+
+def test_the_runs_eval_json_equals_eval_runs_json_key_for_key(micro_run, capsys):
+    """The report wrote eval.json in one shape (the test set's numbers at the top, the other sets beside them) and
+    `eval RUN` printed another (the sets under "sets"): one measurement, two results. Now both are
+    evaluate_loaded's, equal key for key and number for number; `eval --n` defaults to the run's log.eval_images
+    (1 here), as the report's draws do, where it took 4."""
+    cli("eval", micro_run)
+    printed = json.loads(capsys.readouterr().out)
+    written = json.loads((micro_run / "eval.json").read_text())
+    assert printed == written
+    assert list(written["sets"]) == ["test", "heldout", "train_sample"] and list(written["by_temperature"]) == [
+        "0.7", "1.0"]  # conftest.py's micro_run: log.eval_temperatures=[0.7,1.0]
+    assert written["sets"]["test"]["images_per_prompt"] == load_config(micro_run / "config.yaml").log.eval_images == 1

@@ -81,7 +81,7 @@ def test_an_adapter_run_trains_saves_and_loads_back(micro_world, tmp_path, kind)
     rows = load_metrics(run)
     assert rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-9) and rows[1]["loss/kl"] > 0  # adapter off = reference
 
-    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.step.load import load_run
     from grpo_vision.policy import load_bundle
 
     loaded = load_run(run, device="cpu")  # what eval, sample and the demo load
@@ -328,7 +328,7 @@ def test_a_dora_run_trains_its_magnitudes_and_exports_an_adapter_peft_loads(micr
     from transformers import LlamaForCausalLM
 
     from grpo_vision.export import export_run
-    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.step.load import load_run
     from grpo_vision.models.llama import LlamaImagePolicy
     from grpo_vision.models.llama_hf import to_hf_llama
     from tests.test_export import LLAMA_PROMPTS, close, hf_image_logits, image_logits, llama_config

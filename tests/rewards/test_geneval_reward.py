@@ -632,7 +632,7 @@ def test_a_run_on_the_geneval_reward_logs_its_mean_each_step(geneval_run):
 @pytest.mark.e2e
 def test_the_report_says_why_images_failed_by_kind_of_clause_from_eval_jsons_counts(geneval_run):
     run = geneval_run[0]
-    failing = json.loads((run / "eval.json").read_text())["reasons"]["geneval"]
+    failing = json.loads((run / "eval.json").read_text())["sets"]["test"]["reasons"]["geneval"]
     assert failing["images"] == 4 and set(failing["kinds"]) <= {"object", "count", "colour", "position"}  # 2 x 2
     report = (run / "report.md").read_text()
     if not failing["kinds"]:

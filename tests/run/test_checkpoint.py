@@ -278,7 +278,7 @@ def test_a_run_refuses_other_base_files_unless_allowed_and_then_says_so(two_step
     import json
     import shutil
 
-    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.step.load import load_run
     from grpo_vision.run.folder import resume_config
     from grpo_vision.train import train
 

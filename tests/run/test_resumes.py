@@ -6,7 +6,7 @@ import re
 import shutil
 
 from grpo_vision.config import load_config, save_config
-from grpo_vision.evaluation.evaluate import load_run
+from grpo_vision.step.load import load_run
 from grpo_vision.run.folder import read_run_config
 from grpo_vision.run.metrics import load_metrics
 from grpo_vision.run.resumes import RESUMES, record_resume, resume_lines

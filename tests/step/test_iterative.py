@@ -205,7 +205,7 @@ def test_the_reference_is_the_policy_at_each_boundary_and_clip_refit_updates_the
     learned = load_iterative_state(ckpt / "step_000003")
     assert int(learned["rewards"]["clip_refit"]["updates"]) == 1 and len(learned["buffer"]["entries"]) == 0
     assert load_iterative_state(ckpt / "step_000002")["buffer"]["tokens"].shape == (16, 64)  # an 8 x 8 token grid each
-    from grpo_vision.evaluation.evaluate import load_run
+    from grpo_vision.step.load import load_run
 
     assert int(load_run(run).learned_rewards["clip_refit"]["updates"]) == 1  # eval scores as the run had learned
 

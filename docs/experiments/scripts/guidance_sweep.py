@@ -18,8 +18,10 @@ import sys
 import torch
 
 from grpo_vision.config import ConfigError, validate
-from grpo_vision.evaluation.evaluate import eval_params, load_run, run_eval_sets
+from grpo_vision.evaluation.evaluate import eval_params
 from grpo_vision.rollouts import draw, eval_seeds, repeat, verdict_rates
+from grpo_vision.splits import run_prompt_sets
+from grpo_vision.step.load import load_run
 
 TABLE = "cfg=1;cfg=1.5;cfg=2;cfg=2.5;cfg=3;cfg=1.5,T=0.6;cfg=3,T=0.6"
 
@@ -70,7 +72,7 @@ def main(argv: list[str]) -> None:
     settings = {text: parse(text) for text in args.settings.split(";")}
     try:
         run = load_run(run_dir, args.step)
-        sets = run_eval_sets(run_dir, run.cfg)
+        sets = run_prompt_sets(run.cfg, run_dir).scored()
     except (ConfigError, CheckpointError, FileNotFoundError, FolderError, PromptsError) as err:
         raise SystemExit(f"guidance_sweep: {err}: give a run folder, as `grpo-vision train` or a matrix writes it, "
                          "and a step it has a checkpoint of") from None
