@@ -443,3 +443,12 @@ def test_each_subpackage_docstring_names_every_module_of_its_folder(package):
 def test_the_readme_is_a_map_of_at_most_260_lines():
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= README_LINES, f"README.md is {lines} lines: move a study or a long explanation to docs/"
+
+
+def test_the_readmes_test_command_is_what_ci_runs():
+    # .ci/run says it runs "exactly the README's test command": its lines after `cd` and its comments
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    after_cd = lines[next(i for i, line in enumerate(lines) if line.startswith("cd ")) + 1:]
+    command = "\n".join(line for line in after_cd if not line.startswith("#"))
+    blocks = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), re.DOTALL)
+    assert command in blocks, "README.md's test command and .ci/run's differ"
