@@ -20,7 +20,7 @@ from tests.helpers import micro_cfg
     (["train.delta=1.5"], "loss/delta_frac"),
     (["train.top_entropy_quantile=0.2"], "loss/policy_token_frac"),
     (["train.gradient_checkpointing=true"], None),
-    # issue 52: the token weightings and TRL 1.16's options through the real step (their math: test_credit.py)
+    # the token weightings and TRL 1.16's options through the real step (their math: test_credit.py)
     (["train.token_weighting=stage"], None),
     (["train.token_weighting=stage", "train.loss_type=dapo"], None),  # one weighted mean over the micro-batches
     (["train.token_weighting=critical"], None),

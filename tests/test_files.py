@@ -1,5 +1,5 @@
 """The files an option names (grpo_vision/files.py: check_output_file, write_output_file): refused before any
-work when they cannot be written, and a failed write names the option and the user's path (issue 53)."""
+work when they cannot be written, and a failed write names the option and the user's path, in one line."""
 
 import errno
 import os

@@ -89,7 +89,7 @@ def test_training_prompts_the_policy_cannot_read_are_refused_at_start(tmp_path, 
 @pytest.mark.parametrize("depth", [101, 100_000])
 def test_metadata_nested_too_deep_is_named_with_its_line(tmp_path, depth):
     # 100,000 levels raised RecursionError (a traceback); a few hundred parsed, then broke json.dumps when
-    # the run saved its prompts (issue 33)
+    # the run saved its prompts
     nested = "[" * depth + "]" * depth
     path = write(tmp_path, "p.jsonl", '{"prompt": "a red circle"}\n'
                                       f'{{"prompt": "a blue square", "metadata": {{"x": {nested}}}}}\n')
@@ -103,7 +103,7 @@ def test_metadata_nested_too_deep_is_named_with_its_line(tmp_path, depth):
 
 
 def test_a_line_or_paragraph_separator_inside_a_caption_is_kept(tmp_path):
-    # str.splitlines() split lines at U+2028 inside a JSON string, and the error blamed the JSON (issue 33)
+    # str.splitlines() split lines at U+2028 inside a JSON string, and the error blamed the JSON
     import json
 
     path = tmp_path / "p.jsonl"
@@ -120,7 +120,7 @@ def test_a_line_or_paragraph_separator_inside_a_caption_is_kept(tmp_path):
 
 
 def test_a_rejected_long_prompt_is_quoted_briefly(tmp_path, tiny_policy):
-    # a rejected 10 MB prompt line was echoed whole to stderr (issue 33)
+    # a rejected 10 MB prompt line was echoed whole to stderr
     from grpo_vision.config import brief
 
     assert brief("a red circle") == "'a red circle'" and brief(["x"]) == "['x']"  # short text: its repr
@@ -143,7 +143,7 @@ def test_a_rejected_long_prompt_is_quoted_briefly(tmp_path, tiny_policy):
 
 
 def test_a_resumed_run_keeps_the_prompts_it_saved(tmp_path):
-    """A later version may draw a kind's sets otherwise (issue 34 did): a run folder's saved prompts win."""
+    """A later version may draw a kind's sets otherwise (the split changed once): a run's saved prompts win."""
     from grpo_vision.splits import prompt_lists, run_prompt_sets
     from grpo_vision.prompts import PromptEntry, save_prompts
 
@@ -157,10 +157,10 @@ def test_a_resumed_run_keeps_the_prompts_it_saved(tmp_path):
     assert sets.train_sample == []  # no train_sample.jsonl: a run saves only the sets it has
 
 
-# ---- Prompt sources (issue 50): tables, datasets, rows in memory, the prompt column
+# ---- Prompt sources: tables, datasets, rows in memory, the prompt column
 
 def test_a_csv_header_names_the_columns_and_is_never_a_prompt(tmp_path):
-    # Before, a .csv was read as lines: "prompt,rewards,metadata" was trained on as a caption (issue 50).
+    # Before, a .csv was read as lines: "prompt,rewards,metadata" was trained on as a caption.
     # A quoted cell holds the separator, and a doubled quote is one quote (RFC 4180)
     path = write(tmp_path, "p.csv", 'prompt,rewards,metadata\n'
                                     '"a red circle, ""big"" and round","{""clip"": 2}","{""tag"": ""x""}"\n'
@@ -252,7 +252,7 @@ def test_a_datasets_folder_and_a_dataset_dict_folder(tmp_path):
     ds = datasets.Dataset.from_dict({"caption": ["a red circle", "a blue square"], "id": [7, 8],
                                      "rewards": ['{"clip": 0.5}', ""]})
     ds.save_to_disk(str(tmp_path / "ds"))
-    entries = load_prompts(tmp_path / "ds")  # before: "prompts file not found" (issue 50)
+    entries = load_prompts(tmp_path / "ds")  # before: "prompts file not found" (a dataset folder was not a source)
     assert [(e.prompt, e.rewards, e.line) for e in entries] == [("a red circle", {"clip": 0.5}, 1),
                                                                 ("a blue square", None, 2)]
     datasets.DatasetDict({"train": ds.select([1]), "test": ds}).save_to_disk(str(tmp_path / "dd"))

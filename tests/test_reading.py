@@ -1,6 +1,7 @@
 """Reading what anyone hands us (grpo_vision/reading.py): a FIFO, a folder or a device is refused without being
-opened, a byte that is not UTF-8 is named by its line, JSON is bounded in depth (issue 53). The folders, logs and
-configs that use it are tested beside their modules (evaluation/test_geneval_bench, run/test_alerts, ...)."""
+opened, a byte that is not UTF-8 is named by its line, JSON is bounded in depth: one line, never a traceback or
+a hang. The folders, logs and configs that use it are tested beside their modules (evaluation/test_geneval_bench,
+run/test_alerts, ...)."""
 
 import os
 import re

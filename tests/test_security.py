@@ -1,10 +1,10 @@
-"""Loading a file runs no code from it unless told to (issues 19 and 33): checkpoints, RNG states and CLIP
+"""Loading a file runs no code from it unless told to (no pickle): checkpoints, RNG states and CLIP
 weights from strangers.
 
 Each attack file carries a payload that unpickling (or TorchScript's __setstate__) would run and that
 creates a marker file, so the marker's existence proves it ran. A control loads a twin of each file the
 unsafe way and sees its marker appear, so these tests would fail if the files were harmless. Writing in a
-run folder never goes through a link planted there (issue 33): a shared folder cannot make a run overwrite
+run folder never goes through a link planted there: a shared folder cannot make a run overwrite
 a file outside it.
 """
 

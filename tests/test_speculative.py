@@ -1,4 +1,4 @@
-"""Speculative Jacobi decoding draws exactly the plain sampler's distribution (issue 65).
+"""Speculative Jacobi decoding draws exactly the plain sampler's distribution.
 
 On a tiny policy (a 4-code book, 2x2 tokens: 256 whole images) the plain path's probability of every image is
 enumerated by teacher forcing (the product of its guided, filtered conditionals, `sampling.target_logp`), and

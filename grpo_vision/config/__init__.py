@@ -1,5 +1,6 @@
 """A run's configuration: typed dataclasses with a one-line doc per knob (schema.py), read from YAML and
-dotted overrides with strict checking (load.py). Importers use `grpo_vision.config`."""
+dotted overrides with strict checking (load.py), TRL's option names taken as aliases (trl_names.py). Importers
+use `grpo_vision.config`."""
 
 from grpo_vision.config.load import ConfigError, GrpoVisionWarning, apply_override, brief, coerce, from_dict, read_yaml
 from grpo_vision.config.schema import (

@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 
 from grpo_vision.config import ConfigError, PolicyConfig
-from grpo_vision.models.llamagen_load import LlamaGenOptions, check_llamagen_files
-from grpo_vision.policy import Bundle, Deferred, register_path_loader, register_policy_kind
+from grpo_vision.models.llamagen_load import LlamaGenOptions, checked_image_size, checkpoint_args
+from grpo_vision.policy import Bundle, Deferred, kind_options, register_path_loader, register_policy_kind
 
 
 @register_policy_kind("llama")
@@ -41,6 +41,17 @@ def load_janus(pcfg: PolicyConfig, device) -> Bundle:
                           "Janus checkpoint in policy.path; leave policy.tokenizer empty")
     policy = JanusImagePolicy.from_pretrained(pcfg.path, device, pcfg.dtype)
     return Bundle(policy, policy.image_tokenizer(), source=Path(pcfg.path))  # the tokenizer shares the VQ model
+
+
+def check_llamagen_files(pcfg) -> None:
+    """The image-size conflict load_policy finds, checked from the file's name and arguments only (the kind's
+    `check`: `grpo-vision config` and the start of `train` run it before any model loads). A run folder's own
+    size is checked as trained_bundle checks it. It lives here, not in llamagen_load.py, which this
+    module imports: the two would import each other."""
+    if run_folder_of(pcfg.path):
+        check_weight_options(pcfg)
+    elif Path(pcfg.path).is_file():  # a missing file is named when the model loads
+        checked_image_size(kind_options(pcfg), Path(pcfg.path), checkpoint_args(Path(pcfg.path)))
 
 
 @register_policy_kind("llamagen", options=LlamaGenOptions, check=check_llamagen_files)

@@ -200,19 +200,6 @@ def checkpoint_args(path: Path) -> dict:
     return args if isinstance(args, dict) else {}
 
 
-def check_llamagen_files(pcfg) -> None:
-    """The image-size conflict load_policy finds, checked from the file's name and arguments only (the kind's
-    `check`: `grpo-vision config` and the start of `train` run it before any model loads). A run folder's own
-    size is checked as trained_bundle checks it."""
-    from grpo_vision.models.kinds import check_weight_options, run_folder_of
-    from grpo_vision.policy import kind_options
-
-    if run_folder_of(pcfg.path):
-        check_weight_options(pcfg)
-    elif Path(pcfg.path).is_file():  # a missing file is named when the model loads
-        checked_image_size(kind_options(pcfg), Path(pcfg.path), checkpoint_args(Path(pcfg.path)))
-
-
 def head_count(state: dict, gpt: str, heads: int, path: Path) -> int:
     """Attention heads: `heads` if given, else the named size's, else the size whose width and depth the
     weights have. A ConfigError when a named size does not fit the weights."""

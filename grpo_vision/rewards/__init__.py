@@ -1,4 +1,6 @@
-"""Rewards: the contract and registry (base), the weighted composite, and the built-in rewards.
+"""Rewards: the contract and registry (base.py), the weighted composite (composite.py), and the built-in rewards;
+CLIP models from local files (clip.py) and the LAION aesthetic head (aesthetic.py) serve the model rewards,
+GenEval's rules (geneval.py) and prompt sets (geneval_prompts.py) its reward.
 
 Import direction: base <- composite, simple, models, remote <- refit, vlm_judge, geneval_reward, hpsv3 <-
 openai_judge, self_judge; nothing imports back.

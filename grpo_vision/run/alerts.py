@@ -6,7 +6,7 @@ same code watches a live run, rebuilds its state on resume, and replays a finish
     flat_reward        most groups have no reward spread over a window (advantages 0), or every trained
                        reward's trend is flat over two windows while its within-group spread is there
     hacking_onset      a trained reward rises while a monitored reward or a judge rate on the rollouts
-                       falls, both beyond their noise (Gao et al. 2022; RealGen issue 11 saw it at step 300)
+                       falls, both beyond their noise (Gao et al. 2022; RealGen's tracker, #11, saw it at step 300)
     variance_collapse  a trained reward's within-group std falls to a small fraction of its first
                        window's (RewardDance watches the reward's variance)
     ratio_drift        the importance ratio's mean leaves 1 by more than its noise, or a clip fraction

@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from grpo_vision.shapes.checker import check
-from grpo_vision.shapes.scene import FORMS, render, sample_scene
+from grpo_vision.shapes.layout import sample_scene
+from grpo_vision.shapes.scene import FORMS, render
 
 TARGET_S = 5e-3  # seconds per image
 

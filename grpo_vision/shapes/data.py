@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from grpo_vision.images import to_uint8  # noqa: F401  (re-exported for the world's builders)
-from grpo_vision.shapes.scene import Scene, render, sample_scene
+from grpo_vision.shapes.layout import sample_scene
+from grpo_vision.shapes.scene import Scene, render
 
 
 @dataclass

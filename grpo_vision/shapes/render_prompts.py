@@ -9,7 +9,8 @@ import numpy as np
 from PIL import Image
 
 from grpo_vision.prompts import load_prompts
-from grpo_vision.shapes.scene import CaptionError, parse_caption, render, scene_for_caption
+from grpo_vision.shapes.layout import scene_for_caption
+from grpo_vision.shapes.scene import CaptionError, parse_caption, render
 
 
 def render_prompts(prompts_file: str | Path, out: str | Path, n: int = 1, seed: int = 0) -> list[dict]:

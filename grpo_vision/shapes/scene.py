@@ -320,7 +320,3 @@ def aesthetic_label(scene: Scene) -> float:
     score -= AESTHETIC_CLIPPED_PENALTY * scene.clipped + AESTHETIC_CORNERED_PENALTY * scene.cornered
     return float(min(10.0, max(0.0, score)))
 
-
-# Scene sampling lives in layout.py (it reads everything above); re-exported so that the world's
-# vocabulary stays one import: `from grpo_vision.shapes.scene import sample_scene`.
-from grpo_vision.shapes.layout import sample_scene, scene_for_caption  # noqa: E402,F401

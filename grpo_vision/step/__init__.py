@@ -1,3 +1,4 @@
-"""One GRPO step's parts, in the order the loop (train.py) calls them: set-up (and load.py, the policy, adapter and
-reference it shares with every command that reads a run), the phases, the update and its reference, the per-token
-credit, and iterative RL's boundaries."""
+"""One GRPO step's parts, in the order the loop (train.py) calls them: set-up (setup.py, and load.py: the policy,
+adapter and reference it shares with every command that reads a run), the phases (phases.py), the update
+(update.py) and its reference (reference.py), the per-token credit (credit.py), and iterative RL's boundaries
+(iterative.py)."""

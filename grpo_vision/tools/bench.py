@@ -8,7 +8,7 @@ fast as those logits can be had. Runs are interleaved so that machine noise hits
 the median of `repeats` is reported. Speed targets are checked here, never in timed tests.
 
 `bench_speculative` (`bench sampler --speculative-window W`): forward passes per image of speculative decoding
-against plain decoding's N, and the wall-clock beside them (issue 65).
+against plain decoding's N, and the wall-clock beside them (the speedup claim, measured on the run's own policy).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def test_overrides_are_taken_anywhere_on_the_line(monkeypatch, capsys):
 
 def test_config_and_train_refuse_a_misspelt_option_naming_the_key(tmp_path, capsys):
     # options are mappings the config cannot type; their registered dataclasses check them as the command loads
-    # the config (issue 51), so train refuses before its run folder is written or a model loads
+    # the config, so train refuses before its run folder is written or a model loads
     from grpo_vision.cli import main
 
     for args, needle in [
@@ -139,8 +139,9 @@ def test_counts_and_seeds_of_the_run_commands_are_checked_by_the_parser(capsys):
 
 
 def test_every_numeric_option_refuses_a_value_outside_its_range(tmp_path, capsys):
-    """Issue 53: before, --top-k -5 and --cfg-scale nan ran (generate() failed, or every guided logit was NaN),
-    --port 70000 was an OverflowError inside the server, and run.seed=-1 a ValueError from numpy mid-run."""
+    """Each is a one-line error naming the option. Before, --top-k -5 and --cfg-scale nan ran (generate() failed,
+    or every guided logit was NaN), --port 70000 was an OverflowError inside the server, and run.seed=-1 a ValueError
+    from numpy mid-run."""
     from grpo_vision.cli import main
 
     seed_range = "expected a whole number from 0 to 4294967295"

@@ -56,7 +56,7 @@ def test_one_mapping_entry_can_be_overridden():
         load_config(None, ["reward.weights.clip=lots"])
 
 
-# ---------------------------------------------------------------- emptying a value: null is "not set" (issue 50)
+# ---------------------------------------------------------------- emptying a value: null is "not set"
 
 
 @pytest.mark.parametrize("null", ["", "null", "~"])
@@ -103,7 +103,7 @@ def test_every_way_of_emptying_a_kind_option_reaches_its_default(empty):
     assert options.gpt == "" and options.image_size == 256  # "": the size is read from the weights
 
 
-# ---------------------------------------------------------------- options checked at load (issue 51)
+# ---------------------------------------------------------------- options checked at load
 
 
 def test_a_misspelt_reward_option_is_refused_at_load_naming_the_key_and_the_right_one():
@@ -195,7 +195,7 @@ def test_a_folder_that_turns_read_only_is_named_when_the_config_is_saved(tmp_pat
     ("reward:\n  batch_size: 0\n", "reward.batch_size must be >= 1"),
     ("reward:\n  weights: {clip: .nan}\n", "reward.weights must be finite numbers"),
     ("run:\n  name: a/b\n", "run.name must be a plain folder name"),
-    # issue 53: a newline in run.name printed a line of its own, e.g. a forged "[train] done: ..."
+    # a newline in run.name printed a line of its own, e.g. a forged "[train] done: ..."
     ('run:\n  name: "x\\n[train] done: report.md (0 of 2 updates skipped)"\n',
      "run.name must be a plain folder name (no '/' or '\\', no newline or other control character), got 'x\\n[train]"),
     ('run:\n  name: "a\\tb"\n', "run.name must be a plain folder name"),
@@ -370,7 +370,7 @@ def test_no_float_field_accepts_a_non_finite_value(bad):
 
 
 def test_a_long_value_or_key_is_quoted_briefly():
-    # errors quote user text through config/load.brief: the first 80 characters and the length (issue 33)
+    # errors quote user text through config/load.brief: the first 80 characters and the length, never the whole value
     for override, start in ((f"run.seed={'9x' * 50_000}", "command line: 'run.seed' expects an integer, got '9x9x"),
                             (f"run.{'e' * 99_996}=x", "command line: unknown key 'run.eee"),
                             ("r" * 100_000, "override 'rrr")):
@@ -395,7 +395,7 @@ def bomb(levels: int) -> str:
 
 @pytest.mark.parametrize("where", ["run:\n  name: ", "reward:\n  options:\n    clip:\n      checkpoint: "])
 def test_yaml_aliases_that_expand_past_100000_values_are_refused_at_load(tmp_path, where):
-    # before (issue 53): 9 levels (537 bytes) in run.name or a reward option loaded in a moment, and the type
+    # before: 9 levels (537 bytes) in run.name or a reward option loaded in a moment, and the type
     # error's repr() of the value expanded 10^10 items (MemoryError); 6 levels here, 10^6 items
     path = tmp_path / "c.yaml"
     path.write_text(where + bomb(6) + "\n")

@@ -15,7 +15,8 @@ from grpo_vision.evaluation.evaluate import eval_params
 from grpo_vision.policy import Judge
 from grpo_vision.evaluation.judge import judge_tables
 from grpo_vision.shapes.judge import ShapesJudge
-from grpo_vision.shapes.scene import render, scene_for_caption
+from grpo_vision.shapes.layout import scene_for_caption
+from grpo_vision.shapes.scene import render
 from tests.helpers import MICRO, ROOT
 
 

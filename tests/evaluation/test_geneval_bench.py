@@ -60,7 +60,7 @@ def test_the_models_must_be_scored_on_the_same_prompts():
         paired_change(rows(SPEC), rows(SPEC[:2]))
 
 
-# ---------------------------------------------------------------- the round trip, from either shape (issue 50)
+# ---------------------------------------------------------------- the round trip, from either shape
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,8 @@ def test_prompts_sample_score_round_trip_from_either_shape(coco_run, detector_op
     """`prompts geneval --out F` -> `sample --layout geneval` -> `score geneval --against`, from the file the
     command writes (clauses under 'metadata') and from the same prompts in GenEval's own shape (clauses
     beside the prompt): the same folders, GenEval's flat metadata.jsonl in each, the same verdicts. Before
-    (issue 50) the first failed at `score` ("needs a 'tag'") and the second was refused by `eval`."""
+    one reader took both shapes, the first failed at `score` ("needs a 'tag'") and the second was refused by
+    `eval`."""
     from grpo_vision.cli import main
     from grpo_vision.rewards import geneval_reward as gr
 
@@ -187,7 +188,7 @@ def test_prompts_sample_score_round_trip_from_either_shape(coco_run, detector_op
     assert (result["prompts"], result["images"]) == (5, 10)
     assert {k: v for k, v in out["geneval"].items() if k not in ("folder", "against")} == {
         k: v for k, v in result.items() if k not in ("folder", "against")}
-    # a folder that `sample` wrote before issue 50, its metadata.jsonl nested: flattened and scored the same
+    # a folder that an older `sample` wrote, its metadata.jsonl nested: flattened and scored the same
     for i, x in enumerate(lines):
         (tmp_path / "nested" / "reference" / f"{i:05d}" / "metadata.jsonl").write_text(json.dumps(x))
     main(["score", "geneval", str(tmp_path / "nested" / "reference"), "--device", "cpu", *detector_options])
@@ -196,7 +197,7 @@ def test_prompts_sample_score_round_trip_from_either_shape(coco_run, detector_op
 
 @pytest.mark.usefixtures("one_thread")
 def test_eval_benchmark_takes_either_shape(coco_run, tmp_path, monkeypatch, capsys):
-    """`eval --benchmark geneval --prompts F` on GenEval's own flat lines (before issue 50: "unknown field(s)
+    """`eval --benchmark geneval --prompts F` on GenEval's own flat lines (before one reader: "unknown field(s)
     ['include', 'tag']") and on `prompts geneval --out`'s file: the same result."""
     from grpo_vision.cli import main
     from grpo_vision.rewards import geneval_reward as gr
@@ -222,7 +223,7 @@ def test_eval_benchmark_takes_either_shape(coco_run, tmp_path, monkeypatch, caps
 @pytest.mark.usefixtures("one_thread")
 def test_eval_benchmark_says_the_rewards_refusal_in_one_line_before_sampling(coco_run, tmp_path, monkeypatch, capsys):
     """A colour clause and a run with no colour classifier: `score geneval` said so in one line, `eval --benchmark
-    geneval` sampled every image and then showed the same message as a traceback (issue 53)."""
+    geneval` sampled every image and then showed the same message as a traceback."""
     import shutil
 
     import yaml
@@ -295,7 +296,7 @@ def test_a_folder_not_in_genevals_layout_is_named(tmp_path, case, needle):
 
 @pytest.mark.parametrize("name", ["00000/metadata.jsonl", "00000/samples/00000.png"])
 def test_a_fifo_in_a_geneval_folder_is_refused_unopened(tmp_path, name):
-    # before (issue 53): reading metadata.jsonl waited for a writer for ever; a PNG one, once scoring began
+    # before: reading metadata.jsonl waited for a writer for ever; a PNG one, once scoring began
     import os
 
     from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder
@@ -314,7 +315,7 @@ def test_a_fifo_in_a_geneval_folder_is_refused_unopened(tmp_path, name):
     (60_000, 60_000, "declares more than 178956970 pixels, which PIL refuses to decode"),  # was PIL's traceback
 ])
 def test_an_image_that_declares_too_many_pixels_is_refused_before_it_is_decoded(tmp_path, width, height, needle):
-    # a 12000 x 12000 PNG of 420 KB, under PIL's own bomb limit, took the process to 18 GB (issue 53); the header
+    # a 12000 x 12000 PNG of 420 KB, under PIL's own bomb limit, took the process to 18 GB; the header
     # alone says its size, so the folder is refused when read, before any model loads
     from grpo_vision.evaluation.geneval_bench import LayoutError, read_folder, score_folder
     from tests.helpers import png_declaring
@@ -356,7 +357,7 @@ def test_metadata_nested_100000_deep_is_named_by_file_and_line(tmp_path):
 
 def test_score_checks_verdicts_and_against_before_any_model_loads(tmp_path, monkeypatch, capsys):
     """--verdicts under a file failed after all the scoring, naming a hidden temporary file; a baseline of other
-    image counts was found after both folders were scored (issue 53). Both are known from the arguments and the
+    image counts was found after both folders were scored. Both are known from the arguments and the
     folders' metadata."""
     from grpo_vision.cli import main
     from grpo_vision.rewards import CompositeReward

@@ -117,7 +117,7 @@ def test_adapter_weights_are_told_by_peft_names_not_substrings():
 
 
 def test_an_unknown_or_empty_target_list_is_a_config_error_naming_the_modules(tiny_policy):
-    # both were tracebacks: a bare ValueError of this file, and peft's NoMatchingPeftModuleError (issue 33)
+    # both were tracebacks: a bare ValueError of this file, and peft's NoMatchingPeftModuleError
     from grpo_vision.config import ConfigError
 
     choose = "choose among down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj"

@@ -70,7 +70,7 @@ def test_unknown_split_is_refused_with_the_choices():
 
 
 def test_training_prompts_all_in_the_eval_sets_are_a_config_error_naming_them(tmp_path):
-    # the training set became empty silently, and the first step failed in numpy (issue 33)
+    # the training set became empty silently, and the first step failed in numpy
     train, heldout = tmp_path / "train.txt", tmp_path / "heldout.txt"
     train.write_text("".join(f"prompt {i}\n" for i in range(4)))
     heldout.write_text("".join(f"prompt {i}\n" for i in range(4)))
@@ -132,7 +132,7 @@ def test_the_core_names_no_policy_a_config_says_which():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_shapes_kind_loads_its_policy_in_policy_dtype(dtype):
-    """The world saves float32 weights; policy.dtype casts them, as for the llama kind (issue 33: it was ignored)."""
+    """The world saves float32 weights; policy.dtype casts them, as for the llama kind (it was once ignored)."""
     world = ROOT / "worlds" / "shapes"
     cfg = load_config(None, [*SHAPES, f"policy.path={world}", f"policy.dtype={dtype}", "train.adapter=lora"])
     bundle = load_bundle(cfg.policy, "cpu")

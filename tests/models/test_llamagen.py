@@ -386,7 +386,7 @@ def test_unexpected_missing_or_misshapen_keys_are_named(tmp_path):
 
 
 def test_misshapen_integer_or_oversized_models_are_one_line_errors(tmp_path, t5_dir):
-    """Issue 53: each of these was a traceback, a silent load, or an allocation of terabytes."""
+    """A clear one-line error for each; before, each was a traceback, a silent load, or an allocation of terabytes."""
     import shutil
 
     state = torch.load(DATA / "c2i_tiny.pt", weights_only=True)["model"]
@@ -623,7 +623,7 @@ def test_shipped_configs_name_valid_options(name):
 
     cfg = load_config(ROOT / "configs" / name)
     options = kind_options(cfg.policy)  # the LlamaGenOptions the llamagen kind registered
-    # no gpt pin: the size comes from the weights, so another size's checkpoint needs no override (issue 50)
+    # no gpt pin: the size comes from the weights, so another size's checkpoint needs no override
     assert cfg.policy.kind == "llamagen" and not options.gpt and (options.text_encoder != "") == ("t2i" in name)
 
 

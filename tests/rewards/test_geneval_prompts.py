@@ -69,7 +69,7 @@ def test_the_command_writes_a_prompts_file_and_says_where_the_set_is(tmp_path, c
 
 def test_the_command_refuses_a_folder_as_out_and_more_prompts_than_the_templates_give_before_drawing(
         tmp_path, capsys, monkeypatch):
-    # before (issue 53): --out FOLDER drew the prompts and failed writing them with a traceback, and --train
+    # before: --out FOLDER drew the prompts and failed writing them with a traceback, and --train
     # 10000000 drew for 83 s before saying how many the templates give
     from grpo_vision.rewards import geneval_prompts
 
@@ -104,7 +104,7 @@ def test_parse_reads_back_every_evaluation_and_training_prompts_metadata():
         "tag": "counting", "include": [{"class": "circle", "count": 3}], "exclude": [{"class": "circle", "count": 4}]}
 
 
-# ---------------------------------------------------------------- one reader, both shapes (issue 50)
+# ---------------------------------------------------------------- one reader, both shapes (flat and nested)
 
 
 def test_genevals_file_and_the_commands_file_read_the_same(tmp_path):
@@ -153,7 +153,7 @@ def test_a_line_that_is_not_a_geneval_prompt_is_named(tmp_path, line, needle):
 
 
 def test_lines_split_at_newlines_only_nest_at_most_100_deep_and_are_utf8(tmp_path):
-    # as in a prompts file (issue 33): U+2028 inside a JSON string, a RecursionError, bytes that are not UTF-8
+    # as in a prompts file (test_prompts.py): U+2028 inside a JSON string, a RecursionError, bytes that are not UTF-8
     path, cat = tmp_path / "g.jsonl", {"tag": "single_object", "include": [{"class": "cat", "count": 1}]}
     path.write_text(json.dumps({**cat, "prompt": "a photo\u2028of a cat"}, ensure_ascii=False) + "\n", encoding="utf-8")
     assert [e.prompt for e in read(path)] == ["a photo\u2028of a cat"]

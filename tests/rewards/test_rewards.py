@@ -9,7 +9,8 @@ import torch
 from grpo_vision.config import ConfigError
 from grpo_vision.rewards import CompositeReward, RewardContext, RewardError, available_rewards, make_reward
 from grpo_vision.shapes.data import to_tensor
-from grpo_vision.shapes.scene import render, scene_for_caption
+from grpo_vision.shapes.layout import scene_for_caption
+from grpo_vision.shapes.scene import render
 
 CTX = RewardContext()
 
@@ -192,7 +193,7 @@ def test_shapes_plan_layout_is_high_for_a_render_of_its_own_plan_and_low_for_ano
     sizes' spread allow (0.58 or more on 500 scenes of the training distribution, mean 0.78); the same plan against
     another scene's render is far lower."""
     from grpo_vision.shapes.plan import scene_plan
-    from grpo_vision.shapes.scene import sample_scene
+    from grpo_vision.shapes.layout import sample_scene
 
     rng = np.random.default_rng(0)
     scenes = [sample_scene(rng)[0] for _ in range(40)]

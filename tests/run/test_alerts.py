@@ -188,7 +188,7 @@ def test_alerts_command_replays_a_run_folder(tmp_path, capsys):
 
 
 def test_alerts_names_the_lines_it_skips_and_refuses_a_run_with_no_readable_row(tmp_path, capsys):
-    """Before (issue 53): one line that was not UTF-8 or nested 100,000 deep was a traceback; a metrics.jsonl with
+    """Before: one line that was not UTF-8 or nested 100,000 deep was a traceback; a metrics.jsonl with
     no readable line, a FIFO or a folder printed nothing and exited 0, the answer of a healthy run."""
     import os
 

@@ -183,7 +183,7 @@ def test_an_optimizer_state_of_another_model_is_named(tmp_path):
         load_training_state(path, other_opt, torch.optim.lr_scheduler.LambdaLR(other_opt, lambda u: 1.0))
 
 
-# ---------------------------------------------------------------------------- resuming (issue 53)
+# ---------------------------------------------------------------------------- resuming: what a resume refuses
 
 def test_base_identity_reads_names_sizes_and_both_ends_of_each_model_file(tmp_path):
     from grpo_vision.config import PolicyConfig

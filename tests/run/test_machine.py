@@ -32,7 +32,7 @@ def test_threads_follow_run_threads_else_omp_num_threads_else_the_cores(monkeypa
 
 def test_more_threads_than_usable_cores_is_a_config_error_naming_both(monkeypatch):
     # run.threads=100000 once made OpenMP start 100000 threads: the memory ran out, a world file was
-    # blamed for the failed mmap, and the process segfaulted on exit (issue 33)
+    # blamed for the failed mmap, and the process segfaulted on exit
     import grpo_vision.run.machine as machine
     from grpo_vision.config import ConfigError
 

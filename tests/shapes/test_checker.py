@@ -9,6 +9,7 @@ import pytest
 from grpo_vision.shapes import checker as K
 from grpo_vision.shapes import scene as S
 from grpo_vision.shapes.checker import check, classify_shape, find_regions
+from grpo_vision.shapes.layout import sample_scene
 from grpo_vision.shapes.scene import CaptionError, Obj, Scene, format_caption, parse_caption, render
 
 OTHER_RELATION = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
@@ -16,7 +17,7 @@ OTHER_RELATION = {"left of": "right of", "right of": "left of", "above": "below"
 
 def _samples(n_per_form, seed, aesthetic):
     rng = np.random.default_rng(seed)
-    return [S.sample_scene(rng, f, "all", aesthetic) for f in S.FORMS for _ in range(n_per_form)]
+    return [sample_scene(rng, f, "all", aesthetic) for f in S.FORMS for _ in range(n_per_form)]
 
 
 def _scene(*objs, background="gray", relation=None, noise="none"):
@@ -186,7 +187,7 @@ def test_relation_boundary_follows_the_contract():
 
 def test_accepts_float_and_channels_first_inputs():
     torch = pytest.importorskip("torch")
-    scene, caption = S.sample_scene(np.random.default_rng(3), "relation")
+    scene, caption = sample_scene(np.random.default_rng(3), "relation")
     img = render(scene)
     ref = check(img, caption)
     assert ref.correct

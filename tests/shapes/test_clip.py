@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from grpo_vision.shapes.checker import check
-from grpo_vision.shapes.scene import FORMS, parse_caption, render, sample_scene
+from grpo_vision.shapes.layout import sample_scene
+from grpo_vision.shapes.scene import FORMS, parse_caption, render
 from grpo_vision.shapes.build.train_clip import (
     CLIP_PRESETS, CONFIG_PATH, MODEL_NAME, OPPOSITE, caption_holds, clip_loss, clip_scores, evaluate_clip,
     hard_negatives, holds_matrix, image_embeddings, image_transform, load_clip, new_clip, register_shapes_clip,

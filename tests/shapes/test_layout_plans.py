@@ -6,8 +6,9 @@ import pytest
 from grpo_vision.shapes import plan as P
 from grpo_vision.shapes.judge import ShapesJudge
 from grpo_vision.shapes.plan import MAX_PLAN_TOKENS, check_plan, format_plan, parse_plan, plan_words, scene_plan
+from grpo_vision.shapes.layout import sample_scene
 from grpo_vision.shapes.scene import (FORMS, RELATION_AXIS, RELATIONS, CaptionError, Obj, Scene, all_words, box_centre,
-                                      mask_box, object_mask, sample_scene)
+                                      mask_box, object_mask)
 
 ATTRS = ("count", "color", "shape", "size", "background", "relation")
 

@@ -18,9 +18,8 @@ from grpo_vision.shapes.scene import (
     parse_caption,
     prompt_list,
     render,
-    sample_scene,
-    scene_for_caption,
 )
+from grpo_vision.shapes.layout import sample_scene, scene_for_caption
 
 
 def _samples(n_per_form, seed=0, aesthetic=True, split="train"):

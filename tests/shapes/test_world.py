@@ -155,7 +155,7 @@ def test_a_broken_world_file_is_named_with_the_stage_to_rebuild(micro_world, tmp
 
 def test_a_failure_of_the_machine_is_not_blamed_on_a_world_file(tmp_path, monkeypatch):
     # run.threads=100000 exhausted the memory, and the failed mmap of an intact file was reported as
-    # "world file ... does not load; rebuild stage 'vq'" (issue 33): only the file's own faults are its
+    # "world file ... does not load; rebuild stage 'vq'": only the file's own faults are its
     import safetensors
 
     (tmp_path / "vq").mkdir()

@@ -142,7 +142,8 @@ def test_a_learning_reward_must_be_able_to_save_what_it_learned_and_a_failed_upd
 
 def renders(captions: list[str], seed: int) -> torch.Tensor:
     from grpo_vision.shapes.data import to_tensor
-    from grpo_vision.shapes.scene import render, scene_for_caption
+    from grpo_vision.shapes.layout import scene_for_caption
+    from grpo_vision.shapes.scene import render
 
     rng = np.random.default_rng(seed)
     return to_tensor(np.stack([render(scene_for_caption(c, rng)) for c in captions]))

@@ -154,7 +154,7 @@ def test_sampling_request_seeds_and_bounds():
                          ((-1, 4, 2.0, 1.0, 0), "seed must be a whole number"),
                          ((0, 4, math.nan, 1.0, 0), r"CFG scale \(1 = off\) must be a number from 0 to 100, got nan"),
                          ((0, 4, 2.0, 0.0, 0), "temperature must be a number from 0.01 to 100, got 0.0"),
-                         # issue 53: what the API may send besides numbers, and numbers past what the sampler takes
+                         # what the API may send besides numbers, and numbers past what the sampler takes
                          (("abc", 4, 2.0, 1.0, 0), "The seed must be a whole number from 0 to 4294967291, got 'abc'"),
                          ((10**400, 4, 2.0, 1.0, 0), "The seed must be a whole number"),
                          ((0, True, 2.0, 1.0, 0), "number of images must be a whole number from 1 to 16, got True"),
@@ -266,8 +266,8 @@ def test_api_bad_input_gives_a_message(client):
 
 
 def test_api_input_of_any_type_is_a_message_and_no_traceback(client, capfd):
-    """Issue 53: a seed of "abc" was a bare "Error" for the caller and a traceback on the server's console (Gradio's
-    own conversion of the value failed before compare could check it)."""
+    """A one-line message for the caller. Before, a seed of "abc" was a bare "Error" for the caller and a traceback
+    on the server's console (Gradio's own conversion of the value failed before compare could check it)."""
     from gradio_client.exceptions import AppError
 
     capfd.readouterr()

@@ -300,7 +300,7 @@ def test_options_scoring_needs_are_refused_before_anything_trains(micro_world, t
 
 def test_the_matrix_writes_through_no_link_planted_in_its_folders(tmp_path, monkeypatch):
     # OUT/matrix.lock and a run's log are emptied, matrix_run.json replaced: through a link, each would
-    # empty or overwrite a file outside the folders (as run.lock did, issue 33)
+    # empty or overwrite a file outside the folders (as run.lock once did)
     from types import SimpleNamespace
 
     from grpo_vision.tools import matrix

@@ -12,7 +12,9 @@ A world preset names each stage's preset (stages.WORLD_PRESETS: a plan world tra
 recipes but for its policy), and `start_from` (`world build --from`) copies another world's stages of the same
 recipe instead of training them.
 
-Only `grpo-vision world build` imports this subpackage; training and evaluation never do.
+stages.py chains the stages; train_vq.py, train_clip.py (its captions: clip_captions.py), train_aesthetic.py and
+train_policy.py train one model each. Only `grpo-vision world build` imports this subpackage; training and
+evaluation never do.
 """
 
 from __future__ import annotations

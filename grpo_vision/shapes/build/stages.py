@@ -119,7 +119,8 @@ def evaluate_world(world: Path, preset: str, seed: int, progress: bool) -> dict:
 def checker_figures(n: int, seed: int) -> dict:
     """The checker on clean renders of every caption form, and on captions with one attribute changed."""
     from grpo_vision.shapes.checker import check
-    from grpo_vision.shapes.scene import FORMS, render, sample_scene
+    from grpo_vision.shapes.layout import sample_scene
+    from grpo_vision.shapes.scene import FORMS, render
     from grpo_vision.shapes.build.train_clip import hard_negatives
 
     rng = np.random.default_rng(seed)

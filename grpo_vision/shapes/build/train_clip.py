@@ -49,10 +49,8 @@ from grpo_vision.shapes.build.clip_captions import (  # noqa: F401  (re-exported
     ATTRIBUTES, OPPOSITE, caption_holds, hard_negatives, holds_matrix,
 )
 from grpo_vision.shapes.data import Batch, to_tensor
-from grpo_vision.shapes.scene import (
-    FORMS, NOISE_LEVELS, CaptionSpec, Scene,
-    format_caption, parse_caption, render, sample_scene, scene_for_caption,
-)
+from grpo_vision.shapes.layout import sample_scene, scene_for_caption
+from grpo_vision.shapes.scene import FORMS, NOISE_LEVELS, CaptionSpec, Scene, format_caption, parse_caption, render
 
 CONFIG_PATH = Path(__file__).parents[1] / "shapes_clip.json"  # the world's architecture, beside the plugin
 MODEL_NAME = register_config(CONFIG_PATH)  # "shapes_clip", the file stem: registered once the builder is imported

@@ -30,7 +30,7 @@ def steps_logged(run: Path) -> list[int]:
     return [row["step"] for row in load_metrics(run)]  # a line still being written is skipped
 
 
-def dying_reward(images, prompts, metadata):  # python:tests.run.test_lifecycle:dying_reward
+def dying_reward(images, prompts, metadata):  # python:tests.e2e.test_lifecycle:dying_reward
     os._exit(137)  # as the kernel's OOM killer ends a process: no except, no finally, no clean-up
 
 
@@ -142,7 +142,7 @@ def test_a_lock_left_by_a_killed_holder_is_taken_over(tmp_path, capfd):
 def test_a_start_killed_before_its_first_step_is_rerun_by_the_same_command(micro_world, tmp_path):
     run = tmp_path / "shapes_micro"
     out = run_cli(*train_args(micro_world, tmp_path, "train.steps=1", "reward.monitor=[]",
-                              "reward.weights={python:tests.run.test_lifecycle:dying_reward: 1.0}"), timeout=TIMEOUT)
+                              "reward.weights={python:tests.e2e.test_lifecycle:dying_reward: 1.0}"), timeout=TIMEOUT)
     assert out.returncode == 137, out.stderr[-3000:]
     assert (run / "config.yaml").is_file() and steps_logged(run) == [] and not (run / "checkpoints").exists()
     out = run_cli(*train_args(micro_world, tmp_path, "train.steps=1"), timeout=TIMEOUT)
@@ -152,7 +152,7 @@ def test_a_start_killed_before_its_first_step_is_rerun_by_the_same_command(micro
     assert "dying_reward" not in (run / "config.yaml").read_text()  # the new command's config, not the killed one's
 
 
-def signalling_reward(images, prompts, metadata):  # python:tests.run.test_lifecycle:signalling_reward
+def signalling_reward(images, prompts, metadata):  # python:tests.e2e.test_lifecycle:signalling_reward
     # The report scores 32 prompts at once, a training step 8: SIGTERM arrives while the report is written
     if len(prompts) > 8 and os.environ.get("SIGTERM_IN_REPORT"):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -163,7 +163,7 @@ def signalling_reward(images, prompts, metadata):  # python:tests.run.test_lifec
 def test_sigterm_during_the_report_says_the_training_finished_and_resume_writes_it(micro_world, tmp_path):
     run = tmp_path / "shapes_micro"
     out = run_cli(*train_args(micro_world, tmp_path, "reward.monitor=[]", "data.eval_size=32",
-                              "reward.weights={python:tests.run.test_lifecycle:signalling_reward: 1.0}"),
+                              "reward.weights={python:tests.e2e.test_lifecycle:signalling_reward: 1.0}"),
                   timeout=TIMEOUT, env={**os.environ, "SIGTERM_IN_REPORT": "1"})
     assert out.returncode == 143, out.stderr[-3000:]  # before: 143 too, from the signal itself, and nothing said
     assert out.stderr.splitlines()[-1] == (
@@ -195,8 +195,8 @@ def test_a_run_folder_that_cannot_be_written_is_refused_naming_it(tmp_path, monk
 
 
 def test_a_run_file_that_is_a_fifo_or_a_folder_is_refused_before_anything_loads(tmp_path):
-    """run.lock a FIFO, metrics.jsonl a folder (issue 53): before, a traceback once train had loaded everything
-    (an illegal seek on the lock, IsADirectoryError rewriting the metrics)."""
+    """run.lock a FIFO, metrics.jsonl a folder: refused in one line. Before, a traceback once train had loaded
+    everything (an illegal seek on the lock, IsADirectoryError rewriting the metrics)."""
     from grpo_vision.config import load_config
     from grpo_vision.files import FolderError
     from grpo_vision.train import train
