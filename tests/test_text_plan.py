@@ -316,7 +316,8 @@ def test_the_update_batch_lays_out_a_plan_segment_then_the_image_segment():
     assert plain.count.tolist() == [[1.0, 1.0, 1.0]] and plain.policy_mask.all() and plain.text.width == 0
 
 
-def test_resampled_planned_steps_with_gspo_top_entropy_and_the_entropy_bonus_train(micro_world, tmp_path):
+def test_resampled_planned_steps_with_gspo_top_entropy_a_weighting_and_the_entropy_bonus_train(micro_world,
+                                                                                               tmp_path):
     """The options the plan once ruled out, on the real loop with a plan-capable policy: every loss finite, the
     bonus's entropy and the policy-token share measured over both segments."""
     from grpo_vision.policy import load_bundle
@@ -326,7 +327,8 @@ def test_resampled_planned_steps_with_gspo_top_entropy_and_the_entropy_bonus_tra
 
     cfg = micro_cfg(micro_world, tmp_path, "sample.plan.enabled=true", "sample.plan.max_tokens=4",
                     "log.report=false", "train.importance_sampling_level=sequence", "train.top_entropy_quantile=0.5",
-                    "train.entropy_coef=0.01", "train.zero_std_groups=resample", "train.steps=1")
+                    "train.entropy_coef=0.01", "train.zero_std_groups=resample", "train.steps=1",
+                    "train.token_weighting=guidance_contrastive")
     bundle = load_bundle(cfg.policy, "cpu")
     torch.manual_seed(1)
     bundle.policy = LlamaImagePolicy(dataclasses.replace(bundle.policy.cfg, plan_words=PLAN_WORDS, max_plan_tokens=4))

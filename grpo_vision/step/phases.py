@@ -285,7 +285,7 @@ def plan_metrics(st: RunState, judge, samples: StepSamples, scored: Scored, G: i
     acc = st.acc
     metrics = {"diversity/image_tokens": nanmean(gather(acc, group_diversity(samples.rollout.tokens, G).to(acc.device)))}
     plan = samples.rollout.plan
-    if plan is None:
+    if not plan.width:  # no text stage: no plan metrics (the segment is there, empty)
         return metrics
     distinct = torch.tensor([len(set(plan.texts[i:i + G])) / G for i in range(0, len(plan.texts), G)])
     metrics |= {"plan/length": nanmean(gather(acc, plan.mask.sum(1).float())),
