@@ -193,7 +193,7 @@ def update_batch(st: RunState, samples: StepSamples, measured: Measured, advanta
     batch = UpdateBatch.of(samples.cond, samples.rollout, measured.old, measured.ref, advantages.to(acc.device),
                            plan.plan_weight, keep)
     batch.dynamic_weight = plan.token_weighting == "critical"
-    with torch.no_grad():  # weights on the image grid; a plan's tokens at weight 1 (docs/usage.md, "Text plans")
+    with torch.no_grad():  # weights on the image grid; a plan's tokens at weight 1 (docs/usage.md, "Reason, then draw")
         weights = token_weights(plan, st.policy, st.bundle.tokenizer, batch, samples.rollout.entropy,
                                 measured.contrast)
     batch.policy_weight, batch.kl_weight = (batch.image_part(w) for w in weights)
