@@ -49,9 +49,10 @@ weight, which may carry a gradient (a_t > 0, so a_t min(r A, clip(r) A) = min(r 
 Tokens outside policy_mask or the off-policy mask have s_t = 0 but keep their w_t in the sum below.
 
 Segments of unequal length (a text plan before the image, T2I-R1, arXiv 2505.00703): a count c_t >= 0 per token
-(`TokenWeights.count`: 0 after a plan's end, `train.plan_weight` on plan tokens, 1 on image tokens) multiplies
-every token term, and the token means divide by sum_t c_t instead of the token count: "bnpo" is then T2I-R1's
-sum(mask * l) / sum(mask) over both segments (with plan_weight 1), "grpo" each sequence's weighted mean.
+(`TokenWeights.count`: 0 after a plan's end, `train.plan_weight` on plan tokens, 1 on image tokens; always there,
+all ones without a plan, so the loss has one path) multiplies every token term, and the token means divide by
+sum_t c_t: "bnpo" is then T2I-R1's sum(mask * l) / sum(mask) over both segments (with plan_weight 1), "grpo" each
+sequence's weighted mean, GSPO's s_i the c-weighted geometric mean, the entropy bonus a mean over counted tokens.
 
 TRL 1.16 options (`grpo_config.py`, `_compute_loss`):
 
@@ -228,20 +229,17 @@ def _token_mean(x: Tensor, dim: int | None = None) -> Tensor:
     return (x.sum() if dim is None else x.sum(dim)) / x.new_full((), n)  # [] or [B*G]
 
 
-def _aggregate(x: Tensor, loss_type: str, rows: Tensor | float | None = None, count: Tensor | None = None) -> Tensor:
-    """Reduce per-token values `[B*G, N]` to a scalar the way TRL's `loss_type` does, every sequence N tokens.
-    "dapo" / "cispo" divide the token sum by `rows` * N (default: this batch's B*G sequences). With a `count`
-    `[B*G, N]` (x already multiplied by it), the token means divide by its sums instead of the token counts."""
-    if count is not None and loss_type == "grpo":
-        return (x.sum(1) / count.sum(1).clamp(min=1e-6)).mean()
-    if count is not None and (loss_type == "bnpo" or (rows is None and loss_type != "dr_grpo")):
-        return x.sum() / count.sum().clamp(min=1e-6)
+def _aggregate(x: Tensor, loss_type: str, rows: Tensor | float | None, count: Tensor) -> Tensor:
+    """Reduce per-token values `[B*G, N]` (already multiplied by each token's `count` `[B*G, N]`) to a scalar the
+    way TRL's `loss_type` does: its token means divide by the count's sums (every token counting 1: the token
+    counts, bit for bit). "dr_grpo" divides by Dr. GRPO's constant, sequences * N; "dapo" / "cispo" the token sum
+    by `rows` * N (default: this batch's count)."""
     if loss_type == "grpo":
-        return _token_mean(x, dim=1).mean()
+        return (x.sum(1) / count.sum(1).clamp(min=1e-6)).mean()
     if loss_type == "dr_grpo":
-        return x.sum() / x.numel()  # Dr. GRPO's constant, sequences * N
+        return x.sum() / x.numel()
     if loss_type == "bnpo" or rows is None:
-        return _token_mean(x)
+        return x.sum() / count.sum().clamp(min=1e-6)
     return x.sum() / (torch.as_tensor(rows, dtype=x.dtype, device=x.device) * x.shape[1])  # dapo, cispo
 
 
@@ -258,16 +256,17 @@ def high_entropy_mask(entropy: Tensor, quantile: float) -> Tensor:
     return entropy >= threshold.to(entropy.dtype)  # [B*G, N]
 
 
-def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, p: LossParams) -> tuple[Tensor, Tensor]:
+def surrogate_terms(logp: Tensor, old: Tensor, adv: Tensor, p: LossParams, count: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token policy terms l_t `[B*G, N]` (to maximise) and the ratios `[B*G, N]` they used.
 
-    logp, old: `[B*G, N]`; adv: `[B*G, 1]`.
+    logp, old, count (how much each token counts, grpo_loss's): `[B*G, N]`; adv: `[B*G, 1]`.
     """
     # old is detached, so at logp == old the ratio is 1 with d ratio / d logp = 1: the
     # exp(x - x.detach()) identity, giving the plain policy-gradient A * grad(logp).
     log_ratio = logp - old  # [B*G, N]
-    if p.importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
-        log_ratio = _token_mean(log_ratio, dim=1)[:, None].expand_as(logp)  # [B*G, N], one value a row
+    if p.importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's counted token ratios
+        counted = torch.where(count > 0, log_ratio * count, torch.zeros_like(log_ratio))  # [B*G, N]
+        log_ratio = (counted.sum(1) / count.sum(1).clamp(min=1e-6))[:, None].expand_as(logp)  # [B*G, N] one a row
     ratio = log_ratio.exp()  # [B*G, N]
     if p.loss_type == "cispo":
         weight = ratio.clamp(max=p.epsilon_high).detach()  # [B*G, N] the clipped IS weight, a constant
@@ -347,8 +346,9 @@ class TokenWeights:
     # W, the weighted mean's divisor: the update's sum(w) over processes where micro-batch losses are summed
     # (dapo / cispo: one weighted mean over the update, not one per micro-batch); None: this call's sum(w) + 1e-6
     policy_total: Tensor | float | None = None
-    # c >= 0, how much each token counts (module docstring): 0 after a plan's end, the plan weight on its tokens
-    count: Tensor | None = None
+    # c >= 0 `[B*G, T + N]`, how much each token counts (module docstring): 1 on an image token, the plan weight on
+    # a plan's tokens, 0 after its end; the default 1.0 counts every token once
+    count: Tensor | float = 1.0
 
 
 def _weighted_policy_term(surrogate: Tensor, weight: Tensor, total: Tensor | float | None) -> Tensor:
@@ -364,32 +364,29 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | Non
               rows: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO loss (scalar, to minimise) and detached 0-d metrics.
 
-    logprobs/old_logprobs/ref_logprobs: `[B*G, N]`, every sequence N tokens; advantages: `[B*G]`. old_logprobs and
-    ref_logprobs are constants; ref_logprobs may be None only when beta == 0. `rows`: the "dapo" / "cispo" divisor
-    in sequences: this process's share of the update's sequences over every process (the update's count / P;
-    default: B*G). `entropy` `[B*G, N]` (with grad) adds the bonus
-    -p.entropy_coef * mean(H) over the tokens with a policy term.
-    """
+    logprobs/old_logprobs/ref_logprobs: `[B*G, N]` (a plan's and an image's tokens: T + N), constants but the
+    first, ref_logprobs None only with beta 0; advantages: `[B*G]`. Each token counts `weights.count` times. `rows`:
+    the "dapo" / "cispo" divisor in sequences, this process's share of the update's (default: this batch's).
+    `entropy` `[B*G, N]` (with grad) adds -p.entropy_coef * mean(H) over the counted tokens with a policy term."""
     _check(logprobs, old_logprobs, ref_logprobs, advantages, p.beta)
     old, zeros = old_logprobs.detach(), torch.zeros_like(logprobs)  # [B*G, N] each
+    count = torch.as_tensor(weights.count, dtype=logprobs.dtype, device=logprobs.device).detach().expand_as(zeros)
     adv = advantages.detach().to(logprobs.dtype)[:, None]  # [B*G, 1]
-    surrogate, ratio = surrogate_terms(logprobs, old, adv, p)  # [B*G, N] each
+    surrogate, ratio = surrogate_terms(logprobs, old, adv, p, count)  # [B*G, N] each
     if weights.advantage_weight is not None:  # GCPO's dynamic advantage weight (credit.dynamic_advantage_weight)
         surrogate = surrogate * weights.advantage_weight.to(logprobs.dtype)  # [B*G, N]
     # the tokens with a policy term; TRL's entropy bonus covers the entropy mask's, not the off-policy mask's
-    every = torch.ones_like(zeros, dtype=torch.bool)  # [B*G, N]
-    keep = bonus = every if weights.policy_mask is None else weights.policy_mask.bool()  # [B*G, N]
+    every, counted = torch.ones_like(zeros, dtype=torch.bool), count > 0  # [B*G, N] each
+    keep = every if weights.policy_mask is None else weights.policy_mask.bool()  # [B*G, N]
+    bonus = keep & counted  # [B*G, N]
     if p.off_policy_mask_threshold is not None:
         kept = off_policy_mask(advantages.detach(), logprobs, old, p.off_policy_mask_threshold)  # [B*G, 1]
         keep = keep & kept  # [B*G, N]
-    surrogate = torch.where(keep, surrogate, zeros)  # [B*G, N]
     kl = zeros if ref_logprobs is None else k3_kl(logprobs, ref_logprobs.detach())  # [B*G, N]
     kl = kl * ratio if p.use_bias_correction_kl else kl  # [B*G, N] TRL: per_token_kl * coef_1, not detached
-    if weights.kl_weight is not None:
-        kl = kl * weights.kl_weight.detach().to(logprobs.dtype)  # [B*G, N]
-    count = None if weights.count is None else weights.count.detach().to(logprobs.dtype)  # [B*G, N]
-    if count is not None:  # torch.where: a token that does not count adds nothing, whatever its value
-        surrogate, kl = (torch.where(count > 0, x * count, zeros) for x in (surrogate, kl))  # [B*G, N] each
+    kl = kl if weights.kl_weight is None else kl * weights.kl_weight.detach().to(logprobs.dtype)  # [B*G, N]
+    # torch.where: a token that does not count (or has no policy term) adds nothing, whatever its value
+    surrogate, kl = torch.where(keep & counted, surrogate * count, zeros), torch.where(counted, kl * count, zeros)
     if weights.policy_weight is None:
         policy = -_aggregate(surrogate, p.loss_type, rows, count)
         loss = -_aggregate(surrogate - p.beta * kl, p.loss_type, rows, count)
@@ -408,8 +405,7 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | Non
         capped = ~every if p.delta is None else (adv < 0) & (ratio > p.delta)  # [B*G, N] INTELLECT-2's cap
         for key, x in (("clip_frac_low", low), ("clip_frac_high", high), ("delta_frac", capped),
                        ("ratio_mean", ratio), ("policy_token_frac", keep)):
-            x = x.to(ratio.dtype)  # [B*G, N]
-            metrics[key] = _token_mean(x) if count is None else masked_mean(x, count > 0)
+            metrics[key] = masked_mean(x.to(ratio.dtype), counted)
         if p.off_policy_mask_threshold is not None:  # sequences whose policy term the drift dropped
             metrics["off_policy_frac"] = (~kept[:, 0]).to(ratio.dtype).mean()
     return loss, {k: v.detach() for k, v in metrics.items()}

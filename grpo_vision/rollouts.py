@@ -13,6 +13,7 @@ duck-typed (a `CompositeReward`, a `Reference`): this module sits in the core, b
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
@@ -64,6 +65,29 @@ class Samples:  # images drawn for prompt entries, one row each, an entry's imag
     rollout: Rollout  # tokens, log-probs and entropy [n, N] each
     images: torch.Tensor  # [n, 3, H, W] decoded, in [0, 1]
 
+    def select(self, rows: torch.Tensor) -> "Samples":
+        """The rows `rows` (an index tensor), every field kept (a subclass's own fields as they are)."""
+        idx = rows.tolist()
+        return dataclasses.replace(self, entries=[self.entries[i] for i in idx], seeds=[self.seeds[i] for i in idx],
+                                   cond=self.cond[rows.to(self.cond.device)], rollout=self.rollout.select(rows),
+                                   images=self.images[rows.to(self.images.device)])
+
+    @staticmethod
+    def cat(parts: Sequence["Samples"], policy=None) -> "Samples":
+        """The rows of `parts` in order (the first part's other fields). Condition ids of several widths (a kind
+        that pads each batch to its longest prompt, as Janus does) are made again by `policy` for every row: the
+        same ids, padded to the widest (with plans: the plans' input ids too)."""
+        entries = [e for p in parts for e in p.entries]
+        rollout = Rollout.cat([p.rollout for p in parts], getattr(policy, "encode_plan_prompts", None))
+        if len({p.cond.shape[1] for p in parts}) == 1:
+            cond = torch.cat([p.cond for p in parts])
+        elif policy is None:
+            raise ValueError("the samplings' condition ids differ in width: pass the policy")
+        else:
+            cond = image_condition(policy, [e.prompt for e in entries], rollout.plan)
+        return dataclasses.replace(parts[0], entries=entries, seeds=[s for p in parts for s in p.seeds], cond=cond,
+                                   rollout=rollout, images=torch.cat([p.images for p in parts]))
+
 
 @dataclass
 class Scored:  # every reward and the judge on a set of images (training: every process's, gathered)
@@ -75,16 +99,44 @@ class Scored:  # every reward and the judge on a set of images (training: every 
     notes: dict[str, str] = field(default_factory=dict)  # `score(tolerant=True)`: reward name -> why it has no score
     plan_verdicts: list = field(default_factory=list)  # [n] the judge's verdicts on each image's plan (with plans)
 
+    def select(self, rows: torch.Tensor) -> "Scored":
+        """The images `rows` (an index tensor), every field kept (`notes` are about rewards, not rows)."""
+        idx = rows.tolist()
+        pick = lambda x: x[rows.to(x.device)]  # noqa: E731
+        listed = lambda xs: [xs[i] for i in idx] if xs else []  # noqa: E731  (no plans: no plan verdicts)
+        return Scored(pick(self.total), {k: pick(v) for k, v in self.raw.items()},
+                      {k: pick(v) for k, v in self.weights.items()}, {k: listed(v) for k, v in self.reasons.items()},
+                      listed(self.verdicts), dict(self.notes), listed(self.plan_verdicts))
+
+    @staticmethod
+    def cat(parts: Sequence["Scored"]) -> "Scored":
+        """The images of `parts` in order, every field kept (the notes of all)."""
+        first = parts[0]
+        return Scored(torch.cat([p.total for p in parts]), {k: torch.cat([p.raw[k] for p in parts]) for k in first.raw},
+                      {k: torch.cat([p.weights[k] for p in parts]) for k in first.weights},
+                      {k: [x for p in parts for x in p.reasons[k]] for k in first.reasons},
+                      [v for p in parts for v in p.verdicts], {k: v for p in parts for k, v in p.notes.items()},
+                      [v for p in parts for v in p.plan_verdicts])
+
+
+def image_condition(policy, prompts: Sequence[str], plan: Plan) -> torch.Tensor:
+    """The image stage's condition rows `[n, L]` of `prompts` and their `plan` (T = 0: the prompts alone)."""
+    if not plan.width:
+        return policy.encode_prompts(list(prompts))
+    return policy.plan_condition(list(prompts), plan.token_lists(policy.plan_end_id))
+
 
 def condition(policy, prompts: Sequence[str], seeds: Sequence[int], params: SamplingParams,
-              batch_size: int) -> tuple[torch.Tensor, Plan | None]:
+              batch_size: int) -> tuple[torch.Tensor, Plan]:
     """The image stage's condition rows `[n, L]` for `prompts`, and their text plans: with `params.plan` the plan is
-    drawn first (row i from `seeds[i]`) and the image is conditioned on the prompt and its plan; else None."""
+    drawn first (row i from `seeds[i]`) and the image is conditioned on the prompt and its plan; else an empty plan
+    segment (T = 0). The one place the text stage is drawn or not."""
     if params.plan is None:
-        return policy.encode_prompts(list(prompts)), None  # [n, L]
+        cond = policy.encode_prompts(list(prompts))  # [n, L]
+        return cond, Plan.empty(len(prompts), cond.device)
     plan = Plan.cat([sample_plan(policy, prompts[i:i + batch_size], seeds[i:i + batch_size], params.plan)
                      for i in range(0, len(prompts), batch_size)], policy.encode_plan_prompts)
-    return policy.plan_condition(list(prompts), plan.token_lists(policy.plan_end_id)), plan  # [n, L']
+    return image_condition(policy, prompts, plan), plan  # [n, L']
 
 
 def draw(policy, tokenizer, entries: Sequence[PromptEntry], seeds: Sequence[int], params: SamplingParams,
@@ -127,7 +179,7 @@ def score(rewards, images: torch.Tensor, entries: Sequence[PromptEntry], judge: 
 
 def plan_texts(samples: Samples) -> list[str] | None:
     """Each image's plan as text, or None for rollouts without a text stage."""
-    return None if samples.rollout.plan is None else samples.rollout.plan.texts
+    return samples.rollout.plan.texts if samples.rollout.plan.width else None
 
 
 def group_diversity(tokens: torch.Tensor, n: int) -> torch.Tensor:

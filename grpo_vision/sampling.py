@@ -138,7 +138,19 @@ class Plan:  # the text stage of B rollouts; every row T = max_tokens wide
     texts: list[str]  # [B] each plan as text (policy.plan_text), without its end token
     prompts: list[str]  # [B] the text stage's prompts (the template applied), from which `ids` were encoded
 
-    def __getitem__(self, rows: torch.Tensor) -> "Plan":
+    @classmethod
+    def empty(cls, rows: int, device=None) -> "Plan":
+        """The text stage of `rows` rollouts drawn without one: T = 0, so that every rollout is one sequence of
+        T + N positions, its plan segment empty (`plan_texts` shows no plan for it)."""
+        z = torch.zeros(rows, 0, device=device)
+        return cls(z.long(), z.long(), z.bool(), z, z.clone(), [""] * rows, [""] * rows)
+
+    @property
+    def width(self) -> int:
+        """T, the plan segment's positions (0 without a text stage)."""
+        return self.tokens.shape[1]
+
+    def select(self, rows: torch.Tensor) -> "Plan":
         """The plan of `rows` (an index tensor or a bool mask `[B]`)."""
         index = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows
         return Plan(*(getattr(self, f)[rows.to(self.ids.device)] for f in ("ids", "tokens", "mask", "logprobs",
@@ -168,13 +180,47 @@ class Plan:  # the text stage of B rollouts; every row T = max_tokens wide
 
 @dataclass
 class Rollout:
+    """B rollouts. `rollouts.draw` gives each its text stage (`Plan.empty`, T = 0, without sample.plan), so that a
+    drawn rollout is one sequence of T + N positions, a plan segment then an image segment: `sequence_logprobs`,
+    `count` and `image_segment` are `[B, T + N]` whatever the stage (nanochat's engine masks, torchtune's
+    response_padding_masks, TRL's completion_mask carry such a segment as an always-present mask)."""
     tokens: torch.Tensor  # [B, N] int64 codebook ids
     logprobs: torch.Tensor  # [B, N] float32, per `logprob_mode`
     entropy: torch.Tensor  # [B, N] float32, entropy of the sampling distribution at each step
-    plan: Plan | None = None  # the text stage before the image (sample.plan); None: the image stage only
+    plan: Plan | None = None  # the text stage before the image (sample.plan); None: none, made `Plan.empty`
     # [B] int64 forward passes each row's image needed, the prefill included (speculative decoding; None: plain
     # decoding, N each): rollout/forwards_per_image in the metrics
     forwards: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.plan = Plan.empty(self.tokens.shape[0], self.tokens.device) if self.plan is None else self.plan
+
+    @property
+    def sequence_logprobs(self) -> torch.Tensor:
+        """`[B, T + N]` the sampler's log-probs of the plan's tokens (0 after its end), then of the image's."""
+        return torch.cat([self.plan.logprobs, self.logprobs], 1)
+
+    def count(self, plan_weight: float = 1.0) -> torch.Tensor:
+        """`[B, T + N]` how much each token counts (grpo.TokenWeights.count): `plan_weight` on a plan's tokens, its
+        end token included, 0 on its padding, 1 on every image token."""
+        return torch.cat([self.plan.mask.float() * plan_weight, torch.ones_like(self.logprobs)], 1)
+
+    @property
+    def image_segment(self) -> torch.Tensor:
+        """`[B, T + N]` bool, the image positions (the segment mask the image-grid options read)."""
+        return torch.cat([torch.zeros_like(self.plan.mask), torch.ones_like(self.tokens, dtype=torch.bool)], 1)
+
+    def select(self, rows: torch.Tensor) -> "Rollout":
+        """The rollouts `rows` (an index tensor), every field kept."""
+        pick = lambda x: None if x is None else x[rows.to(x.device)]  # noqa: E731
+        return Rollout(pick(self.tokens), pick(self.logprobs), pick(self.entropy), self.plan.select(rows),
+                       pick(self.forwards))
+
+    @staticmethod
+    def cat(parts: Sequence["Rollout"], encode=None) -> "Rollout":
+        """The rows of `parts` in order, every field kept (`encode`: Plan.cat's)."""
+        return Rollout(*(torch.cat([getattr(p, f) for p in parts]) for f in ("tokens", "logprobs", "entropy")),
+                       Plan.cat([p.plan for p in parts], encode), cat_forwards([p.forwards for p in parts]))
 
 
 # ---------------------------------------------------------------------------- the distribution
@@ -495,6 +541,7 @@ def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Ten
     module (`forward(cond, tokens, plan)`), so that DDP's and FSDP's hooks see one forward for both segments.
     """
     B = cond.shape[0]
+    plan = plan if plan is not None and plan.width else None  # T = 0: the image segment is the whole sequence
     guided = params.guided and params.logprob_mode == "guided"  # conditional mode needs the conditional branch only
     if guided:
         null = getattr(policy, "module", policy).null_condition(cond)  # a DDP wrapper keeps the policy in .module
@@ -529,7 +576,7 @@ def batched_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tens
     """`sequence_logprobs` without gradients, `micro_batch` rows a forward pass: `[B, N]` (the old and
     the reference log-probs of a step; `with_entropy`: and the entropies `[B, N]`; with a `plan`, `[B, T + N]`)."""
     parts = [sequence_logprobs(policy, cond[idx], tokens[idx], params, with_entropy,
-                               None if plan is None else plan[idx])
+                               None if plan is None else plan.select(idx))
              for idx in micro_batches(cond.shape[0], micro_batch)]
     if not with_entropy:
         return torch.cat(parts)

@@ -526,3 +526,50 @@ def test_loss_params_carry_trl_116_options_from_the_config():
     p = LossParams.from_config(TrainConfig(use_bias_correction_kl=True, off_policy_mask_threshold=0.5,
                                            entropy_coef=0.01))
     assert (p.use_bias_correction_kl, p.off_policy_mask_threshold, p.entropy_coef) == (True, 0.5, 0.01)
+
+
+def test_the_loss_reads_a_mixed_plan_and_image_count_without_a_branch():
+    # two sequences of T = 2 plan positions then N = 2 image tokens, on-policy (ratio 1: each term is A); row 0's
+    # plan has one token at plan weight 0.5 and padding whose NaN log-prob must add nothing
+    logp = torch.tensor([[-1.0, float("nan"), -2.0, -3.0], [-1.0, -1.0, -2.0, -3.0]])
+    count = torch.tensor([[0.5, 0.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    adv = torch.tensor([1.0, -1.0])
+    bnpo, m = grpo_loss(logp, logp, None, adv, LossParams(loss_type="bnpo"), TokenWeights(count=count))
+    assert bnpo.item() == pytest.approx(-(2.5 - 4.0) / 6.5)  # -sum(c A) / sum(c)
+    assert m["ratio_mean"].item() == 1.0  # over the counted tokens: the NaN padding is not one
+    grpo, _ = grpo_loss(logp, logp, None, adv, LossParams(loss_type="grpo"), TokenWeights(count=count))
+    assert grpo.item() == pytest.approx(0.0)  # each row's weighted mean: 2.5 / 2.5 and -4 / 4
+    # every token counting once is the default, bit for bit, for every loss type
+    x, adv = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), torch.tensor([0.5, -1.0, 2.0, 0.0])
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"):
+        p = LossParams(loss_type=loss_type, beta=0.1)
+        ones = grpo_loss(x, x.flip(0), x * 1.1, adv, p, TokenWeights(count=torch.ones(4, 6)))
+        default = grpo_loss(x, x.flip(0), x * 1.1, adv, p)
+        assert torch.equal(ones[0], default[0]) and all(torch.equal(ones[1][k], default[1][k]) for k in ones[1])
+
+
+def test_gspo_and_the_entropy_bonus_read_only_the_counted_tokens():
+    # GSPO's sequence ratio is the count-weighted geometric mean: the padding's log ratio (5.0) is not in it;
+    # the entropy bonus averages the counted tokens' entropies (the padding's 100 is not one)
+    logp = torch.tensor([[0.3, 5.0, -0.1, 0.1]])
+    count = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    entropy = torch.tensor([[2.0, 100.0, 1.0, 3.0]])
+    _, m = grpo_loss(logp, torch.zeros(1, 4), None, torch.ones(1), LossParams(importance_sampling_level="sequence",
+                                                                             entropy_coef=0.1),
+                     TokenWeights(count=count), entropy)
+    assert m["ratio_mean"].item() == pytest.approx(math.exp(0.1))
+    assert m["entropy"].item() == pytest.approx(2.0)
+
+
+def test_grpo_loss_stays_within_its_budget():
+    # the loss is the one function every option reaches: <= 8 parameters and <= 50 lines keep its switches in
+    # LossParams / TokenWeights (the structure budget of docs/architecture.md)
+    import ast
+    import inspect
+
+    import grpo_vision.grpo as grpo
+
+    tree = ast.parse(inspect.getsource(grpo))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "grpo_loss")
+    assert len(fn.args.args) + len(fn.args.kwonlyargs) <= 8
+    assert fn.end_lineno - fn.lineno + 1 <= 50

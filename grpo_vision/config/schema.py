@@ -403,18 +403,12 @@ def _plan_checks(cfg: Config) -> list[tuple[bool, str]]:
         (_has_prompt_slot(p.template), f"sample.plan.template {brief(p.template)} must contain {{prompt}} once, where the "
                                        "caption goes, as is (no other {...}, no !r or :spec; write {{ and }} for "
                                        "braces)"),
-        # per-token terms that read image tokens only (entropies, code vectors, a sequence ratio) or regroup rows
-        (t.token_weighting == "none", f"train.token_weighting={t.token_weighting} weighs image tokens only and does not "
-                                      "apply with sample.plan.enabled: set train.token_weighting to none"),
-        (t.importance_sampling_level == "token", "train.importance_sampling_level=sequence (GSPO) is not defined over "
-                                                 "a plan and an image here: set it to token with sample.plan.enabled"),
-        (t.top_entropy_quantile >= 1, "train.top_entropy_quantile < 1 ranks image-token entropies only: set it to 1 "
-                                      "with sample.plan.enabled"),
-        (t.zero_std_groups != "resample", "train.zero_std_groups=resample does not refill groups with plans yet: use "
-                                          "keep or drop with sample.plan.enabled"),
-        (t.entropy_coef == 0 and not t.use_adaptive_entropy, "the entropy bonus (train.entropy_coef, "
-                                                             "train.use_adaptive_entropy) covers image tokens only: "
-                                                             "turn it off with sample.plan.enabled"),
+        # GCPO's and STAGE's weights are defined on the image's token grid and its sequence: GCPO's dynamic weight is
+        # a running mean over positions, its KL weight scaled to the image's token count, STAGE's entropy reward a
+        # mean over the image's entropies; a plan segment before them has no place in either definition
+        (t.token_weighting in ("none", "guidance_contrastive"),
+         f"train.token_weighting={t.token_weighting} is defined on the image's token sequence only (its weights, "
+         "its running mean over positions, its KL scale): with sample.plan.enabled use none or guidance_contrastive"),
     ]
 
 

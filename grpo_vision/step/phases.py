@@ -6,6 +6,7 @@ and hands the next one a typed container: `StepSamples` -> `Scored` -> `Measured
 from __future__ import annotations
 
 import math
+import dataclasses
 import signal
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -136,47 +137,23 @@ def refill_flat_groups(st: RunState, cfg: Config, step: int, samples: StepSample
                 picks[flat.pop(0)] = (len(parts) - 1, g)
     if refill.groups == 0:
         return samples, scored, refill
-    samples, scored = take_groups(parts, picks, G, st.policy.encode_prompts)
+    samples, scored = take_groups(parts, picks, G, st.policy)
     return samples, scored, refill
 
 
 def take_groups(parts: list[tuple[StepSamples, Scored]], picks: list[tuple[int, int]], group_size: int,
-                encode=None) -> tuple[StepSamples, Scored]:
+                policy=None) -> tuple[StepSamples, Scored]:
     """The groups `picks` ((part, group) each, in order) of several samplings with their scores, as one: the
-    step's batch after the refill replaced its flat groups. One process's whole groups. Condition ids of several
-    widths (a kind that pads each batch to its longest prompt, as Janus does) are made again by `encode` (the
-    policy's `encode_prompts`) for the picked prompts together: the same ids, padded to the widest."""
+    step's batch after the refill replaced its flat groups. One process's whole groups, every field kept (the
+    plans and their verdicts too), through each container's `cat` and `select`. Condition ids of several widths
+    (a kind that pads each batch to its longest prompt, as Janus does) are made again by `policy`
+    (rollouts.Samples.cat)."""
     offsets = np.cumsum([0] + [len(samples.entries) for samples, _ in parts])
-    rows = [int(offsets[i]) + g * group_size + j for i, g in picks for j in range(group_size)]
-    index = torch.tensor(rows, dtype=torch.long)
-
-    def cat(tensors: list[torch.Tensor]) -> torch.Tensor:  # every part's, the picked rows
-        whole = torch.cat(tensors)
-        return whole[index.to(whole.device)]
-
-    def listed(lists: list[list]) -> list:
-        whole = [x for part in lists for x in part]
-        return [whole[r] for r in rows]
-
-    samples, scored = [p[0] for p in parts], [p[1] for p in parts]
-    entries = listed([s.entries for s in samples])
-    if len({s.cond.shape[1] for s in samples}) == 1:
-        cond = cat([s.cond for s in samples])
-    elif encode is None:
-        raise ValueError("the samplings' condition ids differ in width: pass the policy's encode_prompts")
-    else:
-        cond = encode([e.prompt for e in entries])
-    rollout = Rollout(*(cat([getattr(s.rollout, f) for s in samples]) for f in ("tokens", "logprobs", "entropy")))
-    if all(s.rollout.forwards is not None for s in samples):
-        rollout.forwards = cat([s.rollout.forwards for s in samples])
-    chosen = np.array([samples[i].chosen[g] for i, g in picks])
-    joined = StepSamples(entries, listed([s.seeds for s in samples]), cond, rollout, cat([s.images for s in samples]),
-                         chosen, slice(0, len(rows)))
-    first = scored[0]
-    return joined, Scored(cat([s.total for s in scored]), {k: cat([s.raw[k] for s in scored]) for k in first.raw},
-                          {k: cat([s.weights[k] for s in scored]) for k in first.weights},
-                          {k: listed([s.reasons[k] for s in scored]) for k in first.reasons},
-                          listed([s.verdicts for s in scored]))
+    index = torch.tensor([int(offsets[i]) + g * group_size + j for i, g in picks for j in range(group_size)])
+    chosen = np.array([parts[i][0].chosen[g] for i, g in picks])
+    samples = StepSamples.cat([p[0] for p in parts], policy).select(index)
+    return dataclasses.replace(samples, chosen=chosen, rows=slice(0, len(index))), \
+        Scored.cat([p[1] for p in parts]).select(index)
 
 
 def measure(st: RunState, samples: Samples) -> Measured:
@@ -211,17 +188,15 @@ def update_batch(st: RunState, samples: StepSamples, measured: Measured, advanta
                  total: torch.Tensor) -> tuple[UpdateBatch, int]:
     """The update's inputs: the tokens that carry the policy term and each token's policy and KL weights
     (train.token_weighting), without the groups train.zero_std_groups=drop leaves out; and how many it left out."""
-    plan, acc, tokens = st.plan, st.acc, samples.rollout.tokens
-    if samples.rollout.plan is not None:  # config refuses the token weightings and entropy quantile with a plan
-        batch = UpdateBatch.planned(samples.cond, samples.rollout, measured.old, measured.ref,
-                                    advantages.to(acc.device), plan.plan_weight)
-        return _drop_flat(batch, plan, total, samples)
-    keep = policy_tokens(samples.rollout.entropy, plan.policy_quantile, acc)
-    batch = UpdateBatch(samples.cond, tokens, samples.rollout.logprobs, measured.old, measured.ref,
-                        advantages.to(acc.device), keep, dynamic_weight=plan.token_weighting == "critical")
-    with torch.no_grad():
-        batch.policy_weight, batch.kl_weight = token_weights(plan, st.policy, st.bundle.tokenizer, batch,
-                                                             samples.rollout.entropy, measured.contrast)
+    plan, acc = st.plan, st.acc
+    keep = policy_tokens(samples.rollout.entropy, plan.policy_quantile, acc)  # [n, N] the image segment's
+    batch = UpdateBatch.of(samples.cond, samples.rollout, measured.old, measured.ref, advantages.to(acc.device),
+                           plan.plan_weight, keep)
+    batch.dynamic_weight = plan.token_weighting == "critical"
+    with torch.no_grad():  # weights on the image grid; a plan's tokens at weight 1 (docs/usage.md, "Reason, then draw")
+        weights = token_weights(plan, st.policy, st.bundle.tokenizer, batch, samples.rollout.entropy,
+                                measured.contrast)
+    batch.policy_weight, batch.kl_weight = (batch.image_part(w) for w in weights)
     return _drop_flat(batch, plan, total, samples)
 
 
@@ -310,7 +285,7 @@ def plan_metrics(st: RunState, judge, samples: StepSamples, scored: Scored, G: i
     acc = st.acc
     metrics = {"diversity/image_tokens": nanmean(gather(acc, group_diversity(samples.rollout.tokens, G).to(acc.device)))}
     plan = samples.rollout.plan
-    if plan is None:
+    if not plan.width:  # no text stage: no plan metrics (the segment is there, empty)
         return metrics
     distinct = torch.tensor([len(set(plan.texts[i:i + G])) / G for i in range(0, len(plan.texts), G)])
     metrics |= {"plan/length": nanmean(gather(acc, plan.mask.sum(1).float())),

@@ -98,34 +98,42 @@ class Measured:  # a step's teacher-forced passes, on this process's rows
 
 
 @dataclass
-class UpdateBatch:  # what the update trains on, on this process: n sequences of N tokens (T + N with a plan)
+class UpdateBatch:  # what the update trains on, on this process: n sequences of T + N positions (T = 0 without a plan)
     cond: torch.Tensor  # [n, L] condition ids (of the prompt and its plan, with a plan)
     tokens: torch.Tensor  # [n, N] sampled image tokens
-    sample_logprobs: torch.Tensor  # [n, N] the sampler's own log-probs (the on-policy gauge reads them)
-    old_logprobs: torch.Tensor  # [n, N] log-probs the ratio divides by (cached for every pass)
-    ref_logprobs: torch.Tensor | None  # [n, N] reference log-probs, NaN where not measured (None: no reference)
-    advantages: torch.Tensor  # [n] group-relative advantages
-    policy_mask: torch.Tensor  # [n, N] bool, the tokens that carry the policy term (top_entropy_quantile)
-    policy_weight: torch.Tensor | None = None  # [n, N] credit.py's weight of each token's policy term (None: 1)
-    kl_weight: torch.Tensor | None = None  # [n, N] its weight of each token's KL (None: 1)
+    text: Plan  # [n] the rows' text plans (sample.plan; T = 0 without a text stage)
+    sample_logprobs: torch.Tensor  # [n, T + N] the sampler's own log-probs (the on-policy gauge reads them)
+    old_logprobs: torch.Tensor  # [n, T + N] log-probs the ratio divides by (cached for every pass)
+    ref_logprobs: torch.Tensor | None  # [n, T + N] reference log-probs, NaN where not measured (None: no reference)
+    advantages: torch.Tensor  # [n] group-relative advantages, one for both segments
+    count: torch.Tensor  # [n, T + N] how much each token counts (grpo.TokenWeights.count): 1 on image tokens
+    image: torch.Tensor  # [n, T + N] bool, the image segment (what the image-grid options read)
+    policy_mask: torch.Tensor  # [n, T + N] bool, the tokens that carry the policy term (top_entropy_quantile)
+    policy_weight: torch.Tensor | None = None  # [n, T + N] credit.py's weight of each token's policy term (None: 1)
+    kl_weight: torch.Tensor | None = None  # [n, T + N] its weight of each token's KL (None: 1)
     dynamic_weight: bool = False  # GCPO: each token's surrogate times credit.dynamic_advantage_weight
-    text: Plan | None = None  # the rows' text plans (sample.plan): the per-token tensors above are then [n, T + N]
-    count: torch.Tensor | None = None  # [n, T + N] how much each token counts (grpo.TokenWeights.count), with a plan
+
+    @classmethod
+    def of(cls, cond: torch.Tensor, rollout, old: torch.Tensor, ref: torch.Tensor | None, advantages: torch.Tensor,
+           plan_weight: float = 1.0, keep: torch.Tensor | None = None) -> "UpdateBatch":
+        """The batch of drawn rollouts: each row's plan tokens (to its end) then its image tokens, one advantage
+        for both, a plan token counting `plan_weight` and its padding nothing; `keep` `[n, N]`: the image tokens
+        that carry the policy term (default all; a plan's tokens always carry it)."""
+        image = rollout.image_segment  # [n, T + N]
+        keep = torch.ones_like(rollout.tokens, dtype=torch.bool) if keep is None else keep
+        mask = torch.cat([torch.ones_like(rollout.plan.mask), keep], 1)  # [n, T + N]
+        return cls(cond, rollout.tokens, rollout.plan, rollout.sequence_logprobs, old, ref, advantages,
+                   rollout.count(plan_weight), image, mask)
 
     def rows(self, keep: torch.Tensor) -> "UpdateBatch":
         """The batch of the rows `keep` ([n] bool) only."""
-        pick = {k: (v[keep] if isinstance(v, (torch.Tensor, Plan)) else v) for k, v in vars(self).items()}
-        return UpdateBatch(**pick)
+        pick = {k: (v[keep] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return UpdateBatch(**pick | {"text": self.text.select(keep)})
 
-    @classmethod
-    def planned(cls, cond: torch.Tensor, rollout, old: torch.Tensor, ref: torch.Tensor | None,
-                advantages: torch.Tensor, plan_weight: float) -> "UpdateBatch":
-        """The batch of rollouts with a text plan: each row's plan tokens (to its end) then its image tokens, one
-        advantage for both, the plan's tokens counting `plan_weight` each and its padding nothing."""
-        plan = rollout.plan
-        count = torch.cat([plan.mask.float() * plan_weight, torch.ones_like(rollout.logprobs)], 1)  # [n, T + N]
-        return cls(cond, rollout.tokens, torch.cat([plan.logprobs, rollout.logprobs], 1), old, ref, advantages,
-                   torch.ones_like(count, dtype=torch.bool), text=plan, count=count)
+    def image_part(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """`x` `[n, N]` on the image grid as `[n, T + N]`: a per-token weight that the image grid defines leaves a
+        plan's tokens at weight 1 (their count still applies) and its padding at 0."""
+        return None if x is None else torch.cat([self.text.mask.to(x.dtype), x], 1)
 
 
 def token_weights(plan: UpdatePlan, policy, tokenizer, batch: UpdateBatch, entropy: torch.Tensor,
@@ -197,14 +205,14 @@ def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int,
     precision (or `recompute`: rollouts in another precision than the update's), a teacher-forced pass with the
     same autocast as the update, so that the first pass's ratio is exactly 1 (as TRL does)."""
     if acc.mixed_precision == "no" and not recompute:
-        return rollout.logprobs if rollout.plan is None else torch.cat([rollout.plan.logprobs, rollout.logprobs], 1)
+        return rollout.sequence_logprobs
     with acc.autocast():
         return batched_logprobs(policy, cond, rollout.tokens, params, micro, plan=rollout.plan)
 
 
 def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams,
-                       plan: UpdatePlan, text: Plan | None = None) -> torch.Tensor | None:
-    """Reference log-probs `[n, N]` (`[n, T + N]` with the rows' `text` plans; None without a reference); with beta
+                       plan: UpdatePlan, text: Plan) -> torch.Tensor | None:
+    """Reference log-probs `[n, T + N]` of the rows' `text` plans and images (None without a reference); with beta
     0 and `kl_metric_sequences`, only the first rows are computed (the KL is only logged) and the others are NaN,
     meaning "not measured"."""
     n = cond.shape[0]
@@ -213,7 +221,7 @@ def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams,
         return None
     rows = torch.arange(measured)
     ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, plan.micro_batch,
-                             text=None if text is None else text[rows])
+                             text=text.select(rows))
     if measured == n:
         return ref
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
@@ -260,28 +268,26 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
     # dapo / cispo: each micro-batch's token sum over the global minibatch's tokens (N times its rows over every
     # process), and with token weights its weight sum, so that the summed micro-batch losses make one mean; DDP
     # then averages the processes' gradients, so each divides by its share (TRL: num_items_in_batch / num_processes)
+    # (the tokens that count, in sequences of T + N: every row without a plan)
     summed, seqs, total = p.loss_type in ("dapo", "cispo"), None, None
-    if summed and batch.count is not None:  # with a plan: the tokens that count, in sequences of T + N
+    if summed:
         seqs = acc.reduce(batch.count[rows].sum().float().to(acc.device), "sum") / acc.num_processes / batch.count.shape[1]
-    elif summed:
-        seqs = acc.reduce(torch.full((), float(len(rows)), device=acc.device), "sum") / acc.num_processes
-        if batch.policy_weight is not None:
-            total = acc.reduce(batch.policy_weight[rows].sum().float(), "sum") / acc.num_processes + 1e-6
+    if summed and batch.policy_weight is not None:
+        total = acc.reduce(batch.policy_weight[rows].sum().float(), "sum") / acc.num_processes + 1e-6
     for j, idx in enumerate(chunks):
         # DDP averages gradients in the last micro-batch's backward only; its forward must be inside
         # no_sync too, since that is where DDP arms the reduction
         with nullcontext() if j == len(chunks) - 1 else acc.no_sync(learner.model):
-            entropy = None
-            text = None if batch.text is None else batch.text[idx]
+            entropy, text = None, batch.text.select(idx)
             with acc.autocast():
                 if plan.loss.entropy_coef > 0 or learner.entropy is not None:  # the bonus: entropies with gradient
                     logp, entropy = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params,
-                                                      with_entropy=True)  # [m, N] each
-                else:  # [m, N], or [m, T + N] with a plan
+                                                      with_entropy=True, plan=text)  # [m, T + N] each
+                else:  # [m, T + N]
                     logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params, plan=text)
             ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
             dynamic = credit.dynamic_advantage_weight(logp.float(), ref) if batch.dynamic_weight else None  # [m, N]
-            count = _pick(batch.count, idx)
+            count = batch.count[idx]
             weights = TokenWeights(batch.policy_mask[idx], _pick(batch.policy_weight, idx),
                                    _pick(batch.kl_weight, idx), dynamic, total, count)
             loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if plan.kl_in_loss else None,
@@ -289,7 +295,7 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
             if entropy is not None:
                 entropies.append(m["entropy"])
             stats.add_tokens(logp.detach().float(), ref, batch.sample_logprobs[idx] if gauge else None,
-                             None if count is None else count > 0)
+                             count > 0)
             acc.backward(loss if summed else loss / len(chunks))
         # a dapo / cispo micro-batch holds its share of the minibatch's loss: log the whole
         stats.add_losses({"loss": loss, **m}, share=len(chunks) if summed else 1)
@@ -339,11 +345,10 @@ class UpdateStats:
         self.kl_measured = False  # the batch had reference log-probs
 
     def add_tokens(self, logp: torch.Tensor, ref: torch.Tensor | None, sampled: torch.Tensor | None,
-                   present: torch.Tensor | None = None) -> None:
-        """A micro-batch's detached log-probs `[m, N]`: the KL where the reference was measured, and
-        the drift from the sampler's log-probs `sampled` when given; `present` `[m, N]`: the tokens that exist
+                   present: torch.Tensor) -> None:
+        """A micro-batch's detached log-probs `[m, T + N]`: the KL where the reference was measured, and
+        the drift from the sampler's log-probs `sampled` when given; `present` `[m, T + N]`: the tokens that exist
         (a plan's padding does not), over which both are token means."""
-        present = torch.ones_like(logp, dtype=torch.bool) if present is None else present
         if ref is not None:
             self.kl_measured = True
             seen = ~ref.isnan() & present  # [m, N]

@@ -120,7 +120,7 @@ def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, 
               "window": window, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k,
               "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
               "repeats": repeats, "device": str(device), "plain_decode": plain, "plan": None}
-    if drawn is not None:  # the plan stage, the same for every path: its passes come before each image's
+    if drawn.width:  # the plan stage (T = 0: none), the same for every path: its passes come before each image's
         lengths = drawn.mask.sum(1).double()  # [P*G] plan tokens, the end token included
         result["plan"] = {"max_tokens": plan.max_tokens, "template": plan.template,
                           "tokens_per_plan": sig(lengths.mean().item()), "condition_tokens": cond.shape[1],

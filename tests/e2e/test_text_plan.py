@@ -158,7 +158,7 @@ def _update_grads(planner, plan_weight: float) -> tuple[torch.Tensor, torch.Tens
     rollout = sample(planner, cond, seeds, params)
     rollout = Rollout(rollout.tokens, rollout.logprobs, rollout.entropy, plan)
     old = torch.cat([plan.logprobs, rollout.logprobs], 1)
-    batch = UpdateBatch.planned(cond, rollout, old, None, torch.linspace(-1, 1, 8), plan_weight)
+    batch = UpdateBatch.of(cond, rollout, old, None, torch.linspace(-1, 1, 8), plan_weight)
     planner.zero_grad()
     logp = sequence_logprobs(planner, batch.cond, batch.tokens, params, plan=batch.text)
     loss, _ = grpo_loss(logp, batch.old_logprobs, None, batch.advantages, LossParams(loss_type="bnpo"),
@@ -279,3 +279,59 @@ def test_a_planning_policy_exports_to_transformers_and_its_plan_logits_survive(p
     assert len(tok) == planner.cfg.vocab_size and tok.convert_ids_to_tokens(start + 5) == "<plan_c0>"
     back = LlamaImagePolicy.from_pretrained(tmp_path)
     assert back.cfg.plan_words == PLAN_WORDS and torch.equal(back.plan_logits(ids, plan), ours)
+
+
+def test_the_options_the_plan_once_ruled_out_are_accepted_and_the_image_grid_ones_name_why():
+    from tests.helpers import MICRO
+
+    for option in ("train.importance_sampling_level=sequence", "train.top_entropy_quantile=0.5",
+                   "train.zero_std_groups=resample", "train.entropy_coef=0.01", "train.use_adaptive_entropy=true",
+                   "train.token_weighting=guidance_contrastive"):
+        load_config(MICRO, ["sample.plan.enabled=true", option])
+    for kind in ("stage", "critical"):
+        with pytest.raises(ConfigError, match=f"train.token_weighting={kind} is defined on the image's token "
+                                              "sequence only"):
+            load_config(MICRO, ["sample.plan.enabled=true", f"train.token_weighting={kind}"])
+
+
+def test_the_update_batch_lays_out_a_plan_segment_then_the_image_segment():
+    # one constructor for both: T = 2 plan positions (the second padding) before N = 3 image tokens; top-entropy's
+    # mask and an image-grid weight cover the image segment, a plan token keeps its policy term and weight 1
+    from grpo_vision.sampling import Plan, Rollout
+    from grpo_vision.step.update import UpdateBatch
+
+    plan = Plan(torch.zeros(1, 1, dtype=torch.long), torch.tensor([[4, 0]]), torch.tensor([[True, False]]),
+                torch.tensor([[-0.5, 0.0]]), torch.zeros(1, 2), ["red"], ["a red circle"])
+    rollout = Rollout(torch.tensor([[1, 2, 3]]), torch.tensor([[-1.0, -2.0, -3.0]]), torch.ones(1, 3), plan)
+    batch = UpdateBatch.of(torch.zeros(1, 4, dtype=torch.long), rollout, rollout.sequence_logprobs, None,
+                           torch.ones(1), 0.25, torch.tensor([[True, False, True]]))
+    assert batch.sample_logprobs.tolist() == [[-0.5, 0.0, -1.0, -2.0, -3.0]]
+    assert batch.count.tolist() == [[0.25, 0.0, 1.0, 1.0, 1.0]]
+    assert batch.image.tolist() == [[False, False, True, True, True]]
+    assert batch.policy_mask.tolist() == [[True, True, True, False, True]]
+    assert batch.image_part(torch.tensor([[0.25, 0.75, 2.0]])).tolist() == [[1.0, 0.0, 0.25, 0.75, 2.0]]
+    plain = UpdateBatch.of(torch.zeros(1, 4, dtype=torch.long), Rollout(rollout.tokens, rollout.logprobs,
+                                                                        rollout.entropy), rollout.logprobs, None,
+                           torch.ones(1))
+    assert plain.count.tolist() == [[1.0, 1.0, 1.0]] and plain.policy_mask.all() and plain.text.width == 0
+
+
+def test_resampled_planned_steps_with_gspo_top_entropy_a_weighting_and_the_entropy_bonus_train(micro_world,
+                                                                                               tmp_path):
+    """The options the plan once ruled out, on the real loop with a plan-capable policy: every loss finite, the
+    bonus's entropy and the policy-token share measured over both segments."""
+    from grpo_vision.policy import load_bundle
+    from grpo_vision.run.metrics import load_metrics
+    from grpo_vision.train import train
+    from tests.helpers import micro_cfg
+
+    cfg = micro_cfg(micro_world, tmp_path, "sample.plan.enabled=true", "sample.plan.max_tokens=4",
+                    "log.report=false", "train.importance_sampling_level=sequence", "train.top_entropy_quantile=0.5",
+                    "train.entropy_coef=0.01", "train.zero_std_groups=resample", "train.steps=1",
+                    "train.token_weighting=guidance_contrastive")
+    bundle = load_bundle(cfg.policy, "cpu")
+    torch.manual_seed(1)
+    bundle.policy = LlamaImagePolicy(dataclasses.replace(bundle.policy.cfg, plan_words=PLAN_WORDS, max_plan_tokens=4))
+    rows = load_metrics(train(cfg, progress=False, bundle=bundle))
+    assert all(math.isfinite(r["loss/total"]) and r["loss/entropy"] > 0 for r in rows)
+    assert all(0.5 < r["loss/policy_token_frac"] < 1 and "train/groups_resampled" in r for r in rows)

@@ -21,9 +21,8 @@ def batch_of(policy, ref: bool):
     params = SamplingParams(cfg_scale=3.0)
     cond = policy.encode_prompts(["a red circle", "a blue square"] * 2)  # [4, L]
     rollout = sample_batched(policy, cond, [0, 1, 2, 3], params, 4)
-    every = torch.ones_like(rollout.tokens, dtype=torch.bool)  # every token carries the policy term
-    return UpdateBatch(cond, rollout.tokens, rollout.logprobs, rollout.logprobs,
-                       rollout.logprobs.clone() if ref else None, torch.tensor([1.0, -1.0, 0.5, -0.5]), every), params
+    return UpdateBatch.of(cond, rollout, rollout.logprobs, rollout.logprobs.clone() if ref else None,
+                          torch.tensor([1.0, -1.0, 0.5, -0.5])), params
 
 
 def test_the_first_update_is_on_policy_and_the_kl_is_read_from_the_batch(tiny_policy, one_thread):
