@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from grpo_vision.config import ConfigError
+from grpo_vision.images import to_uint8
 from grpo_vision.rewards.base import RewardContext, RewardFn, register_reward
 from grpo_vision.rewards.models import _local_path
 
@@ -104,9 +106,9 @@ def text_score(read: str, target: str) -> float:
 
 
 def to_bgr(images: torch.Tensor) -> list:
-    """`[B, 3, H, W]` floats in [0, 1] as B uint8 `[H, W, 3]` arrays in BGR order, rounded as Flow-GRPO rounds."""
-    pixels = (images.detach().float() * 255).round().clamp(0, 255).to(torch.uint8)  # [B, 3, H, W]
-    return list(pixels.flip(1).permute(0, 2, 3, 1).cpu().numpy())  # B x [H, W, 3], BGR
+    """`[B, 3, H, W]` floats in [0, 1] as B uint8 `[H, W, 3]` arrays in BGR order (OpenCV's), rounded as a PNG
+    stores them (`to_uint8`), which is how Flow-GRPO rounds."""
+    return [np.ascontiguousarray(a[..., ::-1]) for a in to_uint8(images.detach().float())]  # B x [H, W, 3], BGR
 
 
 @lru_cache(maxsize=None)
