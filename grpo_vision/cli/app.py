@@ -20,6 +20,7 @@ from grpo_vision.cli.args import at_least_two, cfg_scale, gib_list, int_list, no
 from grpo_vision.cli.runs import add_base_option, add_reader_options, add_reward_option, add_run_commands
 from grpo_vision.cli.serve import add_bench_reward_server, add_serve_command
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
+from grpo_vision.config.load import warning_line
 from grpo_vision.plugins import command_adders
 
 
@@ -531,8 +532,8 @@ def add_preset_options(p, help_text: str) -> None:
 
 def _one_line(message, category, filename, lineno, line=None) -> str:
     """A warning as the command line prints it: one line, like its errors (not Python's file:line and
-    source line, which name the library's code rather than what the user set)."""
-    return f"grpo-vision: warning: {message}\n"
+    source line, which name the library's code rather than what the user set), whoever warns."""
+    return warning_line(message)
 
 
 def main(argv: list[str] | None = None) -> None:

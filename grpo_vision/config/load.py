@@ -42,9 +42,14 @@ class GrpoVisionWarning(UserWarning):
     file:line and the library's source line, which name the library's code rather than what the user set."""
 
 
+def warning_line(message) -> str:
+    """A warning as grpo-vision prints it: one line, like its errors."""
+    return f"grpo-vision: warning: {message}\n"
+
+
 def _one_line(message, category, filename, lineno, line=None, *, _python=warnings.formatwarning) -> str:
     if issubclass(category, GrpoVisionWarning):
-        return f"grpo-vision: warning: {message}\n"
+        return warning_line(message)
     return _python(message, category, filename, lineno, line)  # anyone else's warnings as Python prints them
 
 

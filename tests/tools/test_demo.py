@@ -5,7 +5,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ from PIL import Image
 from grpo_vision.tools.demo import (MAX_IMAGES, DemoInputError, Side, check_run_dir, clean_prompt, grid_png,
                               sampling_request, summary_rows)
 from grpo_vision.tools.demo_app import build_app, launch
+from grpo_vision.tools.reward_server import free_port
 from grpo_vision.evaluation.plots import curves_figure
 from grpo_vision.shapes.judge import ShapesJudge
 from grpo_vision.sampling import SamplingParams
@@ -24,12 +24,6 @@ from tests.helpers import ROOT, cli_cmd
 
 PROMPT = "a red circle left of a blue square"
 # the run the app serves: conftest.py's micro_run, two GRPO steps with a checkpoint after each
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
