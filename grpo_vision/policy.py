@@ -17,7 +17,7 @@ Optional, for a token weighting (`train.token_weighting`, credit.py): `token_emb
 group), and the tokenizer's `code_vectors(tokens [n, N]) -> [n, N, D]`, its L2-normalised codebook vectors
 (STAGE). A weighting whose hook a kind lacks is refused by name (`check_weighting_hooks`).
 
-The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling.py`. Adapters:
+The sampler owns the distribution (CFG, temperature, top-k/top-p): see `sampling/`. Adapters:
 `models.llama.LlamaImagePolicy` (built in, LlamaGen-style) and `models.janus.JanusImagePolicy` (Janus-Pro through transformers).
 """
 

@@ -6,9 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from grpo_vision.sampling import (
-    SamplingParams, filter_logits, guided_logits, sample, sample_batched, seeded_uniforms, sequence_logprobs,
-)
+from grpo_vision.sampling import SamplingParams, filter_logits, sample, sample_batched, sequence_logprobs
+from grpo_vision.sampling.distribution import guided_logits, seeded_uniforms
 
 PROMPTS = ["a red circle", "a blue square left of a red circle", "a blue circle"]
 MODES = [
@@ -36,18 +35,19 @@ def test_a_decode_step_the_compiler_fails_on_is_one_line_naming_the_fix(tiny_pol
     from torch._inductor.exc import InductorError
 
     from grpo_vision import sampling
+    from grpo_vision.sampling import decode
 
     def fails(*args, **kwargs):
         raise InductorError(TypeError("list indices must be integers or slices, not NoneType"), "a traceback")
 
-    monkeypatch.setattr(sampling, "compiled_decode_step", lambda: fails)
+    monkeypatch.setattr(decode, "compiled_decode_step", lambda: fails)
     cond = tiny_policy.encode_prompts(PROMPTS)
     with pytest.raises(sampling.CompileError) as err:
         sample(tiny_policy, cond, [1, 2, 3], replace(MODES[1], decode="compiled"))
     message = str(err.value)
     assert "\n" not in message and message.startswith("sample.decode=compiled: torch ") and \
         "(InductorError: TypeError: list indices" in message and message.endswith("use sample.decode=graph (a GPU) or eager")
-    monkeypatch.setattr(sampling, "compiled_decode_step", lambda: lambda *a: 1 / 0)  # not the compiler's: as it is
+    monkeypatch.setattr(decode, "compiled_decode_step", lambda: lambda *a: 1 / 0)  # not the compiler's: as it is
     with pytest.raises(ZeroDivisionError):
         sample(tiny_policy, cond, [1, 2, 3], replace(MODES[1], decode="compiled"))
 
@@ -231,3 +231,11 @@ class _NoStatic:
         if name == "static_decode":
             raise AttributeError(name)
         return getattr(self.policy, name)
+
+
+def test_the_decode_table_holds_every_path_sampling_params_accepts():
+    from grpo_vision.sampling.decode import DECODERS, NEEDS
+    from grpo_vision.sampling.distribution import DECODE_MODES
+
+    assert set(DECODERS) | {"auto"} == set(DECODE_MODES)
+    assert {n for path in DECODERS.values() for n in path.needs} <= set(NEEDS)

@@ -26,7 +26,6 @@ PLUGIN = "grpo_vision.shapes"  # ShapesWorld: may import anything; nothing outsi
 LAYERS = [
     ("core", ["grpo_vision", "grpo_vision.config", "grpo_vision.files", "grpo_vision.reading", "grpo_vision.plugins",
               "grpo_vision.policy", "grpo_vision.prompts", "grpo_vision.splits", "grpo_vision.sampling",
-              "grpo_vision.speculative",
               "grpo_vision.grpo", "grpo_vision.images", "grpo_vision.seeds",
               "grpo_vision.rollouts"]),  # contracts and math; the step's first half, shared by every measurement
     ("run", ["grpo_vision.run"]),  # checkpoints, safe state, distributed, health, memory, metrics, lock, ...
@@ -343,9 +342,6 @@ CROSS_CUTTING = {"test_algorithms.py", "test_security.py", "test_structure.py"} 
 # test folders that mirror no subpackage: e2e/ follows a feature across modules (the `e2e` marker, not the
 # folder, decides the tier), docs/ runs what docs/ ships, data/ holds fixtures' files
 OTHER_TEST_FOLDERS = {"e2e", "docs", "data"}
-# import cycles that a planned change breaks, each with that change: the test fails when one of them is gone,
-# so the list cannot keep an entry that no longer holds
-KNOWN_CYCLES = {("grpo_vision.sampling", "grpo_vision.speculative"): "broken by the sampling package (decode paths table)"}
 ISSUE = re.compile(r"\bissues? \d+", re.IGNORECASE)  # "issue" and a number, "issues" and numbers
 
 
@@ -388,13 +384,10 @@ def test_the_cycle_finder_counts_lazy_imports_and_exempts_type_checking_ones():
     assert import_cycles(import_graph(sources)) == {("p.a", "p.b"), ("p.e", "p.f", "p.g")}
 
 
-def test_no_import_cycle_but_the_known_ones():
-    found = import_cycles(import_graph(package_sources()))
-    new = sorted(found - set(KNOWN_CYCLES))
-    gone = sorted(set(KNOWN_CYCLES) - found)
-    assert new == [], "modules that import one another (move what one needs so the arrow goes one way):\n" + \
-        "\n".join(" <-> ".join(c) for c in new)
-    assert gone == [], f"cycles of KNOWN_CYCLES (tests/test_structure.py) that are gone: remove them: {gone}"
+def test_no_import_cycle_among_the_package_modules():
+    found = sorted(import_cycles(import_graph(package_sources())))
+    assert found == [], "modules that import one another (move what one needs so the arrow goes one way):\n" + \
+        "\n".join(" <-> ".join(c) for c in found)
 
 
 def test_train_py_and_its_loop_stay_one_screen():

@@ -82,11 +82,11 @@ class SampleConfig:
     top_p: float = 1.0  # nucleus sampling: keep the smallest set with this much mass; 1 = all
     logprob_mode: Literal["guided", "conditional"] = "guided"  # distribution used by ratio and KL
     batch_size: int = 64  # sequences per sampler call (CFG doubles the rows internally)
-    # how a rollout runs, not what it draws (sampling.py): graph = a fixed-shape decode step recorded once as a
+    # how a rollout runs, not what it draws (sampling/decode.py): graph = a fixed-shape decode step recorded once as a
     # CUDA graph and replayed per token; static = that step without the graph; eager = attention over the keys
     # so far; compiled = the static step fused by torch.compile (inside the graph on a GPU; compiled once per
     # process and shape); auto = graph on a GPU, eager on a CPU. All give the same tokens for the same seeds.
-    # speculative = SJD (speculative.py): drafted tokens verified several a forward pass; the same distribution
+    # speculative = SJD (sampling/speculative.py): drafted tokens verified several a forward pass; the same distribution
     # exactly, other tokens for a seed
     decode: Literal["auto", "eager", "static", "graph", "compiled", "speculative"] = "auto"
     speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (the last kept + W-1 drafts)

@@ -84,7 +84,7 @@ def eval_temperatures(cfg: Config) -> list[float]:
 def eval_params(cfg: Config, temperature: float | None = None) -> SamplingParams:
     """Sampling settings of `eval` and `sample`: at `temperature`, else at the report's headline one. A run that
     trained with sample.decode=graph, read where run.device has no CUDA, decodes with the same fixed-shape step
-    unrecorded (`static`): the same tokens for the same seeds (sampling.py)."""
+    unrecorded (`static`): the same tokens for the same seeds (sampling/decode.py)."""
     params = SamplingParams.from_config(cfg.sample, temperature or eval_temperatures(cfg)[0])
     device = resolve_device(cfg.run.device)
     if params.decode == "graph" and not device.startswith("cuda"):

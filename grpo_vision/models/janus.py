@@ -145,7 +145,7 @@ class JanusImagePolicy(nn.Module):
         return cond.masked_fill(~keep, self.pad_id)  # [B, L]
 
     def new_cache(self, batch_size: int, static: bool = False, extra: int = 0) -> JanusCache:
-        """`extra` positions past the image: a speculative window's (speculative.py)."""
+        """`extra` positions past the image: a speculative window's (sampling/speculative.py)."""
         return JanusCache(static, room=self.num_image_tokens + extra)  # `prefill` allocates the keys: they need L
 
     def prefill(self, cond: torch.Tensor, cache: JanusCache) -> torch.Tensor:
@@ -211,7 +211,7 @@ class JanusImagePolicy(nn.Module):
         """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`),
         through `_step`'s math: keys and values written there, each attending over the cache up to its own position
         (stale keys after it and left padding masked); the next token's logits at each `[B, W, K]`. Speculative
-        decoding's verify pass (speculative.py)."""
+        decoding's verify pass (sampling/speculative.py)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         lm, (B, W), T = self.model.model.language_model, tokens.shape, cache.k.shape[3]

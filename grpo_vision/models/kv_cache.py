@@ -4,7 +4,7 @@ Eager decoding attends over `keys[:pos + 1]`, a shape that grows every step. A *
 preallocated at its full length (zeros where nothing is written yet), the step's position is a tensor on
 the device (`position`), keys and values are written there with `index_copy_`, and attention runs over the
 whole cache with the keys after `position` masked out. Every tensor then keeps its shape and address from
-step to step, so the step can be recorded once as a CUDA graph and replayed (`sampling.record_step`; the
+step to step, so the step can be recorded once as a CUDA graph and replayed (`sampling/decode.py` record_step; the
 same idea as gpt-fast's and LlamaGen's `torch.compile(mode="reduce-overhead")` decode). Masked keys get a
 weight of exactly 0 (and their zero values add nothing), so both paths compute the same function; only the
 order of a sum may differ, in the last bit.

@@ -258,7 +258,7 @@ class LlamaGenPolicy(nn.Module):
         return rows.to(cond.dtype) * valid  # [B, L, C]
 
     def new_cache(self, batch_size: int, static: bool = False, extra: int = 0) -> LlamaGenCache:
-        """`extra` positions past the image: a speculative window's (speculative.py)."""
+        """`extra` positions past the image: a speculative window's (sampling/speculative.py)."""
         c, w = self.cfg, self.output.weight
         shape = (c.n_layer, batch_size, c.n_kv_head, c.cls_token_num + c.num_image_tokens + extra, c.dim // c.n_head)
         k, v, position = new_kv(shape, w.dtype, w.device, static)
@@ -283,7 +283,7 @@ class LlamaGenPolicy(nn.Module):
         """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`),
         through the blocks' math: keys and values written there, each attending over the cache up to its own
         position (stale keys after it and caption padding masked); the next token's logits at each `[B, W, K]`.
-        Speculative decoding's verify pass (speculative.py)."""
+        Speculative decoding's verify pass (sampling/speculative.py)."""
         (B, W), T = tokens.shape, cache.k.shape[3]
         x = self.tok_embeddings(tokens)  # [B, W, dim]
         pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]

@@ -83,7 +83,7 @@ def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, 
                       cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
                       prompts: list[str] = SPECULATIVE_PROMPTS, device: str = "cpu",
                       plan: PlanParams | None = None) -> dict:
-    """Speculative decoding (speculative.py) against plain decoding: forward passes per image and tokens accepted
+    """Speculative decoding (sampling/speculative.py) against plain decoding: forward passes per image and tokens accepted
     per pass (the figure that transfers across devices: a GPU's decode step costs about the same for 1 or W tokens a
     row), with the wall-clock beside it (a CPU is bound by arithmetic, so W tokens a row cost about W times one).
     `group` seeds per prompt, as a GRPO group; both draft kinds at window `window`. Plain decoding is the fixed-shape
@@ -91,7 +91,7 @@ def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, 
     (a run's sample.plan) each image's plan is drawn first by training's own function (rollouts.condition), once
     for all paths, and the image stage is timed on the condition it makes (the prompt and its plan)."""
     from grpo_vision.rollouts import condition
-    from grpo_vision.speculative import sample_speculative
+    from grpo_vision.sampling.speculative import sample_speculative
 
     torch.manual_seed(0)
     policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval().to(device)

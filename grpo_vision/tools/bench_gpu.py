@@ -91,7 +91,7 @@ def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repea
     from grpo_vision.config import load_config
     from grpo_vision.policy import load_bundle
     from grpo_vision.sampling import SamplingParams, sample
-    from grpo_vision.speculative import sample_speculative
+    from grpo_vision.sampling.speculative import sample_speculative
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     p = preset(name)
@@ -166,7 +166,7 @@ def bench_preset_steps(name: str, directory: str | Path, G: int = 16, dtype: str
             overrides.append(f"train.micro_batch_size={G}")
 
         # a compiled decode compiles at its first rollout and, for a Janus cache of another prompt length, once more
-        # for any length (sampling.compiled_decode_step): two untimed steps
+        # for any length (sampling/decode.py, compiled_decode_step): two untimed steps
         warm = max(warmup, 2) if "sample.decode=compiled" in overrides else warmup
 
         def run(config=config, overrides=overrides, warm=warm):  # the preset is written when the first item runs

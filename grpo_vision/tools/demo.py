@@ -4,7 +4,7 @@
 
 Each side picks a checkpoint step or the run's reference; image i of both sides is drawn with seed
 `seed + i` (sampling draws per-image streams, so it depends on (prompt, seed) only, see
-sampling.py), so differences between the galleries come from the weights. Every image is captioned
+sampling/), so differences between the galleries come from the weights. Every image is captioned
 with each configured reward's score and, where the policy kind has a judge (ShapesWorld's exact
 checker), its verdict per attribute, for a reward that gives reasons (the `geneval` reward), why
 the image lost points, and, for a run that plans before it draws (sample.plan), the image's text

@@ -317,7 +317,7 @@ def test_speculative_decoding_verifies_windows_from_per_row_positions(policy):
     """decode_block (speculative.py's verify pass) equals teacher forcing over left-padded rows at their own
     positions, and sample.decode=speculative returns the teacher-forced log-probs."""
     from grpo_vision.sampling import SamplingParams
-    from tests.test_speculative import check_decode_block, check_speculative_sampler
+    from tests.sampling.test_speculative import check_decode_block, check_speculative_sampler
 
     cond = policy.encode_prompts(["a red circle", "a blue square left of a red circle", "a blue circle"])
     check_decode_block(policy, cond, atol=1e-4)

@@ -12,7 +12,7 @@ from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig, covere
 from grpo_vision.models.llama_hf import export
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 from test_policy import decode_all
-from test_speculative import check_decode_block
+from tests.sampling.test_speculative import check_decode_block
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
 ATTRIBUTES = ["red", "blue", "circle", "square", "small", "big"]

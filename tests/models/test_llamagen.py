@@ -659,7 +659,7 @@ def test_a_run_folders_own_image_size_wins_over_the_config_continuing_it(tmp_pat
 def test_speculative_decoding_verifies_windows_from_per_row_positions(mode, c2i, t2i):
     """decode_block (speculative.py's verify pass) equals teacher forcing at per-row positions (t2i: over padded
     captions), and sample.decode=speculative returns the teacher-forced log-probs (logits reach ~50 here: 2e-4)."""
-    from tests.test_speculative import check_decode_block, check_speculative_sampler
+    from tests.sampling.test_speculative import check_decode_block, check_speculative_sampler
 
     policy = c2i if mode == "c2i" else t2i
     cond = policy.encode_prompts(["3", "7 dogs", "class 9"] if mode == "c2i" else PROMPTS)

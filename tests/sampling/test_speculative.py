@@ -10,10 +10,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from grpo_vision import speculative
+from grpo_vision.sampling import speculative
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
 from grpo_vision.sampling import SamplingParams, sequence_logprobs, target_logp
-from grpo_vision.speculative import residual, speculative_decode, speculative_uniforms, verify
+from grpo_vision.sampling.speculative import residual, speculative_decode, speculative_uniforms, verify
 
 DRAWS = 20_000
 # CFG, temperature != 1, top-k and top-p all on: top-k 3 of 4 codes, and top-p 0.85 leaves 34 of top-k's 81 images

@@ -9,7 +9,7 @@ min(1, p(x) / q(x)), p the target at its position given the tokens before it; at
 drawn from the residual norm(max(0, p - q)) and the rest of the window is dropped; a window whose drafts all pass
 takes one more token from the next position's target. Each kept or redrawn token is then distributed as p given the
 tokens kept before it, so a whole image is distributed exactly as plain decoding's. The target p is
-`sampling.target_logp`: CFG, temperature, top-k and top-p applied as the plain sampler applies them.
+`distribution.target_logp`: CFG, temperature, top-k and top-p applied as the plain sampler applies them.
 
 The drafts are Jacobi's: the next window's draft for each position is drawn from this forward's prediction there
 (computed from drafts that may since have been rejected), and positions this forward did not reach start from its
@@ -32,9 +32,10 @@ from typing import Callable
 
 import torch
 
-from grpo_vision.sampling import (
-    Rollout, SamplingParams, entropy_of, inverse_cdf, reported_logp, seeded_uniforms, target_logp,
+from grpo_vision.sampling.distribution import (
+    SamplingParams, entropy_of, inverse_cdf, reported_logp, seeded_uniforms, target_logp,
 )
+from grpo_vision.sampling.sequences import Rollout
 
 
 @dataclass
