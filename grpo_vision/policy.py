@@ -114,8 +114,9 @@ class PlanningPolicy(Protocol):
         token), for `prefill`, `image_logits` and `null_condition` as `encode_prompts`'s are."""
         ...
 
-    # and `forward(cond, tokens, plan=None)`: with a `sampling.Plan`, (image logits, plan logits), so that one call
-    # of the module (DDP's and FSDP's hooks) gives both segments of a training forward; optionally
+    # and, in place of ImagePolicy's, `forward(cond, tokens, plan) -> (image logits, plan logits)` for the rows'
+    # plan segment (a `sampling.Plan`, T = 0 without a text stage: plan logits `[B, 0, V]`), so that one call of the
+    # module (DDP's and FSDP's hooks) gives both segments of a training forward; optionally
     # `plan_prompting(template) -> dict`, how it wraps both stages' text, which an export records (export.py)
 
 

@@ -206,8 +206,9 @@ def verdict_rates(verdicts: Sequence[dict | None], keys: Sequence[str]) -> dict[
 def kl_to(reference, samples: Samples, params: SamplingParams, batch_size: int) -> torch.Tensor:
     """The mean per-token k3 KL `[n]` of each image's sampling distribution to `reference` (a policy), on the
     image's own tokens: grpo.k3_kl, the estimator training logs."""
-    ref = batched_logprobs(reference, samples.cond, samples.rollout.tokens, params, batch_size)
-    return k3_kl(samples.rollout.logprobs, ref).mean(1)
+    rollout = samples.rollout
+    ref = batched_logprobs(reference, samples.cond, rollout, params, batch_size)[:, rollout.plan.width:]  # [n, N]
+    return k3_kl(rollout.logprobs, ref).mean(1)
 
 
 @dataclass

@@ -39,7 +39,7 @@ def test_the_kl_a_measurement_reports_is_the_one_training_logs(tiny_policy, one_
     samples = draw(tiny_policy, NoImages(), entries, seeds, params, 4)
     cond, rollout = samples.cond, samples.rollout
     measured = kl_to(reference, samples, params, 4)  # [4]
-    ref = batched_logprobs(reference, cond, rollout.tokens, params, 4)
+    ref = batched_logprobs(reference, cond, rollout, params, 4)
     batch = UpdateBatch.of(cond, rollout, rollout.logprobs, ref, torch.tensor([1.0, -1.0, 0.5, -0.5]))
     logged = update(learner_of(tiny_policy), batch, params, UpdatePlan(LossParams(), micro_batch=2, reference=True),
                     seed=0, step=0)["loss/kl"]

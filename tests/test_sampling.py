@@ -126,7 +126,7 @@ def test_recomputed_logprobs_equal_rollout_logprobs(tiny_policy, params, decode)
     policy = tiny_policy.to(device_for(decode))
     cond = policy.encode_prompts(PROMPTS * 4)
     rollout = sample(policy, cond, list(range(12)), replace(params, decode=decode))
-    recomputed = sequence_logprobs(policy, cond, rollout.tokens, params)  # with grad, one pass
+    recomputed = sequence_logprobs(policy, cond, rollout, params)  # with grad, one pass
     assert recomputed.requires_grad
     ratio = (recomputed - rollout.logprobs).exp()
     torch.testing.assert_close(ratio, torch.ones_like(ratio), atol=1e-4, rtol=0)

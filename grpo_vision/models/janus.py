@@ -235,11 +235,10 @@ class JanusImagePolicy(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.model.generation_head(lm.norm(x))  # [B, W, K]
 
-    def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan=None):
-        """`image_logits`; with a plan (a `sampling.Plan`: `.ids` `[B, L]`, `.tokens` `[B, T]`), (image logits,
-        plan logits), so that one call of the module (DDP's and FSDP's hooks) gives both segments."""
-        if plan is None:
-            return self.image_logits(cond, tokens)
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training's one call of the module for both segments of a sequence (DDP's and FSDP's hooks run once):
+        (image logits `[B, N, K]`, plan logits `[B, T, V]`) for the rows' plan segment (a `sampling.Plan`: `.ids`
+        `[B, L]`, `.tokens` `[B, T]`; T = 0 without a text stage). `image_logits` is the image alone."""
         return self.image_logits(cond, tokens), self.plan_logits(plan.ids, plan.tokens)
 
     def gradient_checkpointing_enable(self) -> None:
@@ -294,6 +293,8 @@ class JanusImagePolicy(nn.Module):
     def plan_logits(self, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced `[B, T, V]` float32, with grad: positions L-1 .. L+T-2 of `ids + tokens[:, :-1]` predict
         plan tokens 0 .. T-1 (T2I-R1's text log-probs, one forward through the language model and lm_head)."""
+        if tokens.shape[1] == 0:  # an empty plan segment (no text stage): nothing to run
+            return self.model.lm_head.weight.new_zeros(tokens.shape[0], 0, self.plan_vocab_size).float()
         ids, mask = self._ids_and_mask(ids)  # [B, L] each
         x = self._embed_text(torch.cat([ids, tokens[:, :-1]], dim=1))  # [B, L+T-1, D]
         mask = torch.cat([mask, mask.new_ones(tokens[:, :-1].shape)], dim=1)  # [B, L+T-1]

@@ -134,21 +134,21 @@ def guided_logits(cond: torch.Tensor, uncond: torch.Tensor | None, cfg_scale: fl
     return cond if uncond is None else uncond + cfg_scale * (cond - uncond)  # [..., K]
 
 
-def token_logprobs(cond: torch.Tensor, uncond: torch.Tensor | None, tokens: torch.Tensor,
-                   params: SamplingParams, with_entropy: bool = False):
-    """Log-probs `[...]` of known `tokens` under `params.logprob_mode`; the one formula for both paths.
-    `with_entropy`: (log-probs, the entropy `[...]` of the same distribution at each position)."""
+def scoring_logp(cond: torch.Tensor, uncond: torch.Tensor | None, tokens: torch.Tensor,
+                 params: SamplingParams) -> torch.Tensor:
+    """Log-probs `[..., K]` of the distribution known `tokens` `[...]` are scored under, per `params.logprob_mode`:
+    the one formula of both paths (the rollout draws from `target_logp`, which it equals where the token is kept)."""
     cond, uncond = cond.float(), None if uncond is None else uncond.float()
     if params.logprob_mode == "conditional":
-        logits = cond / params.temperature  # [..., K]
-    else:
-        logits = guided_logits(cond, uncond, params.cfg_scale) / params.temperature  # [..., K]
-        logits = filter_logits(logits, params.top_k, params.top_p, keep=tokens)
-    logp = logits.log_softmax(-1)  # [..., K]
-    picked = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
-    if not with_entropy:
-        return picked
-    return picked, -(logp.exp() * logp.masked_fill(logp == float("-inf"), 0.0)).sum(-1)  # [...] each
+        return (cond / params.temperature).log_softmax(-1)  # [..., K]
+    logits = guided_logits(cond, uncond, params.cfg_scale) / params.temperature  # [..., K]
+    return filter_logits(logits, params.top_k, params.top_p, keep=tokens).log_softmax(-1)  # [..., K]
+
+
+def token_logprobs(cond: torch.Tensor, uncond: torch.Tensor | None, tokens: torch.Tensor,
+                   params: SamplingParams) -> torch.Tensor:
+    """Log-probs `[...]` of known `tokens` under `params.logprob_mode` (`scoring_logp`)."""
+    return scoring_logp(cond, uncond, tokens, params).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def target_logp(cond: torch.Tensor, uncond: torch.Tensor | None, params: SamplingParams) -> torch.Tensor:

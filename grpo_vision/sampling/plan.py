@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from grpo_vision.sampling.distribution import PlanParams, sample_token, seeded_uniforms, token_logprobs
+from grpo_vision.sampling.distribution import PlanParams, sample_token, seeded_uniforms
 from grpo_vision.sampling.sequences import Plan
 
 
@@ -49,18 +49,7 @@ def sample_plan(policy, prompts: Sequence[str], seeds: Sequence[int], params: Pl
     return plan
 
 
-def plan_logprobs(logits: torch.Tensor, plan: Plan, params: PlanParams, with_entropy: bool = False):
-    """Log-probs `[B, T]` of the plan's tokens from teacher-forced plan logits `[B, T', V]` (T' <= T: the batch's
-    longest plan), 0 outside its mask, with the settings it was sampled with (`with_entropy`: and entropies)."""
-    used = logits.shape[1]
-    picked = token_logprobs(logits, None, plan.tokens[:, :used], params.distribution, with_entropy)
-    outs = picked if with_entropy else (picked,)
-    mask = plan.mask
-    padded = [torch.cat([x, x.new_zeros(x.shape[0], mask.shape[1] - used)], 1).masked_fill(~mask, 0.0) for x in outs]
-    return tuple(padded) if with_entropy else padded[0]
-
-
 def plan_width(plan: Plan) -> int:
     """The teacher-forced plan positions a batch needs: up to its longest plan's end token."""
     seen = plan.mask.any(0).nonzero()
-    return int(seen[-1]) + 1 if len(seen) else 1
+    return int(seen[-1]) + 1 if len(seen) else 0

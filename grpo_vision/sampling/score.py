@@ -5,46 +5,65 @@ the rollout's (distribution.py), so that the first update's ratio is 1 (a test c
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from grpo_vision.policy import ImagePolicy
-from grpo_vision.sampling.distribution import SamplingParams, token_logprobs
-from grpo_vision.sampling.plan import plan_logprobs, plan_width
-from grpo_vision.sampling.sequences import Plan
+from grpo_vision.policy import ImagePolicy, PlanningPolicy
+from grpo_vision.sampling.distribution import PlanParams, SamplingParams, entropy_of, scoring_logp
+from grpo_vision.sampling.plan import plan_width
+from grpo_vision.sampling.sequences import Rollout
 
 
-def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor,
-                      params: SamplingParams, with_entropy: bool = False, plan: Plan | None = None):
-    """Teacher-forced log-probs `[B, N]` of `tokens` `[B, N]`, with gradients, in one forward pass
-    (`with_entropy`: and each position's entropy `[B, N]`, the entropy bonus's and STAGE's).
+def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams) -> torch.Tensor:
+    """Teacher-forced log-probs `[B, T + N]` of the rollouts' sequences (`Rollout`: a plan segment of T positions,
+    T = 0 without a text stage, then N image tokens) given their condition rows `cond` `[B, L]`, with gradients, in
+    one call of the module: the plan's log-probs (0 after its end), then the image's.
 
-    Equal to `sample(...).logprobs` for the same policy weights (a test checks ratio == 1). With the rows' `plan`:
-    `[B, T + N]`, the plan's log-probs (`plan_logprobs`, 0 after its end) before the image's, from one call of the
-    module (`forward(cond, tokens, plan)`), so that DDP's and FSDP's hooks see one forward for both segments.
-    """
-    B = cond.shape[0]
-    plan = plan if plan is not None and plan.width else None  # T = 0: the image segment is the whole sequence
+    Equal to `sample(...).logprobs` for the same policy weights (a test checks ratio == 1)."""
+    return _scores(policy, cond, rollout, params, with_entropy=False)[0]
+
+
+def sequence_logprobs_and_entropy(policy: ImagePolicy, cond: torch.Tensor, rollout: Rollout,
+                                  params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs` and each position's entropy `[B, T + N]` (the entropy bonus's and STAGE's), both with
+    gradients."""
+    return _scores(policy, cond, rollout, params, with_entropy=True)
+
+
+def _scores(policy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams, with_entropy: bool):
+    """(log-probs, entropies or None) `[B, T + N]` of the rollouts' sequences."""
+    B, tokens = cond.shape[0], rollout.tokens
     guided = params.guided and params.logprob_mode == "guided"  # conditional mode needs the conditional branch only
+    module = getattr(policy, "module", policy)  # a DDP wrapper keeps the policy in .module
     if guided:
-        null = getattr(policy, "module", policy).null_condition(cond)  # a DDP wrapper keeps the policy in .module
-        rows, image_tokens = torch.cat([cond, null]), tokens.repeat(2, 1)  # [2B, L], [2B, N]
+        rows, image_tokens = torch.cat([cond, module.null_condition(cond)]), tokens.repeat(2, 1)  # [2B, L], [2B, N]
     else:
         rows, image_tokens = cond, tokens
-    # the policy is called (its forward is image_logits), so that a DDP or FSDP wrapper's hooks run
-    if plan is None:
-        logits, text = policy(rows, image_tokens), None  # [2B or B, N, K]
-    else:  # the forward stops at the batch's longest plan's end: [2B or B, N, K], [B, T', V]
-        logits, text = policy(rows, image_tokens, dataclasses.replace(plan, tokens=plan.tokens[:, :plan_width(plan)]))
+    # the policy itself is called, so that a DDP or FSDP wrapper's hooks run, once for both segments: a kind that
+    # plans (policy.PlanningPolicy) takes the plan segment up to the batch's longest plan's end (T' <= T)
+    plan = rollout.plan.clip(plan_width(rollout.plan))
+    if isinstance(module, PlanningPolicy):
+        logits, text = policy(rows, image_tokens, plan)  # [2B or B, N, K], [B, T', V]
+    else:  # a kind without a text stage: its plan segments are empty
+        logits, text = policy(rows, image_tokens), logits_of_no_plan(B, cond.device)
     c, un = (logits[:B], logits[B:]) if guided else (logits, None)
-    image = token_logprobs(c, un, tokens, params, with_entropy)  # [B, N]
-    if plan is None:
-        return image
-    planned = plan_logprobs(text.float(), plan, params.plan, with_entropy)  # [B, T]
-    if not with_entropy:
-        return torch.cat([planned, image], 1)  # [B, T + N]
-    return torch.cat([planned[0], image[0]], 1), torch.cat([planned[1], image[1]], 1)
+    image = picked(scoring_logp(c, un, tokens, params), tokens, with_entropy)  # [B, N] each
+    text_logp = scoring_logp(text, None, plan.tokens, (params.plan or PlanParams()).distribution)  # [B, T', V]
+    # 0 past each plan's end and past T' (every row's plan segment is T wide)
+    planned = [torch.cat([x, x.new_zeros(B, rollout.plan.width - plan.width)], 1).masked_fill(~rollout.plan.mask, 0.0)
+               for x in picked(text_logp, plan.tokens, with_entropy)]  # [B, T] each
+    scores = [torch.cat([a, b], 1) for a, b in zip(planned, image)]  # [B, T + N] each
+    return scores[0], scores[1] if with_entropy else None
+
+
+def picked(logp: torch.Tensor, tokens: torch.Tensor, with_entropy: bool) -> list[torch.Tensor]:
+    """The log-probs `[...]` of `tokens` in `logp` `[..., K]`, and with `with_entropy` each position's entropy."""
+    chosen = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return [chosen, entropy_of(logp)] if with_entropy else [chosen]
+
+
+def logits_of_no_plan(rows: int, device) -> torch.Tensor:
+    """The plan logits `[rows, 0, 0]` of a kind that does not plan: a segment of no positions."""
+    return torch.zeros(rows, 0, 0, device=device)
 
 
 def micro_batches(rows: int | torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
@@ -55,14 +74,18 @@ def micro_batches(rows: int | torch.Tensor, size: int) -> tuple[torch.Tensor, ..
 
 
 @torch.no_grad()
-def batched_logprobs(policy: ImagePolicy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                     micro_batch: int, with_entropy: bool = False, plan: Plan | None = None):
-    """`sequence_logprobs` without gradients, `micro_batch` rows a forward pass: `[B, N]` (the old and
-    the reference log-probs of a step; `with_entropy`: and the entropies `[B, N]`; with a `plan`, `[B, T + N]`)."""
-    parts = [sequence_logprobs(policy, cond[idx], tokens[idx], params, with_entropy,
-                               None if plan is None else plan.select(idx))
-             for idx in micro_batches(cond.shape[0], micro_batch)]
-    if not with_entropy:
-        return torch.cat(parts)
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+def batched_logprobs(policy: ImagePolicy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams,
+                     micro_batch: int) -> torch.Tensor:
+    """`sequence_logprobs` `[B, T + N]` without gradients, `micro_batch` rows a forward pass (the old and the
+    reference log-probs of a step)."""
+    return torch.cat([sequence_logprobs(policy, cond[idx], rollout.select(idx), params)
+                      for idx in micro_batches(cond.shape[0], micro_batch)])
 
+
+@torch.no_grad()
+def batched_logprobs_and_entropy(policy: ImagePolicy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams,
+                                 micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sequence_logprobs_and_entropy` without gradients, in micro-batches (STAGE's entropies)."""
+    parts = [sequence_logprobs_and_entropy(policy, cond[idx], rollout.select(idx), params)
+             for idx in micro_batches(cond.shape[0], micro_batch)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

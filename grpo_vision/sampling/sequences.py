@@ -34,6 +34,11 @@ class Plan:  # the text stage of B rollouts; every row T = max_tokens wide
         """T, the plan segment's positions (0 without a text stage)."""
         return self.tokens.shape[1]
 
+    def clip(self, width: int) -> "Plan":
+        """The plan's first `width` positions (T' <= T), every row kept: what a teacher-forced pass reads."""
+        return Plan(self.ids, *(getattr(self, f)[:, :width] for f in ("tokens", "mask", "logprobs", "entropy")),
+                    self.texts, self.prompts)
+
     def select(self, rows: torch.Tensor) -> "Plan":
         """The plan of `rows` (an index tensor or a bool mask `[B]`)."""
         index = rows.nonzero().squeeze(1) if rows.dtype == torch.bool else rows

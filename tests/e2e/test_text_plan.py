@@ -13,7 +13,7 @@ from grpo_vision.grpo import LossParams, TokenWeights, grpo_loss, k3_kl
 from grpo_vision.models.llama import BOI, BOS, NULL, PAD, LlamaImagePolicy, LlamaPolicyConfig
 from grpo_vision.policy import check_plan_template, check_planning
 from grpo_vision.sampling import (
-    PlanParams, SamplingParams, batched_logprobs, sample, sample_plan, sequence_logprobs, token_logprobs,
+    PlanParams, Rollout, SamplingParams, batched_logprobs, sample, sample_plan, sequence_logprobs, token_logprobs,
 )
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
@@ -58,13 +58,14 @@ def test_the_teacher_forced_plan_logprobs_are_the_samplers_and_a_plain_softmax_i
     plan = sample_plan(planner, PROMPTS * 2, list(range(8)), PLAN)
     cond = planner.plan_condition(PROMPTS * 2, plan.token_lists(planner.plan_end_id))
     params = SamplingParams(cfg_scale=2.0, top_k=5, plan=PLAN)
-    rollout = sample(planner, cond, list(range(8)), params)
-    scored = sequence_logprobs(planner, cond, rollout.tokens, params, plan=plan)  # [B, T + N]
+    drawn = sample(planner, cond, list(range(8)), params)
+    rollout = Rollout(drawn.tokens, drawn.logprobs, drawn.entropy, plan)
+    scored = sequence_logprobs(planner, cond, rollout, params)  # [B, T + N]
     T = PLAN.max_tokens
     assert scored.shape == (8, T + planner.num_image_tokens)
     torch.testing.assert_close(scored[:, :T], plan.logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(scored[:, T:], rollout.logprobs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(batched_logprobs(planner, cond, rollout.tokens, params, 3, plan=plan), scored,
+    torch.testing.assert_close(batched_logprobs(planner, cond, rollout, params, 3), scored,
                                atol=1e-6, rtol=0)
     plain = token_logprobs(planner.plan_logits(plan.ids, plan.tokens), None, plan.tokens,
                            dataclasses.replace(PLAN.distribution, temperature=1.0, top_k=0, top_p=1.0))
@@ -134,13 +135,14 @@ def test_the_kl_covers_the_plan_tokens(planner, one_thread):
     plan = sample_plan(planner, PROMPTS, [1, 2, 3, 4], PLAN)
     cond = planner.plan_condition(PROMPTS, plan.token_lists(planner.plan_end_id))
     params = SamplingParams(plan=PLAN)
-    tokens = sample(planner, cond, [1, 2, 3, 4], params).tokens
+    drawn = sample(planner, cond, [1, 2, 3, 4], params)
+    rollout = Rollout(drawn.tokens, drawn.logprobs, drawn.entropy, plan)
     ref_model = copy.deepcopy(planner)
     with torch.no_grad():
         start = planner.cfg.plan_offset + 1
         ref_model.lm_head.weight[start:] += 0.3 * torch.randn_like(ref_model.lm_head.weight[start:])
-    logp = sequence_logprobs(planner, cond, tokens, params, plan=plan)
-    ref = sequence_logprobs(ref_model, cond, tokens, params, plan=plan)
+    logp = sequence_logprobs(planner, cond, rollout, params)
+    ref = sequence_logprobs(ref_model, cond, rollout, params)
     kl = k3_kl(logp, ref)  # [B, T + N]
     T = PLAN.max_tokens
     assert (kl[:, T:] == 0).all() and (kl[:, :T][plan.mask] > 0).any() and (kl[:, :T][~plan.mask] == 0).all()
@@ -148,7 +150,6 @@ def test_the_kl_covers_the_plan_tokens(planner, one_thread):
 
 def _update_grads(planner, plan_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient of one GRPO loss on both segments with respect to the plan rows and codebook rows of lm_head."""
-    from grpo_vision.sampling import Rollout
     from grpo_vision.step.update import UpdateBatch
 
     seeds = list(range(8))

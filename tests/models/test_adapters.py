@@ -25,7 +25,7 @@ def moved_adapter(tiny_policy, kind):
     base = copy.deepcopy(tiny_policy)
     policy = add_adapter(tiny_policy, kind, rank=4, alpha=8.0, targets=["q_proj", "v_proj", "up_proj"])
     cond = policy.encode_prompts(["a red circle", "a blue square"])
-    tokens = sample(policy, cond, [1, 2], PARAMS).tokens
+    tokens = sample(policy, cond, [1, 2], PARAMS)  # the rollouts whose sequences are scored
     with torch.no_grad():  # a fresh adapter changes nothing: its update starts at zero
         torch.testing.assert_close(sequence_logprobs(policy, cond, tokens, PARAMS),
                                    sequence_logprobs(base, cond, tokens, PARAMS), atol=1e-6, rtol=0)
@@ -93,8 +93,8 @@ def test_an_adapter_run_trains_saves_and_loads_back(micro_world, tmp_path, kind)
     with ctx, torch.no_grad():  # the demo's reference side: adapter off is the base policy, image for image
         assert torch.equal(sample(model, cond, [3, 4], PARAMS).tokens, sample(base, cond, [3, 4], PARAMS).tokens)
     with torch.no_grad():
-        on = sequence_logprobs(loaded.policy, cond, sample(base, cond, [3, 4], PARAMS).tokens, PARAMS)
-        off = sequence_logprobs(base, cond, sample(base, cond, [3, 4], PARAMS).tokens, PARAMS)
+        on = sequence_logprobs(loaded.policy, cond, sample(base, cond, [3, 4], PARAMS), PARAMS)
+        off = sequence_logprobs(base, cond, sample(base, cond, [3, 4], PARAMS), PARAMS)
     assert (on - off).abs().max() > 0  # and adapter on is the trained policy
 
 
@@ -247,7 +247,7 @@ def test_in_bf16_a_merged_rollout_drifts_from_the_update_as_much_as_an_unmerged_
         with merged_adapter(policy) if merge else contextlib.nullcontext():
             rollout = sample(policy, cond, list(range(32)), PARAMS)
         with torch.no_grad():
-            drift[merge] = (sequence_logprobs(policy, cond, rollout.tokens, PARAMS) - rollout.logprobs).abs().mean()
+            drift[merge] = (sequence_logprobs(policy, cond, rollout, PARAMS) - rollout.logprobs).abs().mean()
     assert 0 < drift[False] < 0.02 and drift[True] < 1.5 * drift[False]
 
 

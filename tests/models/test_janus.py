@@ -148,7 +148,7 @@ MODES = [SamplingParams(cfg_scale=3.0), SamplingParams(cfg_scale=2.0, temperatur
 def test_rollout_logprobs_equal_teacher_forced_logprobs(policy, params):
     cond = policy.encode_prompts(PROMPTS * 2)  # with left-padded rows
     rollout = sample(policy, cond, list(range(6)), params)
-    logp = sequence_logprobs(policy, cond, rollout.tokens, params)
+    logp = sequence_logprobs(policy, cond, rollout, params)
     diff = (logp - rollout.logprobs).abs().max().item()
     print(f"max |rollout - teacher-forced logprob| = {diff:.2e}")
     assert diff < 1e-5  # the ratio is 1 before the first update
@@ -221,7 +221,7 @@ def test_loading_sampling_and_scoring_use_no_deprecated_transformers_names(janus
             cond = policy.encode_prompts(PROMPTS)
             params = SamplingParams(cfg_scale=3.0)
             rollout = sample(policy, cond, list(range(3)), params)  # prefill (transformers' forward) and decode
-            sequence_logprobs(policy, cond, rollout.tokens, params)  # the teacher-forced forward
+            sequence_logprobs(policy, cond, rollout, params)  # the teacher-forced forward
             policy.image_tokenizer().decode(rollout.tokens)
     finally:
         hf_logging.get_logger().removeHandler(handler)

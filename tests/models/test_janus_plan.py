@@ -110,7 +110,9 @@ def test_one_forward_gives_both_segments_and_each_reaches_the_backbone(policy):
     with torch.no_grad():
         assert torch.equal(image, policy.image_logits(cond, tokens))
         assert torch.equal(text, policy.plan_logits(plan.ids, plan.tokens))
-    assert torch.equal(policy(cond, tokens), image)  # without a plan: the image logits alone
+    empty = SimpleNamespace(ids=ids[:, :0], tokens=plan.tokens[:, :0])  # a rollout without a text stage: T = 0
+    image_alone, no_text = policy(cond, tokens, empty)
+    assert torch.equal(image_alone, image) and no_text.shape == (2, 0, policy.plan_vocab_size)
     trainable = {n: p for n, p in policy.named_parameters() if p.requires_grad}
     backbone = [n for n in trainable if ".language_model.layers." in n]
     assert backbone and not any(n.startswith(("model.lm_head", "model.model.language_model.embed_tokens"))
@@ -173,14 +175,14 @@ def test_sampled_plan_logprobs_equal_the_teacher_forced_ones(policy, plan):
     assert (planned.logprobs[planned.mask] < 0).all()
     assert plan or planned.mask.sum() < planned.mask.numel()  # at T = 1 some plan ends on <eos> before the cap
     with torch.no_grad():
-        scored = sequence_logprobs(policy, drawn.cond, rollout.tokens, params, plan=planned)  # [B, T + N]
+        scored = sequence_logprobs(policy, drawn.cond, rollout, params)  # [B, T + N]
     drift = (scored[:, :T] - planned.logprobs).abs().max().item()
     print(f"max |plan logprob drift| = {drift:.2e}")
     assert drift < 1e-5 and (scored[:, T:] - rollout.logprobs).abs().max() < 1e-5
     # chunks of 4 (each plan sliced, its prompts padded as in the chunk) score what the whole batch does, up to float
     # rounding: a [4, L] and a [6, L] matmul may sum in another order, and did with two OpenMP threads on a 2-core
     # CPU (PyTorch's "Reproducibility" notes promise no bitwise equality across batch sizes)
-    chunked = batched_logprobs(policy, drawn.cond, rollout.tokens, params, 4, plan=planned)
+    chunked = batched_logprobs(policy, drawn.cond, rollout, params, 4)
     assert chunked.shape == scored.shape and (chunked - scored).abs().max() < 1e-5
     if plan:
         plain = token_logprobs(policy.plan_logits(planned.ids, planned.tokens).detach(), None, planned.tokens,

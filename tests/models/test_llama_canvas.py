@@ -102,7 +102,7 @@ def test_decode_block_and_the_speculative_sampler_read_the_canvas(canvas_policy)
     for decode in ("eager", "static", "speculative"):
         rollout = sample(policy, cond, [0, 1, 2], dataclasses.replace(params, decode=decode))
         with torch.no_grad():
-            scored = sequence_logprobs(policy, cond, rollout.tokens, params)
+            scored = sequence_logprobs(policy, cond, rollout, params)
         torch.testing.assert_close(rollout.logprobs, scored, atol=1e-5, rtol=0)
 
 

@@ -136,7 +136,7 @@ def test_rollout_logprobs_equal_teacher_forced_logprobs(mode, params, c2i, t2i):
     policy = c2i if mode == "c2i" else t2i
     cond = policy.encode_prompts(["3", "7 dogs", "class 9"] if mode == "c2i" else PROMPTS)  # captions of 4, 7, 8 tokens
     rollout = sample(policy, cond, [0, 1, 2], params)
-    logp = sequence_logprobs(policy, cond, rollout.tokens, params)
+    logp = sequence_logprobs(policy, cond, rollout, params)
     diff = (logp - rollout.logprobs).abs().max().item()
     print(f"{mode} max |rollout - teacher-forced logprob| = {diff:.2e}")
     # the ratio is 1 before the first update, to float32 rounding of guided logits that reach ~50 here

@@ -32,8 +32,8 @@ def shard(policy):
     return policy
 
 
-def step(model, cond, tokens, params, opt) -> float:
-    logp = sequence_logprobs(model, cond, tokens, params)  # [B, N], through forward: FSDP's hooks gather
+def step(model, cond, rollout, params, opt) -> float:
+    logp = sequence_logprobs(model, cond, rollout, params)  # [B, N], through forward: FSDP's hooks gather
     (-logp.mean()).backward()
     norm = as_float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0))
     opt.step()
@@ -56,7 +56,7 @@ def main(world: str, out: str) -> None:
               "logprob_diff": (ours.logprobs - ref.logprobs).abs().max().item(),
               "resharded": type(sharded.lm_head.weight).__name__ == "DTensor"}
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (sharded, plain)]
-    norms = [step(m, cond, ref.tokens, params, o) for m, o in zip((sharded, plain), opts)]
+    norms = [step(m, cond, ref, params, o) for m, o in zip((sharded, plain), opts)]
     result["norm_diff"] = abs(norms[0] - norms[1])
     result["finite"] = weights_finite([p for p in sharded.parameters()])
     weights, full = trainable_weights(sharded), full_state_dict(sharded)  # collectives: every process
@@ -72,7 +72,7 @@ def main(world: str, out: str) -> None:
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     load_optimizer_state(fresh, fresh_opt, load_state(path))
     again = optimizer_state(fresh, fresh_opt)
-    norms = [step(m, cond, ref.tokens, params, o) for m, o in ((sharded, opts[0]), (fresh, fresh_opt))]
+    norms = [step(m, cond, ref, params, o) for m, o in ((sharded, opts[0]), (fresh, fresh_opt))]
     after = [trainable_weights(sharded), trainable_weights(fresh)]
     if dist.get_rank() == 0:
         flat = lambda d, k: d["state"][k]["exp_avg"]  # noqa: E731

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from grpo_vision.sampling import speculative
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.sampling import SamplingParams, sequence_logprobs, target_logp
+from grpo_vision.sampling import SamplingParams, sequence_logprobs, sequence_logprobs_and_entropy, target_logp
 from grpo_vision.sampling.speculative import residual, speculative_decode, speculative_uniforms, verify
 
 DRAWS = 20_000
@@ -148,7 +148,7 @@ def test_returned_logprobs_are_the_teacher_forced_ones(small_policy, params):
     rollout, _ = draw_reference(small_policy, "a red circle", 64, params, 3)
     cond = small_policy.encode_prompts(["a red circle"]).expand(64, -1)
     with torch.no_grad():
-        logp, entropy = sequence_logprobs(small_policy, cond, rollout.tokens, params, with_entropy=True)
+        logp, entropy = sequence_logprobs_and_entropy(small_policy, cond, rollout, params)
     torch.testing.assert_close(rollout.logprobs, logp, atol=1e-5, rtol=0)
     if params.logprob_mode == "guided":  # the entropy of the distribution sampled, as the plain path returns it
         torch.testing.assert_close(rollout.entropy, entropy, atol=1e-5, rtol=0)
@@ -189,7 +189,7 @@ def check_speculative_sampler(policy, cond: torch.Tensor, params: SamplingParams
     spec = replace(params, decode="speculative", speculative_window=W)
     rollout = sample(policy, cond, list(range(B)), spec)
     with torch.no_grad():
-        logp, entropy = sequence_logprobs(policy, cond, rollout.tokens, params, with_entropy=True)
+        logp, entropy = sequence_logprobs_and_entropy(policy, cond, rollout, params)
     torch.testing.assert_close(rollout.logprobs, logp, atol=atol, rtol=0)
     torch.testing.assert_close(rollout.entropy, entropy, atol=atol, rtol=0)
     assert torch.equal(sample(policy, cond[B - 1:], [B - 1], spec).tokens, rollout.tokens[B - 1:])
@@ -220,7 +220,7 @@ def test_the_cached_sampler_draws_the_teacher_forced_loops_tokens(tiny_policy, p
     u = speculative_uniforms(range(6), N, W, N, cond.device)
     slow, _ = speculative_decode(first, teacher_forced_block(policy, rows, N), u, N, W, params, coupled=True)
     assert torch.equal(fast.tokens, slow.tokens)
-    torch.testing.assert_close(fast.logprobs, sequence_logprobs(policy, cond, fast.tokens, params), atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.logprobs, sequence_logprobs(policy, cond, fast, params), atol=1e-5, rtol=0)
     alone = sample(policy, cond[4:5], [4], spec)
     assert torch.equal(alone.tokens, fast.tokens[4:5])
     assert not torch.equal(fast.tokens, sample(policy, cond, list(range(6)), params).tokens)  # other tokens, same law

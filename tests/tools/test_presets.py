@@ -100,5 +100,5 @@ def test_static_rollout_logprobs_equal_teacher_forced_logprobs(name, decode, fol
     params = replace(PARAMS[1], decode=decode)
     cond = policy.encode_prompts(prompts_for(name, 4))
     rollout = sample(policy, cond, list(range(4)), params)
-    diff = (sequence_logprobs(policy, cond, rollout.tokens, params) - rollout.logprobs).abs().max().item()
+    diff = (sequence_logprobs(policy, cond, rollout, params) - rollout.logprobs).abs().max().item()
     assert diff < 1e-5  # the ratio is 1 before the first update
