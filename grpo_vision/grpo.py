@@ -229,18 +229,18 @@ def _token_mean(x: Tensor, dim: int | None = None) -> Tensor:
     return (x.sum() if dim is None else x.sum(dim)) / x.new_full((), n)  # [] or [B*G]
 
 
-def _aggregate(x: Tensor, loss_type: str, rows: Tensor | float | None, count: Tensor) -> Tensor:
+def _aggregate(x: Tensor, loss_type: str, sequences: Tensor | float | None, count: Tensor) -> Tensor:
     """Reduce per-token values `[B*G, N]` (already multiplied by each token's `count` `[B*G, N]`) to a scalar the
     way TRL's `loss_type` does: its token means divide by the count's sums (every token counting 1: the token
     counts, bit for bit). "dr_grpo" divides by Dr. GRPO's constant, sequences * N; "dapo" / "cispo" the token sum
-    by `rows` * N (default: this batch's count)."""
+    by `sequences` * N (default: this batch's count)."""
     if loss_type == "grpo":
         return (x.sum(1) / count.sum(1).clamp(min=1e-6)).mean()
     if loss_type == "dr_grpo":
         return x.sum() / x.numel()
-    if loss_type == "bnpo" or rows is None:
+    if loss_type == "bnpo" or sequences is None:
         return x.sum() / count.sum().clamp(min=1e-6)
-    return x.sum() / (torch.as_tensor(rows, dtype=x.dtype, device=x.device) * x.shape[1])  # dapo, cispo
+    return x.sum() / (torch.as_tensor(sequences, dtype=x.dtype, device=x.device) * x.shape[1])  # dapo, cispo
 
 
 def high_entropy_mask(entropy: Tensor, quantile: float) -> Tensor:
@@ -361,12 +361,12 @@ def _weighted_policy_term(surrogate: Tensor, weight: Tensor, total: Tensor | flo
 
 def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
               p: LossParams = LossParams(), weights: TokenWeights = TokenWeights(), entropy: Tensor | None = None,
-              rows: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+              sequences: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO loss (scalar, to minimise) and detached 0-d metrics.
 
     logprobs/old_logprobs/ref_logprobs: `[B*G, N]` (a plan's and an image's tokens: T + N), constants but the
-    first, ref_logprobs None only with beta 0; advantages: `[B*G]`. Each token counts `weights.count` times. `rows`:
-    the "dapo" / "cispo" divisor in sequences, this process's share of the update's (default: this batch's).
+    first, ref_logprobs None only with beta 0; advantages: `[B*G]`. Each token counts `weights.count` times.
+    `sequences`: the "dapo" / "cispo" divisor, this process's share of the update's sequences (default: this batch's).
     `entropy` `[B*G, N]` (with grad) adds -p.entropy_coef * mean(H) over the counted tokens with a policy term."""
     _check(logprobs, old_logprobs, ref_logprobs, advantages, p.beta)
     old, zeros = old_logprobs.detach(), torch.zeros_like(logprobs)  # [B*G, N] each
@@ -388,11 +388,11 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | Non
     # torch.where: a token that does not count (or has no policy term) adds nothing, whatever its value
     surrogate, kl = torch.where(keep & counted, surrogate * count, zeros), torch.where(counted, kl * count, zeros)
     if weights.policy_weight is None:
-        policy = -_aggregate(surrogate, p.loss_type, rows, count)
-        loss = -_aggregate(surrogate - p.beta * kl, p.loss_type, rows, count)
+        policy = -_aggregate(surrogate, p.loss_type, sequences, count)
+        loss = -_aggregate(surrogate - p.beta * kl, p.loss_type, sequences, count)
     else:
         policy = -_weighted_policy_term(surrogate, weights.policy_weight, weights.policy_total)
-        loss = policy + p.beta * _aggregate(kl, p.loss_type, rows, count)
+        loss = policy + p.beta * _aggregate(kl, p.loss_type, sequences, count)
     metrics = {"policy_loss": policy} | ({} if entropy is None else {"entropy": masked_mean(entropy, bonus)})
     if entropy is not None and p.entropy_coef != 0:
         loss = loss - p.entropy_coef * metrics["entropy"]

@@ -41,8 +41,8 @@ from grpo_vision.run.metrics import MetricsLogger, PhaseTimer, load_metrics
 from grpo_vision.run.signals import GracefulStop, Interrupted
 from grpo_vision.run.trackers import Trackers, grid_text
 from grpo_vision.step.phases import (
-    StepSamples, StoppedByAlert, StoppedBySignal, after_update, measure, new_iteration, refill_flat_groups,
-    sample_step, score_step, step_metrics, step_rewards, stop_reason, update_batch, update_step,
+    StepSamples, StoppedByAlert, StoppedBySignal, after_update, make_update_batch, measure, new_iteration,
+    refill_flat_groups, sample_step, score_step, step_metrics, step_rewards, stop_reason, update_step,
 )
 from grpo_vision.step.setup import RunState, set_up
 
@@ -102,7 +102,7 @@ def _train(cfg: Config, resume: str | Path | None, progress: bool, bundle: Bundl
             # the tokens that carry the credit (the weightings read the tokenizer's codebook and the policy's
             # embeddings: gathered, as for sampling), the groups that stay
             with timer("logprobs"), full_weights(st.learner.model):
-                batch, dropped = update_batch(st, samples, measured, advantages, totals)
+                batch, dropped = make_update_batch(st, samples, measured, advantages, totals)
             with timer("update"):  # ---- UPDATE: the clipped GRPO loss, num_iterations passes
                 losses = update_step(st, cfg, step, batch)
             after_update(st, cfg, step, samples)  # ---- the moving reference's sync, the replay buffer

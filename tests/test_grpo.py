@@ -220,16 +220,16 @@ def test_k3_nonnegative_and_zero_at_ref():
 # ---------------------------------------------------------------- gradients
 
 
-@pytest.mark.parametrize("loss_type, rows", [("grpo", None), ("bnpo", None), ("dr_grpo", None), ("dapo", None),
-                                             ("dapo", 6.0)])
-def test_gradient_at_ratio_one_is_weighted_advantage(loss_type, rows):
+@pytest.mark.parametrize("loss_type, sequences", [("grpo", None), ("bnpo", None), ("dr_grpo", None), ("dapo", None),
+                                                  ("dapo", 6.0)])
+def test_gradient_at_ratio_one_is_weighted_advantage(loss_type, sequences):
     # r = 1: d loss / d logp_ij = -A_i * w with w = 1/(S*N) = 1/12 (S = 3 sequences, N = 4 tokens) for every
-    # type, or 1/(rows*N) = 1/24 for dapo given the update's 6 rows
+    # type, or 1/(sequences*N) = 1/24 for dapo given the update's 6 sequences
     logp = torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(2)).requires_grad_()
     adv = t([0.5, -2.0, 1.5])
-    loss, m = grpo_loss(logp, logp.detach(), None, adv, LossParams(loss_type=loss_type), rows=rows)
+    loss, m = grpo_loss(logp, logp.detach(), None, adv, LossParams(loss_type=loss_type), sequences=sequences)
     loss.backward()
-    assert_close(logp.grad, (-adv / (12 if rows is None else 24))[:, None].expand(3, 4))
+    assert_close(logp.grad, (-adv / (12 if sequences is None else 24))[:, None].expand(3, 4))
     assert m["ratio_mean"].item() == 1.0 and m["clip_frac_low"].item() == m["clip_frac_high"].item() == 0.0
 
 
@@ -293,9 +293,9 @@ def test_dapo_is_bnpo_on_one_process_and_the_global_token_mean_across_two():
     # A second process holds one sequence of one token, r = 1 and A = +1: token sum 1 over 1 token.
     logp2, old2 = ratios_to_logprobs([[1.0]])
     adv2 = t([1.0])
-    # bnpo: mean(-0.4/5, -1/1) = -0.54. dapo: global 6 rows of N = 1, each process divides by 6/2 = 3:
+    # bnpo: mean(-0.4/5, -1/1) = -0.54. dapo: global 6 sequences of N = 1, each process divides by 6/2 = 3:
     # mean(-0.4/3, -1/3) = -1.4/6, the token mean of the whole global batch.
-    per_proc = [grpo_loss(lp, o, None, a, LossParams(loss_type=lt), rows=6 / 2 if lt == "dapo" else None)[0]
+    per_proc = [grpo_loss(lp, o, None, a, LossParams(loss_type=lt), sequences=6 / 2 if lt == "dapo" else None)[0]
                 for lt in ("bnpo", "dapo") for lp, o, a in ((logp, old, adv), (logp2, old2, adv2))]
     assert_close((per_proc[0] + per_proc[1]) / 2, t(-0.54))
     assert_close((per_proc[2] + per_proc[3]) / 2, t(-1.4 / 6))

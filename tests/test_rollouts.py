@@ -11,7 +11,7 @@ from grpo_vision.grpo import LossParams
 from grpo_vision.prompts import PromptEntry
 from grpo_vision.rollouts import draw, eval_seeds, kl_to, repeat
 from grpo_vision.sampling import SamplingParams, batched_logprobs
-from grpo_vision.step.update import UpdateBatch, UpdatePlan, update
+from grpo_vision.step.update import UpdateBatch, UpdateSettings, update
 from tests.step.test_update import learner_of
 
 
@@ -41,7 +41,7 @@ def test_the_kl_a_measurement_reports_is_the_one_training_logs(tiny_policy, one_
     measured = kl_to(reference, samples, params, 4)  # [4]
     ref = batched_logprobs(reference, cond, rollout, params, 4)
     batch = UpdateBatch.of(cond, rollout, rollout.logprobs, ref, torch.tensor([1.0, -1.0, 0.5, -0.5]))
-    logged = update(learner_of(tiny_policy), batch, params, UpdatePlan(LossParams(), micro_batch=2, reference=True),
+    logged = update(learner_of(tiny_policy), batch, params, UpdateSettings(LossParams(), micro_batch=2, reference=True),
                     seed=0, step=0)["loss/kl"]
     assert measured.mean().item() > 0.05
     assert abs(measured.mean().item() - logged) < 1e-5

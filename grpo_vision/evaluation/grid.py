@@ -40,8 +40,8 @@ def save_sample_grid(parts: Sequence[Paired], path: Path, judge: Judge | None = 
     cells = {side: [Cell(img, marks + plan_lines(plan, chars)) for img, marks, plan in zip(
         to_uint8(v["images"]), verdict_lines(v["verdicts"]), plans[side] or [None] * len(rows))]
         for side, v in shown.items()}
-    draw = getattr(judge, "render", None)
-    truth = [draw(e.prompt, 0) if draw else None for e in entries]
+    render = getattr(judge, "render", None)
+    truth = [render(e.prompt, 0) if render else None for e in entries]
     grid = [[*cells["policy"][r * k:(r + 1) * k], *cells["reference"][r * k:(r + 1) * k],
              *([Cell(truth[r], ["ground truth"])] if truth[r] is not None else [])] for r in range(len(entries))]
     headings = [(0, "policy"), (k, "reference")] + ([(2 * k, "what the prompt\ndescribes")] if any(

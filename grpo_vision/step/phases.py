@@ -159,53 +159,55 @@ def take_groups(parts: list[tuple[StepSamples, Scored]], picks: list[tuple[int, 
 def measure(st: RunState, samples: Samples) -> Measured:
     """The teacher-forced passes of a step: the log-probs the ratio divides by, the reference's for the KL,
     and what the token weighting reads (STAGE's entropies, guidance-contrastive's two branches)."""
-    policy, plan, params, acc = st.policy, st.plan, st.params, st.acc
+    policy, settings, params, acc = st.policy, st.update, st.params, st.acc
     cond, tokens = samples.cond, samples.rollout.tokens
-    old = old_logprobs(policy, cond, samples.rollout, params, acc, plan.micro_batch, recompute=plan.recompute_old)
+    old = old_logprobs(policy, cond, samples.rollout, params, acc, settings.micro_batch,
+                       recompute=settings.recompute_old)
     entropy = ref_entropy = contrast = None
     with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
-        if plan.entropies:  # STAGE's entropy reward: both models' entropies of the distribution the ratio uses
-            _, entropy = batched_logprobs(policy, cond, tokens, params, plan.micro_batch, with_entropy=True)
-            ref, ref_entropy = st.reference.logprobs(policy, cond, tokens, params, plan.micro_batch, with_entropy=True)
+        if settings.entropies:  # STAGE's entropy reward: both models' entropies of the distribution the ratio uses
+            _, entropy = batched_logprobs(policy, cond, tokens, params, settings.micro_batch, with_entropy=True)
+            ref, ref_entropy = st.reference.logprobs(policy, cond, tokens, params, settings.micro_batch,
+                                                     with_entropy=True)
         else:  # with a plan: both segments, the KL's too
-            ref = reference_logprobs(policy, st.reference, cond, tokens, params, plan, samples.rollout.plan)
-        if plan.token_weighting == "guidance_contrastive":
-            contrast = contrast_logprobs(policy, cond, tokens, params, plan.micro_batch)
+            ref = reference_logprobs(policy, st.reference, cond, tokens, params, settings, samples.rollout.plan)
+        if settings.token_weighting == "guidance_contrastive":
+            contrast = contrast_logprobs(policy, cond, tokens, params, settings.micro_batch)
     return Measured(old, ref, entropy, ref_entropy, contrast)
 
 
 def step_rewards(st: RunState, scored: Scored, measured: Measured) -> torch.Tensor:
     """The totals `[B*G]` the advantages come from: STAGE's entropy reward added to each group's best images."""
-    if not st.plan.entropies:
+    if not st.update.entropies:
         return scored.total
     mean_entropy = gather(st.acc, measured.entropy.mean(1).float())  # [B*G] every process's images
     ref_entropy = gather(st.acc, measured.ref_entropy.mean(1).float())
-    return stage_entropy_reward(scored.total, mean_entropy, ref_entropy, st.plan.group_size,
-                                st.plan.stage_entropy_scale)
+    return stage_entropy_reward(scored.total, mean_entropy, ref_entropy, st.update.group_size,
+                                st.update.stage_entropy_scale)
 
 
-def update_batch(st: RunState, samples: StepSamples, measured: Measured, advantages: torch.Tensor,
-                 total: torch.Tensor) -> tuple[UpdateBatch, int]:
+def make_update_batch(st: RunState, samples: StepSamples, measured: Measured, advantages: torch.Tensor,
+                      total: torch.Tensor) -> tuple[UpdateBatch, int]:
     """The update's inputs: the tokens that carry the policy term and each token's policy and KL weights
     (train.token_weighting), without the groups train.zero_std_groups=drop leaves out; and how many it left out."""
-    plan, acc = st.plan, st.acc
-    keep = policy_tokens(samples.rollout.entropy, plan.policy_quantile, acc)  # [n, N] the image segment's
+    settings, acc = st.update, st.acc
+    keep = policy_tokens(samples.rollout.entropy, settings.policy_quantile, acc)  # [n, N] the image segment's
     batch = UpdateBatch.of(samples.cond, samples.rollout, measured.old, measured.ref, advantages.to(acc.device),
-                           plan.plan_weight, keep)
-    batch.dynamic_weight = plan.token_weighting == "critical"
+                           settings.plan_weight, keep)
+    batch.dynamic_weight = settings.token_weighting == "critical"
     with torch.no_grad():  # weights on the image grid; a plan's tokens at weight 1 (docs/usage.md, "Reason, then draw")
-        weights = token_weights(plan, st.policy, st.bundle.tokenizer, batch, samples.rollout.entropy,
+        weights = token_weights(settings, st.policy, st.bundle.tokenizer, batch, samples.rollout.entropy,
                                 measured.contrast)
     batch.policy_weight, batch.kl_weight = (batch.image_part(w) for w in weights)
-    return _drop_flat(batch, plan, total, samples)
+    return _drop_flat(batch, settings, total, samples)
 
 
-def _drop_flat(batch: UpdateBatch, plan, total: torch.Tensor, samples: StepSamples) -> tuple[UpdateBatch, int]:
+def _drop_flat(batch: UpdateBatch, settings, total: torch.Tensor, samples: StepSamples) -> tuple[UpdateBatch, int]:
     """train.zero_std_groups=drop: the batch without the groups whose reward did not vary, and how many."""
-    if not plan.drop_flat_groups:
+    if not settings.drop_flat_groups:
         return batch, 0
-    spread = informative_groups(total[samples.rows], plan.group_size)  # [groups here] (one process: set-up)
-    return batch.rows(spread.repeat_interleave(plan.group_size).to(batch.tokens.device)), int((~spread).sum())
+    spread = informative_groups(total[samples.rows], settings.group_size)  # [groups here] (one process: set-up)
+    return batch.select(spread.repeat_interleave(settings.group_size).to(batch.tokens.device)), int((~spread).sum())
 
 
 def update_step(st: RunState, cfg: Config, step: int, batch: UpdateBatch) -> dict:
@@ -213,7 +215,7 @@ def update_step(st: RunState, cfg: Config, step: int, batch: UpdateBatch) -> dic
     st.policy.train()
     if not len(batch.tokens):
         return dict.fromkeys(LOSS_KEYS, math.nan)
-    return update(st.learner, batch, st.params, st.plan, cfg.run.seed, step)
+    return update(st.learner, batch, st.params, st.update, cfg.run.seed, step)
 
 
 def after_update(st: RunState, cfg: Config, step: int, samples: StepSamples) -> None:
@@ -254,7 +256,7 @@ def step_metrics(st: RunState, cfg: Config, samples: StepSamples, scored: Scored
         "reward/total/mean": nanmean(scored.total), "reward/total/std": nanstd(scored.total),
         "reward/total/group_std": group_std(scored.total, G),
         "adv/frac_zero_std": frac_zero_std(scored.total, G), **losses,
-        **({"train/groups_dropped": dropped} if st.plan.drop_flat_groups else {}),
+        **({"train/groups_dropped": dropped} if st.update.drop_flat_groups else {}),
         **({"train/frac_flat_sampled": refill.frac_flat, "train/groups_resampled": refill.groups} if refill else {}),
         **st.learner.health.metrics(),
         "policy/entropy": acc.reduce(samples.rollout.entropy.mean().to(acc.device), "mean").item(),

@@ -42,15 +42,15 @@ class Reference:
             self.model = copy.deepcopy(policy).eval().requires_grad_(False)
 
     def logprobs(self, policy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                 micro_batch: int, with_entropy: bool = False, text=None):
-        """Reference log-probs `[B, N]` (`with_entropy`: and entropies; `[B, T + N]` with the rows' `text` plans, a
-        sampling.Plan: the KL covers both segments), in micro-batches; None without a reference."""
+                 micro_batch: int, with_entropy: bool = False, plan=None):
+        """Reference log-probs `[B, N]` (`with_entropy`: and entropies; `[B, T + N]` with the rows' text plans, `plan`
+        a sampling.Plan: the KL covers both segments), in micro-batches; None without a reference."""
         if self.mode == "none":
             return None
         if self.mode == "adapter":
             with policy.disable_adapter():
-                return batched_logprobs(policy, cond, tokens, params, micro_batch, with_entropy, text)
-        return batched_logprobs(self.model, cond, tokens, params, micro_batch, with_entropy, text)
+                return batched_logprobs(policy, cond, tokens, params, micro_batch, with_entropy, plan)
+        return batched_logprobs(self.model, cond, tokens, params, micro_batch, with_entropy, plan)
 
     def sampler(self, policy):
         """(model, context): sampling `model` inside `context` draws from the reference (grids,

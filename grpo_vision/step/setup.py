@@ -28,7 +28,7 @@ from grpo_vision.splits import PromptSets, checked_prompt_sets
 from grpo_vision.step.iterative import ReplayBuffer
 from grpo_vision.step.load import load_policy
 from grpo_vision.step.reference import Reference
-from grpo_vision.step.update import EntropyControl, Learner, UpdatePlan
+from grpo_vision.step.update import EntropyControl, Learner, UpdateSettings
 
 
 @dataclass
@@ -36,7 +36,7 @@ class RunState:  # everything set-up builds before the first step, on this proce
     acc: object  # accelerate.Accelerator
     run_dir: Path
     params: SamplingParams  # the rollout's sampling settings
-    plan: UpdatePlan  # the update's loss, passes, minibatches and reference, fixed for the run
+    update: UpdateSettings  # the update's loss, passes, minibatches and reference, fixed for the run
     bundle: Bundle  # the policy kind's policy, tokenizer, judge, reward defaults
     policy: torch.nn.Module  # the bundle's policy, peft-wrapped when train.adapter is set
     learner: Learner  # the prepared model, its optimizer and schedule, the health checks
@@ -65,7 +65,7 @@ def set_up(cfg: Config, resume: str | Path | None, given_bundle: Bundle | None =
 
 def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: bool, acc, run_dir: Path,
             sizes: dict, lock) -> RunState:
-    params, plan = SamplingParams.from_config(cfg.sample), UpdatePlan.from_config(cfg)
+    params, settings = SamplingParams.from_config(cfg.sample), UpdateSettings.from_config(cfg)
     before_load = (resident_bytes() or 0) if acc.device.type == "cpu" else 0  # the estimate's "runtime" part
     # the kind's files, its adapter and reference
     bundle, policy, reference = load_policy(cfg, acc.device, given_bundle, cfg.train.gradient_checkpointing)
@@ -73,7 +73,7 @@ def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: 
     check_weighting_hooks(cfg.train.token_weighting, cfg.policy.kind, bundle.policy, bundle.tokenizer)
     if cfg.sample.plan.enabled:
         check_planning(bundle.policy, cfg.policy.kind, cfg.sample.plan.max_tokens)
-    if plan.drop_flat_groups and acc.num_processes > 1:  # each process would make a different number of updates
+    if settings.drop_flat_groups and acc.num_processes > 1:  # each process would make a different number of updates
         raise ConfigError(f"train.zero_std_groups={cfg.train.zero_std_groups} runs on one process, and this run has "
                           f"{acc.num_processes}: use train.zero_std_groups=keep, or one process")
     trainable = [p for p in policy.parameters() if p.requires_grad]
@@ -115,7 +115,7 @@ def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: 
               "starting at step 0", flush=True)
         if resumed is not None and resumed.other_base:  # said with --allow-other-base: the run's log keeps it
             record_other_base(run_dir, resumed.step, resumed.other_base)
-    return RunState(acc, run_dir, params, plan, bundle, policy, learner, reference, rewards, prompts,
+    return RunState(acc, run_dir, params, settings, bundle, policy, learner, reference, rewards, prompts,
                     resumed.step if resumed else 0, buffer, base, memory_estimate, merge, lock)
 
 

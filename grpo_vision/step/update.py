@@ -1,9 +1,9 @@
 """The UPDATE phase of a step: passes over the rollout, minibatches, micro-batches (accelerate syncs gradients).
 
-`UpdatePlan` is made once at set-up from `train.*`: the loss's settings, the passes, minibatches and
+`UpdateSettings` is made once at set-up from `train.*`: the loss's settings, the passes, minibatches and
 micro-batches, the clipping, and the one decision whether a reference is measured (and on how many
-rows) and whether its KL is in the loss. `update` runs `plan.passes` passes over the step's sequences,
-each split into `plan.minibatches` optimizer updates of micro-batches; the loss is `grpo.grpo_loss`.
+sequences) and whether its KL is in the loss. `update` runs `settings.passes` passes over the step's sequences,
+each split into `settings.minibatches` optimizer updates of micro-batches; the loss is `grpo.grpo_loss`.
 It also measures two things the loss needs no extra pass for:
 
 * the KL to the reference, the token mean of k3 over the sequences whose reference log-probs were
@@ -34,7 +34,7 @@ from grpo_vision.seeds import PASS_ORDER, step_seed
 
 
 @dataclass(frozen=True)
-class UpdatePlan:
+class UpdateSettings:
     """How every step's update runs, fixed at set-up (`from_config`); `update` takes nothing else from the config."""
     loss: LossParams  # beta, clipping, loss_type, importance level, delta
     passes: int = 1  # train.num_iterations: passes over the step's sequences
@@ -54,8 +54,8 @@ class UpdatePlan:
     plan_weight: float = 1.0  # train.plan_weight: what a plan token counts against an image token in the token mean
 
     @classmethod
-    def from_config(cls, cfg) -> "UpdatePlan":
-        """The plan of a config (validate() has refused beta > 0 without a reference)."""
+    def from_config(cls, cfg) -> "UpdateSettings":
+        """The settings of a config (validate() has refused beta > 0 without a reference)."""
         t = cfg.train
         # every row's reference log-probs: for the KL term, GCPO's dynamic weight, STAGE's entropy reward
         all_rows = t.beta > 0 or t.token_weighting == "critical" or (
@@ -76,7 +76,7 @@ class UpdatePlan:
     def kl_in_loss(self) -> bool:
         return self.reference and self.loss.beta > 0
 
-    def measured_rows(self, n: int) -> int:
+    def reference_sequences(self, n: int) -> int:
         """How many of `n` sequences get reference log-probs (0 without a reference)."""
         if not self.reference:
             return 0
@@ -101,7 +101,7 @@ class Measured:  # a step's teacher-forced passes, on this process's rows
 class UpdateBatch:  # what the update trains on, on this process: n sequences of T + N positions (T = 0 without a plan)
     cond: torch.Tensor  # [n, L] condition ids (of the prompt and its plan, with a plan)
     tokens: torch.Tensor  # [n, N] sampled image tokens
-    text: Plan  # [n] the rows' text plans (sample.plan; T = 0 without a text stage)
+    plan: Plan  # [n] the rows' text plans (sample.plan; T = 0 without a text stage)
     sample_logprobs: torch.Tensor  # [n, T + N] the sampler's own log-probs (the on-policy gauge reads them)
     old_logprobs: torch.Tensor  # [n, T + N] log-probs the ratio divides by (cached for every pass)
     ref_logprobs: torch.Tensor | None  # [n, T + N] reference log-probs, NaN where not measured (None: no reference)
@@ -125,33 +125,33 @@ class UpdateBatch:  # what the update trains on, on this process: n sequences of
         return cls(cond, rollout.tokens, rollout.plan, rollout.sequence_logprobs, old, ref, advantages,
                    rollout.count(plan_weight), image, mask)
 
-    def rows(self, keep: torch.Tensor) -> "UpdateBatch":
+    def select(self, keep: torch.Tensor) -> "UpdateBatch":
         """The batch of the rows `keep` ([n] bool) only."""
         pick = {k: (v[keep] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        return UpdateBatch(**pick | {"text": self.text.select(keep)})
+        return UpdateBatch(**pick | {"plan": self.plan.select(keep)})
 
     def image_part(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """`x` `[n, N]` on the image grid as `[n, T + N]`: a per-token weight that the image grid defines leaves a
         plan's tokens at weight 1 (their count still applies) and its padding at 0."""
-        return None if x is None else torch.cat([self.text.mask.to(x.dtype), x], 1)
+        return None if x is None else torch.cat([self.plan.mask.to(x.dtype), x], 1)
 
 
-def token_weights(plan: UpdatePlan, policy, tokenizer, batch: UpdateBatch, entropy: torch.Tensor,
+def token_weights(settings: UpdateSettings, policy, tokenizer, batch: UpdateBatch, entropy: torch.Tensor,
                   cond_logprobs=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(policy weight, KL weight) `[n, N]` of `plan.token_weighting` for this process's whole groups (credit.py):
+    """(policy weight, KL weight) `[n, N]` of `settings.token_weighting` for this process's whole groups (credit.py):
     STAGE from the tokens' VQ code vectors and the advantages, GCPO from the sampling entropy (the guided
     distribution's) and the tokens' input embeddings, guidance-contrastive from `cond_logprobs`, the
     (conditional, null-prompt) log-probs of the sampled tokens. None, None: every token alike."""
-    kind, G = plan.token_weighting, plan.group_size
+    kind, G = settings.token_weighting, settings.group_size
     if kind == "stage":
         return credit.stage_weights(tokenizer.code_vectors(batch.tokens).float(), batch.advantages, G)
     if kind == "critical":
         embeddings = getattr(policy, "module", policy).token_embeddings(batch.tokens).float()
         chosen = credit.critical_tokens(entropy.float(), embeddings, tuple(policy.image_grid), G,
-                                        plan.critical_fraction)
+                                        settings.critical_fraction)
         return credit.critical_weights(chosen)
     if kind == "guidance_contrastive":
-        share, fraction = plan.guidance_shares
+        share, fraction = settings.guidance_shares
         return credit.guidance_contrastive_weights(*cond_logprobs, top_share=share, top_fraction=fraction)
     return None, None
 
@@ -211,17 +211,17 @@ def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int,
 
 
 def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams,
-                       plan: UpdatePlan, text: Plan) -> torch.Tensor | None:
-    """Reference log-probs `[n, T + N]` of the rows' `text` plans and images (None without a reference); with beta
-    0 and `kl_metric_sequences`, only the first rows are computed (the KL is only logged) and the others are NaN,
-    meaning "not measured"."""
+                       settings: UpdateSettings, plan: Plan) -> torch.Tensor | None:
+    """Reference log-probs `[n, T + N]` of the rows' text plans (`plan`) and images (None without a reference);
+    with beta 0 and `kl_metric_sequences`, only the first rows are computed (the KL is only logged) and the others
+    are NaN, meaning "not measured"."""
     n = cond.shape[0]
-    measured = plan.measured_rows(n)
+    measured = settings.reference_sequences(n)
     if not measured:
         return None
     rows = torch.arange(measured)
-    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, plan.micro_batch,
-                             text=text.select(rows))
+    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, settings.micro_batch,
+                             plan=plan.select(rows))
     if measured == n:
         return ref
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
@@ -236,35 +236,36 @@ def policy_tokens(entropy: torch.Tensor, quantile: float, acc) -> torch.Tensor:
     return keep[process_slice(keep.shape[0], acc)]  # [n, N] this process's rows
 
 
-def update(learner: Learner, batch: UpdateBatch, params: SamplingParams, plan: UpdatePlan, seed: int,
+def update(learner: Learner, batch: UpdateBatch, params: SamplingParams, settings: UpdateSettings, seed: int,
            step: int) -> dict:
-    """`plan.passes` passes over the step's sequences, each in the order drawn from `(seed, step)`
-    (seeds.PASS_ORDER), `plan.minibatches` optimizer updates a pass. The backward passes go through
+    """`settings.passes` passes over the step's sequences, each in the order drawn from `(seed, step)`
+    (seeds.PASS_ORDER), `settings.minibatches` optimizer updates a pass. The backward passes go through
     `learner.model`, so DDP averages gradients (FSDP reduce-scatters them) once per optimizer update, on
     the last micro-batch. Returns the step's loss metrics."""
     stats = UpdateStats(batch.tokens.device)
-    for k in range(plan.passes):
+    for k in range(settings.passes):
         order = torch.randperm(batch.tokens.shape[0],
                                generator=torch.Generator().manual_seed(step_seed(seed, step, PASS_ORDER + k)))
         # tensor_split: the same minibatches as a view when they divide evenly (dropped groups may leave fewer rows)
-        for mb, rows in enumerate(order.tensor_split(plan.minibatches)):
+        for mb, rows in enumerate(order.tensor_split(settings.minibatches)):
             if not len(rows):
                 continue
-            entropy = backward(learner, batch, rows, params, plan, stats, gauge=k == mb == 0)
-            stats.grad_norm = optimizer_step(learner, plan.max_grad_norm, step)
+            entropy = backward(learner, batch, rows, params, settings, stats, gauge=k == mb == 0)
+            stats.grad_norm = optimizer_step(learner, settings.max_grad_norm, step)
             if learner.entropy is not None:  # the next update's coefficient, from this one's mean entropy
                 learner.entropy.observe(entropy)
-    return stats.metrics(learner, plan, step)
+    return stats.metrics(learner, settings, step)
 
 
-def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: SamplingParams, plan: UpdatePlan,
-             stats: UpdateStats, gauge: bool) -> float:
+def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: SamplingParams,
+             settings: UpdateSettings, stats: UpdateStats, gauge: bool) -> float:
     """Accumulate the gradient of one minibatch (`rows` of the batch) over its micro-batches. `gauge`:
     the first minibatch of the step, before any optimizer update, where the on-policy drift is read."""
-    acc, chunks = learner.acc, micro_batches(rows, plan.micro_batch)
+    acc, chunks = learner.acc, micro_batches(rows, settings.micro_batch)
     entropies = []  # each micro-batch's mean token entropy (the entropy bonus's)
     # the adaptive controller's coefficient for this update, in place of the configured one
-    p = plan.loss if learner.entropy is None else dataclasses.replace(plan.loss, entropy_coef=learner.entropy.applied())
+    p = settings.loss if learner.entropy is None else dataclasses.replace(settings.loss,
+                                                                          entropy_coef=learner.entropy.applied())
     # dapo / cispo: each micro-batch's token sum over the global minibatch's tokens (N times its rows over every
     # process), and with token weights its weight sum, so that the summed micro-batch losses make one mean; DDP
     # then averages the processes' gradients, so each divides by its share (TRL: num_items_in_batch / num_processes)
@@ -278,19 +279,19 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
         # DDP averages gradients in the last micro-batch's backward only; its forward must be inside
         # no_sync too, since that is where DDP arms the reduction
         with nullcontext() if j == len(chunks) - 1 else acc.no_sync(learner.model):
-            entropy, text = None, batch.text.select(idx)
+            entropy, plan = None, batch.plan.select(idx)
             with acc.autocast():
-                if plan.loss.entropy_coef > 0 or learner.entropy is not None:  # the bonus: entropies with gradient
+                if settings.loss.entropy_coef > 0 or learner.entropy is not None:  # the bonus: entropies with gradient
                     logp, entropy = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params,
-                                                      with_entropy=True, plan=text)  # [m, T + N] each
+                                                      with_entropy=True, plan=plan)  # [m, T + N] each
                 else:  # [m, T + N]
-                    logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params, plan=text)
+                    logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params, plan=plan)
             ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
             dynamic = credit.dynamic_advantage_weight(logp.float(), ref) if batch.dynamic_weight else None  # [m, N]
             count = batch.count[idx]
             weights = TokenWeights(batch.policy_mask[idx], _pick(batch.policy_weight, idx),
                                    _pick(batch.kl_weight, idx), dynamic, total, count)
-            loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if plan.kl_in_loss else None,
+            loss, m = grpo_loss(logp.float(), batch.old_logprobs[idx], ref if settings.kl_in_loss else None,
                                 batch.advantages[idx], p, weights, entropy, seqs)
             if entropy is not None:
                 entropies.append(m["entropy"])
@@ -366,7 +367,7 @@ class UpdateStats:
             self.sums[k] = self.sums.get(k, self.zero64) + v  # []
         self.count += 1
 
-    def metrics(self, learner: Learner, plan: UpdatePlan, step: int) -> dict:
+    def metrics(self, learner: Learner, settings: UpdateSettings, step: int) -> dict:
         acc = learner.acc
         keys = list(self.sums)
         means = acc.reduce((torch.stack([self.sums[k] for k in keys]) / self.count).float().to(acc.device),
@@ -379,9 +380,9 @@ class UpdateStats:
         learner.health.after_drift(step, drift)
         out = dict(zip(LOSS_KEYS, (means["loss"], means["policy_loss"], kl, means["clip_frac_low"],
                                    means["clip_frac_high"], means["ratio_mean"], drift, self.grad_norm)))
-        if plan.loss.delta:
+        if settings.loss.delta:
             out["loss/delta_frac"] = means["delta_frac"]
-        if plan.policy_quantile < 1:
+        if settings.policy_quantile < 1:
             out["loss/policy_token_frac"] = means["policy_token_frac"]
         for key in ("off_policy_frac", "entropy"):  # only where the option that makes them is on
             if key in means:

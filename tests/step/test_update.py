@@ -5,7 +5,7 @@ import torch
 from grpo_vision.grpo import LossParams
 from grpo_vision.run.health import RunHealth
 from grpo_vision.sampling import SamplingParams, sample_batched
-from grpo_vision.step.update import Learner, UpdateBatch, UpdatePlan, update
+from grpo_vision.step.update import Learner, UpdateBatch, UpdateSettings, update
 
 
 def learner_of(policy, lr=0.0):
@@ -26,7 +26,7 @@ def batch_of(policy, ref: bool):
 
 
 def test_the_first_update_is_on_policy_and_the_kl_is_read_from_the_batch(tiny_policy, one_thread):
-    t = UpdatePlan(LossParams(beta=0.0), micro_batch=2, minibatches=1, reference=True)
+    t = UpdateSettings(LossParams(beta=0.0), micro_batch=2, minibatches=1, reference=True)
     for ref in (True, False):
         batch, params = batch_of(tiny_policy, ref)
         out = update(learner_of(tiny_policy), batch, params, t, seed=0, step=0)
@@ -52,7 +52,7 @@ def test_dapo_is_the_minibatch_token_mean_and_bnpo_the_mean_of_micro_batch_means
     batch, params = batch_of(tiny_policy, ref=False)
     batch.advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
     logged = {(loss_type, micro, mbs): update(learner_of(tiny_policy), batch, params,
-                                              UpdatePlan(LossParams(loss_type=loss_type), minibatches=mbs,
+                                              UpdateSettings(LossParams(loss_type=loss_type), minibatches=mbs,
                                                          micro_batch=micro), 0, 0)
               for loss_type, micro, mbs in (("dapo", 3, 1), ("dapo", 4, 1), ("dapo", 2, 2), ("bnpo", 3, 1),
                                             ("bnpo", 4, 1))}
@@ -66,7 +66,7 @@ def test_dapo_is_the_minibatch_token_mean_and_bnpo_the_mean_of_micro_batch_means
 def test_an_update_moves_the_weights_and_the_pass_order_comes_from_seed_and_step(tiny_policy, one_thread):
     import copy
 
-    t = UpdatePlan(LossParams(beta=0.0), micro_batch=2, minibatches=2, reference=False)
+    t = UpdateSettings(LossParams(beta=0.0), micro_batch=2, minibatches=2, reference=False)
     batch, params = batch_of(tiny_policy, ref=False)
     runs = []
     for _ in range(2):
@@ -78,16 +78,17 @@ def test_an_update_moves_the_weights_and_the_pass_order_comes_from_seed_and_step
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-def test_the_plan_decides_once_whether_a_reference_is_measured_and_whether_its_kl_is_in_the_loss():
+def test_the_update_settings_decide_once_whether_a_reference_is_measured_and_whether_its_kl_is_in_the_loss():
     from grpo_vision.config import Config, SampleConfig, TrainConfig
 
-    def plan(**train):
-        return UpdatePlan.from_config(Config(train=TrainConfig(**train), sample=SampleConfig(mixed_precision="bf16")))
+    def settings(**train):
+        return UpdateSettings.from_config(Config(train=TrainConfig(**train),
+                                                 sample=SampleConfig(mixed_precision="bf16")))
 
-    logged = plan(beta=0.0, reference="frozen", kl_metric_sequences=3)
+    logged = settings(beta=0.0, reference="frozen", kl_metric_sequences=3)
     assert logged.reference and not logged.kl_in_loss and logged.recompute_old
-    assert [logged.measured_rows(n) for n in (2, 3, 8)] == [2, 3, 3]  # the first 3 rows, or fewer when fewer
-    in_loss = plan(beta=0.04, reference="frozen", kl_metric_sequences=3)  # beta > 0: every row, whatever N says
-    assert in_loss.kl_in_loss and in_loss.measured_rows(8) == 8
-    none = plan(beta=0.0, reference="none")
-    assert not none.reference and not none.kl_in_loss and none.measured_rows(8) == 0
+    assert [logged.reference_sequences(n) for n in (2, 3, 8)] == [2, 3, 3]  # the first 3, or fewer when fewer
+    in_loss = settings(beta=0.04, reference="frozen", kl_metric_sequences=3)  # beta > 0: all, whatever N says
+    assert in_loss.kl_in_loss and in_loss.reference_sequences(8) == 8
+    none = settings(beta=0.0, reference="none")
+    assert not none.reference and not none.kl_in_loss and none.reference_sequences(8) == 0
