@@ -290,14 +290,17 @@ def cmd_bench_gpu(args) -> None:
     print(json.dumps(report, indent=2) if args.json else markdown(report))
 
 
-def cmd_plan(args) -> None:
-    from grpo_vision.tools.plan import PLANNED, markdown, plan
+def cmd_fit(args) -> None:
+    from grpo_vision.tools.fit import DEFAULT_PRESETS, fit, markdown
     from grpo_vision.tools.presets import preset
 
-    names = args.preset.split(",") if args.preset else PLANNED
+    if args.command == "plan":  # the old name, kept one release: "plan" now means only a text plan (sample.plan)
+        sys.stderr.write(warning_line("grpo-vision plan is now grpo-vision fit (the memory planner); the old name "
+                                      "goes in the next release"))
+    names = args.preset.split(",") if args.preset else DEFAULT_PRESETS
     for name in names:
         preset(name)  # an unknown name: one line, before anything is built
-    reports = [plan(name, args.gpu_memory, args.judge_batch) for name in names]
+    reports = [fit(name, args.gpu_memory, args.judge_batch) for name in names]
     print(json.dumps(reports, indent=2) if args.json else "\n".join(markdown(r) for r in reports))
 
 
@@ -337,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-processes", type=positive_int, default=1, help="check divisibility for this many processes")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("plan", help="what fits in 24 / 48 / 80 GiB of GPU memory, and its measured images/s, for the "
-                                    "released model sizes (nothing is loaded)")
+    p = sub.add_parser("fit", aliases=["plan"], help="the memory planner: what fits in 24 / 48 / 80 GiB of GPU "
+                       "memory, and its measured images/s, for the released model sizes (nothing is loaded; plan: "
+                       "its old name, for one release)")
     p.add_argument("--preset", default="", help="comma-separated released sizes (default: janus-pro-1b, janus-pro-7b, "
                                                 "llamagen-t2i-xl)")
     p.add_argument("--gpu-memory", type=gib_list, default=[24, 48, 80],
@@ -346,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-batch", type=non_negative_int, default=0,
                    help="count a self_judge reward's understanding forward of this many images (reward.batch_size)")
     p.add_argument("--json", action="store_true", help="print JSON (default: a markdown table per model)")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_fit)
 
     p = sub.add_parser("train", help="GRPO training from a YAML config (or --resume a run); the main job takes "
                                      "10-20 min on a quiet 2-core CPU")

@@ -235,8 +235,8 @@ def check_memory(parts: dict[str, int], available: int | None, lower_bound: bool
 
 def config_parts(shape: PolicyShape, cfg, images_per_process: int, guided: bool, merged: int = 0,
                  plan_vocab: int = 0, judge_rows: int = 0, plan_tokens: int | None = None) -> dict[str, int]:
-    """`estimate_memory` at a config's settings: what `train` estimates, and what `grpo-vision plan` checks its
-    rows' overrides against (tools/plan.py); `judge_rows` as `estimate_memory`'s; `plan_tokens` in place of the
+    """`estimate_memory` at a config's settings: what `train` estimates, and what `grpo-vision fit` checks its
+    rows' overrides against (tools/fit.py); `judge_rows` as `estimate_memory`'s; `plan_tokens` in place of the
     config's plan cap (the refusal's search for the longest plan that fits)."""
     t = cfg.train
     return estimate_memory(shape, images_per_process, cfg.sample.batch_size, t.micro_batch_size, guided,

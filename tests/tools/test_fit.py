@@ -1,4 +1,4 @@
-"""`grpo-vision plan`: the released sizes' shapes counted on the meta device equal the loaded models' own, and
+"""`grpo-vision fit`: the released sizes' shapes counted on the meta device equal the loaded models' own, and
 each budget gets the first candidate setting whose estimate fits."""
 
 import functools
@@ -12,7 +12,7 @@ from grpo_vision.models.adapters import add_adapter
 from grpo_vision.policy import load_bundle
 from grpo_vision.run.memory import GIB, WARN_FRACTION, config_parts, peak, policy_shape
 from grpo_vision.sampling import SamplingParams
-from grpo_vision.tools import plan as planner
+from grpo_vision.tools import fit as planner
 from grpo_vision.tools.presets import preset_overrides
 from tests.helpers import ROOT
 
@@ -43,7 +43,7 @@ def test_a_presets_shape_on_the_meta_device_is_the_loaded_models(name, targets, 
 
 
 def test_each_budget_gets_the_first_setting_that_fits():
-    report = planner.plan("janus-pro-7b", [24, 80])
+    report = planner.fit("janus-pro-7b", [24, 80])
     shapes = {r: planner.preset_shape("janus-pro-7b", "lora", r) for r in (64, 32, 16, 8)}
     full = planner.preset_shape("janus-pro-7b", "full")
     for row in report["rows"]:
@@ -69,13 +69,27 @@ def test_each_budget_gets_the_first_setting_that_fits():
 def test_the_command_prints_a_table_per_model_and_names_an_unknown_size(capsys):
     from grpo_vision.cli import main
 
-    main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", "24,80"])
+    main(["fit", "--preset", "janus-pro-1b", "--gpu-memory", "24,80"])
     out = capsys.readouterr().out
     assert "| 24 | lora | bfloat16 | 16 |" in out and "| 80 | full | float32 |" in out
     with pytest.raises(SystemExit) as stop:
-        main(["plan", "--preset", "janus-pro-3b"])
+        main(["fit", "--preset", "janus-pro-3b"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.strip().count("\n") == 0 and "unknown --preset 'janus-pro-3b'" in err
+
+
+def test_plan_is_fits_old_name_for_one_release_and_says_so_in_one_line(capsys):
+    """"plan" means the text plan (sample.plan) only: the memory planner is `fit`, and `plan` still runs it, with
+    one warning line on stderr (config/load.py's warning_line) before the same table on stdout."""
+    from grpo_vision.cli import main
+
+    main(["fit", "--preset", "janus-pro-1b", "--gpu-memory", "24"])
+    new = capsys.readouterr()
+    main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", "24"])
+    old = capsys.readouterr()
+    assert old.out == new.out and "| 24 | lora | bfloat16 |" in new.out and new.err == ""
+    assert old.err == ("grpo-vision: warning: grpo-vision plan is now grpo-vision fit (the memory planner); the old "
+                       "name goes in the next release\n")
 
 
 def test_a_self_judge_batch_is_counted_and_said(capsys):
@@ -91,7 +105,7 @@ def test_a_self_judge_batch_is_counted_and_said(capsys):
     # 16 rows x 706 tokens (128 of text, 576 placeholders, 2 markers) of 24 blocks 2048 wide: under a GiB, below sampling
     assert 0.5 < parts["judging"] / 2**30 < parts["sampling"] / 2**30
     assert planner.estimate(shape, adapted, s, judge_batch=64) == planner.estimate(shape, adapted, s)
-    main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", "24", "--judge-batch", "16"])
+    main(["fit", "--preset", "janus-pro-1b", "--gpu-memory", "24", "--judge-batch", "16"])
     assert "a self_judge reward scoring 16 images a forward" in capsys.readouterr().out
 
 
@@ -106,7 +120,7 @@ def test_a_rows_overrides_on_a_shipped_config_are_estimated_as_the_row(name, kin
     """A user applies a row's overrides to a shipped config; `train` then estimates that config (config_parts, at
     the config's policy.dtype, autocast, adapter and targets). The full rows assumed bf16 weights and did not set
     policy.dtype: configs/janus_pro_1b.yaml trains float32, estimated 29.3 GiB for the 24 GB row's 16.5."""
-    report = planner.plan(name, [24, 48, 80])
+    report = planner.fit(name, [24, 48, 80])
     assert report["unit"] == "GiB"
     checked = 0
     for row in report["rows"]:
@@ -132,7 +146,7 @@ def test_a_rows_overrides_on_a_shipped_config_are_estimated_as_the_row(name, kin
 def test_the_table_names_one_unit_the_dtype_and_a_row_without_kl(capsys):
     from grpo_vision.cli import main
 
-    main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", "24,48"])
+    main(["fit", "--preset", "janus-pro-1b", "--gpu-memory", "24,48"])
     out = capsys.readouterr().out
     assert " GB" not in out and "(GiB)" in out  # budgets and estimates in GiB, as train reads a GPU's memory
     # float32 master weights: weights 7.0 GiB + gradients and AdamW 14.3 GiB are over 80% of 24 GiB at any batch
@@ -140,7 +154,7 @@ def test_the_table_names_one_unit_the_dtype_and_a_row_without_kl(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| 48 | full |"))
     assert "| none: beta 0, no KL |" in row
     assert "train.reference=none train.beta=0.0" in out and "policy.dtype=float32" in out
-    main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", "23.99", "--json"])
+    main(["fit", "--preset", "janus-pro-1b", "--gpu-memory", "23.99", "--json"])
     (report,) = json.loads(capsys.readouterr().out)
     assert report["unit"] == "GiB" and {r["gpu_memory_gib"] for r in report["rows"]} == {23.99}
     lora = next(r for r in report["rows"] if r["mode"] == "lora")
@@ -152,6 +166,6 @@ def test_an_absurd_budget_is_one_line(value, capsys):
     from grpo_vision.cli import main
 
     with pytest.raises(SystemExit) as stop:
-        main(["plan", "--preset", "janus-pro-1b", "--gpu-memory", value])
+        main(["fit", "--preset", "janus-pro-1b", "--gpu-memory", value])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2 and "--gpu-memory" in err and "GiB" in err and "from" in err

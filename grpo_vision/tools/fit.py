@@ -1,4 +1,5 @@
-"""`grpo-vision plan`: what fits in a GPU's memory and how fast it runs, before any weight is loaded.
+"""`grpo-vision fit`, the memory planner: what fits in a GPU's memory and how fast it runs, before any weight is
+loaded (`grpo-vision plan`, its old name, still runs it for one release).
 
 Users ask "will it fit in 24 / 48 / 80 GB, and how long will it take" more than anything but "how do I train at
 all" (deepseek-ai/Janus issue #41, CaraJ7/T2I-R1 issues #9 and #14, krennic999/STAGE issue #3). For a released model size
@@ -8,12 +9,12 @@ peaks in docs/benchmarks.md) is computed for each candidate setting. For each me
 whose estimate stays under the fraction `train` warns at is printed, for a full fine-tune and for LoRA, with the
 images/s a GRPO step of that kind measured on one GPU (docs/benchmarks.md), where one was measured, and the config
 overrides that make it: every setting the estimate assumes, so that a shipped config with them applied is
-estimated alike by `train` (tests/tools/test_plan.py checks this against each shipped config).
+estimated alike by `train` (tests/tools/test_fit.py checks this against each shipped config).
 
 Budgets are GiB (2^30 bytes), as `train` reads the GPU's memory (torch.cuda.mem_get_info) and as `nvidia-smi`'s
 MiB divide to: a "24 GB" card holds 23.99 GiB, an "80 GB" H100 79.6 GiB.
 
-    grpo-vision plan --preset janus-pro-7b --gpu-memory 24,48,80
+    grpo-vision fit --preset janus-pro-7b --gpu-memory 24,48,80
 
 The estimate counts the policy's side (the reward models are not counted; `--judge-batch N` adds the understanding
 forward of a self_judge reward, which judges with the policy's own network) and leaves a fifth of the memory for
@@ -32,7 +33,8 @@ from grpo_vision.run.memory import GIB, WARN_FRACTION, PolicyShape, estimate_mem
 from grpo_vision.tools.presets import janus_config, llamagen_config, preset
 
 # A GRPO step of one prompt's group (G = 16, the model's CFG, one update of micro-batches), images/s on one H200
-# (docs/benchmarks.md, 2026-11-27 and 2026-11-28 rows; `bench gpu` trains the presets with bf16 weights):
+# (docs/benchmarks.md, "On a GPU: one command": the step tables of its two H200 measurements, each step setting's
+# images/s column; `bench gpu` trains the presets with bf16 weights):
 # (preset, mode, reference, merged sampling) -> images/s
 MEASURED_DTYPE = "bfloat16"
 MEASURED = {
@@ -48,7 +50,7 @@ MEASURED = {
 # LoRA's targets in the shipped configs: every projection of every block
 JANUS_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LLAMAGEN_TARGETS = ("wqkv", "wo", "w1", "w2", "w3")
-PLANNED = ["janus-pro-1b", "janus-pro-7b", "llamagen-t2i-xl"]  # what `plan` prints without --preset
+DEFAULT_PRESETS = ["janus-pro-1b", "janus-pro-7b", "llamagen-t2i-xl"]  # what `fit` prints without --preset
 T5_XL_ENCODER = 1_220_000_000  # flan-t5-xl's encoder parameters: LlamaGen-T2I keeps it beside the GPT
 # The weights each mode trains, as the shipped configs do: a full fine-tune keeps float32 master weights under bf16
 # autocast (configs/janus_pro_1b.yaml, configs/llamagen_t2i.yaml: bf16 weights would round AdamW's ~1e-6 steps
@@ -187,7 +189,7 @@ def candidates(mode: str, ranks=(64, 32, 16, 8)):
                             yield Setting("lora", group, micro, checkpointing, "adapter", merge, rank)
 
 
-def plan(name: str, budgets_gib: list[float], judge_batch: int = 0) -> dict:
+def fit(name: str, budgets_gib: list[float], judge_batch: int = 0) -> dict:
     """For each budget (GiB) and each mode (full fine-tune, LoRA): the largest setting that fits, its estimate, the
     overrides that make it on the mode's shipped config, and the step's images/s where a step of that kind was
     measured. `judge_batch`: a self_judge reward's images per understanding forward, counted in the estimate (its
