@@ -103,6 +103,6 @@ def _checkpointing_gradients(policy, prompts: list[str]) -> list[dict]:
         model = copy.deepcopy(policy).train()
         if remat:
             model.gradient_checkpointing_enable()
-        model(cond, tokens).log_softmax(-1).gather(-1, tokens[..., None]).sum().backward()
+        model.image_logits(cond, tokens).log_softmax(-1).gather(-1, tokens[..., None]).sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     return grads

@@ -410,10 +410,10 @@ class LlamaImagePolicy(nn.Module):
             x = x + layer.mlp.down_proj(F.silu(gate) * up)  # [B, W, dim]
         return self._image_head(self.model.norm(x))  # [B, W, K]
 
-    def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan=None):
-        """`image_logits`; with a `sampling.Plan`, (image logits, plan logits): one call of the module for both."""
-        if plan is None:
-            return self.image_logits(cond, tokens)
+    def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training's one call of the module for both segments (DDP's and FSDP's hooks run once): (image logits
+        `[B, N, K]`, plan logits `[B, T, V]`) for the rows' plan segment (a `sampling.Plan`, T = 0 without a text
+        stage). `image_logits` is the image alone."""
         return self.image_logits(cond, tokens), self.plan_logits(plan.ids, plan.tokens)
 
     def gradient_checkpointing_enable(self) -> None:
@@ -509,6 +509,8 @@ class LlamaImagePolicy(nn.Module):
 
     def plan_logits(self, ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Positions L-1 (<bop>) .. L+T-2 predict plan tokens 0 .. T-1, as `image_logits` does for codes."""
+        if tokens.shape[1] == 0:  # an empty plan segment (no text stage): nothing to run
+            return self.lm_head.weight.new_zeros(tokens.shape[0], 0, self.plan_vocab_size)
         seq = torch.cat([ids, tokens[:, :-1] + self.cfg.plan_offset + 1], dim=1)  # [B, L+T-1]
         h = self._forward(self.model.embed_tokens(seq))  # [B, L+T-1, dim]
         return self._plan_head(h[:, ids.shape[1] - 1:])  # [B, T, V]

@@ -9,7 +9,8 @@ from here.
   speculative) behind `sample`;
 - speculative.py: speculative Jacobi decoding, the same distribution in fewer forward passes;
 - plan.py: the text stage before the image (`sample_plan`) and its log-probs;
-- score.py: training's teacher-forced log-probs (`sequence_logprobs`, `batched_logprobs`).
+- score.py: training's teacher-forced log-probs of a rollout's sequence, plan and image segments
+  (`sequence_logprobs`, `batched_logprobs`).
 """
 
 from grpo_vision.sampling.decode import CompileError, decode_mode, decode_note, sample, sample_batched
@@ -17,9 +18,11 @@ from grpo_vision.sampling.distribution import (
     DECODE_MODES, LOGPROB_MODES, PlanParams, SamplingParams, filter_logits, target_logp, token_logprobs,
 )
 from grpo_vision.sampling.plan import sample_plan
-from grpo_vision.sampling.score import batched_logprobs, micro_batches, sequence_logprobs
+from grpo_vision.sampling.score import (
+    batched_logprobs, batched_logprobs_and_entropy, micro_batches, sequence_logprobs, sequence_logprobs_and_entropy,
+)
 from grpo_vision.sampling.sequences import Plan, Rollout
 
 __all__ = ["CompileError", "DECODE_MODES", "LOGPROB_MODES", "Plan", "PlanParams", "Rollout", "SamplingParams",
-           "batched_logprobs", "decode_mode", "decode_note", "filter_logits", "micro_batches", "sample",
-           "sample_batched", "sample_plan", "sequence_logprobs", "target_logp", "token_logprobs"]
+           "batched_logprobs", "batched_logprobs_and_entropy", "decode_mode", "decode_note", "filter_logits", "micro_batches", "sample",
+           "sample_batched", "sample_plan", "sequence_logprobs", "sequence_logprobs_and_entropy", "target_logp", "token_logprobs"]

@@ -24,7 +24,7 @@ from grpo_vision.run.folder import resume_command
 from grpo_vision.run.health import TrainingHealthError
 from grpo_vision.run.metrics import PhaseTimer, nanmean, nanstd
 from grpo_vision.run.signals import GracefulStop, Interrupted
-from grpo_vision.sampling import Rollout, batched_logprobs
+from grpo_vision.sampling import Rollout, batched_logprobs_and_entropy
 from grpo_vision.seeds import IMAGE, REFILL, REFILL_IMAGE, REPLAY, step_rng, step_seed
 from grpo_vision.step.credit import stage_entropy_reward
 from grpo_vision.step.iterative import iteration_of, starts_iteration, update_rewards
@@ -160,19 +160,18 @@ def measure(st: RunState, samples: Samples) -> Measured:
     """The teacher-forced passes of a step: the log-probs the ratio divides by, the reference's for the KL,
     and what the token weighting reads (STAGE's entropies, guidance-contrastive's two branches)."""
     policy, settings, params, acc = st.policy, st.update, st.params, st.acc
-    cond, tokens = samples.cond, samples.rollout.tokens
-    old = old_logprobs(policy, cond, samples.rollout, params, acc, settings.micro_batch,
+    cond, rollout = samples.cond, samples.rollout
+    old = old_logprobs(policy, cond, rollout, params, acc, settings.micro_batch,
                        recompute=settings.recompute_old)
     entropy = ref_entropy = contrast = None
     with acc.autocast():  # the update's precision, so that the KL at step 0 is exactly 0
         if settings.entropies:  # STAGE's entropy reward: both models' entropies of the distribution the ratio uses
-            _, entropy = batched_logprobs(policy, cond, tokens, params, settings.micro_batch, with_entropy=True)
-            ref, ref_entropy = st.reference.logprobs(policy, cond, tokens, params, settings.micro_batch,
-                                                     with_entropy=True)
+            _, entropy = batched_logprobs_and_entropy(policy, cond, rollout, params, settings.micro_batch)
+            ref, ref_entropy = st.reference.logprobs_and_entropy(policy, cond, rollout, params, settings.micro_batch)
         else:  # with a plan: both segments, the KL's too
-            ref = reference_logprobs(policy, st.reference, cond, tokens, params, settings, samples.rollout.plan)
+            ref = reference_logprobs(policy, st.reference, cond, rollout, params, settings)
         if settings.token_weighting == "guidance_contrastive":
-            contrast = contrast_logprobs(policy, cond, tokens, params, settings.micro_batch)
+            contrast = contrast_logprobs(policy, cond, rollout, params, settings.micro_batch)
     return Measured(old, ref, entropy, ref_entropy, contrast)
 
 
@@ -207,13 +206,13 @@ def _drop_flat(batch: UpdateBatch, settings, total: torch.Tensor, samples: StepS
     if not settings.drop_flat_groups:
         return batch, 0
     spread = informative_groups(total[samples.rows], settings.group_size)  # [groups here] (one process: set-up)
-    return batch.select(spread.repeat_interleave(settings.group_size).to(batch.tokens.device)), int((~spread).sum())
+    return batch.select(spread.repeat_interleave(settings.group_size).to(batch.cond.device)), int((~spread).sum())
 
 
 def update_step(st: RunState, cfg: Config, step: int, batch: UpdateBatch) -> dict:
     """The clipped GRPO loss, train.num_iterations passes (update.py); every group dropped: no update, NaN losses."""
     st.policy.train()
-    if not len(batch.tokens):
+    if not len(batch.cond):
         return dict.fromkeys(LOSS_KEYS, math.nan)
     return update(st.learner, batch, st.params, st.update, cfg.run.seed, step)
 

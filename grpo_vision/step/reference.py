@@ -25,7 +25,7 @@ import torch
 from grpo_vision.grpo import mixup_state_dict
 from grpo_vision.models.adapters import ZERO_FACTORS, adapter_layers, is_adapter_weight
 from grpo_vision.rewards.base import RunModels
-from grpo_vision.sampling import SamplingParams, batched_logprobs
+from grpo_vision.sampling import Rollout, SamplingParams, batched_logprobs, batched_logprobs_and_entropy
 
 
 class Reference:
@@ -41,16 +41,24 @@ class Reference:
         if mode == "frozen":
             self.model = copy.deepcopy(policy).eval().requires_grad_(False)
 
-    def logprobs(self, policy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
-                 micro_batch: int, with_entropy: bool = False, plan=None):
-        """Reference log-probs `[B, N]` (`with_entropy`: and entropies; `[B, T + N]` with the rows' text plans, `plan`
-        a sampling.Plan: the KL covers both segments), in micro-batches; None without a reference."""
+    def logprobs(self, policy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams,
+                 micro_batch: int) -> torch.Tensor | None:
+        """Reference log-probs `[B, T + N]` of the rollouts' sequences (the KL covers both segments), in micro-batches;
+        None without a reference."""
+        return self._scored(batched_logprobs, policy, cond, rollout, params, micro_batch)
+
+    def logprobs_and_entropy(self, policy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams,
+                             micro_batch: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`logprobs` and the reference's entropy at each position `[B, T + N]` (STAGE's)."""
+        return self._scored(batched_logprobs_and_entropy, policy, cond, rollout, params, micro_batch)
+
+    def _scored(self, score, policy, *args):
         if self.mode == "none":
             return None
         if self.mode == "adapter":
             with policy.disable_adapter():
-                return batched_logprobs(policy, cond, tokens, params, micro_batch, with_entropy, plan)
-        return batched_logprobs(self.model, cond, tokens, params, micro_batch, with_entropy, plan)
+                return score(policy, *args)
+        return score(self.model, *args)
 
     def sampler(self, policy):
         """(model, context): sampling `model` inside `context` draws from the reference (grids,

@@ -29,7 +29,9 @@ from grpo_vision.grpo import (
 )
 from grpo_vision.run.distributed import as_float, process_slice
 from grpo_vision.run.health import NonFiniteWeightsError, RunHealth, weights_finite
-from grpo_vision.sampling import Plan, SamplingParams, batched_logprobs, micro_batches, sequence_logprobs
+from grpo_vision.sampling import (
+    Rollout, SamplingParams, batched_logprobs, micro_batches, sequence_logprobs, sequence_logprobs_and_entropy,
+)
 from grpo_vision.seeds import PASS_ORDER, step_seed
 
 
@@ -100,8 +102,7 @@ class Measured:  # a step's teacher-forced passes, on this process's rows
 @dataclass
 class UpdateBatch:  # what the update trains on, on this process: n sequences of T + N positions (T = 0 without a plan)
     cond: torch.Tensor  # [n, L] condition ids (of the prompt and its plan, with a plan)
-    tokens: torch.Tensor  # [n, N] sampled image tokens
-    plan: Plan  # [n] the rows' text plans (sample.plan; T = 0 without a text stage)
+    rollout: Rollout  # [n] the sequences: each row's plan segment (T = 0 without a text stage), its image tokens
     sample_logprobs: torch.Tensor  # [n, T + N] the sampler's own log-probs (the on-policy gauge reads them)
     old_logprobs: torch.Tensor  # [n, T + N] log-probs the ratio divides by (cached for every pass)
     ref_logprobs: torch.Tensor | None  # [n, T + N] reference log-probs, NaN where not measured (None: no reference)
@@ -122,18 +123,18 @@ class UpdateBatch:  # what the update trains on, on this process: n sequences of
         image = rollout.image_segment  # [n, T + N]
         keep = torch.ones_like(rollout.tokens, dtype=torch.bool) if keep is None else keep
         mask = torch.cat([torch.ones_like(rollout.plan.mask), keep], 1)  # [n, T + N]
-        return cls(cond, rollout.tokens, rollout.plan, rollout.sequence_logprobs, old, ref, advantages,
-                   rollout.count(plan_weight), image, mask)
+        return cls(cond, rollout, rollout.sequence_logprobs, old, ref, advantages, rollout.count(plan_weight), image,
+                   mask)
 
     def select(self, keep: torch.Tensor) -> "UpdateBatch":
         """The batch of the rows `keep` ([n] bool) only."""
         pick = {k: (v[keep] if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        return UpdateBatch(**pick | {"plan": self.plan.select(keep)})
+        return UpdateBatch(**pick | {"rollout": self.rollout.select(keep)})
 
     def image_part(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """`x` `[n, N]` on the image grid as `[n, T + N]`: a per-token weight that the image grid defines leaves a
         plan's tokens at weight 1 (their count still applies) and its padding at 0."""
-        return None if x is None else torch.cat([self.plan.mask.to(x.dtype), x], 1)
+        return None if x is None else torch.cat([self.rollout.plan.mask.to(x.dtype), x], 1)
 
 
 def token_weights(settings: UpdateSettings, policy, tokenizer, batch: UpdateBatch, entropy: torch.Tensor,
@@ -144,9 +145,9 @@ def token_weights(settings: UpdateSettings, policy, tokenizer, batch: UpdateBatc
     (conditional, null-prompt) log-probs of the sampled tokens. None, None: every token alike."""
     kind, G = settings.token_weighting, settings.group_size
     if kind == "stage":
-        return credit.stage_weights(tokenizer.code_vectors(batch.tokens).float(), batch.advantages, G)
+        return credit.stage_weights(tokenizer.code_vectors(batch.rollout.tokens).float(), batch.advantages, G)
     if kind == "critical":
-        embeddings = getattr(policy, "module", policy).token_embeddings(batch.tokens).float()
+        embeddings = getattr(policy, "module", policy).token_embeddings(batch.rollout.tokens).float()
         chosen = credit.critical_tokens(entropy.float(), embeddings, tuple(policy.image_grid), G,
                                         settings.critical_fraction)
         return credit.critical_weights(chosen)
@@ -156,14 +157,15 @@ def token_weights(settings: UpdateSettings, policy, tokenizer, batch: UpdateBatc
     return None, None
 
 
-def contrast_logprobs(policy, cond: torch.Tensor, tokens: torch.Tensor, params: SamplingParams,
+def contrast_logprobs(policy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams,
                       micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs `[n, N]` of the sampled tokens given the prompt and given the null prompt, without guidance,
     temperature or filters (the guidance-contrastive source scores both branches at T = 1): two no-grad passes."""
     plain = dataclasses.replace(params, cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0, logprob_mode="conditional")
     null = getattr(policy, "module", policy).null_condition(cond)
-    return (batched_logprobs(policy, cond, tokens, plain, micro),
-            batched_logprobs(policy, null, tokens, plain, micro))
+    image = slice(rollout.plan.width, None)  # the image segment: the weighting is defined on the image grid
+    return (batched_logprobs(policy, cond, rollout, plain, micro)[:, image],
+            batched_logprobs(policy, null, rollout, plain, micro)[:, image])
 
 
 @dataclass
@@ -207,21 +209,20 @@ def old_logprobs(policy, cond, rollout, params: SamplingParams, acc, micro: int,
     if acc.mixed_precision == "no" and not recompute:
         return rollout.sequence_logprobs
     with acc.autocast():
-        return batched_logprobs(policy, cond, rollout.tokens, params, micro, plan=rollout.plan)
+        return batched_logprobs(policy, cond, rollout, params, micro)
 
 
-def reference_logprobs(policy, reference, cond, tokens, params: SamplingParams,
-                       settings: UpdateSettings, plan: Plan) -> torch.Tensor | None:
-    """Reference log-probs `[n, T + N]` of the rows' text plans (`plan`) and images (None without a reference);
+def reference_logprobs(policy, reference, cond, rollout: Rollout, params: SamplingParams,
+                       settings: UpdateSettings) -> torch.Tensor | None:
+    """Reference log-probs `[n, T + N]` of the rows' sequences, plan and image (None without a reference);
     with beta 0 and `kl_metric_sequences`, only the first rows are computed (the KL is only logged) and the others
     are NaN, meaning "not measured"."""
     n = cond.shape[0]
     measured = settings.reference_sequences(n)
     if not measured:
         return None
-    rows = torch.arange(measured)
-    ref = reference.logprobs(policy, cond[:measured], tokens[:measured], params, settings.micro_batch,
-                             plan=plan.select(rows))
+    ref = reference.logprobs(policy, cond[:measured], rollout.select(torch.arange(measured)), params,
+                             settings.micro_batch)
     if measured == n:
         return ref
     return torch.cat([ref, ref.new_full((n - measured, ref.shape[1]), float("nan"))])
@@ -242,9 +243,9 @@ def update(learner: Learner, batch: UpdateBatch, params: SamplingParams, setting
     (seeds.PASS_ORDER), `settings.minibatches` optimizer updates a pass. The backward passes go through
     `learner.model`, so DDP averages gradients (FSDP reduce-scatters them) once per optimizer update, on
     the last micro-batch. Returns the step's loss metrics."""
-    stats = UpdateStats(batch.tokens.device)
+    stats = UpdateStats(batch.cond.device)
     for k in range(settings.passes):
-        order = torch.randperm(batch.tokens.shape[0],
+        order = torch.randperm(batch.cond.shape[0],
                                generator=torch.Generator().manual_seed(step_seed(seed, step, PASS_ORDER + k)))
         # tensor_split: the same minibatches as a view when they divide evenly (dropped groups may leave fewer rows)
         for mb, rows in enumerate(order.tensor_split(settings.minibatches)):
@@ -279,13 +280,12 @@ def backward(learner: Learner, batch: UpdateBatch, rows: torch.Tensor, params: S
         # DDP averages gradients in the last micro-batch's backward only; its forward must be inside
         # no_sync too, since that is where DDP arms the reduction
         with nullcontext() if j == len(chunks) - 1 else acc.no_sync(learner.model):
-            entropy, plan = None, batch.plan.select(idx)
+            entropy, rollout = None, batch.rollout.select(idx)
             with acc.autocast():
                 if settings.loss.entropy_coef > 0 or learner.entropy is not None:  # the bonus: entropies with gradient
-                    logp, entropy = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params,
-                                                      with_entropy=True, plan=plan)  # [m, T + N] each
+                    logp, entropy = sequence_logprobs_and_entropy(learner.model, batch.cond[idx], rollout, params)
                 else:  # [m, T + N]
-                    logp = sequence_logprobs(learner.model, batch.cond[idx], batch.tokens[idx], params, plan=plan)
+                    logp = sequence_logprobs(learner.model, batch.cond[idx], rollout, params)
             ref = batch.ref_logprobs[idx] if batch.ref_logprobs is not None else None
             dynamic = credit.dynamic_advantage_weight(logp.float(), ref) if batch.dynamic_weight else None  # [m, N]
             count = batch.count[idx]

@@ -161,7 +161,7 @@ def _update_grads(planner, plan_weight: float) -> tuple[torch.Tensor, torch.Tens
     old = torch.cat([plan.logprobs, rollout.logprobs], 1)
     batch = UpdateBatch.of(cond, rollout, old, None, torch.linspace(-1, 1, 8), plan_weight)
     planner.zero_grad()
-    logp = sequence_logprobs(planner, batch.cond, batch.tokens, params, plan=batch.plan)
+    logp = sequence_logprobs(planner, batch.cond, batch.rollout, params)
     loss, _ = grpo_loss(logp, batch.old_logprobs, None, batch.advantages, LossParams(loss_type="bnpo"),
                         TokenWeights(batch.policy_mask, count=batch.count))
     loss.backward()
@@ -314,7 +314,7 @@ def test_the_update_batch_lays_out_a_plan_segment_then_the_image_segment():
     plain = UpdateBatch.of(torch.zeros(1, 4, dtype=torch.long), Rollout(rollout.tokens, rollout.logprobs,
                                                                         rollout.entropy), rollout.logprobs, None,
                            torch.ones(1))
-    assert plain.count.tolist() == [[1.0, 1.0, 1.0]] and plain.policy_mask.all() and plain.plan.width == 0
+    assert plain.count.tolist() == [[1.0, 1.0, 1.0]] and plain.policy_mask.all() and plain.rollout.plan.width == 0
 
 
 def test_resampled_planned_steps_with_gspo_top_entropy_a_weighting_and_the_entropy_bonus_train(micro_world,

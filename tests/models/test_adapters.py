@@ -25,30 +25,30 @@ def moved_adapter(tiny_policy, kind):
     base = copy.deepcopy(tiny_policy)
     policy = add_adapter(tiny_policy, kind, rank=4, alpha=8.0, targets=["q_proj", "v_proj", "up_proj"])
     cond = policy.encode_prompts(["a red circle", "a blue square"])
-    tokens = sample(policy, cond, [1, 2], PARAMS)  # the rollouts whose sequences are scored
+    rollout = sample(policy, cond, [1, 2], PARAMS)  # whose sequences are scored
     with torch.no_grad():  # a fresh adapter changes nothing: its update starts at zero
-        torch.testing.assert_close(sequence_logprobs(policy, cond, tokens, PARAMS),
-                                   sequence_logprobs(base, cond, tokens, PARAMS), atol=1e-6, rtol=0)
+        torch.testing.assert_close(sequence_logprobs(policy, cond, rollout, PARAMS),
+                                   sequence_logprobs(base, cond, rollout, PARAMS), atol=1e-6, rtol=0)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     assert trainable and all(is_adapter_weight(n) for n, p in policy.named_parameters() if p.requires_grad)
     opt = torch.optim.Adam(trainable, lr=1e-2)
     for _ in range(3):
         opt.zero_grad()
-        (-sequence_logprobs(policy, cond, tokens, PARAMS).mean()).backward()
+        (-sequence_logprobs(policy, cond, rollout, PARAMS).mean()).backward()
         opt.step()
-    return policy, base, cond, tokens
+    return policy, base, cond, rollout
 
 
 @pytest.mark.parametrize("kind", ADAPTERS)
 def test_the_adapter_moves_and_disabled_it_is_the_base_model(tiny_policy, kind):
-    policy, base, cond, tokens = moved_adapter(tiny_policy, kind)
+    policy, base, cond, rollout = moved_adapter(tiny_policy, kind)
     reference = Reference(policy, "adapter")
     with torch.no_grad():
-        trained = sequence_logprobs(policy, cond, tokens, PARAMS)
-        base_logp = sequence_logprobs(base, cond, tokens, PARAMS)
+        trained = sequence_logprobs(policy, cond, rollout, PARAMS)
+        base_logp = sequence_logprobs(base, cond, rollout, PARAMS)
         assert (trained - base_logp).abs().max() > 1e-3  # the adapter really moved the policy
         assert trained.mean() > base_logp.mean()  # ... the way its loss asked
-        ref = reference.logprobs(policy, cond, tokens, PARAMS, micro_batch=1)
+        ref = reference.logprobs(policy, cond, rollout, PARAMS, micro_batch=1)
     assert torch.equal(ref, base_logp)  # multiplier 0: exactly the base model's log-probs
     model, ctx = reference.sampler(policy)
     with ctx:  # what the demo and the report sample as the reference: the base model, same seeds
@@ -57,13 +57,13 @@ def test_the_adapter_moves_and_disabled_it_is_the_base_model(tiny_policy, kind):
 
 @pytest.mark.parametrize("kind", ADAPTERS)
 def test_a_reference_sync_folds_the_adapter_into_the_base_weights(tiny_policy, kind):
-    policy, _, cond, tokens = moved_adapter(tiny_policy, kind)
+    policy, _, cond, rollout = moved_adapter(tiny_policy, kind)
     reference = Reference(policy, "adapter")
     with torch.no_grad():
-        before = sequence_logprobs(policy, cond, tokens, PARAMS)
+        before = sequence_logprobs(policy, cond, rollout, PARAMS)
         reference.sync(policy)
-        after = sequence_logprobs(policy, cond, tokens, PARAMS)
-        ref = reference.logprobs(policy, cond, tokens, PARAMS, micro_batch=2)
+        after = sequence_logprobs(policy, cond, rollout, PARAMS)
+        ref = reference.logprobs(policy, cond, rollout, PARAMS, micro_batch=2)
     torch.testing.assert_close(after, before, atol=1e-5, rtol=0)  # the policy is unchanged ...
     torch.testing.assert_close(ref, before, atol=1e-5, rtol=0)  # ... and the reference now equals it
     state = reference.state_dict(policy)
