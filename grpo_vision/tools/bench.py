@@ -91,6 +91,39 @@ def teacher_forced(policy, cond: torch.Tensor, params: SamplingParams, batch: in
     return run
 
 
+def chosen_paths(policy, decodes: Sequence[str] | None, device) -> tuple[list[str], dict[str, str]]:
+    """The result keys to time (speculative as DRAFTS) and the paths left out -> why: of the default list (every
+    path), those that cannot run here and, on a CPU, the compiled step; a path named in `decodes` that cannot run
+    here is a ConfigError naming the fix."""
+    not_run = {}
+    for d in decodes or DECODERS:
+        why = cannot_run(policy, d, device)
+        if why and decodes:
+            raise ConfigError(f"bench sampler --decode {d}: {why}; leave {d} out of --decode (without it the bench "
+                              f"times every path that runs here)")
+        if why is None and decodes is None and d == "compiled" and torch.device(device).type == "cpu":
+            why = COMPILED_ON_CPU
+        if why:
+            not_run[d] = why
+    keys = [k for d in (decodes or DECODERS) if d not in not_run for k in (DRAFTS if d == "speculative" else [d])]
+    return keys, not_run
+
+
+def first_calls(runs: dict, not_run: dict) -> dict[str, float]:
+    """Seconds of each run's untimed first call (a compiled step compiles in it); a FRAGILE run that fails leaves
+    `runs` for a line of `not_run`."""
+    first = {}
+    for name, fn in list(runs.items()):
+        try:
+            first[name] = seconds(fn)
+        except Exception as e:
+            if name not in FRAGILE:
+                raise
+            not_run[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            del runs[name]
+    return first
+
+
 @torch.no_grad()
 def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int = 8, batch: int | None = None,
                   repeats: int = 3, cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 100,
@@ -119,17 +152,7 @@ def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int 
     plan_s = seconds(lambda: made.extend(condition(policy, rows, seeds, base, batch_size=batch)))
     cond, drawn = made[0].to(device), made[1]
 
-    not_run = {}  # a path of the default list that cannot run here -> why; a named one is refused
-    for d in decodes or DECODERS:
-        why = cannot_run(policy, d, device)
-        if why and decodes:
-            raise ConfigError(f"bench sampler --decode {d}: {why}; leave {d} out of --decode (without it the bench "
-                              f"times every path that runs here)")
-        if why is None and decodes is None and d == "compiled" and torch.device(device).type == "cpu":
-            why = COMPILED_ON_CPU
-        if why:
-            not_run[d] = why
-    keys = [k for d in (decodes or DECODERS) if d not in not_run for k in (DRAFTS if d == "speculative" else [d])]
+    keys, not_run = chosen_paths(policy, decodes, device)
     rollouts = {}
 
     def sampler(key):
@@ -145,15 +168,7 @@ def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int 
         except Exception as e:
             not_run["generate"] = f"{type(e).__name__}: {str(e)[:300]}"
     runs["teacher_forced"] = teacher_forced(policy, cond, base, batch)
-    first = {}
-    for name, fn in list(runs.items()):  # the untimed first call of each, which may fail
-        try:
-            first[name] = seconds(fn)
-        except Exception as e:
-            if name not in FRAGILE:
-                raise
-            not_run[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
-            del runs[name]
+    first = first_calls(runs, not_run)
     times = {k: statistics.median(t) for k, t in interleaved(runs, repeats, warm=False).items()}
     calls = -(-B // batch)
 
@@ -173,9 +188,9 @@ def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int 
         else:  # a call runs until its slowest row is done
             paths[k] = figures(k, forwards.double().mean().item(),
                                statistics.mean(f.max().item() for f in forwards.split(batch)))
-        paths[k] |= {"speedup_vs_generate": sig(times["generate"] / times[k]) if "generate" in times else None,
-                     "fraction_of_ceiling": sig(times["teacher_forced"] / times[k]) if "teacher_forced" in times else None,
-                     "wall_clock_vs_plain": sig(times[plain] / times[k]) if plain else None}
+        paths[k] |= {ratio: sig(times[other] / times[k]) if other in times else None for ratio, other in
+                     (("speedup_vs_generate", "generate"), ("fraction_of_ceiling", "teacher_forced"),
+                      ("wall_clock_vs_plain", plain))}
     baselines = {k: figures(k, *((N, N) if k == "generate" else (1, 1))) for k in ("generate", "teacher_forced")
                  if k in times}
     target = decode_mode(policy, "auto", torch.device(device))
