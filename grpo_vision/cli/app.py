@@ -16,7 +16,9 @@ import sys
 import warnings
 
 from grpo_vision import __version__
-from grpo_vision.cli.args import at_least_two, cfg_scale, gib_list, int_list, non_negative_int, port, positive_int
+from grpo_vision.cli.args import (
+    DECODE_PATHS, at_least_two, cfg_scale, gib_list, int_list, name_list, non_negative_int, port, positive_int,
+)
 from grpo_vision.cli.runs import add_base_option, add_reader_options, add_reward_option, add_run_commands
 from grpo_vision.cli.serve import add_bench_reward_server, add_serve_command
 from grpo_vision.config import ConfigError, brief, derived_sizes, format_sizes, load_config, to_dict
@@ -211,50 +213,40 @@ def cmd_convert_clip(args) -> None:
 
 
 def cmd_bench_sampler(args) -> None:
+    import torch
+
     from grpo_vision.tools.bench import bench_sampler
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("bench sampler --device cuda: this machine has no CUDA device; use --device cpu")
     if args.preset:
         from grpo_vision.tools.bench_gpu import bench_preset_sampler
         from grpo_vision.tools.presets import preset, preset_home
 
         preset(args.preset)  # an unknown name: one line, before anything is built
         _print_result(bench_preset_sampler(args.preset, preset_home(args.preset_dir, args.preset), args.groups,
-                                           args.repeats, args.dtype,
-                                           speculative_window=args.speculative_window), args.json)
+                                           args.repeats, args.dtype or "float32", device, args.generate,
+                                           args.decode, args.speculative_window or 16), args.json)
         return
-    if args.run and not args.speculative_window:
-        raise ConfigError("bench sampler --run: give --speculative-window W too (a run's policy is benched for "
-                          "speculative decoding; --policy takes a saved policy folder)")
-    if args.speculative_window and args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("bench sampler --device cuda: this machine has no CUDA device; use --device cpu")
-    policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100}
+    policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100, "window": 16}
     if args.run:  # the run's latest checkpoint at its own sampling settings, unless the flags say otherwise
+        from grpo_vision.sampling import SamplingParams
         from grpo_vision.step.load import load_run
 
-        run = load_run(args.run, device=args.device)
+        run = load_run(args.run, device=device)
         policy, s = run.policy, run.cfg.sample
-        settings = {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k}
-        if s.plan.enabled:  # its images are drawn after a text plan: the bench draws the plans as training does
-            from grpo_vision.sampling import SamplingParams
-
-            settings["plan"] = SamplingParams.from_config(s).plan
+        # its images are drawn after a text plan where it plans: the bench draws the plans as training does
+        settings = {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k,
+                    "window": s.speculative_window, "plan": SamplingParams.from_config(s).plan}
     elif args.policy:
         from grpo_vision.models.llama import LlamaImagePolicy
 
         policy = LlamaImagePolicy.from_pretrained(args.policy)
-    settings |= {k: v for k, v in (("cfg_scale", args.cfg_scale), ("top_k", args.top_k)) if v is not None}
-    if args.speculative_window:
-        from grpo_vision.tools.bench import bench_speculative
-
-        _print_result(bench_speculative(policy, window=args.speculative_window, group=args.group_size,
-                                        repeats=args.repeats, device=args.device, **settings), args.json)
-        return
-    result = bench_sampler(policy, batch=args.batch, repeats=args.repeats, cfg_scale=settings["cfg_scale"],
-                           top_k=settings["top_k"], dtype=args.dtype)
-    _print_result(result, args.json)
+    flags = (("cfg_scale", args.cfg_scale), ("top_k", args.top_k), ("window", args.speculative_window))
+    settings |= {k: v for k, v in flags if v is not None}
+    _print_result(bench_sampler(policy, args.decode, group=args.group_size, batch=args.batch, repeats=args.repeats,
+                                device=device, dtype=args.dtype, generate=args.generate, **settings), args.json)
 
 
 def cmd_bench_demo(args) -> None:
@@ -443,28 +435,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_bench_commands(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print JSON").add_subparsers(dest="what", required=True)
-    p = bench.add_parser("sampler", help="the sampler vs transformers generate() vs teacher forcing")
+    p = bench.add_parser("sampler", help="the decode paths of one policy, beside transformers generate() and a "
+                                          "teacher-forced pass: seconds, images/s, forward passes an image")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--decode", type=name_list(DECODE_PATHS, "decode paths"), default=None,
+                   help="decode paths to time, comma-separated (sample.decode's: speculative with both draft kinds); "
+                        "default: every one that runs on --device and the policy, compiled on a GPU only (on a CPU "
+                        "it compiles for about 30 s: name it to time it)")
     p.add_argument("--policy", default="", help="a saved policy directory (default: random default-size policy)")
-    p.add_argument("--batch", type=positive_int, default=64, help="sequences per call")
+    p.add_argument("--group-size", type=positive_int, default=8,
+                   help="seeds per prompt: the rows are 4 ShapesWorld captions x this many seeds")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="rows per sampler call, as sample.batch_size (default: all rows in one call)")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed repeats per run (median reported)")
     p.add_argument("--cfg-scale", type=cfg_scale, default=None,
-                   help="guidance scale of the CFG-on runs (default 3.0; with --run, the run's)")
+                   help="guidance scale of every run, 1 = off (default 3.0; with --run, the run's)")
     p.add_argument("--top-k", type=non_negative_int, default=None,
                    help="top-k of all runs, 0 = off (default 100; with --run, the run's)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and compute dtype")
+    p.add_argument("--speculative-window", type=positive_int, default=None,
+                   help="W: tokens a forward pass of the speculative path verifies (default 16; with --run, the run's)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="cast the policy's weights (default: as loaded; the built-in and --preset: float32)")
+    p.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,
+                   help="time transformers' generate() beside the paths (the built-in policy kind; Janus presets)")
     add_preset_options(p, "a released model size with random weights (tools/presets.py) instead of the built-in "
-                          "policy: images/s per decode path, beside generate() for Janus and the teacher-forced pass")
+                          "policy: the same figures per group size, one prompt's group")
     p.add_argument("--groups", type=int_list, default=[8, 16], help="group sizes G, comma-separated (--preset)")
-    p.add_argument("--speculative-window", type=non_negative_int, default=0,
-                   help="W > 0: speculative decoding at window W against plain decoding instead: forward passes "
-                        "per image, tokens per pass and wall-clock, 4 prompts x --group-size seeds (main job: "
-                        "--top-k 0); with --preset, the speculative path beside the others")
-    p.add_argument("--group-size", type=positive_int, default=8, help="seeds per prompt (--speculative-window)")
     p.add_argument("--run", default="",
-                   help="a run folder: --speculative-window on its latest checkpoint, at the run's CFG, temperature, "
-                        "top-k and text plan (drawn first, as training does)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where --speculative-window runs")
+                   help="a run folder: its latest checkpoint at the run's CFG, temperature, top-k, window and text "
+                        "plan (drawn first, as training does)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where every run is timed (default: cuda where this machine has it, else cpu)")
     p.set_defaults(func=cmd_bench_sampler)
     p = bench.add_parser("demo", help="seconds per Compare click of the demo on a run (target 5 s)")
     p.add_argument("run", help="a run directory (as for grpo-vision demo)")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import typing
 
-from grpo_vision.config import DEVICE_HINT, DEVICE_NAME, MAX_SEED
+from grpo_vision.config import DEVICE_HINT, DEVICE_NAME, MAX_SEED, SampleConfig
 from grpo_vision.config.load import brief
+
+# sample.decode's paths (sampling/decode.py DECODERS), read from the config's own list: the parser imports no torch
+DECODE_PATHS = [d for d in typing.get_args(typing.get_type_hints(SampleConfig)["decode"]) if d != "auto"]
 
 
 def _whole(text: str, low: int, why: str = "", high: int | None = None) -> int:
@@ -40,6 +44,17 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected whole numbers of at least 1, got {text!r}")
     return values
+
+
+def name_list(names, what: str):
+    """argparse type of comma-separated names out of `names` (decode paths: eager,static), each once, in order."""
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",")]
+        if not text.strip() or any(v not in names for v in values):
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what} from {', '.join(names)}, "
+                                             f"got {brief(text)}")
+        return list(dict.fromkeys(values))
+    return parse
 
 
 MAX_GPU_GIB = 4096  # no one GPU holds more; a larger budget is a typo (10**400 was an OverflowError in `plan`)

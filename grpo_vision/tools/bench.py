@@ -1,141 +1,216 @@
-"""Sampler benchmark: the KV-cache sampler vs transformers' `generate()` on the same weights.
+"""Sampler benchmark: the decode paths of `sampling.decode.DECODERS` on one policy and one set of condition rows,
+beside transformers' `generate()` and a teacher-forced pass, in one JSON shape.
 
-Both sample 64 sequences x 64 image tokens with the same settings (temperature, top-k, image tokens
-only), with CFG off and on; `generate()` runs on the exported `LlamaForCausalLM` and does CFG its own
-way (`guidance_scale` with `negative_prompt_ids`, a second model call per step). A teacher-forced
-forward pass over the same rows is the ceiling: it computes the same logits in one batched pass, as
-fast as those logits can be had. Runs are interleaved so that machine noise hits all of them alike;
-the median of `repeats` is reported. Speed targets are checked here, never in timed tests.
+`bench_sampler` times the paths asked for (eager, static, graph, compiled, speculative) on the same rows: ShapesWorld
+captions x `group` seeds, as a GRPO step's groups, each image's text plan drawn first where the run plans (training's
+`rollouts.condition`, once for all paths). `speculative` is timed with both draft kinds: the key "speculative" holds
+MC-SJD's coupled drafts (training's default, sample.speculative_draft) and "speculative_jacobi" SJD's (DRAFTS).
+Beside the paths, where they apply (`baselines`): `generate()` on the same weights and settings (the built-in policy
+through its exported `LlamaForCausalLM`, CFG its own way: `guidance_scale` with `negative_prompt_ids`, a second model
+call a step; Janus through its own image generation, tools/bench_gpu.py), and a teacher-forced forward pass over the
+same rows: the ceiling, the same logits in one batched pass. Runs are interleaved so that machine noise hits all of
+them alike; the median of `repeats` is reported.
 
-`bench_speculative` (`bench sampler --speculative-window W`): forward passes per image of speculative decoding
-against plain decoding's N, and the wall-clock beside them (the speedup claim, measured on the run's own policy).
+Every entry has the same figures: seconds, images/s, tokens/s, forward passes an image (plain decoding: N, the
+prefill and N - 1 decode steps; speculative: fewer, each row its own) and tokens a pass. The pass count is what
+carries across devices (a GPU's decode step costs about the same for 1 or W tokens a row; a CPU's about W times one).
+Speed targets are checked here, never in timed tests: `targets_met` holds where the path training takes by default
+(`sample.decode: auto`) is at least TARGETS of `generate()` and of the ceiling.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from typing import Callable, Sequence
 
 import torch
 
-from grpo_vision.models.llama_hf import to_hf_llama
+from grpo_vision.config import ConfigError
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.sampling import PlanParams, SamplingParams, sample
-from grpo_vision.tools.timing import interleaved, seconds, sig
+from grpo_vision.sampling import PlanParams, SamplingParams, decode_mode, sample_batched
+from grpo_vision.sampling.decode import DECODERS, NEEDS
+from grpo_vision.tools.timing import interleaved, machine, seconds, sig
 
 BENCH_WORDS = "a an on of left right above below small large red green blue yellow purple orange " \
               "circle square triangle white black gray background".split()
-
-
-def bench_sampler(policy: LlamaImagePolicy | None = None, batch: int = 64, repeats: int = 3,
-                  cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 100,
-                  dtype: str = "float32") -> dict:
-    torch.manual_seed(0)
-    policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval()
-    policy = policy.to(getattr(torch, dtype))  # both implementations run on the same weights
-    c, N = policy.cfg, policy.num_image_tokens
-    hf = to_hf_llama(policy)
-    cond = policy.encode_prompts(["a small red circle left of a blue square"] * batch)  # [B, L]
-    null = policy.null_condition(cond[:1])  # [1, L]
-    seeds = list(range(batch))
-    gen_kwargs = dict(max_new_tokens=N, min_new_tokens=N, do_sample=True, temperature=temperature,
-                      top_k=top_k or None, top_p=None, suppress_tokens=list(range(c.image_offset)),
-                      pad_token_id=0, eos_token_id=None)
-
-    def ours(scale):
-        return lambda: sample(policy, cond, seeds, SamplingParams(scale, temperature, top_k))
-
-    def theirs(scale):
-        extra = dict(guidance_scale=scale, negative_prompt_ids=null.expand_as(cond)) if scale != 1 else {}
-        return lambda: hf.generate(cond, attention_mask=torch.ones_like(cond), **gen_kwargs, **extra)
-
-    tokens = torch.randint(0, c.codebook_size, (batch, N))
-
-    def ceiling(scale):
-        rows, toks = (cond, tokens) if scale == 1 else (torch.cat([cond, cond]), tokens.repeat(2, 1))
-        return lambda: policy.image_logits(rows, toks)
-
-    runs = {f"{name}_{tag}": make(scale) for tag, scale in (("cfg_off", 1.0), ("cfg_on", cfg_scale))
-            for name, make in (("ours", ours), ("generate", theirs), ("teacher_forced", ceiling))}
-    with torch.no_grad():
-        times = interleaved(runs, repeats)
-    tps = {name: batch * N / statistics.median(t) for name, t in times.items()}
-    result = {
-        "batch": batch, "image_tokens": N, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "dtype": dtype,
-        "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
-        "repeats": repeats, "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-    }
-    for tag in ("cfg_off", "cfg_on"):
-        result[f"speedup_vs_generate_{tag}"] = round(tps[f"ours_{tag}"] / tps[f"generate_{tag}"], 2)
-        result[f"fraction_of_ceiling_{tag}"] = round(tps[f"ours_{tag}"] / tps[f"teacher_forced_{tag}"], 3)
-    result["targets_met"] = all(result[f"speedup_vs_generate_{t}"] >= 3 and result[f"fraction_of_ceiling_{t}"] >= 0.4
-                                for t in ("cfg_off", "cfg_on"))
-    return result
-
-
 # ShapesWorld captions of four forms (the main job's prompts are of these): words outside a policy's vocabulary read
 # as <unk>, so any policy can run them
 SPECULATIVE_PROMPTS = ["a red circle", "a red circle right of a purple triangle", "a blue square above a orange square",
                        "a orange triangle below a orange square"]
+DRAFTS = {"speculative": "coupled", "speculative_jacobi": "jacobi"}  # a result key of speculative decoding -> drafts
+# of the path `auto` takes (graph on a GPU, eager on a CPU): times generate()'s speed, the ceiling's fraction
+TARGETS = {"speedup_vs_generate": 3.0, "fraction_of_ceiling": 0.4}
+# paths whose failure is a line of the result, not the end of the bench: transformers' generate breaks between
+# releases, a compiler may fail on a policy (sampling.decode.CompileError), a large window may not fit
+FRAGILE = ("generate", "compiled", *DRAFTS)
+COMPILED_ON_CPU = ("not by default on a CPU: it compiles for about 30 s and has measured slower than eager there "
+                   "(docs/benchmarks.md); name it in --decode to time it")
 
 
-def bench_speculative(policy: LlamaImagePolicy | None = None, window: int = 16, group: int = 8, repeats: int = 1,
-                      cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 0,
-                      prompts: list[str] = SPECULATIVE_PROMPTS, device: str = "cpu",
-                      plan: PlanParams | None = None) -> dict:
-    """Speculative decoding (sampling/speculative.py) against plain decoding: forward passes per image and tokens accepted
-    per pass (the figure that transfers across devices: a GPU's decode step costs about the same for 1 or W tokens a
-    row), with the wall-clock beside it (a CPU is bound by arithmetic, so W tokens a row cost about W times one).
-    `group` seeds per prompt, as a GRPO group; both draft kinds at window `window`. Plain decoding is the fixed-shape
-    step (`static`), recorded as a CUDA graph on a GPU (`graph`, training's default there). With a text `plan`
-    (a run's sample.plan) each image's plan is drawn first by training's own function (rollouts.condition), once
-    for all paths, and the image stage is timed on the condition it makes (the prompt and its plan)."""
+def cannot_run(policy, decode: str, device) -> str | None:
+    """Why `decode` cannot run on `policy` with its rows on `device` (None: it can), from the path's own needs in
+    sampling/decode.py (NEEDS), without the advice on what to pick in a config."""
+    for need in DECODERS[decode].needs:
+        has, missing = NEEDS[need]
+        if not has(policy, torch.device(device)):
+            return missing.format(policy=type(policy).__name__, device=device).split(";")[0].lstrip(": ")
+    return None
+
+
+def llama_generate(policy: LlamaImagePolicy, cond: torch.Tensor, params: SamplingParams, batch: int) -> Callable:
+    """transformers' `generate()` on the built-in policy's weights (its exported `LlamaForCausalLM`), image tokens
+    only, at the sampler's settings, `batch` rows a call."""
+    from grpo_vision.models.llama_hf import to_hf_llama
+
+    hf, N = to_hf_llama(policy).to(cond.device), policy.num_image_tokens
+    kwargs = dict(max_new_tokens=N, min_new_tokens=N, do_sample=True, temperature=params.temperature,
+                  top_k=params.top_k or None, top_p=None, suppress_tokens=list(range(policy.cfg.image_offset)),
+                  pad_token_id=0, eos_token_id=None)
+    chunks = [cond[i:i + batch] for i in range(0, cond.shape[0], batch)]
+    guided = [dict(guidance_scale=params.cfg_scale, negative_prompt_ids=policy.null_condition(c))
+              if params.guided else {} for c in chunks]
+
+    def run():
+        for c, extra in zip(chunks, guided):
+            hf.generate(c, attention_mask=torch.ones_like(c), **kwargs, **extra)
+    return run
+
+
+def teacher_forced(policy, cond: torch.Tensor, params: SamplingParams, batch: int) -> Callable:
+    """One forward pass over the rows and N image tokens a call (the null rows beside them under CFG): the same
+    logits a decode computes, at the speed a batched pass has them (token values do not change its cost)."""
+    N, B = policy.num_image_tokens, cond.shape[0]
+    tokens = torch.randint(0, policy.codebook_size, (B, N), device=cond.device)  # [B, N]
+    rows = [(torch.cat([c, policy.null_condition(c)]), t.repeat(2, 1)) if params.guided else (c, t)
+            for c, t in zip(cond.split(batch), tokens.split(batch))]  # [b or 2b, L], [b or 2b, N]
+
+    def run():
+        for c, t in rows:
+            policy.image_logits(c, t)
+    return run
+
+
+def chosen_paths(policy, decodes: Sequence[str] | None, device) -> tuple[list[str], dict[str, str]]:
+    """The result keys to time (speculative as DRAFTS) and the paths left out -> why: of the default list (every
+    path), those that cannot run here and, on a CPU, the compiled step; a path named in `decodes` that cannot run
+    here is a ConfigError naming the fix."""
+    not_run = {}
+    for d in decodes or DECODERS:
+        why = cannot_run(policy, d, device)
+        if why and decodes:
+            raise ConfigError(f"bench sampler --decode {d}: {why}; leave {d} out of --decode (without it the bench "
+                              f"times every path that runs here)")
+        if why is None and decodes is None and d == "compiled" and torch.device(device).type == "cpu":
+            why = COMPILED_ON_CPU
+        if why:
+            not_run[d] = why
+    keys = [k for d in (decodes or DECODERS) if d not in not_run for k in (DRAFTS if d == "speculative" else [d])]
+    return keys, not_run
+
+
+def first_calls(runs: dict, not_run: dict) -> dict[str, float]:
+    """Seconds of each run's untimed first call (a compiled step compiles in it); a FRAGILE run that fails leaves
+    `runs` for a line of `not_run`."""
+    first = {}
+    for name, fn in list(runs.items()):
+        try:
+            first[name] = seconds(fn)
+        except Exception as e:
+            if name not in FRAGILE:
+                raise
+            not_run[name] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            del runs[name]
+    return first
+
+
+@torch.no_grad()
+def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int = 8, batch: int | None = None,
+                  repeats: int = 3, cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 100,
+                  window: int = 16, plan: PlanParams | None = None, prompts: Sequence[str] = SPECULATIVE_PROMPTS,
+                  device: str = "cpu", dtype: str | None = None, generate: bool | Callable = True) -> dict:
+    """The decode paths `decodes` (default: every one that runs on this policy and device, the compiled step on a
+    GPU only) on `prompts` x `group` seeds, `batch` rows a sampler call (default: all in one call, as
+    sample.batch_size), one JSON object: `paths` (decode -> figures; speculative as DRAFTS), `baselines` (generate,
+    teacher_forced; the same figures), `not_run` (a path or baseline -> why: it cannot run here, or it failed).
+    A path named in `decodes` that cannot run here is a ConfigError naming the fix.
+    `policy`: default the built-in policy with random weights at its default size; `dtype`: cast it (default: as
+    it is). `generate`: True times transformers' generate on the built-in policy kind (none for others), False
+    none, or `make(policy, cond, params, batch) -> fn` for another kind's. `plan`: a run's sample.plan; each image's
+    plan is drawn first, once for every path, and the image stage is timed on the condition it makes."""
     from grpo_vision.rollouts import condition
-    from grpo_vision.sampling.speculative import sample_speculative
 
     torch.manual_seed(0)
     policy = (policy or LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS))).eval().to(device)
+    policy = policy.to(getattr(torch, dtype)) if dtype else policy
     N = policy.num_image_tokens
     rows = [p for p in prompts for _ in range(group)]
     seeds = list(range(len(rows)))
-    plain = "graph" if torch.device(device).type == "cuda" else "static"
-    base = SamplingParams(cfg_scale, temperature, top_k, decode=plain, speculative_window=window, plan=plan)
-    made = []
-    with torch.no_grad():  # the condition rows [P*G, L or L'] and the plans
-        plan_s = seconds(lambda: made.extend(condition(policy, rows, seeds, base, batch_size=len(rows))))
+    B, batch = len(rows), batch or len(rows)
+    base = SamplingParams(cfg_scale, temperature, top_k, speculative_window=window, plan=plan)
+    made = []  # the condition rows [B, L or L'] and the plans
+    plan_s = seconds(lambda: made.extend(condition(policy, rows, seeds, base, batch_size=batch)))
     cond, drawn = made[0].to(device), made[1]
-    stats = {}
 
-    def speculative(draft):
-        def run():
-            stats[draft] = sample_speculative(policy, cond, seeds, replace(base, decode="speculative",
-                                                                           speculative_draft=draft))[1]
-        return run
+    keys, not_run = chosen_paths(policy, decodes, device)
+    rollouts = {}
 
-    runs = {"plain": lambda: sample(policy, cond, seeds, base), "jacobi": speculative("jacobi"),
-            "coupled": speculative("coupled")}
-    with torch.no_grad():
-        times = interleaved(runs, repeats)
-    result = {"images": cond.shape[0], "prompts": len(prompts), "group_size": group, "image_tokens": N,
-              "window": window, "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k,
-              "policy_params": sum(p.numel() for p in policy.parameters()), "threads": torch.get_num_threads(),
-              "repeats": repeats, "device": str(device), "plain_decode": plain, "plan": None}
+    def sampler(key):
+        params = replace(base, decode="speculative" if key in DRAFTS else key,
+                         speculative_draft=DRAFTS.get(key, base.speculative_draft))
+        return lambda: rollouts.__setitem__(key, sample_batched(policy, cond, seeds, params, batch))
+
+    runs = {k: sampler(k) for k in keys}
+    made_generate = llama_generate if generate is True and isinstance(policy, LlamaImagePolicy) else generate
+    if callable(made_generate):
+        try:  # a policy that does not export to transformers (a canvas) has no generate() to compare with
+            runs["generate"] = made_generate(policy, cond, base, batch)
+        except Exception as e:
+            not_run["generate"] = f"{type(e).__name__}: {str(e)[:300]}"
+    runs["teacher_forced"] = teacher_forced(policy, cond, base, batch)
+    first = first_calls(runs, not_run)
+    times = {k: statistics.median(t) for k, t in interleaved(runs, repeats, warm=False).items()}
+    calls = -(-B // batch)
+
+    def figures(name, per_image, per_call):  # per_call: passes of one sampler call, the mean over the calls
+        s = times[name]
+        return {"seconds": sig(s), "images_per_s": sig(B / s), "tokens_per_s": sig(B * N / s),
+                "forwards_per_image": sig(per_image), "forwards_per_batch": sig(per_call),
+                "tokens_per_forward": sig(N / per_image), "ms_per_forward": sig(1000 * s / (per_call * calls)),
+                "first_call_s": sig(first[name])}
+
+    plain = next((d for d in ("graph", "static", "eager") if d in times), None)
+    paths = {}
+    for k in (k for k in keys if k in times):
+        forwards = rollouts[k].forwards  # [B] passes each row took (speculative), else None: N each
+        if forwards is None:
+            paths[k] = figures(k, N, N)
+        else:  # a call runs until its slowest row is done
+            paths[k] = figures(k, forwards.double().mean().item(),
+                               statistics.mean(f.max().item() for f in forwards.split(batch)))
+        paths[k] |= {ratio: sig(times[other] / times[k]) if other in times else None for ratio, other in
+                     (("speedup_vs_generate", "generate"), ("fraction_of_ceiling", "teacher_forced"),
+                      ("wall_clock_vs_plain", plain))}
+    baselines = {k: figures(k, *((N, N) if k == "generate" else (1, 1))) for k in ("generate", "teacher_forced")
+                 if k in times}
+    target = decode_mode(policy, "auto", torch.device(device))
+    result = {"images": B, "prompts": len(prompts), "group_size": group, "batch": batch, "image_tokens": N,
+              "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "window": window,
+              "drafts": {k: v for k, v in DRAFTS.items() if k in paths},
+              "dtype": str(next(policy.parameters()).dtype).removeprefix("torch."), "device": str(device),
+              "policy_params": sum(p.numel() for p in policy.parameters()), "repeats": repeats, "plan": None,
+              "plain_decode": plain, "paths": paths, "baselines": baselines, "not_run": not_run,
+              "targets": {"path": target, **TARGETS},
+              "targets_met": all(paths[target][k] >= v for k, v in TARGETS.items())
+              if target in paths and len(baselines) == 2 else None,
+              "machine": machine()}
     if drawn.width:  # the plan stage (T = 0: none), the same for every path: its passes come before each image's
-        lengths = drawn.mask.sum(1).double()  # [P*G] plan tokens, the end token included
+        lengths = drawn.mask.sum(1).double()  # [B] plan tokens, the end token included
         result["plan"] = {"max_tokens": plan.max_tokens, "template": plan.template,
                           "tokens_per_plan": sig(lengths.mean().item()), "condition_tokens": cond.shape[1],
                           "seconds": sig(plan_s),
                           "note": "forwards_per_image and seconds count the image stage; each image's plan took "
                                   "tokens_per_plan passes before it, alike for every path"}
-    plain_s = statistics.median(times["plain"])
-    result["plain"] = {"forwards_per_image": N, "tokens_per_forward": 1.0, "seconds": sig(plain_s),
-                       "images_per_s": sig(cond.shape[0] / plain_s)}
-    for draft, st in stats.items():
-        per_image, secs = st.forwards.double().mean().item(), statistics.median(times[draft])
-        result[draft] = {"forwards_per_image": sig(per_image), "forwards_per_batch": st.batch_forwards,
-                         "tokens_per_forward": sig(N / per_image),
-                         "seconds": sig(secs), "images_per_s": sig(cond.shape[0] / secs),
-                         "wall_clock_vs_plain": sig(plain_s / secs)}
     return result
 
 

@@ -4,8 +4,9 @@
 weights at the released sizes, written in each model's own format and loaded through its policy kind),
 the measurements users plan with, in order of how much they are asked for:
 
-* the sampler (`bench_preset_sampler`): images/s and tokens/s for one group of G images with the model's
-  CFG, decoded eager, static, and as a CUDA graph where there is one; transformers'
+* the sampler (`bench_preset_sampler`, which is `bench sampler`'s own `bench_sampler` per group size): images/s,
+  tokens/s and forward passes an image for one group of G images with the model's CFG, per decode path (eager,
+  static, speculative with both draft kinds, and the CUDA graph and the compiled step on a GPU); transformers'
   `generate(generation_mode="image")` for Janus (the baseline users have); and the teacher-forced ceiling
   (the same logits in one batched pass);
 * one GRPO step by phase (`bench_train.bench_step`, the real loop): LoRA and full fine-tune, a frozen
@@ -21,11 +22,9 @@ time, which the step's `reward` phase shows). Recipe and device call: docs/bench
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import json
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ import torch
 from grpo_vision.config import ConfigError
 from grpo_vision.files import check_output_folder, write_output_file
 from grpo_vision.tools.presets import preset, preset_overrides, prompts_for
-from grpo_vision.tools.timing import median_seconds, sig
+from grpo_vision.tools.timing import machine, sig
 
 # The step settings of every preset (one prompt's group of G images; rewards without model files).
 STEP_COMMON = ["sample.prompts_per_step=1", "sample.batch_size={G}", "sample.group_size={G}",
@@ -59,87 +58,32 @@ STEPS = {
 # what users ask for first: the 7B (the anchors' model) in a process of its own before anything else, a preset's
 # steps before its sampler
 ORDER = ["janus-pro-7b", "janus-pro-1b", "llamagen-t2i-xl", "llamagen-c2i-xl"]
-OPTIONAL = ["diffusers", "open_clip_torch", "gradio", "peft", "transformers", "accelerate"]
-
-
-def machine() -> dict:
-    """What the figures were measured on: the device, torch and CUDA, and the optional packages present."""
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "cpu_threads": torch.get_num_threads()}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        out |= {"gpu": p.name, "gpu_memory_gib": round(p.total_memory / 2**30, 1)}
-    else:
-        out["gpu"] = None
-    packages = {}
-    for name in OPTIONAL:
-        try:
-            packages[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            packages[name] = "missing"
-    return out | {"packages": packages}
-
-
-@torch.no_grad()
 def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repeats: int = 1, dtype: str = "bfloat16",
-                         device: str | None = None, generate: bool = True, compiled: bool = True,
+                         device: str | None = None, generate: bool = True, decodes: list[str] | None = None,
                          speculative_window: int = 16) -> dict:
-    """Images/s of one group of G images with the preset's CFG, per decode path (eager, static or the CUDA graph,
-    and the compiled step; speculative decoding at window `speculative_window`, 0 for none, with its forward passes
-    an image), beside transformers' generate (Janus) and the teacher-forced ceiling. Random weights: their
-    conditionals are flat, so few drafts are kept (the ShapesWorld policy's figures say what a trained model
-    keeps: `bench sampler --speculative-window`)."""
+    """`bench_sampler` (tools/bench.py, the same figures) for each group size G: one prompt's group of G images at
+    the preset's CFG, every decode path that runs on the device (the compiled step on a GPU only) or `decodes`,
+    speculative at window `speculative_window`, beside transformers' generate (Janus) and the teacher-forced
+    ceiling. Random weights: their conditionals are flat, so few drafts are kept (the ShapesWorld policy's figures
+    say what a trained model keeps: `bench sampler --run`)."""
     from grpo_vision.config import load_config
     from grpo_vision.policy import load_bundle
-    from grpo_vision.sampling import SamplingParams, sample
-    from grpo_vision.sampling.speculative import sample_speculative
+    from grpo_vision.tools.bench import bench_sampler
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     p = preset(name)
     start = time.perf_counter()
     bundle = load_bundle(load_config(None, preset_overrides(name, directory, dtype)).policy, device)
-    policy, N = bundle.policy, bundle.policy.num_image_tokens
-    result = {"preset": name, "dtype": dtype, "device": device, "cfg_scale": p.cfg_scale, "image_tokens": N,
-              "params": sum(q.numel() for q in policy.parameters()), "load_s": round(time.perf_counter() - start, 1),
-              "groups": {}}
-    fast = "graph" if device == "cuda" else "static"
-    paths = ("eager", fast, "compiled") if compiled else ("eager", fast)
+    policy = bundle.policy
+    result = {"preset": name, "dtype": dtype, "device": device, "cfg_scale": p.cfg_scale,
+              "image_tokens": policy.num_image_tokens, "params": sum(q.numel() for q in policy.parameters()),
+              "load_s": round(time.perf_counter() - start, 1), "groups": {}}
+    prompts = prompts_for(name, 1)  # one prompt's group
     for G in groups:
-        prompts = prompts_for(name, 1) * G  # one prompt's group
-        cond = policy.encode_prompts(prompts)
-        params = SamplingParams(cfg_scale=p.cfg_scale)
-        runs = {d: (lambda d=d: sample(policy, cond, list(range(G)), replace(params, decode=d))) for d in paths}
-        speculative = replace(params, decode="speculative", speculative_window=speculative_window)
-        stats = []
-        if speculative_window:
-            runs["speculative"] = lambda: stats.append(sample_speculative(policy, cond, list(range(G)), speculative)[1])
-        tokens = sample(policy, cond, list(range(G)), params).tokens
-        rows = torch.cat([cond, policy.null_condition(cond)])
-        runs["teacher_forced"] = lambda: policy.image_logits(rows, tokens.repeat(2, 1))
-        if generate and p.kind == "janus":
-            runs["generate"] = _janus_generate(policy, prompts, p.cfg_scale)
-        seconds, failed, first = {}, {}, {}
-        for k, fn in runs.items():
-            try:
-                seconds[k], first[k] = median_seconds(fn, repeats, first=True)
-            except Exception as e:  # transformers' generate breaks between releases, a compiler may fail: one path
-                if k not in ("generate", "compiled", "speculative"):
-                    raise
-                failed[k] = f"{type(e).__name__}: {str(e)[:300]}"
-        row = {k: {"s": sig(s), "images_per_s": sig(G / s), "tokens_per_s": sig(G * N / s),
-                   "ms_per_decode_step": sig(1000 * s / N)} for k, s in seconds.items()}
-        if "compiled" in seconds:  # the first call compiles (once per process and shape); later calls do not
-            row["compiled"]["compile_s"] = sig(first["compiled"] - seconds["compiled"])
-        row |= {f"{k}_error": why for k, why in failed.items()}
-        if "speculative" in seconds:
-            passes = stats[-1].forwards.double().mean().item()
-            row["speculative"] |= {"window": speculative_window, "forwards_per_image": sig(passes),
-                                   "forwards_per_batch": stats[-1].batch_forwards, "tokens_per_forward": sig(N / passes),
-                                   "speedup_vs_" + fast: sig(seconds[fast] / seconds["speculative"])}
-            row["speculative"]["ms_per_decode_step"] = sig(1000 * seconds["speculative"] / stats[-1].batch_forwards)
-        if "generate" in seconds:
-            row["speedup_vs_generate"] = sig(seconds["generate"] / seconds[fast])
-        row["fraction_of_ceiling"] = sig(seconds["teacher_forced"] / seconds[fast])
-        result["groups"][str(G)] = row
+        janus = (lambda policy, cond, params, batch, G=G: _janus_generate(policy, prompts * G, params.cfg_scale))
+        result["groups"][str(G)] = bench_sampler(policy, decodes, group=G, repeats=repeats, cfg_scale=p.cfg_scale,
+                                                 top_k=0, window=speculative_window, prompts=prompts, device=device,
+                                                 generate=janus if generate and p.kind == "janus" else False)
     if device == "cuda":
         result["cuda_max_allocated_gib"] = sig(torch.cuda.max_memory_allocated() / 2**30)
     return result
@@ -293,23 +237,21 @@ def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"Device: {m.get('gpu') or 'CPU'} ({m.get('gpu_memory_gib', '-')} GiB), torch {m['torch']}, "
              f"CUDA {m['cuda']}; weights {report['dtype']}", "",
-             "| preset | G | path | images/s | tokens/s | ms a decode step | compile s | vs generate | of ceiling |",
+             "| preset | G | path | images/s | tokens/s | ms a forward pass | compile s | vs generate | of ceiling |",
              "|---|---|---|---|---|---|---|---|---|"]
     for e in report["results"]:
         if e["what"] != "sampler" or "result" not in e:
             continue
-        for G, row in e["result"]["groups"].items():
-            for path in ("eager", "static", "graph", "compiled", "speculative", "generate", "teacher_forced"):
-                if path in row:
-                    fast = path in ("static", "graph")
-                    label = path if path != "speculative" else (
-                        f"speculative, W = {row[path]['window']} ({row[path]['forwards_per_image']} passes an image, "
-                        f"{row[path]['forwards_per_batch']} the batch)")
-                    lines.append(f"| {e['preset']} | {G} | {label} | {row[path]['images_per_s']} | "
-                                 f"{row[path]['tokens_per_s']} | {row[path].get('ms_per_decode_step', '')} | "
-                                 f"{row[path].get('compile_s', '')} | "
-                                 f"{row.get('speedup_vs_generate', '') if fast else ''} | "
-                                 f"{row['fraction_of_ceiling'] if fast else ''} |")
+        for G, r in e["result"]["groups"].items():
+            for path, row in [*r["paths"].items(), *r["baselines"].items()]:
+                label = path if path not in r["drafts"] else (
+                    f"{path}, W = {r['window']} ({row['forwards_per_image']} passes an image, "
+                    f"{row['forwards_per_batch']} the batch)")
+                compile_s = sig(row["first_call_s"] - row["seconds"]) if path == "compiled" else ""
+                lines.append(f"| {e['preset']} | {G} | {label} | {row['images_per_s']} | {row['tokens_per_s']} | "
+                             f"{row['ms_per_forward']} | {compile_s} | {row.get('speedup_vs_generate') or ''} | "
+                             f"{row.get('fraction_of_ceiling') or ''} |")
+            lines += [f"| {e['preset']} | {G} | {path}: {why[:80]} | | | | | | |" for path, why in r["not_run"].items()]
     lines += ["", "| preset | step setting | images/s | step s | sample | decode | reward | log-probs | update | "
               "peak GiB | estimate GiB | estimate / peak |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in report["results"]:

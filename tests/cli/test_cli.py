@@ -37,7 +37,7 @@ def test_config_errors_exit_2_and_name_the_key(tmp_path):
         assert "Traceback" not in out.stderr
 
 
-def test_bench_sampler_prints_json(tmp_path, capsys):
+def test_bench_sampler_prints_every_requested_path_in_one_shape(tmp_path, capsys):
     from grpo_vision.cli import main
     from grpo_vision.tools.bench import BENCH_WORDS
     from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
@@ -46,14 +46,27 @@ def test_bench_sampler_prints_json(tmp_path, capsys):
     # the default size takes minutes on a shared CPU
     LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(2, 2), dim=32,
                                        n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
-    main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--batch", "2", "--repeats", "1",
-          "--top-k", "8"])
+    main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--decode", "eager,static,speculative",
+          "--group-size", "1", "--repeats", "1", "--top-k", "8", "--speculative-window", "2"])
     result = json.loads(capsys.readouterr().out)
-    runs = {f"{n}_{t}" for n in ("ours", "generate", "teacher_forced") for t in ("cfg_off", "cfg_on")}
-    assert set(result["tokens_per_s"]) == runs
-    assert all(v > 0 for v in result["tokens_per_s"].values())
-    assert result["speedup_vs_generate_cfg_on"] > 0 and isinstance(result["targets_met"], bool)
-    assert (result["image_tokens"], result["batch"]) == (4, 2)  # the saved policy was benchmarked
+    paths, baselines = result["paths"], result["baselines"]
+    assert list(paths) == ["eager", "static", "speculative", "speculative_jacobi"] and result["not_run"] == {}
+    assert result["drafts"] == {"speculative": "coupled", "speculative_jacobi": "jacobi"}
+    assert len({tuple(r) for r in paths.values()}) == 1  # the same figures for every path
+    assert set(baselines) == {"generate", "teacher_forced"}
+    assert all(set(b) == set(paths["eager"]) - {"speedup_vs_generate", "fraction_of_ceiling", "wall_clock_vs_plain"}
+               for b in baselines.values())
+    assert (result["image_tokens"], result["images"], result["batch"]) == (4, 4, 4)  # the saved policy, 4 prompts x 1
+    for name, r in paths.items():  # the ratios are those of the seconds reported
+        assert r["images_per_s"] == pytest.approx(4 / r["seconds"], rel=0.01)
+        assert r["speedup_vs_generate"] == pytest.approx(baselines["generate"]["seconds"] / r["seconds"], rel=0.01)
+        assert r["fraction_of_ceiling"] == pytest.approx(baselines["teacher_forced"]["seconds"] / r["seconds"],
+                                                         rel=0.01)
+        assert r["wall_clock_vs_plain"] == pytest.approx(paths["static"]["seconds"] / r["seconds"], rel=0.01)
+    assert result["plain_decode"] == "static" and result["targets"]["path"] == "eager"  # auto on a CPU
+    assert result["targets_met"] == (paths["eager"]["speedup_vs_generate"] >= 3
+                                     and paths["eager"]["fraction_of_ceiling"] >= 0.4)
+    assert result["machine"]["torch"] and result["machine"]["cpu_threads"] >= 1
 
 
 def test_bench_counts_must_be_positive(capsys):

@@ -268,8 +268,8 @@ def test_bench_sampler_on_a_planning_run_draws_its_plans(planned, monkeypatch, c
     loaded = load.LoadedRun(cfg, bundle, bundle.policy, types.SimpleNamespace(), 2)
     monkeypatch.setattr(load, "load_run", lambda *args, **kwargs: loaded)
     capsys.readouterr()
-    main(["bench", "sampler", "--json", "--run", str(run), "--speculative-window", "4", "--group-size", "1",
-          "--repeats", "1"])
+    main(["bench", "sampler", "--json", "--run", str(run), "--decode", "static,speculative", "--speculative-window",
+          "4", "--group-size", "1", "--repeats", "1", "--device", "cpu"])
     result = json.loads(capsys.readouterr().out)
     plan = result["plan"]
     assert (plan["max_tokens"], plan["template"]) == (5, cfg.sample.plan.template) and "image stage" in plan["note"]
@@ -280,4 +280,5 @@ def test_bench_sampler_on_a_planning_run_draws_its_plans(planned, monkeypatch, c
     lengths = samples.rollout.plan.mask.sum(1).double()
     assert plan["condition_tokens"] == samples.cond.shape[1] > bundle.policy.encode_prompts(["a red circle"]).shape[1]
     assert plan["tokens_per_plan"] == sig(lengths.mean().item()) and 1 <= plan["tokens_per_plan"] <= 5
-    assert result["coupled"]["forwards_per_image"] <= result["image_tokens"]  # the image stage's passes
+    paths = result["paths"]  # the image stage's passes
+    assert paths["speculative"]["forwards_per_image"] <= paths["static"]["forwards_per_image"] == result["image_tokens"]

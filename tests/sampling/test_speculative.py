@@ -249,15 +249,19 @@ def test_bench_sampler_reports_forwards_and_wall_clock(tmp_path, capsys):
 
     LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(3, 3), dim=32, n_layers=1,
                                        n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
-    main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--speculative-window", "4", "--group-size",
-          "2", "--repeats", "1", "--top-k", "0"])
+    main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--decode", "static,speculative",
+          "--speculative-window", "4", "--group-size", "2", "--repeats", "1", "--top-k", "0", "--no-generate",
+          "--device", "cpu"])
     result = json.loads(capsys.readouterr().out)
     assert (result["image_tokens"], result["images"], result["window"]) == (9, 8, 4)
-    assert result["plain"]["forwards_per_image"] == 9
-    for draft in ("jacobi", "coupled"):
-        r = result[draft]
+    paths = result["paths"]
+    assert (paths["static"]["forwards_per_image"], paths["static"]["tokens_per_forward"]) == (9, 1)  # N, one a pass
+    for draft in ("speculative", "speculative_jacobi"):
+        r = paths[draft]
         assert 9 / 4 <= r["forwards_per_image"] <= r["forwards_per_batch"] <= 9  # at most W tokens a forward
-        assert r["tokens_per_forward"] >= 1 and r["seconds"] > 0 and r["wall_clock_vs_plain"] > 0
+        assert r["tokens_per_forward"] == pytest.approx(9 / r["forwards_per_image"], rel=0.01)
+        assert r["seconds"] > 0 and r["wall_clock_vs_plain"] > 0
+    assert result["baselines"]["teacher_forced"]["forwards_per_image"] == 1 and "generate" not in result["baselines"]
     assert (result["device"], result["plain_decode"]) == ("cpu", "static")
 
 
@@ -277,15 +281,13 @@ def test_bench_sampler_runs_a_trained_runs_checkpoint_at_its_own_settings(micro_
     from grpo_vision.run.folder import read_run_config
 
     s = read_run_config(micro_run).sample
-    main(["bench", "sampler", "--json", "--run", str(micro_run), "--speculative-window", "4", "--group-size", "1",
-          "--repeats", "1"])
+    args = ["bench", "sampler", "--json", "--run", str(micro_run), "--decode", "speculative", "--group-size", "1",
+            "--repeats", "1", "--no-generate", "--device", "cpu"]
+    main(args)
     result = json.loads(capsys.readouterr().out)
-    assert (result["cfg_scale"], result["temperature"], result["top_k"]) == (s.cfg_scale, s.temperature, s.top_k)
-    assert result["images"] == 4 and result["coupled"]["forwards_per_image"] <= result["image_tokens"]
-    main(["bench", "sampler", "--json", "--run", str(micro_run), "--speculative-window", "4", "--group-size", "1",
-          "--repeats", "1", "--top-k", "3"])
-    assert json.loads(capsys.readouterr().out)["top_k"] == 3  # a flag given wins over the run's setting
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "sampler", "--run", str(micro_run)])
-    assert exit_info.value.code == 2
-    assert "error: bench sampler --run: give --speculative-window W too" in capsys.readouterr().err
+    assert (result["cfg_scale"], result["temperature"], result["top_k"], result["window"]) == (
+        s.cfg_scale, s.temperature, s.top_k, s.speculative_window)
+    assert result["images"] == 4 and result["paths"]["speculative"]["forwards_per_image"] <= result["image_tokens"]
+    main([*args, "--top-k", "3", "--speculative-window", "2"])
+    flagged = json.loads(capsys.readouterr().out)
+    assert (flagged["top_k"], flagged["window"]) == (3, 2)  # a flag given wins over the run's setting

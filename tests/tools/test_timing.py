@@ -30,3 +30,6 @@ def test_the_median_leaves_the_warm_up_out_and_rounds_interleave(monkeypatch):
     times = timing.interleaved({"a": run("a", 1.0), "b": run("b", 2.0)}, 2)
     assert times == {"a": [1.0, 1.0], "b": [2.0, 2.0]}
     assert order == ["a", "b"] * 3  # an untimed call of each, then two rounds calling each once
+    order.clear()
+    assert timing.interleaved({"a": run("a", 1.0), "b": run("b", 2.0)}, 1, warm=False) == {"a": [1.0], "b": [2.0]}
+    assert order == ["a", "b"]  # the caller made the untimed calls (bench_sampler: a failing path is a line)
