@@ -239,7 +239,7 @@ def test_export_refuses_a_place_inside_a_run_folder_and_bad_paths_before_loading
     assert not (run / "exports").exists()
 
 
-FULL_DISK = rf"^--out {{out}}: no space left on {{disk}}: the export's tensors take about (\d+\.\d) MiB and " \
+FULL_DISK = r"^--out {out}: no space left on {disk}: the export's tensors take about (\d+\.\d) MiB and " \
             r"\d+\.\d MiB are free \(the partial export was removed\); free some space, or export to a folder on " \
             r"another disk$"
 

@@ -85,7 +85,7 @@ def _set_up(cfg: Config, resume, given_bundle, given_prompts, allow_other_base: 
                                           merged_bytes(policy) if merge else 0, cfg.sample.merge_adapter == "auto",
                                           judge_rows(cfg, sizes["images_per_process"]))
     if acc.is_main_process and cfg.sample.merge_adapter == "auto" and cfg.train.adapter != "none" and fits == merge:
-        print(f"[train] sample.merge_adapter=auto: " + (f"merged ({cfg.train.adapter} on {acc.device})" if merge
+        print("[train] sample.merge_adapter=auto: " + (f"merged ({cfg.train.adapter} on {acc.device})" if merge
                                                         else f"not merged ({unmerged})"), flush=True)
     merge = fits
     prompts = checked_prompt_sets(cfg, bundle, run_dir if resume else None, given_prompts)

@@ -352,7 +352,7 @@ def test_a_flipped_bit_in_a_weights_file_is_named_with_both_hashes(tmp_path):
 
 
 def test_integer_tensors_for_float_weights_are_refused(tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     model, opt, sched = tiny()
     path = save_checkpoint(tmp_path, 1, model, opt, sched, None, {"counters": {}})
@@ -365,7 +365,7 @@ def test_integer_tensors_for_float_weights_are_refused(tmp_path):
 def test_a_checkpoint_holding_a_nan_is_refused_at_load_by_resume_and_eval(micro_world, tmp_path):
     """A resume from it said "the last checkpoint ... holds finite weights" after a NaN step, and eval returned NaN
     results with exit 0."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from grpo_vision.config import load_config
     from grpo_vision.evaluation.evaluate import evaluate_run

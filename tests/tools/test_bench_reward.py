@@ -26,5 +26,5 @@ def test_bench_reward_refuses_an_unknown_reward_or_option_in_one_line(capsys):
         with pytest.raises(SystemExit) as stopped:
             main(["bench", "reward", *args, "--images", "1", "--repeats", "1"])
         err = capsys.readouterr().err
-        assert stopped.value.code == 2 and err.startswith(f"grpo-vision: error: ") and message in err
+        assert stopped.value.code == 2 and err.startswith("grpo-vision: error: ") and message in err
         assert err.count("\n") == 1

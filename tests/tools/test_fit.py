@@ -5,7 +5,6 @@ import functools
 import json
 
 import pytest
-import torch
 
 from grpo_vision.config import derived_sizes, load_config
 from grpo_vision.models.adapters import add_adapter
