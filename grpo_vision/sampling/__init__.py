@@ -8,6 +8,7 @@ from here.
 - decode.py: how a rollout runs, one table of decode paths (`DECODERS`: eager, static, graph, compiled,
   speculative) behind `sample`;
 - speculative.py: speculative Jacobi decoding, the same distribution in fewer forward passes;
+- cuda_graph.py: a fixed-shape step recorded once as a CUDA graph and replayed (both decoders' steps);
 - plan.py: the text stage before the image (`sample_plan`) and its log-probs;
 - score.py: training's teacher-forced log-probs of a rollout's sequence, plan and image segments
   (`sequence_logprobs`, `batched_logprobs`).

@@ -25,6 +25,7 @@ import torch
 
 from grpo_vision.config import ConfigError
 from grpo_vision.policy import ImagePolicy
+from grpo_vision.sampling.cuda_graph import record_step
 from grpo_vision.sampling.distribution import SamplingParams, sample_token, seeded_uniforms
 from grpo_vision.sampling.sequences import Rollout
 from grpo_vision.sampling.speculative import sample_speculative
@@ -197,23 +198,3 @@ def compile_errors(compiled: bool):
         raise CompileError(f"sample.decode=compiled: torch {torch.__version__} could not compile this policy's decode "
                            f"step ({type(e).__name__}: {first[:200]}); use sample.decode=graph (a GPU) or eager"
                            ) from None
-
-
-def record_step(step, state: Sequence[torch.Tensor]) -> callable:
-    """`step` (a decode step that reads and writes only tensors of fixed addresses) recorded as a CUDA
-    graph; returns its replay. Recording needs warm-up runs on a side stream (PyTorch's CUDA graphs
-    docs); they advance `state` (the logits, the column, the cache's position), which is put back after.
-    The keys and values they wrote are written again by the replayed steps before any step reads them."""
-    saved = [x.clone() for x in state]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    for x, value in zip(state, saved):
-        x.copy_(value)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph.replay

@@ -27,6 +27,7 @@ path's: speculative and plain decoding draw the same distribution, not the same 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +36,7 @@ import torch
 from grpo_vision.sampling.distribution import (
     SamplingParams, entropy_of, inverse_cdf, reported_logp, seeded_uniforms, target_logp,
 )
+from grpo_vision.sampling.cuda_graph import record_step
 from grpo_vision.sampling.sequences import Rollout
 
 
@@ -104,6 +106,9 @@ def next_drafts(p: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.T
 # ---------------------------------------------------------------------------- the loop
 
 Block = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# iterations between two host reads of "every row is done": each read waits for the device, and at most
+# CHECK_EVERY - 1 masked iterations run after the last row is done (about 3% of a 256-token image's ~100)
+CHECK_EVERY = 4
 
 
 def uniforms_per_iteration(window: int) -> int:
@@ -112,7 +117,8 @@ def uniforms_per_iteration(window: int) -> int:
 
 
 def speculative_decode(first: torch.Tensor, block: Block, u: torch.Tensor, n_tokens: int, window: int,
-                       params: SamplingParams, coupled: bool = False) -> tuple[Rollout, SpeculativeStats]:
+                       params: SamplingParams, coupled: bool = False, check_every: int = 1,
+                       graph: bool = False) -> tuple[Rollout, SpeculativeStats]:
     """N image tokens per row by speculative Jacobi decoding.
 
     first: `[B or 2B, K]` the logits of token 0 (the prefill's; CFG's null rows after the B conditional ones).
@@ -120,54 +126,86 @@ def speculative_decode(first: torch.Tensor, block: Block, u: torch.Tensor, n_tok
     c .. c+W-1 of each row given its window, the tokens at c-1 .. c+W-2 (its last kept token, then drafts), and
     the kept tokens before them (columns < c of `tokens`; a cached block has them in its cache). u: `[B, N, U]`
     uniforms, U = uniforms_per_iteration(W).
+
+    Every iteration runs on tensors of fixed shapes and addresses (`Window`), the rows' positions and counts among
+    them, with no host read inside: the host asks whether every row is done once every `check_every` iterations
+    (a row that is done runs masked iterations, which change nothing it returns), and with `graph` (a CUDA device)
+    the iteration is recorded once as a CUDA graph and replayed, as the plain path's decode step is. The tokens do
+    not depend on `check_every` or `graph` (a test checks it).
     """
     B, N, W = u.shape[0], n_tokens, window
     device = u.device
     width = N + 2 * W  # a window's writes past the image land in this slack and are cut off at the end
     out = Rollout(torch.zeros(B, width, dtype=torch.long, device=device), torch.zeros(B, width, device=device),
                   torch.zeros(B, width, device=device))
-    a, d, k = slice(0, W - 1), slice(W, 2 * W - 1), slice(2 * W - 1, 3 * W - 2)  # acceptance, draft, coupling
-
-    def split(logits):  # [B or 2B, ...] -> conditional, null rows
-        return (logits[:B], logits[B:]) if params.guided else (logits, None)
-
-    def keep(logits, logp, tokens, col):  # write tokens [B, W'] from col [B] on, with their log-probs and entropies
-        cols = col[:, None] + torch.arange(tokens.shape[1], device=device)  # [B, W']
-        for buffer, value in zip((out.tokens, out.logprobs, out.entropy),
-                                 (tokens, reported_logp(split(logits)[0], logp, tokens, params), entropy_of(logp))):
-            buffer.scatter_(1, cols, value)
-
-    logp = target_logp(*split(first), params)  # [B, K]
+    logp = target_logp(*_split(first, B, params), params)  # [B, K]
     last = inverse_cdf(logp.exp(), u[:, 0, W - 1])  # [B] token 0
-    keep(first[:, None], logp[:, None], last[:, None], torch.zeros(B, dtype=torch.long, device=device))
-    q = logp.exp()[:, None].expand(B, W - 1, -1)  # [B, W-1, K] nothing predicts tokens 1.. yet but token 0's target
-    draft = inverse_cdf(q, u[:, 0, d])  # [B, W-1]
-    c = torch.ones(B, dtype=torch.long, device=device)  # tokens kept so far
-    forwards = torch.ones(B, dtype=torch.long, device=device)  # the prefill
-    t = 0
-    while not bool((done := c >= N).all()):  # one host read an iteration
-        t += 1
-        logits = block(torch.cat([last[:, None], draft], 1), c.clamp_max(N), out.tokens)  # [B or 2B, W, K]
-        logp = target_logp(*split(logits), params)  # [B, W, K]
-        p = logp.exp()
-        n, tokens = verify(p, q, draft, u[:, t, a], u[:, t, W - 1])  # [B], [B, W]
-        keep(logits, logp, tokens, c)  # columns past c + n are written again by a later window
-        forwards += ~done
-        c = c + (n + 1) * ~done
-        last = tokens.gather(1, n[:, None]).squeeze(1)  # [B]
-        q_next, slot = next_drafts(p, n)  # [B, W-1, K], [B, W-1]
-        if coupled:  # the old draft of the same position, where this window had one
-            has_old = slot <= W - 2
-            old = slot.clamp_max(max(W - 2, 0))
-            x_old = draft.gather(1, old)  # [B, W-1]
-            q_old = q.gather(1, old.unsqueeze(-1).expand_as(q_next))  # [B, W-1, K]
-            draft = couple(x_old, q_old, q_next, has_old, u[:, t, k], u[:, t, d])
-        else:
-            draft = inverse_cdf(q_next, u[:, t, d])  # [B, W-1]
-        q = q_next
+    _keep(out, first[:, None], logp[:, None], last[:, None], torch.zeros(B, dtype=torch.long, device=device), params)
+    q = logp.exp()[:, None].expand(B, W - 1, -1).clone()  # [B, W-1, K] nothing predicts tokens 1.. yet but token 0's
+    state = Window(out, last, inverse_cdf(q, u[:, 0, W:2 * W - 1]), q,
+                   torch.ones(B, dtype=torch.long, device=device),  # c: tokens kept so far
+                   torch.ones(B, dtype=torch.long, device=device),  # forwards: the prefill
+                   torch.zeros(1, dtype=torch.long, device=device))  # t: iterations run
+    step = functools.partial(iterate, state, block, u, N, W, params, coupled)
+    if graph:
+        step = record_step(step, [state.last, state.draft, state.q, state.c, state.forwards, state.t])
+    while not bool((state.c >= N).all()):  # one host read every `check_every` iterations
+        for _ in range(check_every):
+            step()
     cut = Rollout(out.tokens[:, :N].contiguous(), out.logprobs[:, :N].contiguous(), out.entropy[:, :N].contiguous(),
-                  forwards=forwards)
-    return cut, SpeculativeStats(forwards, t + 1)
+                  forwards=state.forwards.clone())
+    return cut, SpeculativeStats(cut.forwards, int(state.t) + 1)
+
+
+@dataclass
+class Window:  # the speculative loop's state, every tensor of a fixed shape and address
+    out: Rollout  # [B, N + 2W] the kept tokens, their log-probs and entropies (a window's slack past N)
+    last: torch.Tensor  # [B] each row's last kept token
+    draft: torch.Tensor  # [B, W-1] the next window's drafts
+    q: torch.Tensor  # [B, W-1, K] the distributions they were drawn from
+    c: torch.Tensor  # [B] tokens kept so far (done at N)
+    forwards: torch.Tensor  # [B] forward passes each row needed, the prefill included
+    t: torch.Tensor  # [1] iterations run (the row of the uniforms the next one reads)
+
+
+def iterate(s: Window, block: Block, u: torch.Tensor, N: int, W: int, params: SamplingParams, coupled: bool) -> None:
+    """One window of every row: the forward, the verification, the kept tokens written and the next drafts, all in
+    place on `s` (a CUDA graph can record it). Rows that are done change nothing they return."""
+    B = u.shape[0]
+    done = s.c >= N  # [B]
+    s.t.add_(1)
+    ut = u.index_select(1, s.t.clamp_max(N - 1)).squeeze(1)  # [B, U] this iteration's uniforms
+    a, d, k = slice(0, W - 1), slice(W, 2 * W - 1), slice(2 * W - 1, 3 * W - 2)  # acceptance, draft, coupling
+    logits = block(torch.cat([s.last[:, None], s.draft], 1), s.c.clamp_max(N), s.out.tokens)  # [B or 2B, W, K]
+    logp = target_logp(*_split(logits, B, params), params)  # [B, W, K]
+    p = logp.exp()
+    n, tokens = verify(p, s.q, s.draft, ut[:, a], ut[:, W - 1])  # [B], [B, W]
+    _keep(s.out, logits, logp, tokens, s.c, params)  # columns past c + n are written again by a later window
+    s.forwards.add_(~done)
+    s.c.add_((n + 1) * ~done)
+    s.last.copy_(tokens.gather(1, n[:, None]).squeeze(1))
+    q_next, slot = next_drafts(p, n)  # [B, W-1, K], [B, W-1]
+    if coupled:  # the old draft of the same position, where this window had one
+        has_old = slot <= W - 2
+        old = slot.clamp_max(max(W - 2, 0))
+        x_old = s.draft.gather(1, old)  # [B, W-1]
+        q_old = s.q.gather(1, old.unsqueeze(-1).expand_as(q_next))  # [B, W-1, K]
+        s.draft.copy_(couple(x_old, q_old, q_next, has_old, ut[:, k], ut[:, d]))
+    else:
+        s.draft.copy_(inverse_cdf(q_next, ut[:, d]))  # [B, W-1]
+    s.q.copy_(q_next)
+
+
+def _split(logits: torch.Tensor, B: int, params: SamplingParams):  # [B or 2B, ...] -> conditional, null rows
+    return (logits[:B], logits[B:]) if params.guided else (logits, None)
+
+
+def _keep(out: Rollout, logits, logp, tokens, col, params: SamplingParams) -> None:
+    """Write tokens `[B, W']` from column `col` `[B]` on, with their log-probs and entropies."""
+    cols = col[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, W']
+    reported = reported_logp(_split(logits, tokens.shape[0], params)[0], logp, tokens, params)
+    for buffer, value in zip((out.tokens, out.logprobs, out.entropy), (tokens, reported, entropy_of(logp))):
+        buffer.scatter_(1, cols, value)
 
 
 def speculative_uniforms(seeds, n_tokens: int, window: int, skip: int, device) -> torch.Tensor:
@@ -197,4 +235,5 @@ def sample_speculative(policy, cond: torch.Tensor, seeds, params: SamplingParams
     def block(window, c, _):  # token c-1 of a row sits at cache position L + c - 1
         return policy.decode_block(window.repeat(reps, 1), cache, (cond.shape[1] + c - 1).repeat(reps))
 
-    return speculative_decode(first, block, u, N, W, params, params.speculative_draft == "coupled")
+    return speculative_decode(first, block, u, N, W, params, params.speculative_draft == "coupled",
+                              check_every=CHECK_EVERY, graph=cond.device.type == "cuda")

@@ -193,6 +193,48 @@ def check_speculative_sampler(policy, cond: torch.Tensor, params: SamplingParams
     torch.testing.assert_close(rollout.logprobs, logp, atol=atol, rtol=0)
     torch.testing.assert_close(rollout.entropy, entropy, atol=atol, rtol=0)
     assert torch.equal(sample(policy, cond[B - 1:], [B - 1], spec).tokens, rollout.tokens[B - 1:])
+    every, speculative.CHECK_EVERY = speculative.CHECK_EVERY, 1  # the host reads every iteration, as eager code did
+    try:
+        eager = sample(policy, cond, list(range(B)), spec)
+    finally:
+        speculative.CHECK_EVERY = every
+    assert torch.equal(eager.tokens, rollout.tokens) and torch.equal(eager.forwards, rollout.forwards)
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["as_built", "done_rows_not_masked"])
+@torch.no_grad()
+def test_the_static_loop_draws_the_same_rollout_however_often_the_host_looks(tiny_policy, monkeypatch, wrong):
+    """The speculative loop reads "every row is done" every `check_every` iterations (a CUDA graph replays several
+    before the host looks): rows that are done run masked iterations, so tokens, log-probs and each row's forward
+    passes are the same for any `check_every`. A loop whose done rows count their masked passes is caught."""
+    policy, W, N = tiny_policy, 3, tiny_policy.num_image_tokens
+    cond = policy.encode_prompts(["a red circle", "a blue square left of a red circle", "a blue circle"] * 2)
+    params = SamplingParams(cfg_scale=2.0, top_k=8)
+
+    def run(every):
+        rows = torch.cat([cond, policy.null_condition(cond)])
+        cache = policy.new_cache(rows.shape[0], static=True, extra=W)
+        first = policy.prefill(rows, cache)
+        block = lambda window, c, _: policy.decode_block(window.repeat(2, 1), cache,  # noqa: E731
+                                                         (cond.shape[1] + c - 1).repeat(2))
+        u = speculative_uniforms(range(6), N, W, N, cond.device)
+        return speculative_decode(first, block, u, N, W, params, coupled=True, check_every=every)
+
+    reference, stats = run(1)  # the host looks after every iteration, as the eager loop did
+    assert stats.forwards.unique().numel() > 1  # rows finish at different passes: some run masked iterations
+    if wrong:
+        real = speculative.iterate
+
+        def unmasked(s, *args):  # done rows count the passes they sit through
+            done = s.c >= N
+            real(s, *args)
+            s.forwards.add_(done)
+        monkeypatch.setattr(speculative, "iterate", unmasked)
+    runs = {every: run(every) for every in (3, 7)}
+    same = [torch.equal(r.tokens, reference.tokens) and torch.equal(r.logprobs, reference.logprobs)
+            and torch.equal(r.forwards, reference.forwards) for r, _ in runs.values()]
+    assert same == ([False, False] if wrong else [True, True])
+    assert runs[7][1].batch_forwards >= stats.batch_forwards  # the masked iterations after the last row ran
 
 
 def test_decode_block_equals_teacher_forcing_at_per_row_positions(tiny_policy):
