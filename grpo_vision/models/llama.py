@@ -184,14 +184,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, attend, w_qkv=None):  # attend: one of the `*_attention` functions below
-        (B, T, _), H, Hkv = x.shape, self.n_heads, self.n_kv_heads
-        # q/k/v from the modules (training: LoRA layers wrap them), or from new_cache's concatenated weights
+    def forward(self, x, cos, sin, attend, w_qkv=None):
+        """x `[B, T, dim]`, or `[B, dim]` (decode: one row a sequence, each linear one mm); `attend(q, k, v)`, one of
+        the `*_attention` functions below, answers in x's shape. q/k/v from the modules (training: LoRA layers wrap
+        them), or from new_cache's concatenated weights."""
+        H, Hkv = self.n_heads, self.n_kv_heads
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1) if w_qkv is None else F.linear(x, w_qkv)
-        qkv = qkv.view(B, T, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # [B, H+2Hkv, T, hd]
+        qkv = qkv.view(x.shape[0], -1, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # [B, H+2Hkv, T, hd]
         qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # [B, H+Hkv, T, hd]
-        y = attend(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:])  # [B, H, T, hd]
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, dim]
+        return self.o_proj(attend(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]))  # like x
 
 
 def prefix_attention(cache: KVCache | None, start: int):
@@ -202,7 +203,7 @@ def prefix_attention(cache: KVCache | None, start: int):
             end = start + k.shape[2]
             cache.k[i, :, :, start:end], cache.v[i, :, :, start:end] = k, v
             k, v = cache.k[i, :, :, :end], cache.v[i, :, :, :end]  # [B, Hkv, end, hd]
-        return attention(q, k, v, causal=q.shape[2] > 1, gqa=k.shape[1] != q.shape[1])
+        return attention(q, k, v, q.shape[2] > 1, k.shape[1] != q.shape[1]).transpose(1, 2).flatten(2)
     return attend
 
 
@@ -210,14 +211,13 @@ def step_attention(cache: KVCache):
     """decode's: one query a row, its key written at the cache position (models/kv_cache.py), two plain products
     with the heads grouped per kv head (GQA without repeating the keys)."""
     future = None if cache.position is None else future_keys(cache.position, cache.k.shape[3])  # [T] keys to hide
-
-    def attend(i, q, k, v):  # q [B, H, 1, hd], k and v [B, Hkv, 1, hd]
+    def attend(i, q, k, v):  # q [B, H, 1, hd], k and v [B, Hkv, 1, hd] -> [B, H*hd]
         (B, H, _, hd), Hkv = q.shape, k.shape[1]
         k, v = write_step(cache.k[i], cache.v[i], k[:, :, 0], v[:, :, 0], cache.pos, cache.position)
         scores = (q.reshape(B, Hkv, H // Hkv, hd) * hd ** -0.5) @ k.transpose(-1, -2)  # [B, Hkv, H/Hkv, pos+1|T]
         if future is not None:
             scores = scores.masked_fill(future, float("-inf"))
-        return (scores.softmax(-1) @ v).view(B, H, 1, hd)
+        return (scores.softmax(-1) @ v).view(B, H * hd)
     return attend
 
 
@@ -225,12 +225,11 @@ def window_attention(cache: KVCache, pos: torch.Tensor):
     """decode_block's: W queries a row at positions `pos` `[B, W]`, their keys scattered there, each query over the
     whole cache with the keys after its own position (stale or unwritten) masked."""
     mask = (torch.arange(cache.k.shape[3], device=pos.device) <= pos[..., None]).unsqueeze(1)  # [B, 1, W, T]
-
     def attend(i, q, k, v):
         at = pos[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd] where the window's keys go
         cache.k[i].scatter_(2, at, k.to(cache.k.dtype))
         cache.v[i].scatter_(2, at, v.to(cache.v.dtype))
-        return attention(q, cache.k[i], cache.v[i], False, k.shape[1] != q.shape[1], mask)
+        return attention(q, cache.k[i], cache.v[i], False, k.shape[1] != q.shape[1], mask).transpose(1, 2).flatten(2)
     return attend
 
 
@@ -385,12 +384,12 @@ class LlamaImagePolicy(nn.Module):
         forcing). A static cache's position stays on the device: no host sync, a CUDA graph can record the step."""
         pos = cache.pos if cache.position is None else cache.position.view(1, 1)
         x = self._embed(tokens[:, None] + self.cfg.image_offset, pos, cache.canvas, cache.canvas_at)  # [B, 1, dim]
-        h = self._layers(x, *self._rope(x, pos, cache.k.shape[3]), step_attention(cache), cache.fused)
+        h = self._layers(x[:, 0], *self._rope(x, pos, cache.k.shape[3]), step_attention(cache), cache.fused)
         if cache.position is None:
             cache.pos += 1
         else:
             cache.position.add_(1)
-        return self._image_head(h[:, 0])  # [B, K]
+        return self._image_head(h)  # [B, K]
 
     def decode_block(self, tokens: torch.Tensor, cache: KVCache, start: torch.Tensor) -> torch.Tensor:
         """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`):
@@ -519,10 +518,10 @@ class LlamaImagePolicy(nn.Module):
         return h
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, fused=None) -> torch.Tensor:
-        """The blocks over `x` `[B, T, dim]`, then the final norm: every path's one loop, `attend(layer, q, k, v)` one
-        of the `*_attention` functions. Without `fused` the blocks run as modules (training: LoRA layers, gradient
-        checkpointing, DDP's / FSDP's hooks); with new_cache's weights (4 matmuls a layer, not 7) their forward alone,
-        as sampling reads the weights directly (run/distributed.full_weights)."""
+        """The blocks over `x` (Attention.forward's shapes), then the final norm: every path's one loop; `attend(layer,
+        q, k, v)` is one of the `*_attention` functions. Without `fused` the blocks run as modules (training: LoRA
+        layers, gradient checkpointing, DDP's / FSDP's hooks); with new_cache's weights (4 matmuls a layer, not 7)
+        their forward alone, as sampling reads the weights directly (run/distributed.full_weights)."""
         remat = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):  # non-reentrant recompute: works under DDP / FSDP hooks
             args = (x, cos, sin, partial(attend, i), *(fused[i] if fused else ()))
@@ -543,9 +542,8 @@ class LlamaImagePolicy(nn.Module):
         return x + (canvas.gather(1, at) * ((j >= 0) & (j < N))[..., None]).to(x.dtype)
 
     def _rope(self, x: torch.Tensor, pos: int | torch.Tensor, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin at cache positions `pos`, as `_embed` takes them: `[T, hd]` or `[B or 1, 1, T, hd]` (index_select:
-        no host sync). Tables built once a dtype and device, at least `length` long (a speculative window runs past
-        the image), kept out of the state dict."""
+        """cos/sin at cache positions `pos` (as `_embed` takes them), `[T, hd]` or `[B or 1, 1, T, hd]`, without a host
+        sync; tables built once a dtype and device, at least `length` long, kept out of the state dict."""
         key, tables = (x.device, x.dtype), self._rope_tables
         if key not in tables or len(tables[key][0]) < length:
             with torch.inference_mode(False):  # usable by autograd even if first built while sampling
