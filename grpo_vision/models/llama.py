@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -183,20 +184,53 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: int = 0):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # write this step's keys/values, attend over everything so far
-            end = cache.pos + T
-            cache.k[layer, :, :, cache.pos:end] = k
-            cache.v[layer, :, :, cache.pos:end] = v
-            k, v = cache.k[layer, :, :, :end], cache.v[layer, :, :, :end]  # [B, Hkv, end, hd]
-        # With a cache and T == 1 every key is in the past, so no mask is needed.
-        y = attention(q, k, v, causal=T > 1, gqa=self.n_kv_heads != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # [B, T, dim]
+    def forward(self, x, cos, sin, attend, w_qkv=None):
+        """x `[B, T, dim]`, or `[B, dim]` (decode: one row a sequence, each linear one mm); `attend(q, k, v)`, one of
+        the `*_attention` functions below, answers in x's shape. q/k/v from the modules (training: LoRA layers wrap
+        them), or from new_cache's concatenated weights."""
+        H, Hkv = self.n_heads, self.n_kv_heads
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1) if w_qkv is None else F.linear(x, w_qkv)
+        qkv = qkv.view(x.shape[0], -1, H + 2 * Hkv, self.head_dim).transpose(1, 2)  # [B, H+2Hkv, T, hd]
+        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # [B, H+Hkv, T, hd]
+        return self.o_proj(attend(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]))  # like x
+
+
+def prefix_attention(cache: KVCache | None, start: int):
+    """Causal: teacher forcing, or the prefill and the plan stage, which write the cache from `start` on first (with
+    a cache T is all of it or 1, so is_causal's top-left alignment holds)."""
+    def attend(i, q, k, v):
+        if cache is not None:
+            end = start + k.shape[2]
+            cache.k[i, :, :, start:end], cache.v[i, :, :, start:end] = k, v
+            k, v = cache.k[i, :, :, :end], cache.v[i, :, :, :end]  # [B, Hkv, end, hd]
+        return attention(q, k, v, q.shape[2] > 1, k.shape[1] != q.shape[1]).transpose(1, 2).flatten(2)
+    return attend
+
+
+def step_attention(cache: KVCache):
+    """decode's: one query a row, its key written at the cache position (models/kv_cache.py), two plain products
+    with the heads grouped per kv head (GQA without repeating the keys)."""
+    future = None if cache.position is None else future_keys(cache.position, cache.k.shape[3])  # [T] keys to hide
+    def attend(i, q, k, v):  # q [B, H, 1, hd], k and v [B, Hkv, 1, hd] -> [B, H*hd]
+        (B, H, _, hd), Hkv = q.shape, k.shape[1]
+        k, v = write_step(cache.k[i], cache.v[i], k[:, :, 0], v[:, :, 0], cache.pos, cache.position)
+        scores = (q.reshape(B, Hkv, H // Hkv, hd) * hd ** -0.5) @ k.transpose(-1, -2)  # [B, Hkv, H/Hkv, pos+1|T]
+        if future is not None:
+            scores = scores.masked_fill(future, float("-inf"))
+        return (scores.softmax(-1) @ v).view(B, H * hd)
+    return attend
+
+
+def window_attention(cache: KVCache, pos: torch.Tensor):
+    """decode_block's: W queries a row at positions `pos` `[B, W]`, their keys scattered there, each query over the
+    whole cache with the keys after its own position (stale or unwritten) masked."""
+    mask = (torch.arange(cache.k.shape[3], device=pos.device) <= pos[..., None]).unsqueeze(1)  # [B, 1, W, T]
+    def attend(i, q, k, v):
+        at = pos[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd] where the window's keys go
+        cache.k[i].scatter_(2, at, k.to(cache.k.dtype))
+        cache.v[i].scatter_(2, at, v.to(cache.v.dtype))
+        return attention(q, cache.k[i], cache.v[i], False, k.shape[1] != q.shape[1], mask).transpose(1, 2).flatten(2)
+    return attend
 
 
 class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
@@ -206,8 +240,9 @@ class MLP(nn.Module):  # SwiGLU: down(silu(gate(x)) * up(x))
         self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, w_gate_up=None):  # w_gate_up: gate's and up's weights concatenated (new_cache)
+        gate, up = (self.gate_proj(x), self.up_proj(x)) if w_gate_up is None else F.linear(x, w_gate_up).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class RMSNorm(nn.Module):
@@ -226,9 +261,9 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, attend, w_qkv=None, w_gate_up=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, w_qkv)
+        return x + self.mlp(self.post_attention_layernorm(x), w_gate_up)
 
 
 class Backbone(nn.Module):  # named like transformers' LlamaModel so state-dict keys match
@@ -259,7 +294,7 @@ class LlamaImagePolicy(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.word_ids = {w: i + len(SPECIALS) for i, w in enumerate(cfg.words)}
-        self._rope: dict = {}  # (device, dtype) -> cos/sin tables computed in float32
+        self._rope_tables: dict = {}  # (device, dtype) -> cos/sin tables computed in float32
         self.gradient_checkpointing = False  # train.gradient_checkpointing (transformers' name for it)
         if cfg.canvas_attributes:
             self._canvas_words = canvas_words(cfg)  # vocabulary id -> (attribute, column, row, extent)
@@ -338,77 +373,33 @@ class LlamaImagePolicy(nn.Module):
         return KVCache(k, v, fused, position=position)
 
     def prefill(self, cond: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        cache.pos = 0
-        x = self.model.embed_tokens(cond)  # [B, L, dim]
-        cache.canvas, cache.canvas_at = self.layout_canvas(cond), cond.shape[1] - 1
-        if cache.canvas is not None:
-            x = torch.cat([x[:, :-1], x[:, -1:] + cache.canvas[:, :1].to(x.dtype)], dim=1)
-        h = self._forward(x, cache)  # [B, L, dim]
+        cache.pos, cache.canvas, cache.canvas_at = 0, self.layout_canvas(cond), cond.shape[1] - 1
+        h = self._forward(self._embed(cond, 0, cache.canvas, cache.canvas_at), cache)  # [B, L, dim]
         if cache.position is not None:
             cache.position.fill_(cache.pos)
         return self._image_head(h[:, -1])  # [B, K]
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per row: the same math as `_forward`, written for T = 1 (a test checks equality)."""
-        c, pos, position = self.cfg, cache.pos, cache.position  # position: a static cache's, else None
-        H, Hkv, hd = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
-        B, g = tokens.shape[0], H // Hkv
-        x = self.model.embed_tokens(tokens + c.image_offset)  # [B, dim]
-        if cache.canvas is not None:  # the input at cache position p predicts image token p - canvas_at
-            x = x + (cache.canvas[:, pos - cache.canvas_at] if position is None else
-                     cache.canvas.index_select(1, (position - cache.canvas_at).view(1))[:, 0]).to(x.dtype)
-        cos, sin = (t[pos] if position is None else t.index_select(0, position.view(1))[0]  # no host sync
-                    for t in self._rope_tables(x))  # [hd] each
-        future = None if position is None else future_keys(position, cache.k.shape[3])  # [T] keys to hide
-        for i, layer in enumerate(self.model.layers):
-            w_qkv, w_gate_up = cache.fused[i]
-            qkv = F.linear(layer.input_layernorm(x), w_qkv)  # [B, (H+2Hkv)*hd]
-            qk = apply_rope(qkv[:, :(H + Hkv) * hd].view(B, H + Hkv, hd), cos, sin)  # [B, H+Hkv, hd]
-            k, v = write_step(cache.k[i], cache.v[i], qk[:, H:], qkv[:, (H + Hkv) * hd:].view(B, Hkv, hd), pos,
-                              position)  # [B, Hkv, pos+1 or T, hd]
-            q = qk[:, :H].reshape(B, Hkv, g, hd) * hd ** -0.5  # [B, Hkv, g, hd]: heads grouped per kv head
-            scores = q @ k.transpose(-1, -2)  # [B, Hkv, g, pos+1 or T]
-            if future is not None:
-                scores = scores.masked_fill(future, float("-inf"))
-            att = scores.softmax(-1) @ v  # [B, Hkv, g, hd]
-            x = x + layer.self_attn.o_proj(att.reshape(B, H * hd))  # [B, dim]
-            gate, up = F.linear(layer.post_attention_layernorm(x), w_gate_up).chunk(2, dim=-1)  # [B, F] each
-            x = x + layer.mlp.down_proj(F.silu(gate) * up)  # [B, dim]
-        if position is None:
+        """One token per row `[B]`: `_layers` at T = 1 with the fused weights (a test checks it against teacher
+        forcing). A static cache's position stays on the device: no host sync, a CUDA graph can record the step."""
+        pos = cache.pos if cache.position is None else cache.position.view(1, 1)
+        x = self._embed(tokens[:, None] + self.cfg.image_offset, pos, cache.canvas, cache.canvas_at)  # [B, 1, dim]
+        h = self._layers(x[:, 0], *self._rope(x, pos, cache.k.shape[3]), step_attention(cache), cache.fused)
+        if cache.position is None:
             cache.pos += 1
         else:
-            position.add_(1)
-        return self._image_head(self.model.norm(x))  # [B, K]
+            cache.position.add_(1)
+        return self._image_head(h)  # [B, K]
 
     def decode_block(self, tokens: torch.Tensor, cache: KVCache, start: torch.Tensor) -> torch.Tensor:
         """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`):
         their keys and values written there, each attending over the cache up to its own position (keys after it,
         stale or unwritten, masked), the next token's logits at each `[B, W, K]`. Rows at their own positions in one
         fixed-size cache: speculative decoding's verify pass (speculative.py). `decode`'s math over W tokens."""
-        c = self.cfg
-        H, Hkv, hd = c.n_heads, c.n_kv_heads, c.dim // c.n_heads
-        (B, W), T = tokens.shape, cache.k.shape[3]
-        x = self.model.embed_tokens(tokens + c.image_offset)  # [B, W, dim]
-        pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]
-        if cache.canvas is not None:  # a window past the image's last token reads no canvas there
-            i = pos - cache.canvas_at  # [B, W] the image token each input predicts
-            at = i.clamp(max=c.num_image_tokens - 1)[..., None].expand(B, W, c.dim)
-            x = x + (cache.canvas.gather(1, at) * (i < c.num_image_tokens)[..., None]).to(x.dtype)
-        cos, sin = (t[pos].unsqueeze(1) for t in self._rope_tables(x, T))  # [B, 1, W, hd] each
-        mask = (torch.arange(T, device=x.device) <= pos[..., None]).unsqueeze(1)  # [B, 1, W, T] keys up to each query
-        at = pos[:, None, :, None].expand(B, Hkv, W, hd)  # [B, Hkv, W, hd] where the window's keys go
-        for i, layer in enumerate(self.model.layers):
-            w_qkv, w_gate_up = cache.fused[i]
-            qkv = F.linear(layer.input_layernorm(x), w_qkv).view(B, W, H + 2 * Hkv, hd)  # [B, W, H+2Hkv, hd]
-            qkv = qkv.transpose(1, 2)  # [B, H+2Hkv, W, hd]
-            qk = apply_rope(qkv[:, :H + Hkv], cos, sin)  # [B, H+Hkv, W, hd]
-            cache.k[i].scatter_(2, at, qk[:, H:].to(cache.k.dtype))
-            cache.v[i].scatter_(2, at, qkv[:, H + Hkv:].to(cache.v.dtype))
-            att = attention(qk[:, :H], cache.k[i], cache.v[i], False, Hkv != H, mask)  # [B, H, W, hd]
-            x = x + layer.self_attn.o_proj(att.transpose(1, 2).reshape(B, W, H * hd))  # [B, W, dim]
-            gate, up = F.linear(layer.post_attention_layernorm(x), w_gate_up).chunk(2, dim=-1)  # [B, W, F] each
-            x = x + layer.mlp.down_proj(F.silu(gate) * up)  # [B, W, dim]
-        return self._image_head(self.model.norm(x))  # [B, W, K]
+        pos = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, W]
+        x = self._embed(tokens + self.cfg.image_offset, pos, cache.canvas, cache.canvas_at)  # [B, W, dim]
+        h = self._layers(x, *self._rope(x, pos, cache.k.shape[3]), window_attention(cache, pos), cache.fused)
+        return self._image_head(h)  # [B, W, K]
 
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
         """Training's one call of the module for both segments (DDP's and FSDP's hooks run once): (image logits
@@ -427,11 +418,7 @@ class LlamaImagePolicy(nn.Module):
     def image_logits(self, cond: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # Positions L-1 (<boi>) .. L+N-2 predict image tokens 0 .. N-1; the last token is never input.
         ids = torch.cat([cond, tokens[:, :-1] + self.cfg.image_offset], dim=1)  # [B, L+N-1]
-        x = self.model.embed_tokens(ids)  # [B, L+N-1, dim]
-        if (canvas := self.layout_canvas(cond)) is not None:
-            L = cond.shape[1]
-            x = torch.cat([x[:, :L - 1], x[:, L - 1:] + canvas[:, :tokens.shape[1]].to(x.dtype)], dim=1)
-        h = self._forward(x)  # [B, L+N-1, dim]
+        h = self._forward(self._embed(ids, 0, self.layout_canvas(cond), cond.shape[1] - 1))  # [B, L+N-1, dim]
         return self._image_head(h[:, cond.shape[1] - 1:])  # [B, N, K]
 
     def layout_canvas(self, cond: torch.Tensor) -> torch.Tensor | None:
@@ -525,25 +512,48 @@ class LlamaImagePolicy(nn.Module):
 
     # ------------------------------------------------------------------ internals
     def _forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Teacher forcing (no cache), or the prefill and the plan stage writing the cache from `cache.pos` on."""
         start = cache.pos if cache is not None else 0
-        T = x.shape[1]
-        cos, sin = (t[start:start + T] for t in self._rope_tables(x))  # [T, hd] each
+        h = self._layers(x, *self._rope(x, start), prefix_attention(cache, start))  # [B, T, dim]
+        if cache is not None:
+            cache.pos += x.shape[1]
+        return h
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, fused=None) -> torch.Tensor:
+        """The blocks over `x` (Attention.forward's shapes), then the final norm: every path's one loop; `attend(layer,
+        q, k, v)` is one of the `*_attention` functions. Without `fused` the blocks run as modules (training: LoRA
+        layers, gradient checkpointing, DDP's / FSDP's hooks); with new_cache's weights (4 matmuls a layer, not 7)
+        their forward alone, as sampling reads the weights directly (run/distributed.full_weights)."""
         remat = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):  # non-reentrant recompute: works under DDP / FSDP hooks
-            x = checkpoint(layer, x, cos, sin, cache, i, use_reentrant=False) if remat else layer(x, cos, sin, cache, i)
-        if cache is not None:
-            cache.pos += T
+            args = (x, cos, sin, partial(attend, i), *(fused[i] if fused else ()))
+            run = layer.forward if fused else partial(checkpoint, layer, use_reentrant=False) if remat else layer
+            x = run(*args)
         return self.model.norm(x)
 
-    def _rope_tables(self, x: torch.Tensor, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin `[T_max, hd]` in x's dtype and device, built once (kept out of the state dict); at least
-        `length` long (a speculative window runs past the image)."""
-        key = (x.device, x.dtype)
-        if key not in self._rope or len(self._rope[key][0]) < length:
+    def _embed(self, ids: torch.Tensor, pos: int | torch.Tensor, canvas: torch.Tensor | None = None,
+               canvas_at: int = 0) -> torch.Tensor:
+        """The inputs `[B, T, dim]` of `ids` `[B, T]` at cache positions `pos` (the first's, or `[B or 1, T]`), plus
+        the layout canvas `[B, N, dim]` where one predicts an image token: the input at canvas_at + j predicts j."""
+        x = self.model.embed_tokens(ids)  # [B, T, dim]
+        if canvas is None:
+            return x
+        j = (torch.arange(pos, pos + ids.shape[1], device=x.device) if isinstance(pos, int) else pos) - canvas_at
+        N = canvas.shape[1]  # no canvas before <boi>, nor past the image (a speculative window runs past it)
+        at = j.clamp(0, N - 1).expand(ids.shape)[..., None].expand(x.shape)  # [B, T, dim]
+        return x + (canvas.gather(1, at) * ((j >= 0) & (j < N))[..., None]).to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, pos: int | torch.Tensor, length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin at cache positions `pos` (as `_embed` takes them), `[T, hd]` or `[B or 1, 1, T, hd]`, without a host
+        sync; tables built once a dtype and device, at least `length` long, kept out of the state dict."""
+        key, tables = (x.device, x.dtype), self._rope_tables
+        if key not in tables or len(tables[key][0]) < length:
             with torch.inference_mode(False):  # usable by autograd even if first built while sampling
-                tables = rope_tables(self.cfg, max(self.cfg.plan_cond_len + self.cfg.num_image_tokens, length))
-                self._rope[key] = tuple(t.to(device=x.device, dtype=x.dtype) for t in tables)
-        return self._rope[key]
+                cos_sin = rope_tables(self.cfg, max(self.cfg.plan_cond_len + self.cfg.num_image_tokens, length))
+                tables[key] = tuple(t.to(device=x.device, dtype=x.dtype) for t in cos_sin)
+        if isinstance(pos, int):
+            return tuple(t[pos:pos + x.shape[1]] for t in tables[key])
+        return tuple(t.index_select(0, pos.flatten()).view(*pos.shape, -1).unsqueeze(1) for t in tables[key])
 
     def _image_head(self, h: torch.Tensor) -> torch.Tensor:
         off = self.cfg.image_offset
