@@ -395,7 +395,8 @@ class LlamaImagePolicy(nn.Module):
         """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`):
         their keys and values written there, each attending over the cache up to its own position (keys after it,
         stale or unwritten, masked), the next token's logits at each `[B, W, K]`. Rows at their own positions in one
-        fixed-size cache: speculative decoding's verify pass (speculative.py). `decode`'s math over W tokens."""
+        fixed-size cache: speculative decoding's verify pass (sampling/speculative.py); `decode`'s math over W
+        tokens."""
         pos = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, W]
         x = self._embed(tokens + self.cfg.image_offset, pos, cache.canvas, cache.canvas_at)  # [B, W, dim]
         h = self._layers(x, *self._rope(x, pos, cache.k.shape[3]), window_attention(cache, pos), cache.fused)

@@ -25,5 +25,6 @@ from grpo_vision.sampling.score import (
 from grpo_vision.sampling.sequences import Plan, Rollout
 
 __all__ = ["CompileError", "DECODE_MODES", "LOGPROB_MODES", "Plan", "PlanParams", "Rollout", "SamplingParams",
-           "batched_logprobs", "batched_logprobs_and_entropy", "decode_mode", "decode_note", "filter_logits", "micro_batches", "sample",
-           "sample_batched", "sample_plan", "sequence_logprobs", "sequence_logprobs_and_entropy", "target_logp", "token_logprobs"]
+           "batched_logprobs", "batched_logprobs_and_entropy", "decode_mode", "decode_note", "filter_logits",
+           "micro_batches", "sample", "sample_batched", "sample_plan", "sequence_logprobs",
+           "sequence_logprobs_and_entropy", "target_logp", "token_logprobs"]

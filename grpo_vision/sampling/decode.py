@@ -141,7 +141,8 @@ def decode_mode(policy: ImagePolicy, requested: str, device: torch.device) -> st
     for need in DECODERS[requested].needs:
         has, missing = NEEDS[need]
         if not has(policy, device):
-            raise ValueError(f"sample.decode {requested!r}" + missing.format(policy=type(policy).__name__, device=device))
+            name = type(policy).__name__
+            raise ValueError(f"sample.decode {requested!r}" + missing.format(policy=name, device=device))
     return requested
 
 

@@ -1,8 +1,8 @@
 """The text stage: a text plan before the image (`sample.plan`, T2I-R1's two-stage rollout, arXiv 2505.00703;
-policy.PlanningPolicy). `sample_plan` draws plan tokens one at a time from the policy's plan logits, with the plan's own temperature /
-top-k / top-p and no guidance, until each row's end token or `max_tokens`; `sequence_logprobs` (score.py) scores them
-with the same settings (T2I-R1 sampled with transformers' default generation config and scored with a plain
-softmax: a gap this closes). A row's plan uniforms are its seed's stream after its N image uniforms, so the
+policy.PlanningPolicy). `sample_plan` draws plan tokens one at a time from the policy's plan logits, with the plan's
+own temperature / top-k / top-p and no guidance, until each row's end token or `max_tokens`; `sequence_logprobs`
+(score.py) scores them with the same settings (T2I-R1 sampled with transformers' default generation config and
+scored with a plain softmax: a gap this closes). A row's plan uniforms are its seed's stream after its N image uniforms, so the
 image tokens of a (condition, seed) are the same with or without a plan stage before them.
 """
 

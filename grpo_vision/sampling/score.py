@@ -13,7 +13,8 @@ from grpo_vision.sampling.plan import plan_width
 from grpo_vision.sampling.sequences import Rollout
 
 
-def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams) -> torch.Tensor:
+def sequence_logprobs(policy: ImagePolicy, cond: torch.Tensor, rollout: Rollout,
+                      params: SamplingParams) -> torch.Tensor:
     """Teacher-forced log-probs `[B, T + N]` of the rollouts' sequences (`Rollout`: a plan segment of T positions,
     T = 0 without a text stage, then N image tokens) given their condition rows `cond` `[B, L]`, with gradients, in
     one call of the module: the plan's log-probs (0 after its end), then the image's.
