@@ -7,6 +7,7 @@ import torch
 from grpo_vision.models.llama_hf import condition_text, from_hf_llama, hf_tokenizer, to_hf_llama
 from grpo_vision.models.llama import BOI, BOS, NULL, PAD, UNK, LlamaImagePolicy
 from grpo_vision.policy import ImagePolicy, prompt_problem
+from grpo_vision.sampling import Plan
 
 
 def decode_all(policy, cond, tokens):
@@ -30,7 +31,8 @@ def test_satisfies_the_protocol(tiny_policy):
     tokens = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))  # codebook ids
     with torch.no_grad():
         full = tiny_policy.image_logits(cond, tokens)  # [2, 12, 32]: the codebook only, not the vocabulary
-        assert torch.equal(tiny_policy(cond, tokens), full)  # forward is image_logits
+        image, plan = tiny_policy(cond, tokens, Plan.empty(2))  # a PlanningPolicy's forward: both segments' logits
+        assert torch.equal(image, full) and plan.shape == (2, 0, tiny_policy.plan_vocab_size)  # no text stage: T = 0
         unconditional = tiny_policy.image_logits(null, tokens)
         cache = tiny_policy.new_cache(2)
         first = tiny_policy.prefill(cond, cache)  # [2, 32]: image token 0's logits

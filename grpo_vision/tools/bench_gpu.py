@@ -38,7 +38,10 @@ from grpo_vision.tools.timing import machine, sig
 STEP_COMMON = ["sample.prompts_per_step=1", "sample.batch_size={G}", "sample.group_size={G}",
                "train.minibatches_per_pass=1", "reward.weights={jpeg_compressibility: 1.0}", "reward.options={}",
                "reward.monitor=[]"]
-# (label, config, overrides) per preset: LoRA and full fine-tune, a frozen reference and none.
+LLAMAGEN_LORA = ["train.adapter=lora", "train.reference=adapter", "train.lr=1e-4",
+                 "train.adapter_targets=[wqkv, wo, w1, w2, w3]"]
+# (label, config, overrides) per preset: LoRA and full fine-tune, a frozen reference and none; speculative rollouts
+# (the window recorded as a CUDA graph, sampling/speculative.py) against the graph's one token a pass.
 STEPS = {
     "janus-pro-7b": [("LoRA, reference = adapter off, checkpointing", "configs/janus_pro_7b_lora.yaml",
                       ["train.gradient_checkpointing=true"])],
@@ -47,13 +50,15 @@ STEPS = {
                       ["sample.decode=compiled"]),
                      ("LoRA, reference = adapter off, unmerged sampling", "configs/janus_pro_7b_lora.yaml",
                       ["sample.merge_adapter=off"]),
+                     ("LoRA, reference = adapter off, speculative decode", "configs/janus_pro_7b_lora.yaml",
+                      ["sample.decode=speculative"]),
                      ("full, frozen reference", "configs/janus_pro_1b.yaml", []),
                      ("full, no reference", "configs/janus_pro_1b.yaml", ["train.reference=none", "train.beta=0.0"])],
     "llamagen-t2i-xl": [("full, frozen reference", "configs/llamagen_t2i.yaml", []),
                         ("full, no reference", "configs/llamagen_t2i.yaml", ["train.reference=none", "train.beta=0.0"]),
-                        ("LoRA, reference = adapter off", "configs/llamagen_t2i.yaml",
-                         ["train.adapter=lora", "train.reference=adapter", "train.lr=1e-4",
-                          "train.adapter_targets=[wqkv, wo, w1, w2, w3]"])],
+                        ("LoRA, reference = adapter off", "configs/llamagen_t2i.yaml", LLAMAGEN_LORA),
+                        ("LoRA, reference = adapter off, speculative decode", "configs/llamagen_t2i.yaml",
+                         [*LLAMAGEN_LORA, "sample.decode=speculative"])],
 }
 # what users ask for first: the 7B (the anchors' model) in a process of its own before anything else, a preset's
 # steps before its sampler

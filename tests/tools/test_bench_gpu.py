@@ -28,15 +28,27 @@ def recipe_command() -> list[str]:
 
 
 def test_the_speculative_device_commands_parse():
-    """docs/benchmarks.md's issue-65 device call: every grpo_vision.cli command in it is one the parser takes."""
+    """docs/benchmarks.md's speculative device call: every grpo_vision.cli command in it is one the parser takes, and
+    the step settings it picks by label exist (a misspelt label would be refused on the device, costing the call)."""
     from grpo_vision.cli import build_parser
 
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
     block = doc.split("<!-- speculative-gpu-command", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    commands = [shlex.split(c.replace("$W", "16")) for c in re.findall(r"python3 -m grpo_vision\.cli ([^>;&]*)", block)]
+    lexer = shlex.shlex(block.replace("$W", "16"), posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands, current = [], None
+    for token in lexer:  # the words after each `python3 -m grpo_vision.cli`, to the next ; > & or |
+        if token == "grpo_vision.cli":
+            current = []
+            commands.append(current)
+        elif current is not None and set(token) <= set(";>&|"):
+            current = None
+        elif current is not None:
+            current.append(token)
     assert [c[:2] for c in commands] == [["bench", "sampler"], ["bench", "gpu"]]
-    for argv in commands:
-        build_parser().parse_args(argv)  # an unknown flag exits 2
+    parsed = [build_parser().parse_args(argv) for argv in commands]  # an unknown flag exits 2
+    labels = {label for name in parsed[1].presets.split(",") for label, *_ in bench.STEPS[name]}
+    assert parsed[1].only and set(parsed[1].only.split(";")) <= labels
     assert len(block.strip()) <= 2000  # the device tool's limit on a command
 
 
