@@ -206,9 +206,8 @@ def verdict_rates(verdicts: Sequence[dict | None], keys: Sequence[str]) -> dict[
 def kl_to(reference, samples: Samples, params: SamplingParams, batch_size: int) -> torch.Tensor:
     """The mean per-token k3 KL `[n]` of each image's sampling distribution to `reference` (a policy), on the
     image's own tokens: grpo.k3_kl, the estimator training logs."""
-    rollout = samples.rollout
-    ref = batched_logprobs(reference, samples.cond, rollout, params, batch_size)[:, rollout.plan.width:]  # [n, N]
-    return k3_kl(rollout.logprobs, ref).mean(1)
+    image = Rollout(samples.rollout.tokens, samples.rollout.logprobs, samples.rollout.entropy)  # the image segment
+    return k3_kl(image.logprobs, batched_logprobs(reference, samples.cond, image, params, batch_size)).mean(1)
 
 
 @dataclass

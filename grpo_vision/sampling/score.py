@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_vision.policy import ImagePolicy, PlanningPolicy
+from grpo_vision.policy import ImagePolicy
 from grpo_vision.sampling.distribution import PlanParams, SamplingParams, entropy_of, scoring_logp
 from grpo_vision.sampling.plan import plan_width
 from grpo_vision.sampling.sequences import Rollout
@@ -40,9 +40,10 @@ def _scores(policy, cond: torch.Tensor, rollout: Rollout, params: SamplingParams
     else:
         rows, image_tokens = cond, tokens
     # the policy itself is called, so that a DDP or FSDP wrapper's hooks run, once for both segments: a kind that
-    # plans (policy.PlanningPolicy) takes the plan segment up to the batch's longest plan's end (T' <= T)
+    # plans (policy.PlanningPolicy: plan_logits) takes the plan segment up to the batch's longest plan's end (T' <= T)
     plan = rollout.plan.clip(plan_width(rollout.plan))
-    if isinstance(module, PlanningPolicy):
+    if callable(getattr(module, "plan_logits", None)):  # a getattr, which a peft wrapper forwards (isinstance of a
+        # runtime-checkable Protocol does not look through __getattr__ from Python 3.12)
         logits, text = policy(rows, image_tokens, plan)  # [2B or B, N, K], [B, T', V]
     else:  # a kind without a text stage: its plan segments are empty
         logits, text = policy(rows, image_tokens), logits_of_no_plan(B, cond.device)

@@ -43,7 +43,7 @@ from grpo_vision.sampling.sequences import Rollout
 @dataclass
 class SpeculativeStats:  # what speculative decoding cost, beside its rollout
     forwards: torch.Tensor  # [B] int64 forward passes each row needed, the prefill included (plain decoding: N)
-    batch_forwards: int  # forward passes the batch ran: its slowest row's
+    batch_forwards: int  # forward passes the batch ran: its slowest row's, and the masked ones the host did not see
 
 
 # ---------------------------------------------------------------------------- the rule (pure functions)
@@ -106,9 +106,10 @@ def next_drafts(p: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.T
 # ---------------------------------------------------------------------------- the loop
 
 Block = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# iterations between two host reads of "every row is done": each read waits for the device, and at most
-# CHECK_EVERY - 1 masked iterations run after the last row is done (about 3% of a 256-token image's ~100)
-CHECK_EVERY = 4
+# iterations between two host reads of "every row is done" on a CUDA device: each read waits for the device, and at
+# most CHECK_EVERY - 1 masked iterations run after the last row is done (about 3% of a 256-token image's ~100); a
+# CPU has nothing to wait for, so it looks after every iteration (CPU_CHECK_EVERY)
+CHECK_EVERY, CPU_CHECK_EVERY = 4, 1
 
 
 def uniforms_per_iteration(window: int) -> int:
@@ -235,5 +236,6 @@ def sample_speculative(policy, cond: torch.Tensor, seeds, params: SamplingParams
     def block(window, c, _):  # token c-1 of a row sits at cache position L + c - 1
         return policy.decode_block(window.repeat(reps, 1), cache, (cond.shape[1] + c - 1).repeat(reps))
 
+    cuda = cond.device.type == "cuda"  # the window recorded once as a CUDA graph, the host looking less often
     return speculative_decode(first, block, u, N, W, params, params.speculative_draft == "coupled",
-                              check_every=CHECK_EVERY, graph=cond.device.type == "cuda")
+                              check_every=CHECK_EVERY if cuda else CPU_CHECK_EVERY, graph=cuda)
