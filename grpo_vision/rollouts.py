@@ -206,7 +206,7 @@ def verdict_rates(verdicts: Sequence[dict | None], keys: Sequence[str]) -> dict[
 def kl_to(reference, samples: Samples, params: SamplingParams, batch_size: int) -> torch.Tensor:
     """The mean per-token k3 KL `[n]` of each image's sampling distribution to `reference` (a policy), on the
     image's own tokens: grpo.k3_kl, the estimator training logs."""
-    image = Rollout(samples.rollout.tokens, samples.rollout.logprobs, samples.rollout.entropy)  # the image segment
+    image = samples.rollout.image_only()
     return k3_kl(image.logprobs, batched_logprobs(reference, samples.cond, image, params, batch_size)).mean(1)
 
 

@@ -26,7 +26,7 @@ import torch
 from grpo_vision.config import ConfigError
 from grpo_vision.policy import ImagePolicy
 from grpo_vision.sampling.cuda_graph import record_step
-from grpo_vision.sampling.distribution import SamplingParams, sample_token, seeded_uniforms
+from grpo_vision.sampling.distribution import SamplingParams, branches, sample_token, seeded_uniforms
 from grpo_vision.sampling.sequences import Rollout
 from grpo_vision.sampling.speculative import sample_speculative
 
@@ -35,9 +35,7 @@ def draw_token(logits: torch.Tensor, u: torch.Tensor, col: torch.Tensor, out: Ro
                params: SamplingParams) -> torch.Tensor:
     """Token `col` of every row from `logits` `[B or 2B, K]` (CFG's null rows after the B conditional ones) with
     uniforms `u` `[B, N]`, written into `out`; returns the rows to decode next `[B or 2B]`."""
-    B = u.shape[0]
-    c, un = (logits[:B], logits[B:]) if params.guided else (logits, None)
-    token, logp, entropy = sample_token(c, un, u.gather(1, col).squeeze(1), params)
+    token, logp, entropy = sample_token(*branches(logits, u.shape[0], params), u.gather(1, col).squeeze(1), params)
     for buffer, value in zip((out.tokens, out.logprobs, out.entropy), (token, logp, entropy)):
         buffer.scatter_(1, col, value.unsqueeze(1))
     col.add_(1)

@@ -130,6 +130,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, keep: torch.Te
     return logits.masked_fill(remove, float("-inf"))
 
 
+def branches(logits: torch.Tensor, B: int, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits `[B or 2B, ...]` of a guided batch as (conditional rows, CFG's null rows after them; None unguided)."""
+    return (logits[:B], logits[B:]) if params.guided else (logits, None)
+
+
 def guided_logits(cond: torch.Tensor, uncond: torch.Tensor | None, cfg_scale: float) -> torch.Tensor:
     return cond if uncond is None else uncond + cfg_scale * (cond - uncond)  # [..., K]
 

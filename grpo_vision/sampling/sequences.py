@@ -99,6 +99,10 @@ class Rollout:
         """`[B, T + N]` bool, the image positions (the segment mask the image-grid options read)."""
         return torch.cat([torch.zeros_like(self.plan.mask), torch.ones_like(self.tokens, dtype=torch.bool)], 1)
 
+    def image_only(self) -> "Rollout":
+        """The image segment alone (an empty plan segment): what a measurement defined on the image grid scores."""
+        return Rollout(self.tokens, self.logprobs, self.entropy, forwards=self.forwards)
+
     def select(self, rows: torch.Tensor) -> "Rollout":
         """The rollouts `rows` (an index tensor), every field kept."""
         pick = lambda x: None if x is None else x[rows.to(x.device)]  # noqa: E731

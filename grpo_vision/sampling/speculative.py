@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from grpo_vision.sampling.distribution import (
-    SamplingParams, entropy_of, inverse_cdf, reported_logp, seeded_uniforms, target_logp,
+    SamplingParams, branches, entropy_of, inverse_cdf, reported_logp, seeded_uniforms, target_logp,
 )
 from grpo_vision.sampling.cuda_graph import record_step
 from grpo_vision.sampling.sequences import Rollout
@@ -139,7 +139,7 @@ def speculative_decode(first: torch.Tensor, block: Block, u: torch.Tensor, n_tok
     width = N + 2 * W  # a window's writes past the image land in this slack and are cut off at the end
     out = Rollout(torch.zeros(B, width, dtype=torch.long, device=device), torch.zeros(B, width, device=device),
                   torch.zeros(B, width, device=device))
-    logp = target_logp(*_split(first, B, params), params)  # [B, K]
+    logp = target_logp(*branches(first, B, params), params)  # [B, K]
     last = inverse_cdf(logp.exp(), u[:, 0, W - 1])  # [B] token 0
     _keep(out, first[:, None], logp[:, None], last[:, None], torch.zeros(B, dtype=torch.long, device=device), params)
     q = logp.exp()[:, None].expand(B, W - 1, -1).clone()  # [B, W-1, K] nothing predicts tokens 1.. yet but token 0's
@@ -178,7 +178,7 @@ def iterate(s: Window, block: Block, u: torch.Tensor, N: int, W: int, params: Sa
     ut = u.index_select(1, s.t.clamp_max(N - 1)).squeeze(1)  # [B, U] this iteration's uniforms
     a, d, k = slice(0, W - 1), slice(W, 2 * W - 1), slice(2 * W - 1, 3 * W - 2)  # acceptance, draft, coupling
     logits = block(torch.cat([s.last[:, None], s.draft], 1), s.c.clamp_max(N), s.out.tokens)  # [B or 2B, W, K]
-    logp = target_logp(*_split(logits, B, params), params)  # [B, W, K]
+    logp = target_logp(*branches(logits, B, params), params)  # [B, W, K]
     p = logp.exp()
     n, tokens = verify(p, s.q, s.draft, ut[:, a], ut[:, W - 1])  # [B], [B, W]
     _keep(s.out, logits, logp, tokens, s.c, params)  # columns past c + n are written again by a later window
@@ -197,14 +197,10 @@ def iterate(s: Window, block: Block, u: torch.Tensor, N: int, W: int, params: Sa
     s.q.copy_(q_next)
 
 
-def _split(logits: torch.Tensor, B: int, params: SamplingParams):  # [B or 2B, ...] -> conditional, null rows
-    return (logits[:B], logits[B:]) if params.guided else (logits, None)
-
-
 def _keep(out: Rollout, logits, logp, tokens, col, params: SamplingParams) -> None:
     """Write tokens `[B, W']` from column `col` `[B]` on, with their log-probs and entropies."""
     cols = col[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, W']
-    reported = reported_logp(_split(logits, tokens.shape[0], params)[0], logp, tokens, params)
+    reported = reported_logp(branches(logits, tokens.shape[0], params)[0], logp, tokens, params)
     for buffer, value in zip((out.tokens, out.logprobs, out.entropy), (tokens, reported, entropy_of(logp))):
         buffer.scatter_(1, cols, value)
 

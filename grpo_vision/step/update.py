@@ -163,7 +163,7 @@ def contrast_logprobs(policy, cond: torch.Tensor, rollout: Rollout, params: Samp
     temperature or filters (the guidance-contrastive source scores both branches at T = 1): two no-grad passes."""
     plain = dataclasses.replace(params, cfg_scale=1.0, temperature=1.0, top_k=0, top_p=1.0, logprob_mode="conditional")
     null = getattr(policy, "module", policy).null_condition(cond)
-    image = Rollout(rollout.tokens, rollout.logprobs, rollout.entropy)  # the image segment: the weighting's grid
+    image = rollout.image_only()  # the weighting is defined on the image grid
     return batched_logprobs(policy, cond, image, plain, micro), batched_logprobs(policy, null, image, plain, micro)
 
 
