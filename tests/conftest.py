@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.models.llama import LlamaImagePolicy
 from grpo_vision.run.machine import available_cores
-from tests.helpers import micro_cfg
+from tests.helpers import micro_cfg, peaked_llama
 
 WORDS = "a red blue circle square left of".split()
 
@@ -53,15 +53,8 @@ def one_thread():
 @pytest.fixture
 def tiny_policy() -> LlamaImagePolicy:
     """A tiny random policy with grouped-query attention and non-trivial (not near-uniform) logits."""
-    torch.manual_seed(0)
-    cfg = LlamaPolicyConfig(words=WORDS, max_caption_words=8, codebook_size=32, image_grid=(3, 4),
-                            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)
-    policy = LlamaImagePolicy(cfg).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.ndim > 1:
-                p.mul_(4.0)  # std 0.08: peaked enough that top-k/top-p cut real mass
-    return policy
+    return peaked_llama(4.0, words=WORDS, max_caption_words=8, codebook_size=32, image_grid=(3, 4), dim=64,
+                        n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96)  # std 0.08
 
 
 @pytest.fixture(scope="session")

@@ -83,3 +83,19 @@ def refuse_writes(monkeypatch) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[0]))
 
     monkeypatch.setattr(os, "open", read_only)
+
+
+def peaked_llama(scale: float, **config):
+    """A tiny random built-in policy (seed 0) in eval mode, every weight matrix times `scale`: random N(0, 0.02)
+    weights give near-uniform conditionals, scaled ones peaked enough that top-k / top-p cut real mass."""
+    import torch
+
+    from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
+
+    torch.manual_seed(0)
+    policy = LlamaImagePolicy(LlamaPolicyConfig(**config)).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.ndim > 1:
+                p.mul_(scale)
+    return policy

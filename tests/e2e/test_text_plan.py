@@ -10,11 +10,12 @@ import torch
 
 from grpo_vision.config import ConfigError, load_config
 from grpo_vision.grpo import LossParams, TokenWeights, grpo_loss, k3_kl
-from grpo_vision.models.llama import BOI, BOS, NULL, PAD, LlamaImagePolicy, LlamaPolicyConfig
+from grpo_vision.models.llama import BOI, BOS, NULL, PAD, LlamaImagePolicy
 from grpo_vision.policy import check_plan_template, check_planning
 from grpo_vision.sampling import (
     PlanParams, Rollout, SamplingParams, batched_logprobs, sample, sample_plan, sequence_logprobs, token_logprobs,
 )
+from tests.helpers import peaked_llama
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
 PLAN_WORDS = ["red", "blue", "circle", "square", "c0", "c1", "c2"]
@@ -23,15 +24,8 @@ PLAN_WORDS = ["red", "blue", "circle", "square", "c0", "c1", "c2"]
 @pytest.fixture
 def planner() -> LlamaImagePolicy:
     """A tiny random policy with a plan vocabulary, its logits peaked enough that top-k cuts real mass."""
-    torch.manual_seed(0)
-    cfg = LlamaPolicyConfig(words=WORDS, max_caption_words=8, codebook_size=16, image_grid=(2, 3), dim=32,
-                            n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, plan_words=PLAN_WORDS, max_plan_tokens=6)
-    policy = LlamaImagePolicy(cfg).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.ndim > 1:
-                p.mul_(4.0)
-    return policy
+    return peaked_llama(4.0, words=WORDS, max_caption_words=8, codebook_size=16, image_grid=(2, 3), dim=32,
+                        n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, plan_words=PLAN_WORDS, max_plan_tokens=6)
 
 
 PROMPTS = ["a red circle", "a blue square left of a red circle", "a blue circle", "a red square"]

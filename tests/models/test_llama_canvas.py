@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from grpo_vision.config import ConfigError
-from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig, covered
+from grpo_vision.models.llama import LlamaImagePolicy, covered
 from grpo_vision.models.llama_hf import export
 from grpo_vision.sampling import SamplingParams, sample, sequence_logprobs
 from test_policy import decode_all
+from tests.helpers import peaked_llama
 from tests.sampling.test_speculative import check_decode_block
 
 WORDS = ["a", "red", "blue", "circle", "square", "left", "of"]
@@ -24,16 +25,9 @@ CANVAS = dict(canvas_attributes=ATTRIBUTES, canvas_columns=COLUMNS, canvas_rows=
 
 @pytest.fixture
 def canvas_policy() -> LlamaImagePolicy:
-    torch.manual_seed(0)
-    cfg = LlamaPolicyConfig(words=WORDS, max_caption_words=8, codebook_size=16, image_grid=(3, 4), dim=32,
-                            n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, plan_words=PLAN_WORDS,
-                            max_plan_tokens=11, **CANVAS)
-    policy = LlamaImagePolicy(cfg).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.ndim > 1:
-                p.mul_(4.0)  # peaked logits, and a canvas that moves them
-    return policy
+    return peaked_llama(4.0, words=WORDS, max_caption_words=8, codebook_size=16, image_grid=(3, 4), dim=32,
+                        n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, plan_words=PLAN_WORDS, max_plan_tokens=11,
+                        **CANVAS)  # peaked logits, and a canvas that moves them
 
 
 def plan(*words: str) -> list[int]:

@@ -10,10 +10,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from grpo_vision.sampling import speculative
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
-from grpo_vision.sampling import SamplingParams, sequence_logprobs, sequence_logprobs_and_entropy, target_logp
+from grpo_vision.sampling import (
+    SamplingParams, sequence_logprobs, sequence_logprobs_and_entropy, speculative, target_logp,
+)
 from grpo_vision.sampling.speculative import residual, speculative_decode, speculative_uniforms, verify
+from tests.helpers import peaked_llama
 
 DRAWS = 20_000
 # CFG, temperature != 1, top-k and top-p all on: top-k 3 of 4 codes, and top-p 0.85 leaves 34 of top-k's 81 images
@@ -23,15 +25,8 @@ PARAMS = SamplingParams(cfg_scale=2.0, temperature=0.8, top_k=3, top_p=0.85)
 @pytest.fixture(scope="module")
 def small_policy() -> LlamaImagePolicy:
     """4 codes, 2x2 tokens; weights scaled up so that conditionals are peaked and differ from token to token."""
-    torch.manual_seed(0)
-    cfg = LlamaPolicyConfig(words=["a", "red", "circle"], max_caption_words=3, codebook_size=4, image_grid=(2, 2),
-                            dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
-    policy = LlamaImagePolicy(cfg).eval()
-    with torch.no_grad():
-        for p in policy.parameters():
-            if p.ndim > 1:
-                p.mul_(5.0)
-    return policy
+    return peaked_llama(5.0, words=["a", "red", "circle"], max_caption_words=3, codebook_size=4, image_grid=(2, 2),
+                        dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
 
 def teacher_forced_block(policy, rows: torch.Tensor, n_tokens: int):
