@@ -119,6 +119,3 @@ class Rollout:
 def cat_forwards(parts: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """Rollout.forwards of rows put together: None unless every part has them."""
     return torch.cat(list(parts)) if parts and all(f is not None for f in parts) else None
-
-
-# ---------------------------------------------------------------------------- training log-probs
