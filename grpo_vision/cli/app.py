@@ -17,7 +17,8 @@ import warnings
 
 from grpo_vision import __version__
 from grpo_vision.cli.args import (
-    DECODE_PATHS, at_least_two, cfg_scale, gib_list, int_list, name_list, non_negative_int, port, positive_int,
+    DECODE_PATHS, at_least_two, cfg_scale, draft_tree, gib_list, int_list, name_list, non_negative_int, port,
+    positive_int,
 )
 from grpo_vision.cli.runs import add_base_option, add_reader_options, add_reward_option, add_run_commands
 from grpo_vision.cli.serve import add_bench_reward_server, add_serve_command
@@ -229,7 +230,7 @@ def cmd_bench_sampler(args) -> None:
                                            args.repeats, args.dtype or "float32", device, args.generate,
                                            args.decode, args.speculative_window or 16), args.json)
         return
-    policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100, "window": 16}
+    policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100, "window": 16, "tree": (1, 0)}
     if args.run:  # the run's latest checkpoint at its own sampling settings, unless the flags say otherwise
         from grpo_vision.sampling import SamplingParams
         from grpo_vision.step.load import load_run
@@ -238,12 +239,14 @@ def cmd_bench_sampler(args) -> None:
         policy, s = run.policy, run.cfg.sample
         # its images are drawn after a text plan where it plans: the bench draws the plans as training does
         settings = {"cfg_scale": s.cfg_scale, "temperature": s.temperature, "top_k": s.top_k,
-                    "window": s.speculative_window, "plan": SamplingParams.from_config(s).plan}
+                    "window": s.speculative_window, "tree": (s.speculative_candidates, s.speculative_branching),
+                    "plan": SamplingParams.from_config(s).plan}
     elif args.policy:
         from grpo_vision.models.llama import LlamaImagePolicy
 
         policy = LlamaImagePolicy.from_pretrained(args.policy)
-    flags = (("cfg_scale", args.cfg_scale), ("top_k", args.top_k), ("window", args.speculative_window))
+    flags = (("cfg_scale", args.cfg_scale), ("top_k", args.top_k), ("window", args.speculative_window),
+             ("tree", args.speculative_tree))
     settings |= {k: v for k, v in flags if v is not None}
     _print_result(bench_sampler(policy, args.decode, group=args.group_size, batch=args.batch, repeats=args.repeats,
                                 device=device, dtype=args.dtype, generate=args.generate, **settings), args.json)
@@ -454,6 +457,9 @@ def add_bench_commands(sub) -> None:
                    help="top-k of all runs, 0 = off (default 100; with --run, the run's)")
     p.add_argument("--speculative-window", type=positive_int, default=None,
                    help="W: tokens a forward pass of the speculative path verifies (default 16; with --run, the run's)")
+    p.add_argument("--speculative-tree", type=draft_tree, default=None, metavar="C,D",
+                   help="the speculative path's draft tree: C drafts at each of the first D positions (sample."
+                        "speculative_candidates and _branching; default 1,0, a chain; with --run, the run's)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="cast the policy's weights (default: as loaded; the built-in and --preset: float32)")
     p.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,

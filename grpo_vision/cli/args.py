@@ -46,6 +46,19 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def draft_tree(text: str) -> tuple[int, int]:
+    """argparse type of a speculative draft tree, C,D: C drafts at each of the first D positions (1,0: a chain)."""
+    parts = text.split(",")
+    try:
+        candidates, branching = (int(x) for x in parts)
+    except ValueError:
+        candidates = branching = -1
+    if candidates < 1 or branching < 0:
+        raise argparse.ArgumentTypeError(f"expected C,D (C >= 1 drafts at each of the first D >= 0 positions; 1,0 "
+                                         f"is a chain) like 4,1, got {brief(text)}")
+    return candidates, branching
+
+
 def name_list(names, what: str):
     """argparse type of comma-separated names out of `names` (decode paths: eager,static), each once, in order."""
     def parse(text: str) -> list[str]:

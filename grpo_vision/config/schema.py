@@ -94,6 +94,11 @@ class SampleConfig:
     # coupled = MC-SJD's maximal coupling to the previous draft there (arXiv 2510.24211): the same law, fewer
     # forwards (ShapesWorld base policy, W = 16: 92 a 256-token image against jacobi's 111; docs/benchmarks.md)
     speculative_draft: Literal["jacobi", "coupled"] = "coupled"
+    # decode=speculative: SJD-PAC's proactive drafting (arXiv 2603.18599): `speculative_candidates` drafts at each of
+    # the first `speculative_branching` positions after the last kept token, a tree inside the window, tested in turn
+    # by recursive rejection (the same law); 1 and 0 = a chain, SJD's window
+    speculative_candidates: int = 1
+    speculative_branching: int = 0
     # rollouts under bf16 autocast (float32 weights decode faster on a GPU); rollout/logp_drift shows what it
     # costs, and the update's old log-probs are then recomputed, so that its first ratio is still exactly 1
     mixed_precision: Literal["no", "bf16"] = "no"
@@ -318,6 +323,9 @@ def validate(cfg: Config) -> None:
         (s.prompts_per_step >= 1, "sample.prompts_per_step must be >= 1"),
         (s.batch_size >= 1, "sample.batch_size must be >= 1"),
         (s.speculative_window >= 1, "sample.speculative_window must be >= 1"),
+        (s.speculative_candidates >= 1, "sample.speculative_candidates must be >= 1 (1: one draft a position)"),
+        (s.speculative_branching >= 0, "sample.speculative_branching must be >= 0 (0: no position branches)"),
+        *_tree_checks(s),
         (s.top_k >= 0, "sample.top_k must be >= 0 (0 keeps every token)"),
         *_plan_checks(cfg),
         (t.steps >= 1, "train.steps must be >= 1"),
@@ -390,6 +398,20 @@ def validate(cfg: Config) -> None:
         warnings.warn(f"train.ref_sync_every folds the adapter into {cfg.policy.dtype} base weights, which rounds "
                       "it: after a sync the policy moves by that rounding and the reference equals it only "
                       "approximately", GrpoVisionWarning, stacklevel=2)
+
+
+def _tree_checks(s) -> list:
+    """A draft tree that fits the window (sampling/speculative.py DraftTree.build says what it needs)."""
+    from grpo_vision.sampling.speculative import DraftTree
+
+    if s.speculative_candidates < 1 or s.speculative_branching < 0 or s.speculative_window < 1:
+        return []
+    try:
+        DraftTree.build(s.speculative_window, s.speculative_candidates, s.speculative_branching)
+    except ValueError as e:
+        return [(False, f"sample.speculative_candidates={s.speculative_candidates} and "
+                        f"sample.speculative_branching={s.speculative_branching}: {e}")]
+    return []
 
 
 def _plan_checks(cfg: Config) -> list[tuple[bool, str]]:

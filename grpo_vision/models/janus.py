@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from grpo_vision.config import ConfigError
-from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import Tree, future_keys, new_kv, write_step
 from grpo_vision.models.janus_understanding import JUDGE_TEXT_TOKENS, answer_logits
 from grpo_vision.run.load_checks import dtype_argument
 
@@ -207,19 +207,18 @@ class JanusImagePolicy(nn.Module):
             position.add_(1)
         return lm.norm(x)[:, -1]  # [B, D]
 
-    def decode_block(self, tokens: torch.Tensor, cache: JanusCache, start: torch.Tensor) -> torch.Tensor:
-        """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`),
-        through `_step`'s math: keys and values written there, each attending over the cache up to its own position
-        (stale keys after it and left padding masked); the next token's logits at each `[B, W, K]`. Speculative
-        decoding's verify pass (sampling/speculative.py)."""
+    def decode_block(self, tokens: torch.Tensor, cache: JanusCache, start: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """A window of W image tokens a row `[B, W]` shaped as `tree` (`kv_cache.Tree`), row b's written at cache
+        slots `start[b] .. start[b] + W - 1` (`start` `[B]`), through `_step`'s math: each node read at its own
+        position, attending over the cache before the window (left padding masked) and the nodes on its path; the
+        next token's logits at each node `[B, W, K]`. Speculative decoding's verify pass (sampling/speculative.py)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         lm, (B, W), T = self.model.model.language_model, tokens.shape, cache.k.shape[3]
         x = self.model.prepare_embeddings_for_image_generation(tokens)  # [B, W, D]
-        pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]
+        pos, slots = tree.positions(start)  # [B, W] each
         cos, sin = lm.rotary_emb(x, pos)  # [B, W, hd] each
-        causal = torch.arange(T, device=x.device) <= pos[..., None]  # [B, W, T] keys up to each query
-        mask = cache.valid[:, None, None, :] & causal[:, None]  # [B, 1, W, T]
+        mask = cache.valid[:, None, None, :] & tree.mask(start, T)  # [B, 1, W, T]
         for i, layer in enumerate(lm.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)  # [B, W, D]
@@ -227,7 +226,7 @@ class JanusImagePolicy(nn.Module):
             k = a.k_proj(h).view(B, W, -1, a.head_dim).transpose(1, 2)  # [B, Hkv, W, hd]
             v = a.v_proj(h).view(B, W, -1, a.head_dim).transpose(1, 2)  # [B, Hkv, W, hd]
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            at = pos[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd]
+            at = slots[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd]
             cache.k[i].scatter_(2, at, k.to(cache.k.dtype))
             cache.v[i].scatter_(2, at, v.to(cache.v.dtype))
             y = attend(q, cache.k[i], cache.v[i], mask, a.scaling)  # [B, H, W, hd]

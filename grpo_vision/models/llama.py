@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.config.load import brief
-from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import Tree, future_keys, new_kv, write_step
 from grpo_vision.run.load_checks import integer_weights, non_finite, shape_mismatch
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
@@ -221,12 +221,11 @@ def step_attention(cache: KVCache):
     return attend
 
 
-def window_attention(cache: KVCache, pos: torch.Tensor):
-    """decode_block's: W queries a row at positions `pos` `[B, W]`, their keys scattered there, each query over the
-    whole cache with the keys after its own position (stale or unwritten) masked."""
-    mask = (torch.arange(cache.k.shape[3], device=pos.device) <= pos[..., None]).unsqueeze(1)  # [B, 1, W, T]
+def window_attention(cache: KVCache, slots: torch.Tensor, mask: torch.Tensor):
+    """decode_block's: W queries a row, their keys and values written at cache slots `slots` `[B, W]`, each query
+    over the whole cache with `mask` `[B, 1, W, T]` (a window's `Tree.mask`)."""
     def attend(i, q, k, v):
-        at = pos[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd] where the window's keys go
+        at = slots[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd] where the window's keys go
         cache.k[i].scatter_(2, at, k.to(cache.k.dtype))
         cache.v[i].scatter_(2, at, v.to(cache.v.dtype))
         return attention(q, cache.k[i], cache.v[i], False, k.shape[1] != q.shape[1], mask).transpose(1, 2).flatten(2)
@@ -391,15 +390,16 @@ class LlamaImagePolicy(nn.Module):
             cache.position.add_(1)
         return self._image_head(h)  # [B, K]
 
-    def decode_block(self, tokens: torch.Tensor, cache: KVCache, start: torch.Tensor) -> torch.Tensor:
-        """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`):
-        their keys and values written there, each attending over the cache up to its own position (keys after it,
-        stale or unwritten, masked), the next token's logits at each `[B, W, K]`. Rows at their own positions in one
-        fixed-size cache: speculative decoding's verify pass (sampling/speculative.py); `decode`'s math over W
-        tokens."""
-        pos = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, W]
+    def decode_block(self, tokens: torch.Tensor, cache: KVCache, start: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """A window of W image tokens a row `[B, W]` shaped as `tree` (a chain or a tree of drafts, `kv_cache.Tree`),
+        row b's written at cache slots `start[b] .. start[b] + W - 1` (`start` `[B]`), each node read at its own
+        position and attending over the cache before the window and the nodes on its path: the next token's logits
+        at each node `[B, W, K]`. Rows at their own positions in one fixed-size cache: speculative decoding's verify
+        pass (sampling/speculative.py); `decode`'s math over W tokens."""
+        pos, slots = tree.positions(start)  # [B, W] each
         x = self._embed(tokens + self.cfg.image_offset, pos, cache.canvas, cache.canvas_at)  # [B, W, dim]
-        h = self._layers(x, *self._rope(x, pos, cache.k.shape[3]), window_attention(cache, pos), cache.fused)
+        attend = window_attention(cache, slots, tree.mask(start, cache.k.shape[3]))
+        h = self._layers(x, *self._rope(x, pos, cache.k.shape[3]), attend, cache.fused)
         return self._image_head(h)  # [B, W, K]
 
     def forward(self, cond: torch.Tensor, tokens: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:

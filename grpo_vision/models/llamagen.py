@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.config.load import ConfigError, brief
-from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import Tree, future_keys, new_kv, write_step
 
 # gpt.py's CaptionEmbedder holds `uncond_embedding` of token_num=120 rows (gpt.py:93, 96), and Transformer never
 # passes its cls_token_num there (gpt.py:273): the buffer has 120 rows whatever caption length the model was
@@ -279,18 +279,19 @@ class LlamaGenPolicy(nn.Module):
         h = self._forward(self.tok_embeddings(tokens)[:, None], cache.valid, cache)  # [B, 1, dim]
         return self._logits(h[:, -1])  # [B, K]
 
-    def decode_block(self, tokens: torch.Tensor, cache: LlamaGenCache, start: torch.Tensor) -> torch.Tensor:
-        """W image tokens a row `[B, W]`, row b's at cache positions `start[b] .. start[b] + W - 1` (`start` `[B]`),
-        through the blocks' math: keys and values written there, each attending over the cache up to its own
-        position (stale keys after it and caption padding masked); the next token's logits at each `[B, W, K]`.
-        Speculative decoding's verify pass (sampling/speculative.py)."""
+    def decode_block(self, tokens: torch.Tensor, cache: LlamaGenCache, start: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """A window of W image tokens a row `[B, W]` shaped as `tree` (`kv_cache.Tree`), row b's written at cache
+        slots `start[b] .. start[b] + W - 1` (`start` `[B]`), through the blocks' math: each node read at its own
+        position, attending over the cache before the window (caption padding masked) and the nodes on its path;
+        the next token's logits at each node `[B, W, K]`. Speculative decoding's verify pass
+        (sampling/speculative.py)."""
         (B, W), T = tokens.shape, cache.k.shape[3]
         x = self.tok_embeddings(tokens)  # [B, W, dim]
-        pos = start[:, None] + torch.arange(W, device=x.device)  # [B, W]
+        pos, slots = tree.positions(start)  # [B, W] each
         table = self._table(x.device)
         # positions past the image have no 2D angle: their tokens are cut off, so any (the last) serves
         rows = table[pos.clamp_max(len(table) - 1)]  # [B, W, hd/2, 2]
-        mask = (torch.arange(T, device=x.device) <= pos[..., None])[:, None]  # [B, 1, W, T] keys up to each query
+        mask = tree.mask(start, T)  # [B, 1, W, T]
         if cache.valid is not None:
             mask = mask & cache.valid[:, None, None, :]
         for i, layer in enumerate(self.layers):
@@ -299,7 +300,7 @@ class LlamaGenPolicy(nn.Module):
             q, k, v = a.wqkv(layer.attention_norm(x)).split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
             q = rotate(q.view(B, W, H, hd), rows).transpose(1, 2)  # [B, H, W, hd]
             k = rotate(k.view(B, W, Hkv, hd), rows).transpose(1, 2)  # [B, Hkv, W, hd]
-            at = pos[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd]
+            at = slots[:, None, :, None].expand_as(k)  # [B, Hkv, W, hd]
             cache.k[i].scatter_(2, at, k.to(cache.k.dtype))
             cache.v[i].scatter_(2, at, v.view(B, W, Hkv, hd).transpose(1, 2).to(cache.v.dtype))
             y = F.scaled_dot_product_attention(q, cache.k[i], cache.v[i], attn_mask=mask, enable_gqa=H != Hkv)

@@ -50,6 +50,8 @@ class SamplingParams:
     plan: PlanParams | None = None  # a text plan before each image (sample.plan); None: the image stage only
     speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (speculative.py)
     speculative_draft: str = "coupled"  # decode=speculative: "jacobi" (SJD's drafts) | "coupled" (MC-SJD's)
+    speculative_candidates: int = 1  # decode=speculative: drafts tried at each branching position (1: a chain)
+    speculative_branching: int = 0  # decode=speculative: positions after the last kept token that branch
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:
@@ -68,6 +70,9 @@ class SamplingParams:
             raise ValueError(f"speculative_window must be >= 1, got {self.speculative_window}")
         if self.speculative_draft not in ("jacobi", "coupled"):
             raise ValueError(f"speculative_draft must be 'jacobi' or 'coupled', got {self.speculative_draft!r}")
+        if self.speculative_candidates < 1 or self.speculative_branching < 0:
+            raise ValueError(f"speculative_candidates must be >= 1 and speculative_branching >= 0, got "
+                             f"{self.speculative_candidates} and {self.speculative_branching}")
 
     @property
     def guided(self) -> bool:
@@ -80,7 +85,8 @@ class SamplingParams:
         s, p = sample_cfg, sample_cfg.plan
         plan = PlanParams(p.max_tokens, p.temperature, p.top_k, p.top_p, p.template) if p.enabled else None
         return cls(s.cfg_scale, temperature or s.temperature, s.top_k, s.top_p, s.logprob_mode, s.decode,
-                   s.mixed_precision, plan, s.speculative_window, s.speculative_draft)
+                   s.mixed_precision, plan, s.speculative_window, s.speculative_draft, s.speculative_candidates,
+                   s.speculative_branching)
 
 
 @dataclass(frozen=True)

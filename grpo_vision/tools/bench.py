@@ -127,7 +127,8 @@ def first_calls(runs: dict, not_run: dict) -> dict[str, float]:
 @torch.no_grad()
 def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int = 8, batch: int | None = None,
                   repeats: int = 3, cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 100,
-                  window: int = 16, plan: PlanParams | None = None, prompts: Sequence[str] = SPECULATIVE_PROMPTS,
+                  window: int = 16, tree: tuple[int, int] = (1, 0), plan: PlanParams | None = None,
+                  prompts: Sequence[str] = SPECULATIVE_PROMPTS,
                   device: str = "cpu", dtype: str | None = None, generate: bool | Callable = True) -> dict:
     """The decode paths `decodes` (default: every one that runs on this policy and device, the compiled step on a
     GPU only) on `prompts` x `group` seeds, `batch` rows a sampler call (default: all in one call, as
@@ -147,7 +148,8 @@ def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int 
     rows = [p for p in prompts for _ in range(group)]
     seeds = list(range(len(rows)))
     B, batch = len(rows), batch or len(rows)
-    base = SamplingParams(cfg_scale, temperature, top_k, speculative_window=window, plan=plan)
+    base = SamplingParams(cfg_scale, temperature, top_k, speculative_window=window, plan=plan,
+                          speculative_candidates=tree[0], speculative_branching=tree[1])
     made = []  # the condition rows [B, L or L'] and the plans
     plan_s = seconds(lambda: made.extend(condition(policy, rows, seeds, base, batch_size=batch)))
     cond, drawn = made[0].to(device), made[1]
@@ -196,6 +198,7 @@ def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int 
     target = decode_mode(policy, "auto", torch.device(device))
     result = {"images": B, "prompts": len(prompts), "group_size": group, "batch": batch, "image_tokens": N,
               "cfg_scale": cfg_scale, "temperature": temperature, "top_k": top_k, "window": window,
+              "tree": {"candidates": tree[0], "branching": tree[1]},
               "drafts": {k: v for k, v in DRAFTS.items() if k in paths},
               "dtype": str(next(policy.parameters()).dtype).removeprefix("torch."), "device": str(device),
               "policy_params": sum(p.numel() for p in policy.parameters()), "repeats": repeats, "plan": None,

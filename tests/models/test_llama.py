@@ -4,6 +4,7 @@ decode and decode_block alike; its protocol, KV cache and save/load are in tests
 import pytest
 import torch
 
+from grpo_vision.models.kv_cache import Tree
 from grpo_vision.policy import check_weighting_hooks
 from test_llama_canvas import PLANS, PROMPTS, canvas_policy  # noqa: F401 (a fixture)
 
@@ -39,7 +40,7 @@ def test_teacher_forcing_decode_and_decode_block_share_one_block_path_with_the_c
         torch.testing.assert_close(torch.stack(stepped, 1), want, atol=1e-5, rtol=0)
         s = torch.tensor([0, 5, N - 2])  # each row's window starts at its own image token; the last runs past N
         window = torch.cat([tokens, torch.zeros(B, W, dtype=torch.long)], 1).gather(1, s[:, None] + torch.arange(W))
-        block = policy.decode_block(window, cache, L + s)  # [B, W, K]: window column w predicts token s + w + 1
+        block = policy.decode_block(window, cache, L + s, Tree.chain(W))  # [B, W, K]: column w predicts token s + w + 1
         for b, start in enumerate(s.tolist()):
             n = min(W, N - 1 - start)
             torch.testing.assert_close(block[b, :n], want[b, start + 1:start + 1 + n], atol=1e-5, rtol=0)
