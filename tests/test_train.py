@@ -492,7 +492,8 @@ def test_speculative_rollouts_log_their_forward_passes_and_stay_on_policy(micro_
     # are still the update's (drift at float noise, first ratio 1)
     one_update = ("train.steps=1", "log.report=false", "train.num_iterations=1", "train.minibatches_per_pass=1")
     run = train(micro_cfg(micro_world, tmp_path, "sample.decode=speculative", "sample.speculative_window=4",
-                          *one_update), progress=False)
+                          "sample.speculative_candidates=2", "sample.speculative_branching=1", *one_update),
+                progress=False)
     m = load_metrics(run)[0]
     tokens = m["rollout/tokens_per_forward"] * m["rollout/forwards_per_image"]
     assert 1 < m["rollout/tokens_per_forward"] <= 4 and tokens == pytest.approx(round(tokens))

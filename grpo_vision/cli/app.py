@@ -228,9 +228,13 @@ def cmd_bench_sampler(args) -> None:
         preset(args.preset)  # an unknown name: one line, before anything is built
         _print_result(bench_preset_sampler(args.preset, preset_home(args.preset_dir, args.preset), args.groups,
                                            args.repeats, args.dtype or "float32", device, args.generate,
-                                           args.decode, args.speculative_window or 16), args.json)
+                                           args.decode, args.speculative_window or 32), args.json)
         return
-    policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100, "window": 16, "tree": (1, 0)}
+    from grpo_vision.config.schema import SampleConfig
+
+    spec = SampleConfig()  # the speculative path at sample's defaults
+    policy, settings = None, {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 100, "window": spec.speculative_window,
+                              "tree": (spec.speculative_candidates, spec.speculative_branching)}
     if args.run:  # the run's latest checkpoint at its own sampling settings, unless the flags say otherwise
         from grpo_vision.sampling import SamplingParams
         from grpo_vision.step.load import load_run
@@ -248,6 +252,16 @@ def cmd_bench_sampler(args) -> None:
     flags = (("cfg_scale", args.cfg_scale), ("top_k", args.top_k), ("window", args.speculative_window),
              ("tree", args.speculative_tree))
     settings |= {k: v for k, v in flags if v is not None}
+    if not args.decode or any(d.startswith("speculative") for d in args.decode):
+        from grpo_vision.sampling.speculative import DraftTree
+
+        try:  # before any path runs
+            DraftTree.build(settings["window"], *settings["tree"])
+        except ValueError:
+            (C, D), W = settings["tree"], settings["window"]
+            raise ConfigError(f"bench sampler: --speculative-window {W} cannot hold the draft tree {C},{D} (C drafts "
+                              f"at each of the first D positions: {C * D + 1} nodes at least); widen it to "
+                              f"{C * D + 1} or more, or pass --speculative-tree 1,0 for a chain") from None
     _print_result(bench_sampler(policy, args.decode, group=args.group_size, batch=args.batch, repeats=args.repeats,
                                 device=device, dtype=args.dtype, generate=args.generate, **settings), args.json)
 
@@ -456,10 +470,10 @@ def add_bench_commands(sub) -> None:
     p.add_argument("--top-k", type=non_negative_int, default=None,
                    help="top-k of all runs, 0 = off (default 100; with --run, the run's)")
     p.add_argument("--speculative-window", type=positive_int, default=None,
-                   help="W: tokens a forward pass of the speculative path verifies (default 16; with --run, the run's)")
+                   help="W: tokens a forward pass of the speculative path verifies (default 32; with --run, the run's)")
     p.add_argument("--speculative-tree", type=draft_tree, default=None, metavar="C,D",
                    help="the speculative path's draft tree: C drafts at each of the first D positions (sample."
-                        "speculative_candidates and _branching; default 1,0, a chain; with --run, the run's)")
+                        "speculative_candidates and _branching; default 8,2; 1,0 is a chain; with --run, the run's)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="cast the policy's weights (default: as loaded; the built-in and --preset: float32)")
     p.add_argument("--generate", action=argparse.BooleanOptionalAction, default=True,

@@ -89,16 +89,18 @@ class SampleConfig:
     # speculative = SJD (sampling/speculative.py): drafted tokens verified several a forward pass; the same distribution
     # exactly, other tokens for a seed
     decode: Literal["auto", "eager", "static", "graph", "compiled", "speculative"] = "auto"
-    speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (the last kept + W-1 drafts)
+    speculative_window: int = 32  # decode=speculative: tokens one forward pass verifies (the last kept + W-1 drafts)
     # decode=speculative: where drafts come from. jacobi = SJD's, the last forward's prediction at each position;
     # coupled = MC-SJD's maximal coupling to the previous draft there (arXiv 2510.24211): the same law, fewer
     # forwards (ShapesWorld base policy, W = 16: 92 a 256-token image against jacobi's 111; docs/benchmarks.md)
     speculative_draft: Literal["jacobi", "coupled"] = "coupled"
-    # decode=speculative: SJD-PAC's proactive drafting (arXiv 2603.18599): `speculative_candidates` drafts at each of
-    # the first `speculative_branching` positions after the last kept token, a tree inside the window, tested in turn
-    # by recursive rejection (the same law); 1 and 0 = a chain, SJD's window
-    speculative_candidates: int = 1
-    speculative_branching: int = 0
+    # decode=speculative: `speculative_candidates` drafts at each of the first `speculative_branching` positions
+    # after the last kept token, siblings of the main draft inside the window (after SJD-PAC's proactive drafting,
+    # arXiv 2603.18599), tested in turn by recursive rejection (the same law); 1 and 0 = a chain, SJD's window. The
+    # defaults (W 32, 8 at 2) need 74 passes a 256-token image of the main job's trained policy and 104 for its batch
+    # of 32, against 85 and 132 for a W = 16 chain (docs/benchmarks.md)
+    speculative_candidates: int = 8
+    speculative_branching: int = 2
     # rollouts under bf16 autocast (float32 weights decode faster on a GPU); rollout/logp_drift shows what it
     # costs, and the update's old log-probs are then recomputed, so that its first ratio is still exactly 1
     mixed_precision: Literal["no", "bf16"] = "no"
@@ -401,10 +403,11 @@ def validate(cfg: Config) -> None:
 
 
 def _tree_checks(s) -> list:
-    """A draft tree that fits the window (sampling/speculative.py DraftTree.build says what it needs)."""
+    """With decode=speculative, a draft tree that fits the window (speculative.py DraftTree.build says what it needs)."""
     from grpo_vision.sampling.speculative import DraftTree
 
-    if s.speculative_candidates < 1 or s.speculative_branching < 0 or s.speculative_window < 1:
+    if s.decode != "speculative" or s.speculative_candidates < 1 or s.speculative_branching < 0 \
+            or s.speculative_window < 1:
         return []
     try:
         DraftTree.build(s.speculative_window, s.speculative_candidates, s.speculative_branching)

@@ -48,10 +48,10 @@ class SamplingParams:
     decode: str = "eager"  # how a rollout runs: auto | eager | static | graph | compiled | speculative (docstring)
     mixed_precision: str = "no"  # "bf16": the rollout runs under bf16 autocast (sample.mixed_precision)
     plan: PlanParams | None = None  # a text plan before each image (sample.plan); None: the image stage only
-    speculative_window: int = 16  # decode=speculative: tokens one forward pass verifies (speculative.py)
+    speculative_window: int = 32  # decode=speculative: tokens one forward pass verifies (speculative.py)
     speculative_draft: str = "coupled"  # decode=speculative: "jacobi" (SJD's drafts) | "coupled" (MC-SJD's)
-    speculative_candidates: int = 1  # decode=speculative: drafts tried at each branching position (1: a chain)
-    speculative_branching: int = 0  # decode=speculative: positions after the last kept token that branch
+    speculative_candidates: int = 8  # decode=speculative: drafts tried at each branching position (1: a chain)
+    speculative_branching: int = 2  # decode=speculative: positions after the last kept token that branch
 
     def __post_init__(self):
         if self.logprob_mode not in LOGPROB_MODES:

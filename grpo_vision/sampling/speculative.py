@@ -19,6 +19,12 @@ the previous one at the same position (maximal coupling: the old draft is kept w
 min(1, q_new(x) / q_old(x)), else one is drawn from norm(max(0, q_new - q_old))), so that a draft's context changes
 less from one iteration to the next; the coupled draft is still distributed as q_new (`coupled=True`).
 
+A window may hold more than one draft a position (`DraftTree`; sample.speculative_candidates and
+speculative_branching): siblings of the main draft at the first positions, drawn from the same q without
+replacement, each read under a tree attention mask (`kv_cache.Tree`). A position's candidates are tested in turn,
+each against the residual its rejected elders left (recursive rejection without replacement, arXiv 2402.14160), so
+the kept token is still distributed as p; the token after a kept sibling comes from the sibling's own prediction.
+
 Rows advance by their own accepted lengths (SJD's released code advances a batch by its shortest row's); the loop
 stops when every row has its N tokens. Randomness is per row: the uniforms of iteration t of row i come from row
 i's seed alone, so an image still depends on (condition, seed) and not on the batch. The stream is not the plain
@@ -114,7 +120,7 @@ class DraftTree:
         if window < D * K + 1:
             raise ValueError(f"a window of {window} cannot hold {K} drafts at each of {D} positions ({D * K + 1} "
                              f"nodes at least): widen sample.speculative_window to {D * K + 1} or more, or draft "
-                             f"fewer")
+                             f"fewer (sample.speculative_candidates=1 is a chain)")
         M = min(window - D * (K - 1), longest or window)
         siblings = [(d, b) for d in range(1, D + 1) for b in range(1, K)]  # (depth, rank) of the nodes off the chain
         return DraftTree(M + len(siblings), M, D, K, (-1, *range(M - 1), *(d - 1 for d, _ in siblings)),
@@ -146,7 +152,7 @@ class DraftTree:
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, nodes: torch.Tensor, t: dict,
-                u_accept: torch.Tensor, u_draw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           u_accept: torch.Tensor, u_draw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One window of speculative sampling per row, shaped as a `DraftTree` (a chain: SJD's window).
 
     p: `[B, W, K]` the target after each node (its position + 1, given its path); q: `[B, M-1, K]` the distributions

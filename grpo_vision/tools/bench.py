@@ -127,7 +127,9 @@ def first_calls(runs: dict, not_run: dict) -> dict[str, float]:
 @torch.no_grad()
 def bench_sampler(policy=None, decodes: Sequence[str] | None = None, group: int = 8, batch: int | None = None,
                   repeats: int = 3, cfg_scale: float = 3.0, temperature: float = 1.0, top_k: int = 100,
-                  window: int = 16, tree: tuple[int, int] = (1, 0), plan: PlanParams | None = None,
+                  window: int = SamplingParams.speculative_window,
+                  tree: tuple[int, int] = (SamplingParams.speculative_candidates, SamplingParams.speculative_branching),
+                  plan: PlanParams | None = None,
                   prompts: Sequence[str] = SPECULATIVE_PROMPTS,
                   device: str = "cpu", dtype: str | None = None, generate: bool | Callable = True) -> dict:
     """The decode paths `decodes` (default: every one that runs on this policy and device, the compiled step on a

@@ -65,7 +65,7 @@ STEPS = {
 ORDER = ["janus-pro-7b", "janus-pro-1b", "llamagen-t2i-xl", "llamagen-c2i-xl"]
 def bench_preset_sampler(name: str, directory: str | Path, groups=(8, 16), repeats: int = 1, dtype: str = "bfloat16",
                          device: str | None = None, generate: bool = True, decodes: list[str] | None = None,
-                         speculative_window: int = 16) -> dict:
+                         speculative_window: int = 32) -> dict:
     """`bench_sampler` (tools/bench.py, the same figures) for each group size G: one prompt's group of G images at
     the preset's CFG, every decode path that runs on the device (the compiled step on a GPU only) or `decodes`,
     speculative at window `speculative_window`, beside transformers' generate (Janus) and the teacher-forced

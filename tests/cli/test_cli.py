@@ -47,7 +47,8 @@ def test_bench_sampler_prints_every_requested_path_in_one_shape(tmp_path, capsys
     LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(2, 2), dim=32,
                                        n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
     main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--decode", "eager,static,speculative",
-          "--group-size", "1", "--repeats", "1", "--top-k", "8", "--speculative-window", "2"])
+          "--group-size", "1", "--repeats", "1", "--top-k", "8", "--speculative-window", "2",
+          "--speculative-tree", "1,0"])
     result = json.loads(capsys.readouterr().out)
     paths, baselines = result["paths"], result["baselines"]
     assert list(paths) == ["eager", "static", "speculative", "speculative_jacobi"] and result["not_run"] == {}

@@ -269,7 +269,7 @@ def test_bench_sampler_on_a_planning_run_draws_its_plans(planned, monkeypatch, c
     monkeypatch.setattr(load, "load_run", lambda *args, **kwargs: loaded)
     capsys.readouterr()
     main(["bench", "sampler", "--json", "--run", str(run), "--decode", "static,speculative", "--speculative-window",
-          "4", "--group-size", "1", "--repeats", "1", "--device", "cpu"])
+          "4", "--speculative-tree", "1,0", "--group-size", "1", "--repeats", "1", "--device", "cpu"])
     result = json.loads(capsys.readouterr().out)
     plan = result["plan"]
     assert (plan["max_tokens"], plan["template"]) == (5, cfg.sample.plan.template) and "image stage" in plan["note"]

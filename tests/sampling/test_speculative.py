@@ -405,10 +405,11 @@ def test_bench_sampler_reports_forwards_and_wall_clock(tmp_path, capsys):
     LlamaImagePolicy(LlamaPolicyConfig(words=BENCH_WORDS, codebook_size=32, image_grid=(3, 3), dim=32, n_layers=1,
                                        n_heads=2, n_kv_heads=1, ffn_dim=64)).save_pretrained(tmp_path / "p")
     main(["bench", "sampler", "--json", "--policy", str(tmp_path / "p"), "--decode", "static,speculative",
-          "--speculative-window", "4", "--group-size", "2", "--repeats", "1", "--top-k", "0", "--no-generate",
-          "--device", "cpu"])
+          "--speculative-window", "4", "--speculative-tree", "1,0", "--group-size", "2", "--repeats", "1", "--top-k",
+          "0", "--no-generate", "--device", "cpu"])
     result = json.loads(capsys.readouterr().out)
     assert (result["image_tokens"], result["images"], result["window"]) == (9, 8, 4)
+    assert result["tree"] == {"candidates": 1, "branching": 0}
     paths = result["paths"]
     assert (paths["static"]["forwards_per_image"], paths["static"]["tokens_per_forward"]) == (9, 1)  # N, one a pass
     for draft in ("speculative", "speculative_jacobi"):
@@ -443,6 +444,9 @@ def test_bench_sampler_runs_a_trained_runs_checkpoint_at_its_own_settings(micro_
     assert (result["cfg_scale"], result["temperature"], result["top_k"], result["window"]) == (
         s.cfg_scale, s.temperature, s.top_k, s.speculative_window)
     assert result["images"] == 4 and result["paths"]["speculative"]["forwards_per_image"] <= result["image_tokens"]
-    main([*args, "--top-k", "3", "--speculative-window", "2"])
+    main([*args, "--top-k", "3", "--speculative-window", "2", "--speculative-tree", "1,0"])
     flagged = json.loads(capsys.readouterr().out)
     assert (flagged["top_k"], flagged["window"]) == (3, 2)  # a flag given wins over the run's setting
+    with pytest.raises(SystemExit) as refused:  # a window too small for the run's tree: one line naming both flags
+        main([*args, "--speculative-window", "2"])
+    assert refused.value.code == 2

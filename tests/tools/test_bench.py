@@ -30,7 +30,7 @@ def test_without_decode_every_path_that_runs_here_and_why_the_others_do_not(save
     from grpo_vision.cli import main
 
     main(["bench", "sampler", "--json", "--policy", saved, "--group-size", "1", "--repeats", "1", "--no-generate",
-          "--speculative-window", "3"])
+          "--speculative-window", "3", "--speculative-tree", "2,1"])
     result = json.loads(capsys.readouterr().out)
     assert list(result["paths"]) == ["eager", "static", "speculative", "speculative_jacobi"]
     assert result["not_run"] == {"graph": "needs a CUDA device (the rows are on cpu)", "compiled": COMPILED_ON_CPU}
@@ -64,8 +64,8 @@ def test_an_unknown_decode_name_is_one_line_listing_the_names(capsys):
 
 def test_batch_splits_the_rows_into_calls_and_the_passes_follow():
     """8 rows, 3 a call: 3 calls, each with its own slowest row; the tokens do not depend on the chunking."""
-    result = bench_sampler(tiny(), ["eager", "speculative"], group=2, batch=3, repeats=1, top_k=0, window=4,
-                           generate=False)
+    result = bench_sampler(tiny(), ["eager", "speculative"], group=2, batch=3, repeats=1, top_k=0, window=5,
+                           tree=(2, 1), generate=False)
     assert (result["images"], result["batch"]) == (8, 3)
     eager, spec = result["paths"]["eager"], result["paths"]["speculative"]
     assert (eager["forwards_per_image"], eager["forwards_per_batch"]) == (9, 9)

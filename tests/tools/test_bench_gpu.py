@@ -34,7 +34,7 @@ def test_the_speculative_device_commands_parse():
 
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
     block = doc.split("<!-- speculative-gpu-command", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    lexer = shlex.shlex(block.replace("$W", "16"), posix=True, punctuation_chars=True)
+    lexer = shlex.shlex(block.replace("$1", "32").replace("$2", "8,2"), posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     commands, current = [], None
     for token in lexer:  # the words after each `python3 -m grpo_vision.cli`, to the next ; > & or |
