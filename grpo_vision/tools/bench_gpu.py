@@ -250,7 +250,8 @@ def markdown(report: dict) -> str:
         for G, r in e["result"]["groups"].items():
             for path, row in [*r["paths"].items(), *r["baselines"].items()]:
                 label = path if path not in r["drafts"] else (
-                    f"{path}, W = {r['window']} ({row['forwards_per_image']} passes an image, "
+                    f"{path}, W = {r['window']}, tree {r['tree']['candidates']},{r['tree']['branching']} "
+                    f"({row['forwards_per_image']} passes an image, "
                     f"{row['forwards_per_batch']} the batch)")
                 compile_s = sig(row["first_call_s"] - row["seconds"]) if path == "compiled" else ""
                 lines.append(f"| {e['preset']} | {G} | {label} | {row['images_per_s']} | {row['tokens_per_s']} | "

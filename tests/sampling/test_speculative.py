@@ -283,7 +283,8 @@ def check_speculative_sampler(policy, cond: torch.Tensor, params: SamplingParams
     from grpo_vision.sampling import sample
 
     B = cond.shape[0]
-    for spec in (replace(params, decode="speculative", speculative_window=W),
+    for spec in (replace(params, decode="speculative", speculative_window=W, speculative_candidates=1,
+                         speculative_branching=0),
                  replace(params, decode="speculative", speculative_window=W + 4, speculative_candidates=3,
                          speculative_branching=2)):
         rollout = sample(policy, cond, list(range(B)), spec)
