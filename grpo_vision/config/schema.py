@@ -403,7 +403,7 @@ def validate(cfg: Config) -> None:
 
 
 def _tree_checks(s) -> list:
-    """With decode=speculative, a draft tree that fits the window (speculative.py DraftTree.build says what it needs)."""
+    """With decode=speculative, a draft tree that fits the window (speculative.py DraftTree.build says what)."""
     from grpo_vision.sampling.speculative import DraftTree
 
     if s.decode != "speculative" or s.speculative_candidates < 1 or s.speculative_branching < 0 \

@@ -136,7 +136,7 @@ class DraftTree:
 
     def tables(self, device) -> dict:
         """Index tensors of the tree for verification, on `device`."""
-        W, M, D, K = self.width, self.main, self.branching, self.candidates
+        W, M, K = self.width, self.main, self.candidates
         # each node's token as a column of [last, main drafts (M-1), siblings (D x K-1)]
         source = [0 if i == 0 else (self.depth[i] if self.rank[i] == 0 else
                                     M - 1 + (self.depth[i] - 1) * (K - 1) + self.rank[i]) for i in range(W)]
@@ -165,7 +165,7 @@ def verify(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, nodes: to
     chain's), the token drawn after the last kept node `[B]`).
     """
     B, W, V = p.shape
-    M, (D, C) = q.shape[1] + 1, candidates.shape[1:]
+    M, C = q.shape[1] + 1, candidates.shape[2]
     depth, rank, kids = t["depth"], t["rank"], t["kids"]
     at = lambda rows: rows.view(1, W, 1).expand(B, W, V)  # noqa: E731
     tok = nodes.unsqueeze(-1)  # [B, W, 1]

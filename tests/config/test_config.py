@@ -277,6 +277,20 @@ def test_derived_sizes_arithmetic():
     assert sizes["total_updates"] == 60
 
 
+def test_a_speculative_window_too_small_for_its_draft_tree_is_one_line_naming_the_keys():
+    # the default tree (8 drafts at each of 2 positions) needs 17 nodes; a plain decode does not read the window
+    assert load_config(None, ["sample.speculative_window=8"]).sample.speculative_window == 8
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["sample.decode=speculative", "sample.speculative_window=8"])
+    assert str(refused.value).splitlines() == [
+        "sample.speculative_candidates=8 and sample.speculative_branching=2: a window of 8 cannot hold 8 drafts at "
+        "each of 2 positions (17 nodes at least): widen sample.speculative_window to 17 or more, or draft fewer "
+        "(sample.speculative_candidates=1 is a chain)"]
+    chain = load_config(None, ["sample.decode=speculative", "sample.speculative_window=8",
+                               "sample.speculative_candidates=1"])
+    assert (chain.sample.speculative_window, chain.sample.speculative_candidates) == (8, 1)
+
+
 def test_derived_sizes_refuse_split_groups_and_ragged_micro_batches():
     cfg = load_config(None, ["sample.prompts_per_step=3"])
     with pytest.raises(ConfigError, match="divisible by the number of processes"):

@@ -104,7 +104,7 @@ def one_window(p: torch.Tensor, q: torch.Tensor, tree: DraftTree, n: int):
     from grpo_vision.sampling.speculative import draw_siblings, verify
 
     g = torch.Generator().manual_seed(0)
-    M, D, C = tree.main, tree.branching, tree.candidates
+    D, C = tree.branching, tree.candidates
     main = torch.multinomial(q, n, replacement=True, generator=g).T  # [n, M-1]
     candidates = draw_siblings(q[None, :D].expand(n, -1, -1), main[:, :D], torch.rand(n, D, C - 1, generator=g))
     nodes = torch.cat([torch.zeros(n, 1, dtype=torch.long), main, candidates[:, :, 1:].flatten(1)], 1)
