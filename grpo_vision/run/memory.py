@@ -70,7 +70,7 @@ def saved_bytes_per_token(dim: int, kv_dim: int, ffn: int, act_bytes: int, full:
 def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_batch: int, guided: bool,
                     frozen_reference: bool, activation_bytes: int | None = None,
                     checkpointing: bool = False, merged: int = 0, plan_tokens: int = 0,
-                    plan_vocab: int = 0, judge_rows: int = 0) -> dict[str, int]:
+                    plan_vocab: int = 0, judge_rows: int = 0, window: int = 1) -> dict[str, int]:
     """Bytes per part of a step's peak on one process: `images` per process per step, `sample_batch`
     rows per sampler call, `micro_batch` rows per forward/backward; CFG doubles the rows. Activations are
     `activation_bytes` a value (2 under bf16 autocast; default the weights' dtype); `checkpointing` keeps
@@ -79,7 +79,10 @@ def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_ba
     `plan_tokens` over `plan_vocab` (sample.plan) lengthens the image condition by as much, and adds the update's
     teacher-forced text rows (the prompt and the plan, without CFG rows) and their float32 plan logits.
     `judge_rows`: images per understanding forward of a reward that reads the policy's own network (self_judge,
-    reward.batch_size), scored between sampling and the update."""
+    reward.batch_size), scored between sampling and the update. `window`: the tokens a rollout's pass reads a row
+    (sample.speculative_window under decode=speculative, else 1): the cache holds W positions more, and a pass's
+    logits and its verification's distributions are about 8 float32 `[rows, W, K]` (counted from
+    sampling/speculative.py iterate, not measured on a GPU) where a token's are 4 `[rows, K]`."""
     s, pb, cfg_rows = shape, shape.param_bytes, 2 if guided else 1
     trainable_bytes = s.trainable_bytes if s.trainable_bytes is not None else s.trainable * pb
     parts = {
@@ -97,9 +100,11 @@ def estimate_memory(shape: PolicyShape, images: int, sample_batch: int, micro_ba
     seq, head_dim, ab = s.cond_len + plan_tokens + s.image_tokens, s.dim // s.heads, activation_bytes or pb
     kv_dim = s.kv_heads * head_dim
     rows = sample_batch * cfg_rows
-    kv_cache = 2 * s.layers * rows * kv_dim * seq * (s.kv_bytes or pb)  # keys and values
+    slack = window if window > 1 else 0  # a speculative window's writes past the image
+    kv_cache = 2 * s.layers * rows * kv_dim * (seq + slack) * (s.kv_bytes or pb)  # keys and values
     fused = s.layers * s.dim * ((s.heads + 2 * s.kv_heads) * head_dim + 2 * s.ffn_dim) * pb if s.fused_copy else 0
-    parts["sampling"] = kv_cache + fused + merged + rows * s.codebook * 4 * 4  # a few float32 [rows, K] per token
+    logits = rows * s.codebook * 4 * (4 if window == 1 else 8 * window)  # a few float32 [rows, K] a token or window
+    parts["sampling"] = kv_cache + fused + merged + logits
     rows = micro_batch * cfg_rows
     block = saved_bytes_per_token(s.dim, kv_dim, s.ffn_dim, ab, full=not s.adapter, weight_inputs=not s.adapter_bytes)
     per_token = (s.layers * s.dim * ab + block + s.adapter_bytes // s.layers if checkpointing
@@ -245,7 +250,8 @@ def config_parts(shape: PolicyShape, cfg, images_per_process: int, guided: bool,
                            checkpointing=t.gradient_checkpointing, merged=merged,
                            plan_tokens=(cfg.sample.plan.max_tokens if cfg.sample.plan.enabled else 0)
                            if plan_tokens is None else plan_tokens,
-                           plan_vocab=plan_vocab, judge_rows=judge_rows)
+                           plan_vocab=plan_vocab, judge_rows=judge_rows,
+                           window=cfg.sample.speculative_window if cfg.sample.decode == "speculative" else 1)
 
 
 def report_memory(policy, tokenizer, trainable: list[torch.Tensor], cfg, images_per_process: int, guided: bool,

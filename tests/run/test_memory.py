@@ -28,6 +28,12 @@ def test_the_estimate_by_hand():
     #   inputs 2 x 8 x 4 B = 64: 544 B; 4 rows x 6 tokens x 1 layer x 544 = 13056, logits 3 x 4 x 4 x 10 x 4 B = 1920
     assert parts == {"weights": 8000, "optimizer": 12000, "step": 2240, "sampling": 3648, "training": 14976}
     assert peak(parts) == 8000 + 12000 + 2240 + 14976  # sampling and training do not overlap
+    # speculative decoding, a window of 5: the cache 5 positions longer (KV 2 x 1 x 6 x 1 x 11 x 4 x 4 B = 2112) and
+    # 8 float32 [6 rows, 5, 10] of logits and verification (6 x 10 x 4 B x 8 x 5 = 9600): 2112 + 1536 + 9600
+    spec = estimate_memory(SHAPE, images=10, sample_batch=3, micro_batch=2, guided=True, frozen_reference=True,
+                           window=5)
+    assert spec["sampling"] == 13248 and {k: v for k, v in spec.items() if k != "sampling"} == {
+        k: v for k, v in parts.items() if k != "sampling"}
     # No CFG halves the rows; LoRA's reference is no second copy: sampling 576 + 1536 + 480, training 6528 + 960
     plain = estimate_memory(SHAPE, images=10, sample_batch=3, micro_batch=2, guided=False, frozen_reference=False)
     assert plain == {"weights": 4000, "optimizer": 12000, "step": 2240, "sampling": 2592, "training": 7488}
