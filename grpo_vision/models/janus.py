@@ -38,16 +38,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from grpo_vision.config import ConfigError
-from grpo_vision.models.kv_cache import Tree, future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
+
 from grpo_vision.models.janus_understanding import JUDGE_TEXT_TOKENS, answer_logits
 from grpo_vision.run.load_checks import dtype_argument
+
+if TYPE_CHECKING:  # the window's shape: the sampler's, read here (sampling/speculative.py)
+    from grpo_vision.sampling.speculative import Tree
 
 NO_TOKEN = -1  # condition positions that are left padding: not attended, embedded as the pad token
 SFT_FORMAT = "<|User|>: {}\n\n<|Assistant|>:"  # Janus's "deepseek" SFT template, empty system prompt
@@ -208,7 +212,7 @@ class JanusImagePolicy(nn.Module):
         return lm.norm(x)[:, -1]  # [B, D]
 
     def decode_block(self, tokens: torch.Tensor, cache: JanusCache, start: torch.Tensor, tree: Tree) -> torch.Tensor:
-        """A window of W image tokens a row `[B, W]` shaped as `tree` (`kv_cache.Tree`), row b's written at cache
+        """A window of W image tokens a row `[B, W]` shaped as `tree` (`speculative.Tree`), row b's written at cache
         slots `start[b] .. start[b] + W - 1` (`start` `[B]`), through `_step`'s math: each node read at its own
         position, attending over the cache before the window (left padding masked) and the nodes on its path; the
         next token's logits at each node `[B, W, K]`. Speculative decoding's verify pass (sampling/speculative.py)."""

@@ -34,7 +34,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
@@ -44,8 +44,11 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.run.checkpoint import CheckpointError
 from grpo_vision.config.load import brief
-from grpo_vision.models.kv_cache import Tree, future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
 from grpo_vision.run.load_checks import integer_weights, non_finite, shape_mismatch
+
+if TYPE_CHECKING:  # the window's shape: the sampler's, read here (sampling/speculative.py)
+    from grpo_vision.sampling.speculative import Tree
 
 SPECIALS = ["<pad>", "<bos>", "<null>", "<boi>", "<unk>"]
 PAD, BOS, NULL, BOI, UNK = range(len(SPECIALS))
@@ -391,7 +394,7 @@ class LlamaImagePolicy(nn.Module):
         return self._image_head(h)  # [B, K]
 
     def decode_block(self, tokens: torch.Tensor, cache: KVCache, start: torch.Tensor, tree: Tree) -> torch.Tensor:
-        """A window of W image tokens a row `[B, W]` shaped as `tree` (a chain or a tree of drafts, `kv_cache.Tree`),
+        """A window of W image tokens a row `[B, W]` shaped as `tree` (a chain or a tree of drafts, `speculative.Tree`),
         row b's written at cache slots `start[b] .. start[b] + W - 1` (`start` `[B]`), each node read at its own
         position and attending over the cache before the window and the nodes on its path: the next token's logits
         at each node `[B, W, K]`. Rows at their own positions in one fixed-size cache: speculative decoding's verify

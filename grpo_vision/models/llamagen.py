@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.nn as nn
@@ -33,7 +33,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from grpo_vision.config.load import ConfigError, brief
-from grpo_vision.models.kv_cache import Tree, future_keys, new_kv, write_step
+from grpo_vision.models.kv_cache import future_keys, new_kv, write_step
+
+if TYPE_CHECKING:  # the window's shape: the sampler's, read here (sampling/speculative.py)
+    from grpo_vision.sampling.speculative import Tree
+
 
 # gpt.py's CaptionEmbedder holds `uncond_embedding` of token_num=120 rows (gpt.py:93, 96), and Transformer never
 # passes its cls_token_num there (gpt.py:273): the buffer has 120 rows whatever caption length the model was
@@ -280,7 +284,7 @@ class LlamaGenPolicy(nn.Module):
         return self._logits(h[:, -1])  # [B, K]
 
     def decode_block(self, tokens: torch.Tensor, cache: LlamaGenCache, start: torch.Tensor, tree: Tree) -> torch.Tensor:
-        """A window of W image tokens a row `[B, W]` shaped as `tree` (`kv_cache.Tree`), row b's written at cache
+        """A window of W image tokens a row `[B, W]` shaped as `tree` (`speculative.Tree`), row b's written at cache
         slots `start[b] .. start[b] + W - 1` (`start` `[B]`), through the blocks' math: each node read at its own
         position, attending over the cache before the window (caption padding masked) and the nodes on its path;
         the next token's logits at each node `[B, W, K]`. Speculative decoding's verify pass

@@ -4,7 +4,7 @@ decode and decode_block alike; its protocol, KV cache and save/load are in tests
 import pytest
 import torch
 
-from grpo_vision.models.kv_cache import Tree
+from grpo_vision.sampling.speculative import Tree
 from grpo_vision.policy import check_weighting_hooks
 from test_llama_canvas import PLANS, PROMPTS, canvas_policy  # noqa: F401 (a fixture)
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from grpo_vision.models.kv_cache import Tree, move_keys
 from grpo_vision.models.llama import LlamaImagePolicy, LlamaPolicyConfig
 from grpo_vision.sampling import (
     SamplingParams, sequence_logprobs, sequence_logprobs_and_entropy, speculative, target_logp,
 )
-from grpo_vision.sampling.speculative import DraftTree, residual, speculative_decode, speculative_uniforms
+from grpo_vision.sampling.speculative import (
+    DraftTree, Tree, move_keys, residual, speculative_decode, speculative_uniforms,
+)
 from tests.helpers import peaked_llama
 
 DRAWS = 20_000
