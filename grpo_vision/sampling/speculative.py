@@ -183,15 +183,13 @@ class DraftTree:
         # each node's token as a column of [last, main drafts (M-1), siblings (D x K-1)]
         source = [0 if i == 0 else (self.depth[i] if self.rank[i] == 0 else
                                     M - 1 + (self.depth[i] - 1) * (K - 1) + self.rank[i]) for i in range(W)]
-        kids = [sum(p == i for p in self.parent) for i in range(W)]
-        earlier = torch.zeros(W, W, dtype=torch.bool)  # earlier[i, j]: j is a sibling tested before i
-        for i in range(W):
-            for j in range(W):
-                earlier[i, j] = i > 0 and self.parent[j] == self.parent[i] and self.rank[j] < self.rank[i]
-        tensor = functools.partial(torch.tensor, device=device)
-        return {"source": tensor(source), "parent": tensor([max(p, 0) for p in self.parent]),
-                "rank": tensor(self.rank), "depth": tensor(self.depth), "kids": tensor(kids),
-                "earlier": earlier.to(device), "ancestors": self.layout(device).ancestors}
+        parent, rank = torch.tensor(self.parent), torch.tensor(self.rank)
+        # earlier[i, j]: j is a sibling of node i tested before it (the root has none)
+        earlier = (parent[:, None] == parent[None, :]) & (rank[None, :] < rank[:, None]) & (parent >= 0)[:, None]
+        return {"source": torch.tensor(source, device=device), "parent": parent.clamp_min(0).to(device),
+                "rank": rank.to(device), "depth": torch.tensor(self.depth, device=device),
+                "kids": torch.bincount(parent[1:], minlength=W).to(device), "earlier": earlier.to(device),
+                "ancestors": self.layout(device).ancestors}
 
 
 def verify(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, nodes: torch.Tensor, t: dict,
@@ -221,7 +219,8 @@ def verify(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, nodes: to
         # each node's target once its b-th child is rejected: the residual of the q its children were drawn from
         rest = residual(P, Q.gather(1, at(depth.clamp_max(M - 2))))  # [B, W, V] unnormalised
         last = torch.where((kids == b + 1).view(1, W, 1), rest, last)
-        P, Q = rest / rest.sum(-1, keepdim=True), _without(Q, candidates[:, :, b])
+        if b + 1 < C:  # the next children are tested against these
+            P, Q = rest / rest.sum(-1, keepdim=True), _without(Q, candidates[:, :, b])
     ok = accept & ~(accept.unsqueeze(1) & t["earlier"]).any(-1)  # [B, W] kept, and no elder sibling was
     ok[:, 0] = True
     chosen = ~((~ok).unsqueeze(1) & t["ancestors"]).any(-1)  # [B, W] every node of its path kept: one a depth
@@ -230,6 +229,19 @@ def verify(p: torch.Tensor, q: torch.Tensor, candidates: torch.Tensor, nodes: to
     path.scatter_reduce_(1, depth.expand(B, W), torch.where(chosen, torch.arange(W, device=p.device), -1), "amax")
     bonus = inverse_cdf(last.gather(1, end.view(B, 1, 1).expand(B, 1, V)).squeeze(1), u_draw)  # [B]
     return depth[end], path, bonus
+
+
+def window_nodes(last: torch.Tensor, draft: torch.Tensor, candidates: torch.Tensor, t: dict) -> torch.Tensor:
+    """`[B, W]` each node's token: the last kept one `[B]`, the main drafts `[B, M-1]` and the branching depths'
+    candidates `[B, D, C]` (the main one first) laid out as the tree's nodes (`DraftTree.tables`' source)."""
+    nodes = torch.cat([last[:, None], draft, candidates[:, :, 1:].flatten(1)], 1)
+    return nodes.gather(1, t["source"].expand(last.shape[0], -1))
+
+
+def kept_tokens(nodes: torch.Tensor, path: torch.Tensor, n: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """`[B, M]` what a window keeps, `verify`'s (n, path, bonus) read off its nodes `[B, W]`: column j the kept node
+    of depth j + 1 through column n - 1, then the token drawn after the last (later columns: past what is kept)."""
+    return torch.cat([nodes.gather(1, path[:, 1:]), bonus[:, None]], 1).scatter(1, n[:, None], bonus[:, None])
 
 
 def _without(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -342,15 +354,13 @@ def iterate(s: Window, block: Block, settle: Settle, u: torch.Tensor, N: int, tr
     s.t.add_(1)
     ut = u.index_select(1, s.t.clamp_max(N - 1)).squeeze(1)  # [B, U] this iteration's uniforms
     a, d, k = slice(0, W - 1), slice(W, W + M - 1), slice(2 * W - 1, 2 * W + M - 2)  # acceptance, draft, coupling
-    nodes = torch.cat([s.last[:, None], s.draft, s.candidates[:, :, 1:].flatten(1)], 1).gather(
-        1, t["source"].expand(B, W))  # [B, W] each node's token
+    nodes = window_nodes(s.last, s.draft, s.candidates, t)  # [B, W]
     logits = block(nodes, s.c.clamp_max(N), s.out.tokens)  # [B or 2B, W, K]
     logp = target_logp(*branches(logits, B, params), params)  # [B, W, K]
     p = logp.exp()
     u_accept = torch.cat([ut[:, :1], ut[:, a]], 1)  # [B, W]: node i's test reads column i (the root's is unused)
     n, path, bonus = verify(p, s.q, s.candidates, nodes, t, u_accept, ut[:, W - 1])  # [B], [B, M], [B]
-    # column j: the kept node of depth j + 1, through column n; then the token drawn after the last
-    tokens = torch.cat([nodes.gather(1, path[:, 1:]), bonus[:, None]], 1).scatter(1, n[:, None], bonus[:, None])
+    tokens = kept_tokens(nodes, path, n, bonus)  # [B, M]
     reps = logits.shape[0] // B
     _keep(s.out, logits.gather(1, path.repeat(reps, 1).unsqueeze(-1).expand(-1, -1, logits.shape[-1])),
           logp.gather(1, path.unsqueeze(-1).expand(-1, -1, logp.shape[-1])), tokens, s.c, params)

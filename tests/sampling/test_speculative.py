@@ -102,19 +102,17 @@ def chi_square(tokens: torch.Tensor, probs: torch.Tensor, K: int) -> tuple[float
 def one_window(p: torch.Tensor, q: torch.Tensor, tree: DraftTree, n: int):
     """n rows of one window of `tree` over targets p `[W, K]` and draft distribution q `[M-1, K]`, its drafts drawn as
     the loop draws them (the main one from q, the siblings without replacement): (drafts kept, tokens `[n, M]`)."""
-    from grpo_vision.sampling.speculative import draw_siblings, verify
+    from grpo_vision.sampling.speculative import draw_siblings, kept_tokens, verify, window_nodes
 
     g = torch.Generator().manual_seed(0)
     D, C = tree.branching, tree.candidates
     main = torch.multinomial(q, n, replacement=True, generator=g).T  # [n, M-1]
     candidates = draw_siblings(q[None, :D].expand(n, -1, -1), main[:, :D], torch.rand(n, D, C - 1, generator=g))
-    nodes = torch.cat([torch.zeros(n, 1, dtype=torch.long), main, candidates[:, :, 1:].flatten(1)], 1)
     t = tree.tables("cpu")
-    nodes = nodes.gather(1, t["source"].expand(n, -1))
+    nodes = window_nodes(torch.zeros(n, dtype=torch.long), main, candidates, t)
     kept, path, bonus = verify(p.expand(n, -1, -1), q.expand(n, -1, -1), candidates, nodes, t,
-                                    torch.rand(n, tree.width, generator=g), torch.rand(n, generator=g))
-    tokens = torch.cat([nodes.gather(1, path[:, 1:]), bonus[:, None]], 1).scatter(1, kept[:, None], bonus[:, None])
-    return kept, tokens
+                               torch.rand(n, tree.width, generator=g), torch.rand(n, generator=g))
+    return kept, kept_tokens(nodes, path, kept, bonus)
 
 
 def test_one_window_keeps_the_target_distribution():
